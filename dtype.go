@@ -1,0 +1,100 @@
+package zero
+
+import (
+	"fmt"
+	"unsafe"
+)
+
+// DType is the element type of a gradient, a bucket or a communication
+// buffer. The zero value means "unset" (in a Config: the default); the
+// codes match ZERO_F32/ZERO_BF16/ZERO_F16 of elementwise.h.
+type DType int
+
+const (
+	FP32 DType = iota + 1
+	BF16
+	FP16
+)
+
+func (d DType) Size() int {
+	if d == FP32 {
+		return 4
+	}
+	return 2
+}
+
+func (d DType) valid() bool { return d == FP32 || d == BF16 || d == FP16 }
+
+func (d DType) String() string {
+	switch d {
+	case FP32:
+		return "fp32"
+	case BF16:
+		return "bf16"
+	case FP16:
+		return "fp16"
+	case 0:
+		return "unset"
+	}
+	return fmt.Sprintf("DType(%d)", int(d))
+}
+
+// Tensor is a flat view of elements in host or device memory. It keeps
+// a reference to the Go slice it was made from, so the memory stays alive
+// for as long as the engine holds the tensor in a queued operation.
+type Tensor struct {
+	ptr   uintptr
+	count int
+	dtype DType
+	keep  any
+}
+
+// Float32s views a Go slice of fp32 values.
+func Float32s(x []float32) Tensor {
+	if len(x) == 0 {
+		return Tensor{dtype: FP32}
+	}
+	return Tensor{ptr: uintptr(unsafe.Pointer(&x[0])), count: len(x), dtype: FP32, keep: x}
+}
+
+// Halfs views a Go slice of 16-bit values (raw bf16 or fp16 bits).
+func Halfs(x []uint16, d DType) Tensor {
+	if len(x) == 0 {
+		return Tensor{dtype: d}
+	}
+	return Tensor{ptr: uintptr(unsafe.Pointer(&x[0])), count: len(x), dtype: d, keep: x}
+}
+
+// RawTensor views memory the framework owns and addresses by pointer: a host
+// pointer for the CPU device, a device pointer (gorgonia's Uintptr(), a PJRT
+// buffer's address) for the CUDA device. The caller keeps the memory alive.
+func RawTensor(ptr uintptr, count int, d DType) Tensor {
+	return Tensor{ptr: ptr, count: count, dtype: d}
+}
+
+func (t Tensor) Ptr() uintptr { return t.ptr }
+func (t Tensor) Len() int     { return t.count }
+func (t Tensor) DType() DType { return t.dtype }
+func (t Tensor) Bytes() int   { return t.count * t.dtype.Size() }
+
+// slice returns elements [lo, lo+n) of t.
+func (t Tensor) slice(lo, n int) Tensor {
+	return Tensor{ptr: t.ptr + uintptr(lo*t.dtype.Size()), count: n, dtype: t.dtype, keep: t.keep}
+}
+
+// hostBytes views host memory as bytes. The address is read through memory
+// rather than converted, because it may name memory Go did not allocate.
+func (t Tensor) hostBytes() []byte {
+	if t.count == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(*(*unsafe.Pointer)(unsafe.Pointer(&t.ptr))), t.Bytes())
+}
+
+// hostFloats views host fp32 memory.
+func (t Tensor) hostFloats() []float32 {
+	if t.count == 0 {
+		return nil
+	}
+	return unsafe.Slice((*float32)(*(*unsafe.Pointer)(unsafe.Pointer(&t.ptr))), t.count)
+}

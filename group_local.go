@@ -1,0 +1,273 @@
+package zero
+
+import (
+	"fmt"
+	"sync"
+	"time"
+)
+
+// DefaultTimeout bounds how long a collective waits for its peers.
+const DefaultTimeout = 5 * time.Minute
+
+// NewLocalGroup returns n communicators over host memory, one per rank,
+// for n ranks driven by goroutines of one process. Collectives are
+// deterministic: reductions combine ranks in rank order. Each rank does
+// 1/n of every collective's work, so the group uses all cores.
+func NewLocalGroup(n int) ([]Comm, error) {
+	return NewLocalGroupTimeout(n, DefaultTimeout)
+}
+
+// NewLocalGroupTimeout is NewLocalGroup with a bound on how long a
+// collective waits for a peer that failed or left.
+func NewLocalGroupTimeout(n int, timeout time.Duration) ([]Comm, error) {
+	if n < 1 {
+		return nil, errorf(ErrConfig, "NewLocalGroup(%d): the world size must be at least 1", n)
+	}
+	if timeout <= 0 {
+		return nil, errorf(ErrConfig, "NewLocalGroup: timeout %v; give a positive duration", timeout)
+	}
+	g := &localGroup{n: n, timeout: timeout, pending: map[uint64]*rendezvous{}, aborted: make(chan struct{})}
+	comms := make([]Comm, n)
+	for r := range comms {
+		comms[r] = &localComm{g: g, rank: r}
+	}
+	return comms, nil
+}
+
+type localGroup struct {
+	n       int
+	timeout time.Duration
+
+	mu      sync.Mutex
+	pending map[uint64]*rendezvous // by collective sequence number
+	aborted chan struct{}
+	reason  error
+}
+
+// rendezvous is one collective: the k-th collective of every rank meets
+// the k-th of the others, whatever streams they run on.
+type rendezvous struct {
+	args     []collArgs
+	arrived  int
+	departed int
+	all      chan struct{} // every rank published its arguments
+	done     chan struct{} // every rank finished its part
+}
+
+type collArgs struct {
+	kind  CollectiveKind
+	op    ReduceOp
+	root  int
+	dtype DType
+	count int // elements per rank's send buffer
+	send  uintptr
+	recv  uintptr
+}
+
+func (g *localGroup) abort(err error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.reason == nil {
+		g.reason = err
+		close(g.aborted)
+	}
+}
+
+func (g *localGroup) abortErr() error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.reason
+}
+
+// meet counts rank in at one phase of collective seq and returns when
+// every rank has, or with an error when the group was aborted or a peer
+// did not come within the timeout.
+func (g *localGroup) meet(rank int, seq uint64, a *collArgs) (*rendezvous, error) {
+	g.mu.Lock()
+	if g.reason != nil {
+		g.mu.Unlock()
+		return nil, g.reason
+	}
+	rv := g.pending[seq]
+	if rv == nil {
+		rv = &rendezvous{args: make([]collArgs, g.n), all: make(chan struct{}), done: make(chan struct{})}
+		g.pending[seq] = rv
+	}
+	var ch chan struct{}
+	if a != nil {
+		rv.args[rank] = *a
+		rv.arrived++
+		ch = rv.all
+		if rv.arrived == g.n {
+			close(ch)
+		}
+	} else {
+		rv.departed++
+		ch = rv.done
+		if rv.departed == g.n {
+			close(ch)
+			delete(g.pending, seq)
+		}
+	}
+	g.mu.Unlock()
+	timer := time.NewTimer(g.timeout)
+	defer timer.Stop()
+	select {
+	case <-ch:
+		return rv, nil
+	case <-g.aborted:
+		select {
+		case <-ch: // the phase completed before the abort
+			return rv, nil
+		default:
+			return nil, g.abortErr()
+		}
+	case <-timer.C:
+		g.abort(errorf(ErrTimeout, "rank %d waited %v for its peers in collective %d; a rank failed, returned early or issued fewer collectives", rank, g.timeout, seq))
+		return nil, g.abortErr()
+	}
+}
+
+type localComm struct {
+	g    *localGroup
+	rank int
+	seq  uint64 // collectives issued by this rank
+	counters
+}
+
+func (c *localComm) Rank() int      { return c.rank }
+func (c *localComm) Size() int      { return c.g.n }
+func (c *localComm) Device() Device { return hostDev }
+
+func (c *localComm) Counters() CommCounters { return c.snapshot() }
+
+func (c *localComm) Close() error {
+	c.g.abort(errorf(ErrPeerFailed, "rank %d closed its communicator", c.rank))
+	return nil
+}
+
+func (c *localComm) AllReduce(s Stream, buf Tensor, op ReduceOp) error {
+	if err := checkCollective("AllReduce", c.g.n, op, buf); err != nil {
+		return err
+	}
+	return c.enqueue(s, collArgs{kind: KindAllReduce, op: op, dtype: buf.dtype, count: buf.count, send: buf.ptr, recv: buf.ptr}, buf.Bytes(), buf)
+}
+
+func (c *localComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
+	if err := checkCollective("ReduceScatter", c.g.n, op, send, recv); err != nil {
+		return err
+	}
+	if send.count != recv.count*c.g.n {
+		return errorf(ErrGradSize, "ReduceScatter: send has %d elements, recv %d; send must hold world size (%d) × recv", send.count, recv.count, c.g.n)
+	}
+	return c.enqueue(s, collArgs{kind: KindReduceScatter, op: op, dtype: send.dtype, count: send.count, send: send.ptr, recv: recv.ptr}, send.Bytes(), send, recv)
+}
+
+func (c *localComm) AllGather(s Stream, send, recv Tensor) error {
+	if err := checkCollective("AllGather", c.g.n, OpSum, send, recv); err != nil {
+		return err
+	}
+	if recv.count != send.count*c.g.n {
+		return errorf(ErrGradSize, "AllGather: send has %d elements, recv %d; recv must hold world size (%d) × send", send.count, recv.count, c.g.n)
+	}
+	return c.enqueue(s, collArgs{kind: KindAllGather, dtype: send.dtype, count: send.count, send: send.ptr, recv: recv.ptr}, recv.Bytes(), send, recv)
+}
+
+func (c *localComm) Broadcast(s Stream, buf Tensor, root int) error {
+	if err := checkCollective("Broadcast", c.g.n, OpSum, buf); err != nil {
+		return err
+	}
+	if root < 0 || root >= c.g.n {
+		return errorf(ErrConfig, "Broadcast: root %d; use a rank in [0, %d)", root, c.g.n)
+	}
+	return c.enqueue(s, collArgs{kind: KindBroadcast, root: root, dtype: buf.dtype, count: buf.count, send: buf.ptr, recv: buf.ptr}, buf.Bytes(), buf)
+}
+
+func (c *localComm) enqueue(s Stream, a collArgs, payload int, keep ...Tensor) error {
+	hs, err := hostStreamOf(s)
+	if err != nil {
+		return err
+	}
+	if err := c.g.abortErr(); err != nil {
+		return err
+	}
+	c.add(a.kind, payload, c.g.n)
+	seq := c.seq
+	c.seq++
+	return hs.Launch(func() error {
+		err := c.run(seq, a)
+		keepAlive(keep)
+		return err
+	})
+}
+
+// run is one rank's part of a collective: publish the arguments, meet the
+// peers, do this rank's 1/n of the work, and meet again so no rank reuses a
+// buffer a peer still reads.
+func (c *localComm) run(seq uint64, a collArgs) error {
+	g := c.g
+	rv, err := g.meet(c.rank, seq, &a)
+	if err != nil {
+		return err
+	}
+	for r, o := range rv.args {
+		if o.kind != a.kind || o.op != a.op || o.root != a.root || o.dtype != a.dtype || o.count != a.count {
+			err := errorf(ErrMismatch, "collective %d: rank %d called %v while rank %d called %v; every rank must issue the same collectives in the same order",
+				seq, c.rank, a, r, o)
+			g.abort(err)
+			return err
+		}
+	}
+	c.work(rv.args, a)
+	_, err = g.meet(c.rank, seq, nil)
+	return err
+}
+
+func (c *localComm) work(slots []collArgs, a collArgs) {
+	n, r := c.g.n, c.rank
+	size := uintptr(a.dtype.Size())
+	switch a.kind {
+	case KindAllReduce:
+		bufs := make([]uintptr, n)
+		for i, o := range slots {
+			bufs[i] = o.send
+		}
+		lo, hi := splitRange(a.count, n, r)
+		if hi > lo {
+			allReduceFusedHost(bufs, a.dtype, a.op, lo, hi)
+		}
+	case KindReduceScatter:
+		chunk := a.count / n
+		srcs := make([]uintptr, n)
+		for i, o := range slots {
+			srcs[i] = o.send + uintptr(r*chunk)*size
+		}
+		reduceHost(a.recv, srcs, a.dtype, a.op, 0, chunk)
+	case KindAllGather:
+		dst := Tensor{ptr: a.recv, count: a.count * n, dtype: a.dtype}.hostBytes()
+		for i, o := range slots {
+			if part := dst[i*a.count*int(size) : (i+1)*a.count*int(size)]; o.send != a.recv+uintptr(i*a.count)*size {
+				copy(part, Tensor{ptr: o.send, count: a.count, dtype: a.dtype}.hostBytes())
+			}
+		}
+	case KindBroadcast:
+		if r != a.root {
+			copy(Tensor{ptr: a.recv, count: a.count, dtype: a.dtype}.hostBytes(), Tensor{ptr: slots[a.root].send, count: a.count, dtype: a.dtype}.hostBytes())
+		}
+	}
+}
+
+// splitRange gives part r of n of [0, count), with inner boundaries on
+// 64-element (cache line) multiples so ranks never share a line.
+func splitRange(count, n, r int) (int, int) {
+	per := (count/n + 63) &^ 63
+	lo, hi := min(r*per, count), min((r+1)*per, count)
+	if r == n-1 {
+		hi = count
+	}
+	return lo, hi
+}
+
+func (a collArgs) String() string {
+	return fmt.Sprintf("%v(%d × %v, %v)", a.kind, a.count, a.dtype, a.op)
+}

@@ -1,0 +1,76 @@
+/*
+ * kernels.h: the host C kernels of zero (compiled by cgo from kernels.c).
+ *
+ * Every kernel works on an element range [lo, hi), so the Go side can split a
+ * large range across cores (parallelRange in kernels.go); the kernels
+ * themselves are single-threaded. The scalar math comes from elementwise.h,
+ * shared with the CUDA kernels, so both paths give the same bits.
+ *
+ * Pointers of different arguments must not overlap, except where a kernel
+ * says otherwise (zero_reduce's dst may be one of its srcs).
+ */
+#ifndef ZERO_KERNELS_H
+#define ZERO_KERNELS_H
+
+#include <stdint.h>
+
+#include "elementwise.h"
+
+/* One gradient of a batch: its address, its element count, and the offset
+ * (in elements) of its first element in the flat destination. The layout
+ * matches the Go type segment in kernels.go. */
+typedef struct {
+	uintptr_t ptr;
+	int64_t count;
+	int64_t offset;
+} zero_seg;
+
+/* flatten: for every flat element j in [lo, hi) that a segment covers,
+ * dst[j] = cast_dst(load_src(seg.ptr, j - seg.offset) * scale); the multiply
+ * is skipped when scale == 1. Elements no segment covers are left as they are.
+ * Segments must not overlap one another in the destination. */
+void zero_flatten(void* dst, int dst_dtype, const zero_seg* segs, int nseg, int src_dtype, float scale,
+                  int64_t lo, int64_t hi);
+
+/* accumulate (copy-vs-add into fp32): for every covered j in [lo, hi):
+ * v = load_src(...) * scale (skipped when scale == 1);
+ * acc[j] = first ? v : acc[j] + v. If any result is inf or NaN, *flag = 1.0f
+ * (flag may be NULL; it is never cleared). One pass. */
+void zero_accumulate(float* acc, const zero_seg* segs, int nseg, int src_dtype, int first, float scale,
+                     float* flag, int64_t lo, int64_t hi);
+
+/* cast: dst[i] = cast_dst(load_src(src, i) * scale) for i in [lo, hi). */
+void zero_cast(void* dst, int dst_dtype, const void* src, int src_dtype, float scale, int64_t lo, int64_t hi);
+
+/* Sum of squares of x[lo..hi), in double. Element lo+i goes to lane i % 16,
+ * the lanes are added in a fixed tree, so the result depends only on the
+ * values and the range. Each square of an fp32 value is exact in double. */
+double zero_sumsq(const float* x, int64_t lo, int64_t hi);
+
+/* reduce: for i in [lo, hi): dst[i] = op over srcs[0..n-1], in rank order, in
+ * fp32 (elementwise.h: zero_op_combine, zero_op_finish), stored once in dtype.
+ * dst may be one of the srcs: every input of a chunk is read before the chunk
+ * of dst is written. */
+void zero_reduce(void* dst, const uintptr_t* srcs, int n, int dtype, int op, int64_t lo, int64_t hi);
+
+/* fused in-place all-reduce: chunk by chunk (16 KiB of fp32 work space on the
+ * stack), read every buffer's chunk once, form the op result in fp32 in rank
+ * order, and write it (cast to dtype) to every buffer while it is in cache. */
+void zero_allreduce_fused(const uintptr_t* bufs, int n, int dtype, int op, int64_t lo, int64_t hi);
+
+/* Benchmark yardsticks: the simplest C loops that move the same bytes as a
+ * kernel, over [lo, hi). Used only by bench_kernels_test.go. */
+void zero_yard_copy16(uint16_t* dst, const uint16_t* src, int64_t lo, int64_t hi);
+void zero_yard_copy32(uint32_t* dst, const uint32_t* src, int64_t lo, int64_t hi);
+void zero_yard_widen(uint32_t* dst, const uint16_t* src, int64_t lo, int64_t hi);
+void zero_yard_narrow(uint16_t* dst, const uint32_t* src, int64_t lo, int64_t hi);
+void zero_yard_add32(float* acc, const float* src, int64_t lo, int64_t hi);
+void zero_yard_add16(float* acc, const uint16_t* src, int64_t lo, int64_t hi);
+uint32_t zero_yard_read32(const uint32_t* x, int64_t lo, int64_t hi);
+void zero_yard_sum4_32(float* dst, const float* a, const float* b, const float* c, const float* d, int64_t lo,
+                       int64_t hi);
+void zero_yard_sum4_16(uint16_t* dst, const uint16_t* a, const uint16_t* b, const uint16_t* c,
+                       const uint16_t* d, int64_t lo, int64_t hi);
+void zero_yard_allsum4_32(float* a, float* b, float* c, float* d, int64_t lo, int64_t hi);
+
+#endif /* ZERO_KERNELS_H */

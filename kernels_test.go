@@ -1,0 +1,1208 @@
+package zero
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"os"
+	"runtime"
+	"sort"
+	"strconv"
+	"testing"
+	"time"
+	"unsafe"
+)
+
+// Tests of the host kernels (kernels.c through kernels.go) against references
+// written here in Go, independently of elementwise.h: values are decoded by
+// formula in float64, rounded to bf16/fp16 by searching a table of every
+// representable value, and every fp32 computation is repeated in Go with
+// float32 arithmetic in the same order (explicit float32() conversions force
+// the rounding of each step, so Go cannot fuse them).
+//
+// Each run draws fresh random data; the seed is logged, and ZERO_TEST_SEED=n
+// repeats a run.
+
+func testRNG(t testing.TB) *rand.Rand {
+	t.Helper()
+	seed := uint64(time.Now().UnixNano())
+	if s := os.Getenv("ZERO_TEST_SEED"); s != "" {
+		v, err := strconv.ParseUint(s, 10, 64)
+		if err != nil {
+			t.Fatalf("ZERO_TEST_SEED=%q: %v", s, err)
+		}
+		seed = v
+	}
+	t.Logf("seed %d (rerun with ZERO_TEST_SEED=%d)", seed, seed)
+	return rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+}
+
+// ---- reference conversions -------------------------------------------------
+
+// refDecodeBF16 is the value of bf16 bits, by formula: 1 sign, 8 exponent and
+// 7 mantissa bits, bias 127.
+func refDecodeBF16(h uint16) float64 {
+	sign := 1.0
+	if h&0x8000 != 0 {
+		sign = -1
+	}
+	e, m := int(h>>7)&0xff, float64(h&0x7f)
+	switch e {
+	case 0:
+		return math.Copysign(math.Ldexp(m, -133), sign)
+	case 0xff:
+		if m == 0 {
+			return math.Inf(int(sign))
+		}
+		return math.NaN()
+	}
+	return sign * math.Ldexp(1+m/128, e-127)
+}
+
+// refDecodeFP16 is the value of IEEE binary16 bits: 1 sign, 5 exponent and 10
+// mantissa bits, bias 15.
+func refDecodeFP16(h uint16) float64 {
+	sign := 1.0
+	if h&0x8000 != 0 {
+		sign = -1
+	}
+	e, m := int(h>>10)&0x1f, float64(h&0x3ff)
+	switch e {
+	case 0:
+		return math.Copysign(math.Ldexp(m, -24), sign)
+	case 0x1f:
+		if m == 0 {
+			return math.Inf(int(sign))
+		}
+		return math.NaN()
+	}
+	return sign * math.Ldexp(1+m/1024, e-15)
+}
+
+// refTable holds the values of the non-negative finite bit patterns of a
+// 16-bit format, in order (value order is pattern order), followed by the
+// pattern of +inf with the value that the next step would have had with an
+// unbounded exponent: rounding to it means overflow to inf.
+type refTable struct {
+	vals []float64
+}
+
+func newRefTable(decode func(uint16) float64, inf uint16, beyond float64) *refTable {
+	t := &refTable{vals: make([]float64, int(inf)+1)}
+	for h := 0; h < int(inf); h++ {
+		t.vals[h] = decode(uint16(h))
+	}
+	t.vals[inf] = beyond
+	return t
+}
+
+var (
+	refBF16Table = newRefTable(refDecodeBF16, 0x7f80, math.Ldexp(1, 128))
+	refFP16Table = newRefTable(refDecodeFP16, 0x7c00, 65536)
+)
+
+// round returns the pattern nearest to |x| (ties to the even pattern).
+func (t *refTable) round(ax float64) uint16 {
+	top := len(t.vals) - 1
+	if ax >= t.vals[top] {
+		return uint16(top)
+	}
+	// k: the last pattern with value <= ax
+	k := sort.Search(len(t.vals), func(i int) bool { return t.vals[i] > ax }) - 1
+	if t.vals[k] == ax {
+		return uint16(k)
+	}
+	below, above := ax-t.vals[k], t.vals[k+1]-ax
+	switch {
+	case below < above:
+		return uint16(k)
+	case above < below:
+		return uint16(k + 1)
+	case k%2 == 0:
+		return uint16(k)
+	}
+	return uint16(k + 1)
+}
+
+// refToBF16 rounds a float32 to bf16; a NaN becomes the quiet NaN with the
+// same sign and the top payload bits (elementwise.h's documented rule).
+func refToBF16(f float32) uint16 {
+	u := math.Float32bits(f)
+	if f != f {
+		return uint16(u>>16) | 0x0040
+	}
+	h := refBF16Table.round(math.Abs(float64(f)))
+	return h | uint16(u>>16)&0x8000
+}
+
+// refToFP16 rounds a float32 to fp16; a NaN becomes sign | 0x7e00 | the top 9
+// payload bits.
+func refToFP16(f float32) uint16 {
+	u := math.Float32bits(f)
+	sign := uint16(u>>16) & 0x8000
+	if f != f {
+		return sign | 0x7e00 | uint16(u>>13)&0x1ff
+	}
+	return sign | refFP16Table.round(math.Abs(float64(f)))
+}
+
+// refFromBF16 widens bf16 bits to fp32 bits (a NaN keeps its bits).
+func refFromBF16(h uint16) uint32 {
+	if v := refDecodeBF16(h); v == v {
+		return math.Float32bits(float32(v))
+	}
+	return uint32(h) << 16
+}
+
+// refFromFP16 widens fp16 bits to fp32 bits (a NaN is quietened, payload kept).
+func refFromFP16(h uint16) uint32 {
+	if v := refDecodeFP16(h); v == v {
+		return math.Float32bits(float32(v))
+	}
+	return uint32(h&0x8000)<<16 | 0x7fc00000 | uint32(h&0x3ff)<<13
+}
+
+func refEncode(dt DType, v float32) uint32 {
+	switch dt {
+	case BF16:
+		return uint32(refToBF16(v))
+	case FP16:
+		return uint32(refToFP16(v))
+	}
+	return math.Float32bits(v)
+}
+
+func refDecode(dt DType, bits uint32) float32 {
+	switch dt {
+	case BF16:
+		return math.Float32frombits(refFromBF16(uint16(bits)))
+	case FP16:
+		return math.Float32frombits(refFromFP16(uint16(bits)))
+	}
+	return math.Float32frombits(bits)
+}
+
+func isNaNBits(dt DType, bits uint32) bool {
+	switch dt {
+	case BF16:
+		return bits&0x7fff > 0x7f80
+	case FP16:
+		return bits&0x7fff > 0x7c00
+	}
+	return bits&0x7fffffff > 0x7f800000
+}
+
+// sameBits: equal bits, or both NaN (the payload of a NaN that went through
+// arithmetic is not part of the contract).
+func sameBits(dt DType, got, want uint32) bool {
+	if isNaNBits(dt, want) {
+		return isNaNBits(dt, got)
+	}
+	return got == want
+}
+
+// refScale is the kernels' v * scale, skipped when scale is 1.
+func refScale(v, scale float32) float32 {
+	if scale == 1 {
+		return v
+	}
+	return float32(v * scale)
+}
+
+// refMax is NaN-propagating max; equal values keep s (the earlier rank).
+func refMax(s, x float32) float32 {
+	if x != x || s != s {
+		if s != s {
+			return s
+		}
+		return x
+	}
+	if x > s {
+		return x
+	}
+	return s
+}
+
+// ---- test buffers --------------------------------------------------------------
+
+// tbuf is a host buffer of one dtype, allocated on the Go heap (the kernels
+// take raw addresses, so it must not live on a goroutine stack, which moves).
+type tbuf struct {
+	dt DType
+	f  []float32
+	h  []uint16
+}
+
+//go:noinline
+func newTBuf(dt DType, n int) *tbuf {
+	b := &tbuf{dt: dt}
+	if dt == FP32 {
+		b.f = make([]float32, n+1) // +1: a valid address even when n == 0
+		b.f = b.f[:n]
+	} else {
+		b.h = make([]uint16, n+1)
+		b.h = b.h[:n]
+	}
+	return b
+}
+
+func (b *tbuf) len() int {
+	if b.dt == FP32 {
+		return len(b.f)
+	}
+	return len(b.h)
+}
+
+func (b *tbuf) ptr() uintptr {
+	if b.dt == FP32 {
+		return uintptr(unsafe.Pointer(unsafe.SliceData(b.f)))
+	}
+	return uintptr(unsafe.Pointer(unsafe.SliceData(b.h)))
+}
+
+func (b *tbuf) bits(i int) uint32 {
+	if b.dt == FP32 {
+		return math.Float32bits(b.f[i])
+	}
+	return uint32(b.h[i])
+}
+
+func (b *tbuf) setBits(i int, u uint32) {
+	if b.dt == FP32 {
+		b.f[i] = math.Float32frombits(u)
+	} else {
+		b.h[i] = uint16(u)
+	}
+}
+
+func (b *tbuf) val(i int) float32 { return refDecode(b.dt, b.bits(i)) }
+
+func (b *tbuf) set(i int, v float32) { b.setBits(i, refEncode(b.dt, v)) }
+
+func (b *tbuf) clone() *tbuf {
+	c := newTBuf(b.dt, b.len())
+	copy(c.f, b.f)
+	copy(c.h, b.h)
+	return c
+}
+
+var allDTypes = []DType{FP32, BF16, FP16}
+
+// randVal draws a finite value with a random sign and an exponent in
+// [emin, emax], with the full fp32 mantissa.
+func randVal(rng *rand.Rand, emin, emax int) float32 {
+	m := 1 + rng.Float64()
+	v := float32(math.Ldexp(m, emin+rng.IntN(emax-emin+1)))
+	if rng.IntN(2) == 0 {
+		v = -v
+	}
+	return v
+}
+
+// expRange is the exponent range of random data for a dtype: wide, with
+// subnormals, but with sums of up to 8 values and a scale of up to 4 finite.
+func expRange(dt DType) (int, int) {
+	switch dt {
+	case FP16:
+		return -26, 10
+	case BF16:
+		return -40, 40
+	}
+	return -40, 40
+}
+
+// fillRand fills b with random values of its dtype; with specials, about one
+// element in 64 is ±0, ±inf, NaN or a subnormal of the dtype.
+func fillRand(rng *rand.Rand, b *tbuf, specials bool) {
+	lo, hi := expRange(b.dt)
+	for i := 0; i < b.len(); i++ {
+		b.set(i, randVal(rng, lo, hi))
+		if specials && rng.IntN(64) == 0 {
+			b.setBits(i, randSpecial(rng, b.dt))
+		}
+	}
+}
+
+func randSpecial(rng *rand.Rand, dt DType) uint32 {
+	var s []uint32
+	switch dt {
+	case FP32:
+		s = []uint32{0, 0x80000000, 0x7f800000, 0xff800000, 0x7fc00000, 0xffc00001, 0x00000001, 0x807fffff}
+	case BF16:
+		s = []uint32{0, 0x8000, 0x7f80, 0xff80, 0x7fc0, 0xffc1, 0x0001, 0x807f}
+	default:
+		s = []uint32{0, 0x8000, 0x7c00, 0xfc00, 0x7e00, 0xfe01, 0x0001, 0x83ff}
+	}
+	return s[rng.IntN(len(s))]
+}
+
+func epsOf(dt DType) float64 {
+	switch dt {
+	case BF16:
+		return math.Ldexp(1, -8)
+	case FP16:
+		return math.Ldexp(1, -11)
+	}
+	return math.Ldexp(1, -24)
+}
+
+func maxFinite(dt DType) float64 {
+	switch dt {
+	case BF16:
+		return refDecodeBF16(0x7f7f)
+	case FP16:
+		return 65504
+	}
+	return math.MaxFloat32
+}
+
+// near checks a finite result against a float64 reference: |got - want| <=
+// rel·scale + abs, where scale bounds the magnitudes that were rounded.
+func near(got float32, want, scale, rel, abs float64) bool {
+	return math.Abs(float64(got)-want) <= rel*scale+abs
+}
+
+// ---- conversions ---------------------------------------------------------------
+
+func TestConvertBF16Exhaustive(t *testing.T) {
+	src := newTBuf(BF16, 65536)
+	for i := range src.h {
+		src.h[i] = uint16(i)
+	}
+	dst := newTBuf(FP32, 65536)
+	castHost(dst.ptr(), FP32, src.ptr(), BF16, 65536, 1)
+	bad := 0
+	for i := 0; i < 65536; i++ {
+		h := uint16(i)
+		want := refFromBF16(h)
+		got := math.Float32bits(floatFromBF16(h))
+		if got != want || dst.bits(i) != want {
+			if bad++; bad < 10 {
+				t.Errorf("bf16 %#04x -> fp32: scalar %#08x, kernel %#08x, want %#08x (%g)", h, got, dst.bits(i), want, refDecodeBF16(h))
+			}
+		}
+		// round trip: every non-NaN pattern comes back unchanged
+		if refDecodeBF16(h) == refDecodeBF16(h) {
+			if back := bf16FromFloat(math.Float32frombits(want)); back != h {
+				if bad++; bad < 10 {
+					t.Errorf("bf16 %#04x round trip gave %#04x", h, back)
+				}
+			}
+		}
+	}
+}
+
+func TestConvertFP16Exhaustive(t *testing.T) {
+	src := newTBuf(FP16, 65536)
+	for i := range src.h {
+		src.h[i] = uint16(i)
+	}
+	dst := newTBuf(FP32, 65536)
+	castHost(dst.ptr(), FP32, src.ptr(), FP16, 65536, 1)
+	bad := 0
+	for i := 0; i < 65536; i++ {
+		h := uint16(i)
+		want := refFromFP16(h)
+		got := math.Float32bits(floatFromFP16(h))
+		if got != want || dst.bits(i) != want {
+			if bad++; bad < 10 {
+				t.Errorf("fp16 %#04x -> fp32: scalar %#08x, kernel %#08x, want %#08x (%g)", h, got, dst.bits(i), want, refDecodeFP16(h))
+			}
+		}
+		if v := refDecodeFP16(h); v == v {
+			if back := fp16FromFloat(math.Float32frombits(want)); back != h {
+				if bad++; bad < 10 {
+					t.Errorf("fp16 %#04x round trip gave %#04x", h, back)
+				}
+			}
+		}
+	}
+}
+
+// edgeFloats are the values where rounding to bf16 and fp16 is easiest to get
+// wrong.
+func edgeFloats() []float32 {
+	f := math.Float32frombits
+	var v []float32
+	add := func(xs ...float32) {
+		for _, x := range xs {
+			v = append(v, x, -x)
+		}
+	}
+	add(0, 1, 2, 0.5, 3, float32(math.Inf(1)), math.MaxFloat32, math.SmallestNonzeroFloat32, f(0x007fffff), f(0x00800000))
+	// NaN payloads, quiet and signalling, both signs; one whose payload sits
+	// only in the low 16 bits (truncation alone would make it inf)
+	for _, u := range []uint32{0x7fc00000, 0x7f800001, 0x7f80ffff, 0x7fffffff, 0x7fa00000, 0x7f802000, 0x7f800100} {
+		v = append(v, f(u), f(u|0x80000000))
+	}
+	// fp16: max finite, the overflow boundary, the subnormal range
+	add(65504, 65519.99, 65520, 65520.01, 65536, 65535, 70000, 1e10)
+	add(float32(math.Ldexp(1, -14)), float32(math.Ldexp(1, -24)), float32(math.Ldexp(1, -25)), float32(math.Ldexp(1, -26)),
+		float32(math.Ldexp(1.5, -25)), float32(math.Ldexp(3, -25)), float32(math.Ldexp(1023, -24)), float32(math.Ldexp(1023.5, -24)),
+		float32(math.Ldexp(1024, -24)-math.Ldexp(1, -40)), float32(math.Ldexp(1, -15)), float32(math.Ldexp(2047, -25)))
+	// bf16: max finite and the point where it rounds to inf
+	add(f(0x7f7f0000), f(0x7f7f7fff), f(0x7f7f8000), f(0x7f7fffff), f(0x00010000), f(0x00008000), f(0x00018000), f(0x00007fff))
+	// ties to even, both ways, and one ulp either side of each tie
+	for _, base := range []uint32{0x3f800000, 0x3f810000, 0x40490000, 0x00400000, 0x7f000000} {
+		for _, low := range []uint32{0x8000, 0x7fff, 0x8001, 0x18000, 0x17fff, 0x18001} {
+			x := f(base + low)
+			v = append(v, x, -x)
+		}
+	}
+	for _, base := range []float64{1, 1 + 1.0/1024, 1000, 1001, math.Ldexp(1, -14), math.Ldexp(5, -24)} {
+		for _, d := range []float64{0.5, 1.5} {
+			step := math.Ldexp(1, -10)
+			if base < math.Ldexp(1, -14)+1e-30 && base != math.Ldexp(1, -14) {
+				step = math.Ldexp(1, -24) / base
+			}
+			if base >= 1000 {
+				step = math.Ldexp(1, -1) / base
+			}
+			x := float32(base * (1 + d*step))
+			v = append(v, x, -x, math.Nextafter32(x, 0), math.Nextafter32(x, 1e30))
+		}
+	}
+	return v
+}
+
+func checkRound(t *testing.T, what string, xs []float32, got []uint16, ref func(float32) uint16, bad *int) {
+	t.Helper()
+	for i, x := range xs {
+		if want := ref(x); got[i] != want {
+			if *bad++; *bad < 20 {
+				t.Errorf("%s(%g = %#08x) = %#04x, want %#04x", what, x, math.Float32bits(x), got[i], want)
+			}
+		}
+	}
+}
+
+// convertAll converts xs with the scalar converter and with the vectorised
+// cast kernel; both must agree with the reference.
+func convertAll(t *testing.T, xs []float32, bad *int) {
+	t.Helper()
+	src := newTBuf(FP32, len(xs))
+	copy(src.f, xs)
+	for _, c := range []struct {
+		name   string
+		dt     DType
+		scalar func(float32) uint16
+		ref    func(float32) uint16
+	}{
+		{"bf16FromFloat", BF16, bf16FromFloat, refToBF16},
+		{"fp16FromFloat", FP16, fp16FromFloat, refToFP16},
+	} {
+		s := make([]uint16, len(xs))
+		for i, x := range xs {
+			s[i] = c.scalar(x)
+		}
+		checkRound(t, c.name, xs, s, c.ref, bad)
+		dst := newTBuf(c.dt, len(xs))
+		castHost(dst.ptr(), c.dt, src.ptr(), FP32, len(xs), 1)
+		checkRound(t, "cast fp32->"+c.dt.String(), xs, dst.h, c.ref, bad)
+	}
+}
+
+func TestConvertEdges(t *testing.T) {
+	bad := 0
+	xs := edgeFloats()
+	convertAll(t, xs, &bad)
+	// a few hand-checked values, so the reference itself is checked too
+	for _, c := range []struct {
+		x    float32
+		bf16 uint16
+		fp16 uint16
+	}{
+		{1, 0x3f80, 0x3c00},
+		{-2, 0xc000, 0xc000},
+		{65504, 0x4780, 0x7bff},
+		{65519.99, 0x4780, 0x7bff},
+		{65520, 0x4780, 0x7c00},
+		{float32(math.Ldexp(1, -24)), 0x3380, 0x0001},
+		{float32(math.Ldexp(1, -25)), 0x3300, 0x0000},               // tie -> even 0
+		{float32(math.Ldexp(3, -25)), 0x3340, 0x0002},               // tie -> even 2
+		{float32(math.Ldexp(1, -25) * 1.0000001), 0x3300, 0x0001},   // just above the tie
+		{math.Float32frombits(0x3f808000), 0x3f80, 0x3c04},          // bf16 tie -> even (down)
+		{math.Float32frombits(0x3f818000), 0x3f82, 0x3c0c},          // bf16 tie -> even (up)
+		{math.Float32frombits(0x7f7fffff), 0x7f80, 0x7c00},          // max fp32 -> inf
+		{math.Float32frombits(0x7f800001), 0x7fc0, 0x7e00},          // sNaN -> qNaN
+		{math.Float32frombits(0xff800001), 0xffc0, 0xfe00},          // sign kept
+		{float32(math.Copysign(0, -1)), 0x8000, 0x8000},             // -0
+		{math.Float32frombits(0x00000001), 0x0000, 0x0000},          // fp32 subnormal
+		{float32(math.Ldexp(1023.5, -24)), 0x387f, 0x0400},          // top subnormal rounds up to min normal
+	} {
+		if g := bf16FromFloat(c.x); g != c.bf16 || refToBF16(c.x) != c.bf16 {
+			t.Errorf("bf16(%g): got %#04x, reference %#04x, want %#04x", c.x, g, refToBF16(c.x), c.bf16)
+		}
+		if g := fp16FromFloat(c.x); g != c.fp16 || refToFP16(c.x) != c.fp16 {
+			t.Errorf("fp16(%g): got %#04x, reference %#04x, want %#04x", c.x, g, refToFP16(c.x), c.fp16)
+		}
+	}
+}
+
+func TestConvertRandom(t *testing.T) {
+	rng := testRNG(t)
+	n := 1 << 20
+	if testing.Short() {
+		n = 1 << 16
+	}
+	bad := 0
+	// random bit patterns: every exponent, NaNs and infs included
+	xs := make([]float32, n)
+	for i := range xs {
+		xs[i] = math.Float32frombits(rng.Uint32())
+	}
+	convertAll(t, xs, &bad)
+	// values in and around the fp16 range, and near ties: low bits zeroed
+	// then one of them set, so exact ties and their neighbours are common
+	for i := range xs {
+		u := math.Float32bits(randVal(rng, -27, 17))
+		switch rng.IntN(4) {
+		case 0:
+			u &^= 0x1fff
+			u |= uint32(rng.IntN(2)) << 12 // fp16 halfway bit
+		case 1:
+			u &^= 0xffff
+			u |= uint32(rng.IntN(2)) << 15 // bf16 halfway bit
+		}
+		xs[i] = math.Float32frombits(u)
+	}
+	convertAll(t, xs, &bad)
+}
+
+// ---- parallel split ----------------------------------------------------------
+
+func TestKernelParallelRange(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
+	for _, procs := range []int{1, 2, 3, 7} {
+		runtime.GOMAXPROCS(procs)
+		for _, n := range []int{0, 1, 63, parallelThreshold - 1, parallelThreshold, parallelThreshold + 1, 1_000_003} {
+			seen := make([]int32, n)
+			var parts [maxParts][2]int
+			np := parallelParts(n, func(k, lo, hi int) {
+				parts[k] = [2]int{lo, hi}
+				for i := lo; i < hi; i++ {
+					seen[i]++
+				}
+			})
+			for i, c := range seen {
+				if c != 1 {
+					t.Fatalf("procs %d n %d: element %d covered %d times", procs, n, i, c)
+				}
+			}
+			for k := 0; k < np; k++ {
+				if lo := parts[k][0]; lo%parallelAlign != 0 {
+					t.Errorf("procs %d n %d: part %d starts at %d, not a multiple of %d", procs, n, k, lo, parallelAlign)
+				}
+			}
+			if n >= parallelThreshold && np != procs {
+				t.Errorf("procs %d n %d: %d parts", procs, n, np)
+			}
+			if n > 0 && n < parallelThreshold && np != 1 {
+				t.Errorf("procs %d n %d: %d parts below the threshold", procs, n, np)
+			}
+		}
+	}
+}
+
+// ---- flatten, accumulate, cast -------------------------------------------------
+
+// segLayout is a batch of sources placed in a flat buffer with gaps.
+type segLayout struct {
+	srcs  []*tbuf
+	segs  []segment
+	total int
+}
+
+func makeSegLayout(rng *rand.Rand, dt DType, sizes []int, specials bool) *segLayout {
+	l := &segLayout{}
+	off := rng.IntN(5)
+	for _, n := range sizes {
+		b := newTBuf(dt, n)
+		fillRand(rng, b, specials)
+		l.srcs = append(l.srcs, b)
+		l.segs = append(l.segs, segment{ptr: b.ptr(), count: int64(n), offset: int64(off)})
+		off += n + rng.IntN(3)*rng.IntN(70) // sometimes a gap
+	}
+	l.total = off + rng.IntN(7)
+	// report the segments out of flat order, as arrival order would
+	rng.Shuffle(len(l.segs), func(i, j int) {
+		l.segs[i], l.segs[j] = l.segs[j], l.segs[i]
+		l.srcs[i], l.srcs[j] = l.srcs[j], l.srcs[i]
+	})
+	return l
+}
+
+// covering returns the source and index of flat element j, or nil.
+func (l *segLayout) covering(j int) (*tbuf, int) {
+	for k, s := range l.segs {
+		if int64(j) >= s.offset && int64(j) < s.offset+s.count {
+			return l.srcs[k], j - int(s.offset)
+		}
+	}
+	return nil, 0
+}
+
+func randSizes(rng *rand.Rand, k, max int) []int {
+	s := make([]int, k)
+	for i := range s {
+		s[i] = rng.IntN(max + 1)
+	}
+	return s
+}
+
+var testScales = []float32{1, 0.125, 0.3, -3.75}
+
+const sentinel = 12345.0
+
+func TestFlatten(t *testing.T) {
+	rng := testRNG(t)
+	for _, st := range allDTypes {
+		for _, dt := range allDTypes {
+			for _, scale := range testScales {
+				name := fmt.Sprintf("%v->%v/scale=%g", st, dt, scale)
+				l := makeSegLayout(rng, st, randSizes(rng, 1+rng.IntN(9), 300), true)
+				dst := newTBuf(dt, l.total)
+				for j := 0; j < l.total; j++ {
+					dst.set(j, sentinel)
+				}
+				whole := dst.clone()
+				flattenHost(whole.ptr(), dt, l.segs, st, scale)
+				// the same work in ragged [lo, hi) pieces
+				for lo := 0; lo < l.total; {
+					hi := min(l.total, lo+1+rng.IntN(97))
+					flattenRange(dst.ptr(), dt, l.segs, st, scale, int64(lo), int64(hi))
+					lo = hi
+				}
+				checkFlat(t, name, l, dst, whole, scale)
+			}
+		}
+	}
+}
+
+func checkFlat(t *testing.T, name string, l *segLayout, dst, whole *tbuf, scale float32) {
+	t.Helper()
+	bad := 0
+	for j := 0; j < l.total && bad < 10; j++ {
+		if dst.bits(j) != whole.bits(j) {
+			bad++
+			t.Errorf("%s: element %d: split calls gave %#x, one call %#x", name, j, dst.bits(j), whole.bits(j))
+		}
+		src, i := l.covering(j)
+		if src == nil {
+			if dst.val(j) != sentinel {
+				bad++
+				t.Errorf("%s: element %d in a gap was written: %#x", name, j, dst.bits(j))
+			}
+			continue
+		}
+		x := src.val(i)
+		v := refScale(x, scale)
+		want := refEncode(dst.dt, v)
+		if !sameBits(dst.dt, dst.bits(j), want) {
+			bad++
+			t.Errorf("%s: element %d: src %g (%#x) -> %#x, want %#x", name, j, x, src.bits(i), dst.bits(j), want)
+			continue
+		}
+		// float64 sanity check for finite, in-range values
+		w64 := float64(x) * float64(scale)
+		if g := dst.val(j); !math.IsInf(w64, 0) && w64 == w64 && math.Abs(w64) < maxFinite(dst.dt)/2 {
+			if !near(g, w64, math.Abs(w64), 2*math.Ldexp(1, -24)+epsOf(dst.dt), math.Ldexp(1, -24)) {
+				bad++
+				t.Errorf("%s: element %d: %g, float64 reference %g", name, j, g, w64)
+			}
+		}
+	}
+}
+
+// A signalling NaN copied with scale 1 keeps its bits (the multiply is
+// skipped), and the result does not depend on how many cores split the work.
+func TestFlattenCopyAndParallel(t *testing.T) {
+	rng := testRNG(t)
+	src := newTBuf(FP32, 4)
+	src.f[0] = math.Float32frombits(0x7f800001)
+	src.f[1] = math.Float32frombits(0xffa00000)
+	dst := newTBuf(FP32, 4)
+	flattenHost(dst.ptr(), FP32, []segment{{ptr: src.ptr(), count: 4}}, FP32, 1)
+	for i := range 4 {
+		if dst.bits(i) != src.bits(i) {
+			t.Errorf("fp32 copy changed bits %#x -> %#x", src.bits(i), dst.bits(i))
+		}
+	}
+
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
+	for _, st := range allDTypes {
+		for _, dt := range allDTypes {
+			l := makeSegLayout(rng, st, []int{rng.IntN(200), 300_001 + rng.IntN(1000), rng.IntN(70_000), 200_000}, true)
+			var first *tbuf
+			for _, procs := range []int{1, 2, 3} {
+				runtime.GOMAXPROCS(procs)
+				dst := newTBuf(dt, l.total)
+				for j := 0; j < l.total; j++ {
+					dst.set(j, sentinel)
+				}
+				flattenHost(dst.ptr(), dt, l.segs, st, 0.5)
+				if first == nil {
+					first = dst
+					checkFlat(t, fmt.Sprintf("%v->%v large", st, dt), l, dst, dst, 0.5)
+					continue
+				}
+				for j := 0; j < l.total; j++ {
+					if dst.bits(j) != first.bits(j) {
+						t.Fatalf("%v->%v: GOMAXPROCS %d changed element %d", st, dt, procs, j)
+					}
+				}
+			}
+		}
+	}
+}
+
+func TestAccumulate(t *testing.T) {
+	rng := testRNG(t)
+	for _, st := range allDTypes {
+		for _, first := range []bool{true, false} {
+			for _, scale := range testScales {
+				for _, size := range []int{300, 400_000} {
+					name := fmt.Sprintf("%v/first=%v/scale=%g/n~%d", st, first, scale, size)
+					specials := rng.IntN(2) == 0
+					l := makeSegLayout(rng, st, randSizes(rng, 1+rng.IntN(6), size), specials)
+					acc := newTBuf(FP32, l.total)
+					fillRand(rng, acc, false)
+					if first {
+						for j := range acc.f {
+							acc.f[j] = float32(math.NaN()) // a copy must not read acc
+						}
+					}
+					before := acc.clone()
+					flagBuf := newTBuf(FP32, 1)
+					if rng.IntN(2) == 0 {
+						accumulateHost(acc.ptr(), l.segs, st, first, scale, flagBuf.ptr())
+					} else {
+						// ragged pieces, one flag per piece, ORed
+						for lo := 0; lo < l.total; {
+							hi := min(l.total, lo+1+rng.IntN(size/3+1))
+							var f float32
+							accumulateRange(acc.ptr(), l.segs, st, first, scale, &f, int64(lo), int64(hi))
+							if f != 0 {
+								flagBuf.f[0] = f
+							}
+							lo = hi
+						}
+					}
+					checkAcc(t, name, l, acc, before, first, scale, flagBuf.f[0])
+				}
+			}
+		}
+	}
+}
+
+func checkAcc(t *testing.T, name string, l *segLayout, acc, before *tbuf, first bool, scale, flag float32) {
+	t.Helper()
+	bad := 0
+	nonFinite := false
+	for j := 0; j < l.total; j++ {
+		src, i := l.covering(j)
+		if src == nil {
+			if acc.bits(j) != before.bits(j) && bad < 10 {
+				bad++
+				t.Errorf("%s: element %d in a gap was written", name, j)
+			}
+			continue
+		}
+		x := src.val(i)
+		v := refScale(x, scale)
+		want := v
+		if !first {
+			want = float32(before.f[j] + v)
+		}
+		if math.IsInf(float64(want), 0) || want != want {
+			nonFinite = true
+		}
+		if !sameBits(FP32, acc.bits(j), math.Float32bits(want)) && bad < 10 {
+			bad++
+			t.Errorf("%s: element %d: acc %g + src %g -> %g, want %g", name, j, before.f[j], x, acc.f[j], want)
+			continue
+		}
+		if w64 := float64(x) * float64(scale); want == want && !math.IsInf(float64(want), 0) {
+			base := 0.0
+			if !first {
+				base = float64(before.f[j])
+			}
+			if !near(acc.f[j], base+w64, math.Abs(base)+math.Abs(w64), 2*math.Ldexp(1, -24), 0) && bad < 10 {
+				bad++
+				t.Errorf("%s: element %d: %g, float64 reference %g", name, j, acc.f[j], base+w64)
+			}
+		}
+	}
+	if nonFinite != (flag != 0) {
+		t.Errorf("%s: flag %g, but non-finite results: %v", name, flag, nonFinite)
+	}
+}
+
+// The flag goes up for inf, NaN and overflow in the add, in any part of a
+// parallel split, and stays down otherwise; a zero flag address is allowed.
+func TestAccumulateFlag(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
+	runtime.GOMAXPROCS(3)
+	n := 500_000
+	for _, c := range []struct {
+		name  string
+		src   uint32 // bits placed at position pos
+		acc   float32
+		first bool
+		want  bool
+	}{
+		{"finite", math.Float32bits(1), 1, false, false},
+		{"inf", 0x7f800000, 1, false, true},
+		{"-inf first", 0xff800000, 1, true, true},
+		{"nan", 0x7fc00000, 1, false, true},
+		{"overflow in add", math.Float32bits(3e38), 3e38, false, true},
+		{"overflow in copy is none", math.Float32bits(3e38), 3e38, true, false},
+		{"acc already inf, copy", math.Float32bits(1), float32(math.Inf(1)), true, false},
+	} {
+		for _, pos := range []int{0, n / 2, n - 1} {
+			src := newTBuf(FP32, n)
+			acc := newTBuf(FP32, n)
+			for i := range n {
+				src.f[i] = 1
+				acc.f[i] = 0
+			}
+			src.setBits(pos, c.src)
+			acc.f[pos] = c.acc
+			flag := newTBuf(FP32, 1)
+			segs := []segment{{ptr: src.ptr(), count: int64(n)}}
+			accumulateHost(acc.ptr(), segs, FP32, c.first, 1, flag.ptr())
+			if (flag.f[0] != 0) != c.want {
+				t.Errorf("%s at %d: flag %g, want raised=%v", c.name, pos, flag.f[0], c.want)
+			}
+			if flag.f[0] != 0 && flag.f[0] != 1 {
+				t.Errorf("%s: flag %g, want 1", c.name, flag.f[0])
+			}
+			accumulateHost(acc.ptr(), segs, FP32, c.first, 1, 0) // no flag: must not crash
+		}
+	}
+	// the kernel never clears a raised flag
+	src := newTBuf(FP32, 10)
+	acc := newTBuf(FP32, 10)
+	flag := newTBuf(FP32, 1)
+	flag.f[0] = 1
+	accumulateHost(acc.ptr(), []segment{{ptr: src.ptr(), count: 10}}, FP32, false, 1, flag.ptr())
+	if flag.f[0] != 1 {
+		t.Errorf("a raised flag was cleared")
+	}
+}
+
+func TestCast(t *testing.T) {
+	rng := testRNG(t)
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
+	for _, st := range allDTypes {
+		for _, dt := range allDTypes {
+			for _, scale := range testScales {
+				for _, n := range []int{1 + rng.IntN(200), 300_000 + rng.IntN(100)} {
+					runtime.GOMAXPROCS(1 + rng.IntN(3))
+					name := fmt.Sprintf("%v->%v/scale=%g/n=%d", st, dt, scale, n)
+					src := newTBuf(st, n)
+					fillRand(rng, src, true)
+					dst := newTBuf(dt, n)
+					castHost(dst.ptr(), dt, src.ptr(), st, n, scale)
+					// ragged pieces with lo > 0 over a second buffer
+					dst2 := newTBuf(dt, n)
+					for lo := 0; lo < n; {
+						hi := min(n, lo+1+rng.IntN(n/5+3))
+						castRange(dst2.ptr(), dt, src.ptr(), st, scale, int64(lo), int64(hi))
+						lo = hi
+					}
+					bad := 0
+					for i := 0; i < n && bad < 10; i++ {
+						want := refEncode(dt, refScale(src.val(i), scale))
+						if !sameBits(dt, dst.bits(i), want) || dst2.bits(i) != dst.bits(i) {
+							bad++
+							t.Errorf("%s: element %d: src %#x -> %#x (pieces %#x), want %#x", name, i, src.bits(i), dst.bits(i), dst2.bits(i), want)
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// ---- sum of squares ----------------------------------------------------------------
+
+// refSumSqLanes repeats zero_sumsq's documented order exactly: element lo+i in
+// lane i%16, float64 lanes, tree reduction of the lanes.
+func refSumSqLanes(x []float32) float64 {
+	var s [16]float64
+	for i, v := range x {
+		d := float64(v)
+		s[i%16] = s[i%16] + float64(d*d)
+	}
+	for w := 8; w > 0; w /= 2 {
+		for k := 0; k < w; k++ {
+			s[k] = s[k] + s[k+w]
+		}
+	}
+	return s[0]
+}
+
+func TestSumSq(t *testing.T) {
+	rng := testRNG(t)
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
+	for _, n := range []int{0, 1, 15, 16, 17, 1000 + rng.IntN(100), 400_000 + rng.IntN(1000)} {
+		x := newTBuf(FP32, n)
+		for i := range x.f {
+			x.f[i] = randVal(rng, -30, 30)
+		}
+		var ref float64
+		for _, v := range x.f {
+			ref += float64(v) * float64(v)
+		}
+		for _, procs := range []int{1, 2, 3} {
+			runtime.GOMAXPROCS(procs)
+			got := sumSquaresHost(x.ptr(), n)
+			if math.Abs(got-ref) > 1e-12*float64(n)*ref {
+				t.Errorf("n %d procs %d: %g, float64 reference %g", n, procs, got, ref)
+			}
+			// exactly the documented order: parts in order, lanes within a part
+			var sums [maxParts]float64
+			parts := parallelParts(n, func(k, lo, hi int) { sums[k] = refSumSqLanes(x.f[lo:hi]) })
+			var want float64
+			for k := 0; k < parts; k++ {
+				want += sums[k]
+			}
+			if got != want {
+				t.Errorf("n %d procs %d: %v, not the documented order's %v", n, procs, got, want)
+			}
+			if again := sumSquaresHost(x.ptr(), n); again != got {
+				t.Errorf("n %d procs %d: not deterministic: %v then %v", n, procs, got, again)
+			}
+		}
+		if n > 20 {
+			lo, hi := 3+rng.IntN(10), n-rng.IntN(10)
+			if got, want := sumSquaresRange(x.ptr(), int64(lo), int64(hi)), refSumSqLanes(x.f[lo:hi]); got != want {
+				t.Errorf("range [%d,%d): %v, want %v", lo, hi, got, want)
+			}
+		}
+	}
+	inf := newTBuf(FP32, 10)
+	inf.f[3] = float32(math.Inf(-1))
+	if s := sumSquaresHost(inf.ptr(), 10); !math.IsInf(s, 1) {
+		t.Errorf("sum of squares with -inf: %v", s)
+	}
+}
+
+// ---- reductions across ranks ---------------------------------------------------
+
+var allOps = []ReduceOp{OpSum, OpAvg, OpMax}
+
+// refReduce is op over xs in rank order, in fp32, as the kernels document.
+func refReduce(op ReduceOp, xs []float32) float32 {
+	s := xs[0]
+	for _, x := range xs[1:] {
+		if op == OpMax {
+			s = refMax(s, x)
+		} else {
+			s = float32(s + x)
+		}
+	}
+	if op == OpAvg {
+		s = float32(s / float32(len(xs)))
+	}
+	return s
+}
+
+func ref64(op ReduceOp, xs []float32) (float64, float64) {
+	var s, mag float64
+	if op == OpMax {
+		s = math.Inf(-1)
+		for _, x := range xs {
+			s = math.Max(s, float64(x))
+		}
+		return s, math.Abs(s)
+	}
+	for _, x := range xs {
+		s += float64(x)
+		mag += math.Abs(float64(x))
+	}
+	if op == OpAvg {
+		s /= float64(len(xs))
+		mag /= float64(len(xs))
+	}
+	return s, mag
+}
+
+func checkReduced(t *testing.T, name string, got *tbuf, bufs []*tbuf, op ReduceOp, i int) bool {
+	t.Helper()
+	xs := make([]float32, len(bufs))
+	for r, b := range bufs {
+		xs[r] = b.val(i)
+	}
+	s := refReduce(op, xs)
+	want := refEncode(got.dt, s)
+	if !sameBits(got.dt, got.bits(i), want) {
+		t.Errorf("%s: element %d: inputs %v -> %#x (%g), want %#x (%g)", name, i, xs, got.bits(i), got.val(i), want, refDecode(got.dt, want))
+		return false
+	}
+	if w64, mag := ref64(op, xs); s == s && !math.IsInf(float64(s), 0) && !math.IsInf(w64, 0) && w64 == w64 {
+		rel := float64(len(xs))*math.Ldexp(1, -24) + epsOf(got.dt)
+		abs := 0.0
+		if got.dt == FP16 {
+			abs = math.Ldexp(1, -25)
+		}
+		if !near(got.val(i), w64, mag, rel, abs) {
+			t.Errorf("%s: element %d: %g, float64 reference %g", name, i, got.val(i), w64)
+			return false
+		}
+	}
+	return true
+}
+
+func TestReduce(t *testing.T) {
+	rng := testRNG(t)
+	for _, dt := range allDTypes {
+		for _, op := range allOps {
+			for n := 1; n <= 8; n++ {
+				size := 2*4096 + 1 + rng.IntN(3000) // crosses chunk boundaries
+				lo := rng.IntN(70)
+				hi := size - rng.IntN(70)
+				name := fmt.Sprintf("%v/%v/n=%d/[%d,%d)", dt, op, n, lo, hi)
+				srcs := make([]*tbuf, n)
+				ptrs := make([]uintptr, n)
+				for r := range srcs {
+					srcs[r] = newTBuf(dt, size)
+					fillRand(rng, srcs[r], rng.IntN(3) == 0)
+					ptrs[r] = srcs[r].ptr()
+				}
+				orig := make([]*tbuf, n)
+				for r := range srcs {
+					orig[r] = srcs[r].clone()
+				}
+				// separate destination
+				dst := newTBuf(dt, size)
+				for i := range size {
+					dst.set(i, sentinel)
+				}
+				reduceHost(dst.ptr(), ptrs, dt, op, lo, hi)
+				bad := 0
+				for i := 0; i < size && bad < 10; i++ {
+					if i < lo || i >= hi {
+						if dst.val(i) != sentinel {
+							bad++
+							t.Errorf("%s: element %d outside the range was written", name, i)
+						}
+					} else if !checkReduced(t, name, dst, orig, op, i) {
+						bad++
+					}
+				}
+				// in place: the destination is one of the sources
+				k := rng.IntN(n)
+				reduceHost(ptrs[k], ptrs, dt, op, lo, hi)
+				for i := 0; i < size && bad < 10; i++ {
+					if i < lo || i >= hi {
+						if srcs[k].bits(i) != orig[k].bits(i) {
+							bad++
+							t.Errorf("%s in place: element %d outside the range was written", name, i)
+						}
+					} else if srcs[k].bits(i) != dst.bits(i) {
+						bad++
+						t.Errorf("%s in place into rank %d: element %d: %#x, out of place %#x", name, k, i, srcs[k].bits(i), dst.bits(i))
+					}
+				}
+			}
+		}
+	}
+}
+
+func TestAllReduceFused(t *testing.T) {
+	rng := testRNG(t)
+	for _, dt := range allDTypes {
+		for _, op := range allOps {
+			for n := 1; n <= 8; n++ {
+				size := 4096 + 1 + rng.IntN(9000)
+				lo := rng.IntN(100)
+				hi := size - rng.IntN(100)
+				name := fmt.Sprintf("%v/%v/n=%d/[%d,%d)", dt, op, n, lo, hi)
+				bufs := make([]*tbuf, n)
+				orig := make([]*tbuf, n)
+				ptrs := make([]uintptr, n)
+				for r := range bufs {
+					bufs[r] = newTBuf(dt, size)
+					fillRand(rng, bufs[r], rng.IntN(3) == 0)
+					orig[r] = bufs[r].clone()
+					ptrs[r] = bufs[r].ptr()
+				}
+				// in two pieces, as ranks of the in-process group would
+				mid := lo + rng.IntN(hi-lo+1)
+				allReduceFusedHost(ptrs, dt, op, lo, mid)
+				allReduceFusedHost(ptrs, dt, op, mid, hi)
+				bad := 0
+				for i := 0; i < size && bad < 10; i++ {
+					for r := 0; r < n && bad < 10; r++ {
+						switch {
+						case i < lo || i >= hi:
+							if bufs[r].bits(i) != orig[r].bits(i) {
+								bad++
+								t.Errorf("%s: rank %d element %d outside the range was written", name, r, i)
+							}
+						case r == 0:
+							if !checkReduced(t, name, bufs[0], orig, op, i) {
+								bad++
+							}
+						case bufs[r].bits(i) != bufs[0].bits(i):
+							bad++
+							t.Errorf("%s: rank %d element %d: %#x, rank 0 has %#x", name, r, i, bufs[r].bits(i), bufs[0].bits(i))
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// NaN and inf propagate through every op, from any rank.
+func TestReduceNonFinite(t *testing.T) {
+	for _, dt := range allDTypes {
+		for _, op := range allOps {
+			const n = 4
+			size := 100
+			bufs := make([]*tbuf, n)
+			ptrs := make([]uintptr, n)
+			for r := range bufs {
+				bufs[r] = newTBuf(dt, size)
+				for i := range size {
+					bufs[r].set(i, float32(r+1))
+				}
+				ptrs[r] = bufs[r].ptr()
+			}
+			nan := randSpecial(rand.New(rand.NewPCG(1, 2)), dt) // any
+			_ = nan
+			for i := 0; i < size; i++ {
+				r := i % n
+				switch i % 3 {
+				case 0:
+					bufs[r].set(i, float32(math.NaN()))
+				case 1:
+					bufs[r].set(i, float32(math.Inf(1)))
+				}
+			}
+			dst := newTBuf(dt, size)
+			reduceHost(dst.ptr(), ptrs, dt, op, 0, size)
+			for i := 0; i < size; i++ {
+				got := dst.val(i)
+				switch i % 3 {
+				case 0:
+					if got == got {
+						t.Errorf("%v/%v: element %d: NaN from rank %d was lost: %g", dt, op, i, i%n, got)
+					}
+				case 1:
+					if !math.IsInf(float64(got), 1) {
+						t.Errorf("%v/%v: element %d: +inf from rank %d was lost: %g", dt, op, i, i%n, got)
+					}
+				default:
+					want := map[ReduceOp]float32{OpSum: 10, OpAvg: 2.5, OpMax: 4}[op]
+					if got != want {
+						t.Errorf("%v/%v: element %d: %g, want %g", dt, op, i, got, want)
+					}
+				}
+			}
+		}
+	}
+}

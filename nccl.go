@@ -1,0 +1,143 @@
+package zero
+
+import (
+	"fmt"
+	"sync"
+)
+
+// ReduceOp combines values across ranks. The codes match elementwise.h.
+type ReduceOp int
+
+const (
+	OpSum ReduceOp = iota
+	OpAvg
+	OpMax
+)
+
+func (o ReduceOp) String() string {
+	switch o {
+	case OpSum:
+		return "sum"
+	case OpAvg:
+		return "avg"
+	case OpMax:
+		return "max"
+	}
+	return fmt.Sprintf("ReduceOp(%d)", int(o))
+}
+
+// Comm is one rank's communicator. Collectives are enqueued on a stream of
+// the communicator's device and return at once; errors that happen while
+// they run (a peer failed, a timeout) fail the stream, and its Sync says so.
+type Comm interface {
+	Rank() int
+	Size() int
+	Device() Device
+	// AllReduce reduces buf across ranks in place.
+	AllReduce(s Stream, buf Tensor, op ReduceOp) error
+	// ReduceScatter reduces send (Size()·recv.Len() elements) across ranks
+	// and leaves chunk Rank() in recv. recv may be that chunk of send.
+	ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error
+	// AllGather concatenates every rank's send into recv (Size()·send.Len()).
+	// send may be chunk Rank() of recv.
+	AllGather(s Stream, send, recv Tensor) error
+	// Broadcast copies root's buf into every rank's buf.
+	Broadcast(s Stream, buf Tensor, root int) error
+	// Counters returns what this rank has moved so far.
+	Counters() CommCounters
+	// Close leaves the group. Peers' pending and later collectives fail.
+	Close() error
+}
+
+// CollectiveKind names a collective in the counters.
+type CollectiveKind int
+
+const (
+	KindAllReduce CollectiveKind = iota
+	KindReduceScatter
+	KindAllGather
+	KindBroadcast
+	numKinds
+)
+
+func (k CollectiveKind) String() string {
+	return [...]string{"all_reduce", "reduce_scatter", "all_gather", "broadcast"}[k]
+}
+
+// CollectiveCount is what one kind of collective moved on one rank.
+// PayloadBytes is the size of the full buffer (the input of a
+// reduce-scatter, the output of an all-gather). WireBytes follows the ring
+// model: reduce-scatter, all-gather and broadcast send (W−1)/W of the
+// payload per rank, all-reduce twice that.
+type CollectiveCount struct {
+	Calls        int64
+	PayloadBytes int64
+	WireBytes    int64
+}
+
+// CommCounters holds one count per collective kind.
+type CommCounters [numKinds]CollectiveCount
+
+// Total sums all kinds.
+func (c CommCounters) Total() CollectiveCount {
+	var t CollectiveCount
+	for _, k := range c {
+		t.Calls += k.Calls
+		t.PayloadBytes += k.PayloadBytes
+		t.WireBytes += k.WireBytes
+	}
+	return t
+}
+
+// Sub returns c − base, the traffic since base was read.
+func (c CommCounters) Sub(base CommCounters) CommCounters {
+	for i := range c {
+		c[i].Calls -= base[i].Calls
+		c[i].PayloadBytes -= base[i].PayloadBytes
+		c[i].WireBytes -= base[i].WireBytes
+	}
+	return c
+}
+
+// counters is the shared bookkeeping of every Comm implementation.
+type counters struct {
+	mu sync.Mutex
+	c  CommCounters
+}
+
+func (c *counters) add(kind CollectiveKind, payloadBytes, world int) {
+	wire := int64(0)
+	if world > 1 {
+		wire = int64(payloadBytes) * int64(world-1) / int64(world)
+		if kind == KindAllReduce {
+			wire *= 2
+		}
+	}
+	c.mu.Lock()
+	c.c[kind].Calls++
+	c.c[kind].PayloadBytes += int64(payloadBytes)
+	c.c[kind].WireBytes += wire
+	c.mu.Unlock()
+}
+
+func (c *counters) snapshot() CommCounters {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.c
+}
+
+// checkCollective validates arguments that every Comm checks the same way.
+func checkCollective(name string, world int, op ReduceOp, ts ...Tensor) error {
+	if op < OpSum || op > OpMax {
+		return errorf(ErrConfig, "%s: op %v; use OpSum, OpAvg or OpMax", name, op)
+	}
+	for _, t := range ts {
+		if !t.dtype.valid() {
+			return errorf(ErrDType, "%s: dtype %v; use fp32, bf16 or fp16", name, t.dtype)
+		}
+		if t.dtype != ts[0].dtype {
+			return errorf(ErrDType, "%s: buffers of %v and %v; give both the same dtype", name, ts[0].dtype, t.dtype)
+		}
+	}
+	return nil
+}
