@@ -300,16 +300,16 @@ func floatFromFP16(h uint16) float32 { return float32(C.zk_fp16_to(C.uint16_t(h)
 type yardKind int
 
 const (
-	yardCopy16   yardKind = iota // d[i] = a[i], 2 bytes
-	yardCopy32                   // d[i] = a[i], 4 bytes
-	yardWiden                    // d[i] (4 bytes) = a[i] (2 bytes)
-	yardNarrow                   // d[i] (2 bytes) = a[i] (4 bytes) >> 16
-	yardAdd32                    // d[i] += a[i], fp32
-	yardAdd16                    // d[i] += float(a[i]), fp32 += uint16
-	yardRead32                   // xor of a[i], 4 bytes read
-	yardSum4x32                  // d[i] = a[i]+b[i]+c[i]+e[i], fp32
-	yardSum4x16                  // d[i] = a[i]+b[i]+c[i]+e[i], uint16
-	yardAllSum4x32               // a[i] = b[i] = c[i] = e[i] = a[i]+b[i]+c[i]+e[i], fp32
+	yardCopy16     yardKind = iota // d[i] = a[i], 2 bytes
+	yardCopy32                     // d[i] = a[i], 4 bytes
+	yardWiden                      // d[i] (4 bytes) = a[i] (2 bytes)
+	yardNarrow                     // d[i] (2 bytes) = a[i] (4 bytes) >> 16
+	yardAdd32                      // d[i] += a[i], fp32
+	yardAdd16                      // d[i] += float(a[i]), fp32 += uint16
+	yardRead32                     // xor of a[i], 4 bytes read
+	yardSum4x32                    // d[i] = a[i]+b[i]+c[i]+e[i], fp32
+	yardSum4x16                    // d[i] = a[i]+b[i]+c[i]+e[i], uint16
+	yardAllSum4x32                 // a[i] = b[i] = c[i] = e[i] = a[i]+b[i]+c[i]+e[i], fp32
 )
 
 func yardstick(kind yardKind, d, a, b, c, e uintptr, lo, hi int) uint32 {

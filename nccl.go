@@ -89,6 +89,16 @@ func (c CommCounters) Total() CollectiveCount {
 	return t
 }
 
+// Add returns c + d.
+func (c CommCounters) Add(d CommCounters) CommCounters {
+	for i := range c {
+		c[i].Calls += d[i].Calls
+		c[i].PayloadBytes += d[i].PayloadBytes
+		c[i].WireBytes += d[i].WireBytes
+	}
+	return c
+}
+
 // Sub returns c − base, the traffic since base was read.
 func (c CommCounters) Sub(base CommCounters) CommCounters {
 	for i := range c {

@@ -121,13 +121,14 @@ type Engine struct {
 	prescale, postscale float32
 
 	// backward state
-	reported   []bool // this backward
-	localDirty []bool // ZeRO-1: written since the last flush
-	nextIssue  int    // reductions are issued in bucket order on every rank
-	inBackward bool
-	boundary   bool
-	lastStream Stream
-	reducing   map[Stream]bool // streams that ran reductions since the last sync
+	reported    []bool        // this backward
+	localDirty  []bool        // ZeRO-1: written since the last flush
+	localWriter []streamEvent // ZeRO-1: the last write of each parameter's sum
+	nextIssue   int           // reductions are issued in bucket order on every rank
+	inBackward  bool
+	boundary    bool
+	lastStream  Stream
+	reducing    map[Stream]bool // streams that ran reductions since the last sync
 
 	// window state
 	backwards   int // backwards since the last Step
@@ -138,6 +139,11 @@ type Engine struct {
 	stats       Stats
 	failed      error
 	closed      bool
+}
+
+type streamEvent struct {
+	stream Stream
+	event  Event
 }
 
 // bucketState is a bucket's progress through the current backward.
@@ -211,6 +217,7 @@ func (e *Engine) init() error {
 	}
 	e.reported = make([]bool, len(e.params))
 	e.localDirty = make([]bool, len(e.params))
+	e.localWriter = make([]streamEvent, len(e.params))
 	e.commBase = e.comm.Counters()
 	return nil
 }
@@ -319,6 +326,12 @@ func (e *Engine) GradReady(param int, grad Tensor, stream Stream) (Event, error)
 		if err := stream.Wait(bs.flushed); err != nil {
 			return nil, err
 		}
+		// The previous backward may have written this sum on another stream.
+		if w := e.localWriter[param]; w.stream != stream {
+			if err := stream.Wait(w.event); err != nil {
+				return nil, err
+			}
+		}
 		if err := e.dev.accumulate(stream, e.local, []Segment{{Src: grad, Offset: off}}, first, 1, Tensor{}); err != nil {
 			return nil, err
 		}
@@ -349,6 +362,9 @@ func (e *Engine) GradReady(param int, grad Tensor, stream Stream) (Event, error)
 	}
 	bs.producers[stream] = ev
 	bs.last = ev
+	if e.cfg.Stage == 1 {
+		e.localWriter[param] = streamEvent{stream, ev}
+	}
 	e.reported[param] = true
 	bs.reported++
 	if e.cfg.Stage > 1 || e.boundary {
@@ -670,9 +686,12 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 	}
 	defer e.dev.Free(all)
 	host := make([]float32, all.count)
+	// A diagnostic read: its traffic is not the step's.
+	before := e.comm.Counters()
 	if err := e.comm.AllGather(e.stream, e.shard, all); err != nil {
 		return nil, err
 	}
+	e.commBase = e.commBase.Add(e.comm.Counters().Sub(before))
 	if err := e.dev.copy(e.stream, Float32s(host), all); err != nil {
 		return nil, err
 	}

@@ -313,3 +313,242 @@ func TestDifferentialMatrix(t *testing.T) {
 	}
 	t.Logf("%d combinations", n)
 }
+
+// TestBitExactInvariance: for a fixed world size, bucket size, overlap,
+// arrival order and the number of producer streams change nothing in the
+// bits of the averaged gradient.
+func TestBitExactInvariance(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	for _, stage := range []int{1, 2, 3} {
+		for _, d := range []DType{FP32, BF16, FP16} {
+			params := testParams(d)
+			base := runSpec{stage: stage, world: 3, dtype: d, backwards: 3, steps: 2, streams: 1, bucket: 32 << 20, predivide: 3}
+			data := makeWorkload(rng, base, params)
+			want := runEngine(t, base, params, data, seed)
+			for _, v := range []runSpec{
+				{bucket: 256, overlap: true, streams: 1},
+				{bucket: 2000, overlap: false, streams: 3, shuffle: true},
+				{bucket: 256, overlap: true, streams: 4, shuffle: true},
+				{bucket: 32 << 20, overlap: true, streams: 2, shuffle: true, boundary: true},
+			} {
+				r := base
+				r.bucket, r.overlap, r.streams, r.shuffle, r.boundary = v.bucket, v.overlap, v.streams, v.shuffle, v.boundary
+				got := runEngine(t, r, params, data, seed+1)
+				for step := range r.steps {
+					for p := range params {
+						for i := range got[0].full[step][p] {
+							a, b := got[0].full[step][p][i], want[0].full[step][p][i]
+							if math.Float32bits(a) != math.Float32bits(b) {
+								t.Fatalf("%v shuffle=%v streams=%d: step %d param %d[%d] = %x, baseline %x", r, r.shuffle, r.streams, step, p, i, math.Float32bits(a), math.Float32bits(b))
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestTwoBoundaryBackwardsSum: flagging two backwards of one step as the
+// boundary still sums both (in DeepSpeed ZeRO-1/2 the last one wins).
+func TestTwoBoundaryBackwardsSum(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	for _, stage := range []int{1, 2, 3} {
+		params := testParams(FP32)
+		r := runSpec{stage: stage, world: 2, dtype: FP32, backwards: 2, accum: 1, steps: 2, streams: 2, bucket: 1024, predivide: 1, overlap: true}
+		data := makeWorkload(rng, r, params)
+		comms, _ := NewLocalGroup(r.world)
+		res := make([]rankResult, r.world)
+		var wg sync.WaitGroup
+		errs := make([]error, r.world)
+		for rank := range r.world {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs[rank] = func() error {
+					e, err := New(Config{Stage: stage, BucketBytes: r.bucket, Overlap: true}, comms[rank], params)
+					if err != nil {
+						return err
+					}
+					defer e.Close()
+					s := NewHostStream()
+					defer s.Close()
+					res[rank].plan = e.Plan()
+					for step := range r.steps {
+						for k := range r.backwards {
+							e.SetBoundary(true)
+							for p := len(params) - 1; p >= 0; p-- {
+								if _, err := e.GradReady(p, data[step][k][rank][p].t, s); err != nil {
+									return err
+								}
+							}
+							if err := e.EndBackward(); err != nil {
+								return err
+							}
+						}
+						if err := e.Step(); err != nil {
+							return err
+						}
+						shard, err := e.GradShard()
+						if err != nil {
+							return err
+						}
+						full, err := e.FullGrads()
+						if err != nil {
+							return err
+						}
+						res[rank].shard = append(res[rank].shard, shard)
+						res[rank].full = append(res[rank].full, full)
+					}
+					return nil
+				}()
+			}()
+		}
+		wg.Wait()
+		for _, err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		checkMean(t, r, params, data, res)
+	}
+}
+
+// TestCollectiveCounts: ZeRO-2/3 make one reduce-scatter per bucket per
+// backward, ZeRO-1 one per bucket per step, with or without a boundary.
+func TestCollectiveCounts(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	for _, stage := range []int{1, 2, 3} {
+		for _, boundary := range []bool{false, true} {
+			params := testParams(BF16)
+			r := runSpec{stage: stage, world: 4, dtype: BF16, backwards: 4, steps: 2, streams: 2, bucket: 512, predivide: 1, overlap: true, boundary: boundary}
+			data := makeWorkload(rng, r, params)
+			res := runEngine(t, r, params, data, seed)
+			nb := len(res[0].plan.Buckets)
+			if nb < 4 {
+				t.Fatalf("the test needs several buckets, got %d", nb)
+			}
+			want := nb * r.backwards
+			if stage == 1 {
+				want = nb
+			}
+			for rank, rr := range res {
+				for step, st := range rr.stats {
+					c := st.Collectives
+					if got := c[KindReduceScatter].Calls; got != int64(want) {
+						t.Errorf("stage %d boundary=%v rank %d step %d: %d reduce-scatters, want %d (%d buckets, %d backwards)", stage, boundary, rank, step, got, want, nb, r.backwards)
+					}
+					if other := c.Total().Calls - c[KindReduceScatter].Calls; other != 0 {
+						t.Errorf("stage %d: %d other collectives in a step, want 0", stage, other)
+					}
+					padded := 0
+					for _, b := range rr.plan.Buckets {
+						padded += b.Padded
+					}
+					wantBytes := int64(padded * BF16.Size() * want / nb)
+					if got := c[KindReduceScatter].PayloadBytes; got != wantBytes {
+						t.Errorf("stage %d: payload %d bytes, want %d", stage, got, wantBytes)
+					}
+					if got := c[KindReduceScatter].WireBytes; got != wantBytes*3/4 {
+						t.Errorf("stage %d: wire %d bytes, want (W−1)/W of the payload = %d", stage, got, wantBytes*3/4)
+					}
+					if st.Backwards != r.backwards {
+						t.Errorf("stats say %d backwards, want %d", st.Backwards, r.backwards)
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestProducerStreamRule: one bucket is filled from three streams and one
+// of them is held back. The reduction must wait for it (seed 002). With the
+// wait narrowed to the last producer, the same test sees a wrong sum.
+func TestProducerStreamRule(t *testing.T) {
+	seed := testSeed(t)
+	run := func(narrow bool) error {
+		rng := rand.New(rand.NewSource(seed))
+		params := []Param{{Count: 4096, DType: FP32}, {Count: 1000, DType: FP32}, {Count: 3000, DType: FP32}}
+		r := runSpec{stage: 2, world: 2, dtype: FP32, backwards: 1, steps: 1, bucket: 1 << 20, predivide: 1}
+		data := makeWorkload(rng, r, params)
+		waitOnlyLastProducer = narrow
+		defer func() { waitOnlyLastProducer = false }()
+		comms, _ := NewLocalGroup(2)
+		res := make([]rankResult, 2)
+		errs := make([]error, 2)
+		var wg sync.WaitGroup
+		for rank := range 2 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs[rank] = func() error {
+					e, err := New(Config{Stage: 2, BucketBytes: r.bucket, Overlap: true}, comms[rank], params)
+					if err != nil {
+						return err
+					}
+					defer e.Close()
+					streams := []*HostStream{NewHostStream(), NewHostStream(), NewHostStream()}
+					for _, s := range streams {
+						defer s.Close()
+					}
+					// The framework writes each gradient on its stream; stream 0
+					// is held back, and its gradient is reported first.
+					gate := make(chan struct{})
+					time.AfterFunc(50*time.Millisecond, func() { close(gate) })
+					for p := range params {
+						src := data[0][0][rank][p].t.hostFloats()
+						g := make([]float32, len(src))
+						s := streams[p]
+						if err := s.Launch(func() error {
+							if p == 0 {
+								<-gate
+							}
+							copy(g, src)
+							return nil
+						}); err != nil {
+							return err
+						}
+						if _, err := e.GradReady(p, Float32s(g), s); err != nil {
+							return err
+						}
+					}
+					if err := e.EndBackward(); err != nil {
+						return err
+					}
+					if err := e.Step(); err != nil {
+						return err
+					}
+					full, err := e.FullGrads()
+					res[rank].full = [][][]float32{full}
+					return err
+				}()
+			}()
+		}
+		wg.Wait()
+		for _, err := range errs {
+			if err != nil {
+				return err
+			}
+		}
+		for p := range params {
+			for i, got := range res[0].full[0][p] {
+				want := (data[0][0][0][p].ref[i] + data[0][0][1][p].ref[i]) / 2
+				if math.Abs(float64(got)-want) > 1e-6*(1+math.Abs(want)) {
+					return fmt.Errorf("param %d[%d] = %g, want %g", p, i, got, want)
+				}
+			}
+		}
+		return nil
+	}
+	if err := run(false); err != nil {
+		t.Fatalf("waiting on every producer stream: %v", err)
+	}
+	if err := run(true); err == nil {
+		t.Fatal("with the wait narrowed to the last producer stream the sum was still right: the test cannot see the bug")
+	} else {
+		t.Logf("narrowed wait, as expected: %v", err)
+	}
+}
