@@ -20,6 +20,9 @@ type Device interface {
 	Alloc(count int, d DType) (Tensor, error)
 	Free(t Tensor) error
 
+	// checkStream says whether s is a stream of this device.
+	checkStream(s Stream) error
+
 	// The kernels below enqueue on s and return at once.
 	zero(s Stream, t Tensor) error
 	copy(s Stream, dst, src Tensor) error
@@ -93,6 +96,11 @@ func (h *hostDevice) Free(t Tensor) error {
 		return errorf(ErrConfig, "Free: tensor at %#x was not allocated by the cpu device", t.ptr)
 	}
 	return unix.Munmap(mem)
+}
+
+func (*hostDevice) checkStream(s Stream) error {
+	_, err := hostStreamOf(s)
+	return err
 }
 
 func hostStreamOf(s Stream) (*HostStream, error) {

@@ -306,6 +306,9 @@ func (e *Engine) GradReady(param int, grad Tensor, stream Stream) (Event, error)
 	if stream == nil {
 		return nil, errorf(ErrStream, "GradReady(%d %q): nil stream; pass the stream that wrote the gradient", param, p.Name)
 	}
+	if err := e.dev.checkStream(stream); err != nil {
+		return nil, err
+	}
 	if e.reported[param] {
 		return nil, errorf(ErrDuplicateGrad, "GradReady(%d %q) twice in one backward; call EndBackward between backwards, or sum the gradient before reporting it", param, p.Name)
 	}

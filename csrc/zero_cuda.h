@@ -1,0 +1,192 @@
+/*
+ * zero_cuda.h: the C interface of libzerocuda.a (built by `make cuda`).
+ *
+ * cuda.go, group_cuda.go and nccl_cuda.go (all //go:build cuda) call these
+ * functions through cgo. The header needs no CUDA or NCCL header: every
+ * pointer and handle (device memory, cudaStream_t, cudaEvent_t, ncclComm_t)
+ * crosses as a uintptr_t, so the Go side never converts an integer to an
+ * unsafe.Pointer, and `go vet` stays quiet.
+ *
+ * Conventions:
+ *   - every function that can fail returns a status: 0 for success, a
+ *     cudaError_t value for CUDA failures (name and text from
+ *     zc_error_name/zc_error_string), or for the NCCL functions an
+ *     ncclResult_t value (text from zc_nccl_error_string);
+ *   - every entry point that touches a device first calls cudaSetDevice(dev),
+ *     because the current device is a property of the OS thread and a
+ *     goroutine may move between threads;
+ *   - kernels and copies are enqueued on the given stream and return at once
+ *     (copies into pageable host memory complete before they return, as
+ *     cudaMemcpyAsync does);
+ *   - dtype codes are ZERO_F32/ZERO_BF16/ZERO_F16 and op codes
+ *     ZERO_SUM/ZERO_AVG/ZERO_MAX of elementwise.h (the Go side maps its own
+ *     DType and ReduceOp to them explicitly).
+ */
+#ifndef ZERO_CUDA_H
+#define ZERO_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One gradient of a batched kernel call: source address, element count, and
+ * the offset (elements) of its first element in the flat destination. The
+ * layout matches zero_seg of kernels.h and segment of kernels.go. */
+typedef struct {
+	uintptr_t ptr;
+	int64_t count;
+	int64_t offset;
+} zc_seg;
+
+/* Limits. Batches of up to ZC_INLINE_SEGS segments travel inside the kernel
+ * parameters; larger ones are copied to a device-side descriptor array from
+ * a pinned staging ring (one copy and one launch per batch). */
+#define ZC_INLINE_SEGS 32
+#define ZC_MAX_RANKS 32  /* buffers of one in-process reduction */
+#define ZC_MAX_DEVICES 64
+
+/* Own status codes, past every cudaError_t and ncclResult_t value. */
+#define ZC_ERR_TOO_MANY_RANKS 10001 /* more than ZC_MAX_RANKS buffers */
+#define ZC_ERR_BAD_DTYPE 10002      /* a dtype or op code out of range */
+#define ZC_ERR_NO_NCCL 10003        /* libnccl.so.2 not loaded; see zc_nccl_load */
+
+/* ---- errors ------------------------------------------------------------ */
+
+const char* zc_error_name(int code);
+const char* zc_error_string(int code);
+
+/* ---- devices and memory ------------------------------------------------- */
+
+int zc_device_count(int* n);
+/* name (NUL-terminated, truncated to namelen), compute capability, memory,
+ * multiprocessors. */
+int zc_device_props(int dev, char* name, int namelen, int* major, int* minor, uint64_t* total_mem, int* sms);
+int zc_mem_info(int dev, uint64_t* free_bytes, uint64_t* total_bytes);
+int zc_device_sync(int dev);
+/* Device memory, zeroed, 256-byte aligned. */
+int zc_malloc(int dev, uint64_t bytes, uintptr_t* p);
+int zc_free(int dev, uintptr_t p);
+/* Pinned (page-locked, portable, mapped) host memory, zeroed. */
+int zc_host_alloc(int dev, uint64_t bytes, uintptr_t* p);
+int zc_host_free(int dev, uintptr_t p);
+
+/* ---- streams and events ------------------------------------------------ */
+
+/* A non-blocking stream (it does not synchronise with the legacy default
+ * stream). */
+int zc_stream_create(int dev, uintptr_t* s);
+int zc_stream_destroy(int dev, uintptr_t s);
+int zc_stream_sync(int dev, uintptr_t s);
+/* Make work enqueued on s after this call wait for event e. */
+int zc_stream_wait(int dev, uintptr_t s, uintptr_t e);
+/* Create an event (with timing when timing != 0) and record it on s. */
+int zc_record(int dev, uintptr_t s, int timing, uintptr_t* e);
+int zc_event_destroy(int dev, uintptr_t e);
+int zc_event_sync(int dev, uintptr_t e);
+/* 0 when the event has fired, cudaErrorNotReady (600) while pending. */
+int zc_event_query(int dev, uintptr_t e);
+int zc_event_elapsed(int dev, uintptr_t start, uintptr_t end, float* ms);
+
+/* ---- copies ------------------------------------------------------------- */
+
+/* cudaMemsetAsync(p, 0, bytes) on s. */
+int zc_memzero(int dev, uintptr_t s, uintptr_t p, uint64_t bytes);
+/* cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault) on s: any direction,
+ * device memory, pinned and pageable host memory. */
+int zc_memcpy(int dev, uintptr_t s, uintptr_t dst, uintptr_t src, uint64_t bytes);
+
+/* ---- kernels (csrc/kernels.cu) ----------------------------------------- */
+
+/* flatten: dst[seg.offset + i] = dst_dtype(src_dtype(seg.ptr[i]) * scale) for
+ * every segment, one launch; the multiply is skipped when scale == 1.
+ * Same arithmetic as zero_flatten of kernels.h. */
+int zc_flatten(int dev, uintptr_t s, uintptr_t dst, int dst_dtype, const zc_seg* segs, int nseg, int src_dtype,
+               float scale);
+
+/* accumulate (copy-vs-add into fp32): acc[seg.offset + i] =
+ * (first ? 0 : acc[..]) + float(seg.ptr[i]) * scale, one launch; sets the
+ * fp32 at flag (device memory, may be 0) to 1.0 when a result is inf or NaN.
+ * Same arithmetic as zero_accumulate. */
+int zc_accumulate(int dev, uintptr_t s, uintptr_t acc, const zc_seg* segs, int nseg, int src_dtype, int first,
+                  float scale, uintptr_t flag);
+
+/* cast: dst[i] = dst_dtype(src_dtype(src[i]) * scale), i < n. */
+int zc_cast(int dev, uintptr_t s, uintptr_t dst, int dst_dtype, uintptr_t src, int src_dtype, int64_t n,
+            float scale);
+
+/* Sum of squares of n fp32 values in double, written to the double at out
+ * (device or pinned memory). Deterministic for a given n: a fixed grid, a
+ * fixed tree in each block and a fixed order over the blocks. */
+int zc_sumsq(int dev, uintptr_t s, uintptr_t x, int64_t n, uintptr_t out);
+
+/* In-process reduce (reduce-scatter of the one-GPU group): for each output j
+ * in [0, nout) and i in [0, count):
+ *   dsts[j][i] = op over k in [0, nsrc) of srcs[k][j * count + i],
+ * in rank order in fp32 (zero_op_combine, zero_op_finish), stored once in
+ * dtype. dsts[j] may be chunk j of a src: each element reads all its inputs
+ * before it writes. */
+int zc_reduce(int dev, uintptr_t s, const uintptr_t* dsts, int nout, const uintptr_t* srcs, int nsrc, int dtype,
+              int op, int64_t count);
+
+/* Fused in-place all-reduce over n buffers of count elements: every element
+ * is reduced in rank order in fp32 and the result, cast once, is written to
+ * every buffer. */
+int zc_allreduce(int dev, uintptr_t s, const uintptr_t* bufs, int n, int dtype, int op, int64_t count);
+
+/* Test helper: a kernel that spins for about ns nanoseconds on s, to hold a
+ * stream back. */
+int zc_spin(int dev, uintptr_t s, int64_t ns);
+
+/* ---- NCCL (csrc/nccl.c), loaded with dlopen ------------------------------ */
+
+/* Load libnccl (path NULL or "" means "libnccl.so.2") and resolve its
+ * symbols. Returns 0, or ZC_ERR_NO_NCCL with the dlopen/dlsym message in
+ * msg. Safe to call again: the first success is kept. */
+int zc_nccl_load(const char* path, char* msg, int msglen);
+/* NCCL_VERSION_CODE of the loaded library, e.g. 22707. */
+int zc_nccl_version(int* version);
+const char* zc_nccl_error_string(int code);
+/* ncclGetLastError(comm) (comm may be 0), copied into msg. */
+void zc_nccl_last_error(uintptr_t comm, char* msg, int msglen);
+/* A 128-byte ncclUniqueId. */
+int zc_nccl_unique_id(char* id128);
+/* ncclCommInitRankConfig in non-blocking mode on device dev, then waits
+ * (polling ncclCommGetAsyncError) until the communicator is ready or
+ * timeout_ms passes; on timeout it aborts the communicator and returns
+ * ncclInProgress (7). */
+int zc_nccl_init(int dev, const char* id128, int world, int rank, int64_t timeout_ms, uintptr_t* comm);
+/* The state of a communicator: ncclSuccess, ncclInProgress or an error. */
+int zc_nccl_async_error(uintptr_t comm, int* state);
+int zc_nccl_abort(int dev, uintptr_t comm);
+int zc_nccl_destroy(int dev, uintptr_t comm);
+
+/* One collective of a batch. kind: 0 all-reduce, 1 reduce-scatter,
+ * 2 all-gather, 3 broadcast (the values of CollectiveKind in nccl.go).
+ * count is the element count NCCL takes: the whole buffer for all-reduce and
+ * broadcast, the per-rank count (recv for reduce-scatter, send for all-gather)
+ * otherwise. */
+typedef struct {
+	int32_t kind;
+	int32_t dtype; /* ZERO_F32 / ZERO_BF16 / ZERO_F16 */
+	int32_t op;    /* ZERO_SUM / ZERO_AVG / ZERO_MAX */
+	int32_t root;
+	uintptr_t send;
+	uintptr_t recv;
+	uint64_t count;
+	uintptr_t stream;
+} zc_nccl_op;
+
+/* Runs ncclGroupStart, the n collectives, ncclGroupEnd on the calling OS
+ * thread (NCCL's group state is per thread), then waits up to timeout_ms for
+ * a non-blocking communicator to finish enqueueing. Returns ncclInProgress
+ * (7) if it did not. */
+int zc_nccl_batch(int dev, uintptr_t comm, const zc_nccl_op* ops, int n, int64_t timeout_ms);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ZERO_CUDA_H */

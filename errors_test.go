@@ -1,0 +1,167 @@
+package zero
+
+import (
+	"errors"
+	"math"
+	"sync"
+	"testing"
+	"time"
+)
+
+func TestConfigErrors(t *testing.T) {
+	comms, _ := NewLocalGroup(1)
+	params := []Param{{Name: "w", Count: 10, DType: BF16}}
+	for name, tc := range map[string]struct {
+		cfg    Config
+		params []Param
+		want   error
+	}{
+		"stage 0":        {Config{Stage: 0, BucketBytes: 1024}, params, ErrConfig},
+		"stage 4":        {Config{Stage: 4, BucketBytes: 1024}, params, ErrConfig},
+		"bucket 0":       {Config{Stage: 2}, params, ErrConfig},
+		"bucket <0":      {Config{Stage: 2, BucketBytes: -1}, params, ErrConfig},
+		"predivide <0":   {Config{Stage: 2, BucketBytes: 1024, PredivideFactor: -2}, params, ErrConfig},
+		"predivide NaN":  {Config{Stage: 2, BucketBytes: 1024, PredivideFactor: math.NaN()}, params, ErrConfig},
+		"accum <0":       {Config{Stage: 2, BucketBytes: 1024, GradAccumSteps: -1}, params, ErrConfig},
+		"comm fp16":      {Config{Stage: 2, BucketBytes: 1024, CommDType: FP16}, params, ErrConfig},
+		"no params":      {Config{Stage: 2, BucketBytes: 1024}, nil, ErrParam},
+		"negative count": {Config{Stage: 2, BucketBytes: 1024}, []Param{{Count: -1, DType: FP32}}, ErrParam},
+		"bad dtype":      {Config{Stage: 2, BucketBytes: 1024}, []Param{{Count: 1}}, ErrDType},
+		"mixed dtypes":   {Config{Stage: 2, BucketBytes: 1024}, []Param{{Count: 1, DType: FP32}, {Count: 1, DType: BF16}}, ErrDType},
+	} {
+		if _, err := New(tc.cfg, comms[0], tc.params); !errors.Is(err, tc.want) {
+			t.Errorf("%s: %v, want %v", name, err, tc.want)
+		}
+	}
+	if _, err := New(DefaultConfig(), nil, params); !errors.Is(err, ErrConfig) {
+		t.Errorf("nil comm: %v, want ErrConfig", err)
+	}
+	if _, err := NewLocalGroup(0); !errors.Is(err, ErrConfig) {
+		t.Errorf("world 0: %v, want ErrConfig", err)
+	}
+}
+
+// TestPlanMismatch: ranks that registered different parameters both get
+// ErrPlanMismatch from New, instead of a hang or silent corruption.
+func TestPlanMismatch(t *testing.T) {
+	comms, _ := NewLocalGroupTimeout(2, 10*time.Second)
+	errs := make([]error, 2)
+	var wg sync.WaitGroup
+	for r := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			params := []Param{{Count: 100, DType: FP32}, {Count: 50 + r, DType: FP32}}
+			e, err := New(Config{Stage: 2, BucketBytes: 1024}, comms[r], params)
+			if err == nil {
+				e.Close()
+			}
+			errs[r] = err
+		}()
+	}
+	wg.Wait()
+	for r, err := range errs {
+		if !errors.Is(err, ErrPlanMismatch) {
+			t.Errorf("rank %d: %v, want ErrPlanMismatch", r, err)
+		}
+	}
+}
+
+// TestGradReadyErrors: bad gradients are refused with a typed error, and
+// nothing is lost: the right gradient reported afterwards gives the right
+// result.
+func TestGradReadyErrors(t *testing.T) {
+	for _, stage := range []int{1, 2, 3} {
+		comms, _ := NewLocalGroup(1)
+		params := []Param{{Name: "a", Count: 8, DType: BF16}, {Name: "b", Count: 3, DType: BF16}}
+		e, err := New(Config{Stage: stage, BucketBytes: 1 << 20}, comms[0], params)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := NewHostStream()
+		good := []uint16{bf16FromFloat(1), bf16FromFloat(2), bf16FromFloat(3)}
+		for name, tc := range map[string]struct {
+			param int
+			grad  Tensor
+			s     Stream
+			want  error
+		}{
+			"size":         {1, Halfs(make([]uint16, 4), BF16), s, ErrGradSize},
+			"dtype":        {1, Float32s(make([]float32, 3)), s, ErrDType},
+			"param range":  {2, Halfs(good, BF16), s, ErrParam},
+			"negative":     {-1, Halfs(good, BF16), s, ErrParam},
+			"nil stream":   {1, Halfs(good, BF16), nil, ErrStream},
+			"wrong stream": {1, Halfs(good, BF16), fakeStream{}, ErrStream},
+		} {
+			if _, err := e.GradReady(tc.param, tc.grad, tc.s); !errors.Is(err, tc.want) {
+				t.Errorf("stage %d %s: %v, want %v", stage, name, err, tc.want)
+			}
+		}
+		if _, err := e.GradReady(1, Halfs(good, BF16), s); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := e.GradReady(1, Halfs(good, BF16), s); !errors.Is(err, ErrDuplicateGrad) {
+			t.Errorf("stage %d twice: %v, want ErrDuplicateGrad", stage, err)
+		}
+		if err := e.Step(); !errors.Is(err, ErrProtocol) {
+			t.Errorf("stage %d: Step inside a backward: %v, want ErrProtocol", stage, err)
+		}
+		if err := e.EndBackward(); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Step(); err != nil {
+			t.Fatal(err)
+		}
+		full, err := e.FullGrads()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if full[1][0] != 1 || full[1][1] != 2 || full[1][2] != 3 || full[0][0] != 0 {
+			t.Errorf("stage %d: after refused calls the gradient is %v %v, want [1 2 3] and zeros", stage, full[1], full[0])
+		}
+		e.Close()
+		s.Close()
+		if _, err := e.GradReady(1, Halfs(good, BF16), s); !errors.Is(err, ErrClosed) {
+			t.Errorf("after Close: %v, want ErrClosed", err)
+		}
+	}
+}
+
+// TestEngineFailsOnPeerLoss: a rank that leaves mid-step makes the other
+// rank's engine report an error, not hang.
+func TestEngineFailsOnPeerLoss(t *testing.T) {
+	comms, _ := NewLocalGroupTimeout(2, 300*time.Millisecond)
+	params := []Param{{Count: 1000, DType: FP32}}
+	errs := make([]error, 2)
+	var wg sync.WaitGroup
+	for r := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			e, err := New(Config{Stage: 2, BucketBytes: 1 << 20, Overlap: true}, comms[r], params)
+			if err != nil {
+				errs[r] = err
+				return
+			}
+			defer e.Close()
+			if r == 1 {
+				return // leaves without reducing
+			}
+			s := NewHostStream()
+			defer s.Close()
+			if _, err := e.GradReady(0, Float32s(make([]float32, 1000)), s); err != nil {
+				errs[r] = err
+				return
+			}
+			if err := e.EndBackward(); err != nil {
+				errs[r] = err
+				return
+			}
+			errs[r] = e.Step()
+		}()
+	}
+	wg.Wait()
+	if !errors.Is(errs[0], ErrTimeout) && !errors.Is(errs[0], ErrPeerFailed) {
+		t.Fatalf("rank 0: %v, want ErrTimeout or ErrPeerFailed", errs[0])
+	}
+}

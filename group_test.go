@@ -1,0 +1,308 @@
+package zero
+
+import (
+	"errors"
+	"math"
+	"math/rand"
+	"sync"
+	"testing"
+	"time"
+	"unsafe"
+)
+
+// onRanks runs fn on every rank of a fresh in-process group and returns
+// the ranks' errors.
+func onRanks(n int, timeout time.Duration, fn func(c Comm, s *HostStream) error) []error {
+	comms, err := NewLocalGroupTimeout(n, timeout)
+	if err != nil {
+		return []error{err}
+	}
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for r := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s := NewHostStream()
+			errs[r] = fn(comms[r], s)
+			if err := s.Close(); errs[r] == nil {
+				errs[r] = err
+			}
+		}()
+	}
+	wg.Wait()
+	return errs
+}
+
+// values returns n random values representable in d, as a tensor and as float64.
+func values(rng *rand.Rand, n int, d DType) (Tensor, []float64) {
+	g := makeGrad(rng, n, d, 1)
+	return g.t, g.ref
+}
+
+func readBack(t Tensor) []float64 {
+	out := make([]float64, t.count)
+	switch t.dtype {
+	case FP32:
+		for i, v := range t.hostFloats() {
+			out[i] = float64(v)
+		}
+	default:
+		for i, v := range halfsOf(t) {
+			if t.dtype == BF16 {
+				out[i] = float64(floatFromBF16(v))
+			} else {
+				out[i] = float64(floatFromFP16(v))
+			}
+		}
+	}
+	return out
+}
+
+// TestLocalCollectives checks each collective, op and dtype against a
+// float64 reference, for several world sizes, with in-place buffers.
+func TestLocalCollectives(t *testing.T) {
+	seed := testSeed(t)
+	for _, n := range []int{1, 2, 3, 4, 8} {
+		for _, d := range []DType{FP32, BF16, FP16} {
+			rng := rand.New(rand.NewSource(seed + int64(n)))
+			const count = 1000 // not a multiple of the split granularity
+			in := make([][]float64, n)
+			bufs := make([]Tensor, n)
+			rs := make([]Tensor, n)
+			rsIn := make([][]float64, n)
+			for r := range n {
+				bufs[r], in[r] = values(rng, count, d)
+				rs[r], rsIn[r] = values(rng, count*n, d)
+			}
+			root := n - 1
+			bc, bcIn := values(rng, 77, d)
+			bcs := make([]Tensor, n)
+			for r := range n {
+				bcs[r], _ = values(rng, 77, d)
+				if r == root {
+					bcs[r] = bc
+				}
+			}
+			for _, op := range []ReduceOp{OpSum, OpAvg, OpMax} {
+				errs := onRanks(n, 10*time.Second, func(c Comm, s *HostStream) error {
+					r := c.Rank()
+					buf := cloneTensor(bufs[r])
+					if err := c.AllReduce(s, buf, op); err != nil {
+						return err
+					}
+					send := cloneTensor(rs[r])
+					recv := send.slice(r*count, count) // in place
+					if err := c.ReduceScatter(s, send, recv, op); err != nil {
+						return err
+					}
+					ag := cloneTensor(rs[r])
+					if err := c.AllGather(s, ag.slice(r*count, count), ag); err != nil {
+						return err
+					}
+					b := cloneTensor(bcs[r])
+					if err := c.Broadcast(s, b, root); err != nil {
+						return err
+					}
+					if err := s.Sync(); err != nil {
+						return err
+					}
+					tol := unitRoundoff(d) * float64(n+1)
+					for i, got := range readBack(buf) {
+						checkClose(t, "all-reduce", n, d, op, i, got, reduceRef(in, i, op), tol*magnitude(in, i))
+					}
+					for i, got := range readBack(recv) {
+						col := make([][]float64, n)
+						for k := range n {
+							col[k] = rsIn[k][r*count : (r+1)*count]
+						}
+						checkClose(t, "reduce-scatter", n, d, op, i, got, reduceRef(col, i, op), tol*magnitude(col, i))
+					}
+					for i, got := range readBack(ag) {
+						if want := rsIn[i/count][i]; got != want {
+							t.Errorf("all-gather n=%d %v: [%d] = %g, want %g", n, d, i, got, want)
+							break
+						}
+					}
+					for i, got := range readBack(b) {
+						if got != bcIn[i] {
+							t.Errorf("broadcast n=%d %v: [%d] = %g, want %g", n, d, i, got, bcIn[i])
+							break
+						}
+					}
+					return nil
+				})
+				for _, err := range errs {
+					if err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+		}
+	}
+}
+
+func cloneTensor(t Tensor) Tensor {
+	if t.dtype == FP32 {
+		return Float32s(append([]float32(nil), t.hostFloats()...))
+	}
+	return Halfs(append([]uint16(nil), halfsOf(t)...), t.dtype)
+}
+
+func halfsOf(t Tensor) []uint16 {
+	b := t.hostBytes()
+	return unsafe.Slice((*uint16)(unsafe.Pointer(&b[0])), t.count)
+}
+
+func reduceRef(in [][]float64, i int, op ReduceOp) float64 {
+	acc := in[0][i]
+	for _, x := range in[1:] {
+		if op == OpMax {
+			acc = math.Max(acc, x[i])
+		} else {
+			acc += x[i]
+		}
+	}
+	if op == OpAvg {
+		acc /= float64(len(in))
+	}
+	return acc
+}
+
+// magnitude is Σ|x| of element i, the scale of a sum's rounding error.
+func magnitude(in [][]float64, i int) float64 {
+	m := 0.0
+	for _, x := range in {
+		m += math.Abs(x[i])
+	}
+	return m
+}
+
+func checkClose(t *testing.T, what string, n int, d DType, op ReduceOp, i int, got, want, tol float64) {
+	t.Helper()
+	if !(math.Abs(got-want) <= tol) {
+		t.Errorf("%s n=%d %v %v: [%d] = %g, want %g", what, n, d, op, i, got, want)
+	}
+}
+
+// TestLocalCollectiveCounters: calls, payload and ring-model wire bytes.
+func TestLocalCollectiveCounters(t *testing.T) {
+	const n = 4
+	errs := onRanks(n, 10*time.Second, func(c Comm, s *HostStream) error {
+		buf := Float32s(make([]float32, 4096))
+		if err := c.AllReduce(s, buf, OpSum); err != nil {
+			return err
+		}
+		if err := c.ReduceScatter(s, buf, buf.slice(c.Rank()*1024, 1024), OpSum); err != nil {
+			return err
+		}
+		if err := c.AllGather(s, buf.slice(c.Rank()*1024, 1024), buf); err != nil {
+			return err
+		}
+		if err := s.Sync(); err != nil {
+			return err
+		}
+		k := c.Counters()
+		for kind, want := range map[CollectiveKind]CollectiveCount{
+			KindAllReduce:     {1, 16384, 2 * 16384 * 3 / 4},
+			KindReduceScatter: {1, 16384, 16384 * 3 / 4},
+			KindAllGather:     {1, 16384, 16384 * 3 / 4},
+		} {
+			if k[kind] != want {
+				t.Errorf("%v: %+v, want %+v", kind, k[kind], want)
+			}
+		}
+		return nil
+	})
+	for _, err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestLocalGroupPeerLeaves: a rank that closes its communicator makes the
+// others' pending collectives fail at once, not hang.
+func TestLocalGroupPeerLeaves(t *testing.T) {
+	start := time.Now()
+	errs := onRanks(3, time.Minute, func(c Comm, s *HostStream) error {
+		if c.Rank() == 1 {
+			return c.Close()
+		}
+		if err := c.AllReduce(s, Float32s(make([]float32, 64)), OpSum); err != nil {
+			return err
+		}
+		return s.Sync()
+	})
+	for r, err := range errs {
+		if r != 1 && !errors.Is(err, ErrPeerFailed) {
+			t.Errorf("rank %d: %v, want ErrPeerFailed", r, err)
+		}
+	}
+	if d := time.Since(start); d > 30*time.Second {
+		t.Errorf("took %v with a one-minute timeout: the peer's exit was not noticed", d)
+	}
+}
+
+// TestLocalGroupPeerVanishes: a rank that returns without a word makes
+// the others fail with ErrTimeout within the timeout.
+func TestLocalGroupPeerVanishes(t *testing.T) {
+	errs := onRanks(3, 200*time.Millisecond, func(c Comm, s *HostStream) error {
+		if c.Rank() == 2 {
+			return nil
+		}
+		if err := c.AllReduce(s, Float32s(make([]float32, 64)), OpSum); err != nil {
+			return err
+		}
+		return s.Sync()
+	})
+	for r, err := range errs[:2] {
+		if !errors.Is(err, ErrTimeout) {
+			t.Errorf("rank %d: %v, want ErrTimeout", r, err)
+		}
+	}
+}
+
+// TestLocalGroupMismatch: ranks that call different collectives get an
+// error, not a hang or a wrong result.
+func TestLocalGroupMismatch(t *testing.T) {
+	errs := onRanks(2, 10*time.Second, func(c Comm, s *HostStream) error {
+		if err := c.AllReduce(s, Float32s(make([]float32, 64+c.Rank())), OpSum); err != nil {
+			return err
+		}
+		return s.Sync()
+	})
+	for r, err := range errs {
+		if !errors.Is(err, ErrMismatch) {
+			t.Errorf("rank %d: %v, want ErrMismatch", r, err)
+		}
+	}
+}
+
+func TestLocalGroupBadInput(t *testing.T) {
+	if _, err := NewLocalGroup(0); !errors.Is(err, ErrConfig) {
+		t.Errorf("NewLocalGroup(0): %v, want ErrConfig", err)
+	}
+	comms, _ := NewLocalGroup(2)
+	s := NewHostStream()
+	defer s.Close()
+	c := comms[0]
+	cases := map[string]struct {
+		err  error
+		want error
+	}{
+		"rs sizes":       {c.ReduceScatter(s, Float32s(make([]float32, 10)), Float32s(make([]float32, 4)), OpSum), ErrGradSize},
+		"ag sizes":       {c.AllGather(s, Float32s(make([]float32, 4)), Float32s(make([]float32, 9))), ErrGradSize},
+		"dtypes":         {c.ReduceScatter(s, Float32s(make([]float32, 8)), Halfs(make([]uint16, 4), BF16), OpSum), ErrDType},
+		"op":             {c.AllReduce(s, Float32s(make([]float32, 8)), ReduceOp(9)), ErrConfig},
+		"root":           {c.Broadcast(s, Float32s(make([]float32, 8)), 2), ErrConfig},
+		"foreign stream": {c.AllReduce(fakeStream{}, Float32s(make([]float32, 8)), OpSum), ErrStream},
+	}
+	for name, tc := range cases {
+		if !errors.Is(tc.err, tc.want) {
+			t.Errorf("%s: %v, want %v", name, tc.err, tc.want)
+		}
+	}
+}
+
+type fakeStream struct{ Stream }

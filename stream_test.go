@@ -1,0 +1,128 @@
+package zero
+
+import (
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// TestHostStreamOrder: work runs in enqueue order, one item at a time.
+func TestHostStreamOrder(t *testing.T) {
+	s := NewHostStream()
+	defer s.Close()
+	var got []int
+	for i := range 100 {
+		s.Launch(func() error { got = append(got, i); return nil })
+	}
+	if err := s.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	for i, v := range got {
+		if v != i {
+			t.Fatalf("item %d ran as %d", i, v)
+		}
+	}
+}
+
+// TestHostStreamWait: work after Wait(e) runs after the work before e on
+// the other stream, and not before; work before the Wait is not held.
+func TestHostStreamWait(t *testing.T) {
+	a, b := NewHostStream(), NewHostStream()
+	defer a.Close()
+	defer b.Close()
+	gate := make(chan struct{})
+	var aDone atomic.Bool
+	a.Launch(func() error { <-gate; aDone.Store(true); return nil })
+	ev, _ := a.Record()
+	var early atomic.Bool
+	b.Launch(func() error { early.Store(true); return nil })
+	b.Wait(ev)
+	var sawA atomic.Bool
+	b.Launch(func() error { sawA.Store(aDone.Load()); return nil })
+	time.Sleep(20 * time.Millisecond)
+	if !early.Load() {
+		t.Error("work enqueued before Wait was held back")
+	}
+	if ev.Done() {
+		t.Error("event fired before its work ran")
+	}
+	close(gate)
+	if err := b.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if !sawA.Load() {
+		t.Error("work after Wait ran before the awaited work")
+	}
+	if !ev.Done() {
+		t.Error("event not fired after Sync of a waiter")
+	}
+	if err := b.Wait(nil); err != nil {
+		t.Errorf("Wait(nil): %v", err)
+	}
+}
+
+// TestHostStreamErrors: an error is sticky, skips later work, fires
+// events with the error and fails streams that wait on them.
+func TestHostStreamErrors(t *testing.T) {
+	a, b := NewHostStream(), NewHostStream()
+	defer b.Close()
+	boom := errors.New("boom")
+	a.Launch(func() error { return boom })
+	ran := false
+	a.Launch(func() error { ran = true; return nil })
+	ev, _ := a.Record()
+	if err := ev.Sync(); !errors.Is(err, boom) {
+		t.Errorf("event: %v, want boom", err)
+	}
+	if err := a.Sync(); !errors.Is(err, boom) || ran {
+		t.Errorf("Sync: %v (later work ran: %v), want boom and skipped", err, ran)
+	}
+	b.Wait(ev)
+	if err := b.Sync(); !errors.Is(err, boom) {
+		t.Errorf("waiter: %v, want boom", err)
+	}
+	if err := a.Close(); !errors.Is(err, boom) {
+		t.Errorf("Close: %v", err)
+	}
+	if err := a.Launch(func() error { return nil }); !errors.Is(err, ErrClosed) {
+		t.Errorf("Launch after Close: %v, want ErrClosed", err)
+	}
+}
+
+func TestElapsed(t *testing.T) {
+	s := NewHostStream()
+	defer s.Close()
+	e0, _ := s.Record()
+	s.Launch(func() error { time.Sleep(5 * time.Millisecond); return nil })
+	e1, _ := s.Record()
+	d, err := Elapsed(e0, e1)
+	if err != nil || d < 5*time.Millisecond {
+		t.Errorf("Elapsed = %v, %v; want ≥ 5ms", d, err)
+	}
+}
+
+// TestHostAllocStagger: allocations are 64-byte aligned and do not all sit
+// at one offset modulo a large power of two.
+func TestHostAllocStagger(t *testing.T) {
+	seen := map[uintptr]bool{}
+	for range 8 {
+		x, err := CPU().Alloc(1<<20, FP32)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer CPU().Free(x)
+		if x.ptr%64 != 0 {
+			t.Errorf("%#x is not 64-byte aligned", x.ptr)
+		}
+		for _, v := range x.hostFloats()[:1024] {
+			if v != 0 {
+				t.Fatal("Alloc did not zero")
+			}
+		}
+		seen[x.ptr%(1<<16)] = true
+	}
+	if len(seen) < 8 {
+		t.Errorf("8 buffers share %d offsets modulo 64 KiB", len(seen))
+	}
+}
