@@ -112,7 +112,7 @@ ZERO_HD float zero_f16_to_f32(uint16_t h) {
 	uint32_t m_sub = 0u - (uint32_t)(e == 0);
 	uint32_t m_spc = 0u - (uint32_t)(e == 0x7c00);
 	uint32_t m_nan = 0u - (uint32_t)(em > 0x7c00);
-	uint32_t r = (sub & m_sub) | (special & m_spc) | (normal & ~(m_sub | m_spc)) | 0;
+	uint32_t r = (sub & m_sub) | (special & m_spc) | (normal & ~(m_sub | m_spc)) | (0x00400000u & m_nan);
 	return zero_u2f(sign | r);
 }
 
