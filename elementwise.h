@@ -136,7 +136,7 @@ ZERO_HD uint16_t zero_f32_to_f16(float f) {
 	uint32_t nrm = ((uint32_t)a - (112u << 23) + 0x0fffu + (((uint32_t)a >> 13) & 1u)) >> 13;
 	/* all-ones masks instead of branches, so loops over this vectorise */
 	uint32_t m_nan = 0u - (uint32_t)(a > 0x7f800000);
-	uint32_t m_big = (0u - (uint32_t)(a >= 0x477ff000)) & ~m_nan;
+	uint32_t m_big = (0u - (uint32_t)(a >= 0x48000000)) & ~m_nan;
 	uint32_t m_sub = 0u - (uint32_t)(a < 0x38800000);
 	uint32_t m_nrm = ~(m_nan | m_big | m_sub);
 	uint32_t r = (nan & m_nan) | (0x7c00u & m_big) | (sub & m_sub) | (nrm & m_nrm);

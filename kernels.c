@@ -28,7 +28,7 @@ ZK_INLINE void zk_conv_loop(void* restrict dst, int dt, const void* restrict src
                             int64_t n) {
 	for (int64_t i = 0; i < n; i++) {
 		float v = zero_load(src, st, i);
-		v = v * scale;
+		if (doscale) v = v * scale;
 		zero_store(dst, dt, i, v);
 	}
 }
@@ -85,7 +85,7 @@ ZK_INLINE uint32_t zk_acc_loop(float* restrict acc, const void* restrict src, in
 	uint32_t bad = 0;
 	for (int64_t i = 0; i < n; i++) {
 		float v = zero_load(src, st, i);
-		v = v * scale;
+		if (doscale) v = v * scale;
 		float r = first ? v : acc[i] + v;
 		acc[i] = r;
 		bad |= (uint32_t)((zero_f2u(r) & 0x7f800000u) == 0x7f800000u);

@@ -552,3 +552,112 @@ func TestProducerStreamRule(t *testing.T) {
 		t.Logf("narrowed wait, as expected: %v", err)
 	}
 }
+
+// TestCommDTypeFP32: bf16 and fp16 gradients reduced over an fp32 wire are
+// as accurate as fp32 arithmetic allows.
+func TestCommDTypeFP32(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	for _, stage := range []int{1, 2, 3} {
+		for _, d := range []DType{BF16, FP16} {
+			for _, world := range []int{2, 4} {
+				params := testParams(d)
+				r := runSpec{stage: stage, world: world, dtype: d, comm: FP32, backwards: 2, steps: 2, streams: 2, bucket: 512, predivide: 2, overlap: true}
+				data := makeWorkload(rng, r, params)
+				checkMean(t, r, params, data, runEngine(t, r, params, data, seed))
+			}
+		}
+	}
+}
+
+// TestOverflowFlag: the accumulate pass flags an inf or NaN on the rank
+// that owns it, and the flag clears at the next step.
+func TestOverflowFlag(t *testing.T) {
+	for _, stage := range []int{1, 2} {
+		params := []Param{{Count: 256, DType: FP32}}
+		comms, _ := NewLocalGroup(2)
+		flags := make([][]bool, 2)
+		errs := make([]error, 2)
+		var wg sync.WaitGroup
+		for rank := range 2 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs[rank] = func() error {
+					e, err := New(Config{Stage: stage, BucketBytes: 1 << 20, Align: 1}, comms[rank], params)
+					if err != nil {
+						return err
+					}
+					defer e.Close()
+					s := NewHostStream()
+					defer s.Close()
+					for step := range 2 {
+						g := make([]float32, 256)
+						if step == 0 && rank == 0 {
+							g[200] = float32(math.Inf(1)) // element 200 lives on rank 1's shard
+						}
+						if _, err := e.GradReady(0, Float32s(g), s); err != nil {
+							return err
+						}
+						if err := e.EndBackward(); err != nil {
+							return err
+						}
+						if err := e.Step(); err != nil {
+							return err
+						}
+						flags[rank] = append(flags[rank], e.Stats().Overflow)
+					}
+					return nil
+				}()
+			}()
+		}
+		wg.Wait()
+		for _, err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		if flags[0][0] || !flags[1][0] || flags[0][1] || flags[1][1] {
+			t.Errorf("stage %d: overflow flags %v, want rank 1 set on step 0 only", stage, flags)
+		}
+	}
+}
+
+// TestStagingPoolGrows: when gradients arrive in an order that keeps more
+// buckets open than the pool holds, the pool grows and the stats show it;
+// in backward order it stays at two.
+func TestStagingPoolGrows(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	params := testParams(FP32)
+	r := runSpec{stage: 2, world: 2, dtype: FP32, backwards: 1, steps: 1, streams: 1, bucket: 256, predivide: 1, overlap: true}
+	data := makeWorkload(rng, r, params)
+	inOrder := runEngine(t, r, params, data, seed)
+	if got := inOrder[0].stats[0].StagingBuffers; got != 2 {
+		t.Errorf("backward order: %d staging buffers, want 2", got)
+	}
+	// Registration order is the reverse of backward order: every bucket
+	// stays open until the last one completes.
+	comms, _ := NewLocalGroup(1)
+	e, err := New(Config{Stage: 2, BucketBytes: 256}, comms[0], params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	s := NewHostStream()
+	defer s.Close()
+	for p := range params {
+		if _, err := e.GradReady(p, data[0][0][0][p].t, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := e.EndBackward(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Step(); err != nil {
+		t.Fatal(err)
+	}
+	if got, nb := e.Stats().StagingBuffers, len(e.Plan().Buckets); got != nb {
+		t.Errorf("registration order: %d staging buffers, want one per bucket (%d)", got, nb)
+	}
+}
