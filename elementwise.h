@@ -90,9 +90,10 @@ ZERO_HD float zero_bf16_to_f32(uint16_t h) {
  * the carry could reach the sign, so it becomes a quiet NaN with its sign. */
 ZERO_HD uint16_t zero_f32_to_bf16(float f) {
 	uint32_t u = zero_f2u(f);
-	uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-	uint32_t q = (u >> 16) | 0x0040u;
-	return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? q : r);
+	/* all-ones if NaN; then no rounding increment, and the quiet bit set */
+	uint32_t nan = 0u - (uint32_t)((int32_t)(u & 0x7fffffffu) > 0x7f800000);
+	uint32_t bias = (0x7fffu + ((u >> 16) & 1u)) & ~nan;
+	return (uint16_t)(((u + bias) >> 16) | (nan & 0x0040u));
 }
 
 /* ---- fp16 (IEEE binary16) ----------------------------------------------- */
@@ -136,7 +137,7 @@ ZERO_HD uint16_t zero_f32_to_f16(float f) {
 	uint32_t nrm = ((uint32_t)a - (112u << 23) + 0x0fffu + (((uint32_t)a >> 13) & 1u)) >> 13;
 	/* all-ones masks instead of branches, so loops over this vectorise */
 	uint32_t m_nan = 0u - (uint32_t)(a > 0x7f800000);
-	uint32_t m_big = (0u - (uint32_t)(a >= 0x48000000)) & ~m_nan;
+	uint32_t m_big = (0u - (uint32_t)(a >= 0x477ff000)) & ~m_nan;
 	uint32_t m_sub = 0u - (uint32_t)(a < 0x38800000);
 	uint32_t m_nrm = ~(m_nan | m_big | m_sub);
 	uint32_t r = (nan & m_nan) | (0x7c00u & m_big) | (sub & m_sub) | (nrm & m_nrm);

@@ -282,6 +282,17 @@ func allReduceFusedHost(bufs []uintptr, dtype DType, op ReduceOp, lo, hi int) {
 		C.int64_t(lo), C.int64_t(hi))
 }
 
+// kernelLevel returns the ISA level of the host kernels' hot loops: 0 for the
+// x86-64-v2 baseline (and non-x86 machines), 1 for AVX2, 2 for AVX-512. Every
+// level gives the same bits.
+func kernelLevel() int { return int(C.zero_kernel_level()) }
+
+// setKernelLevel selects an ISA level for tests and benchmarks (a level the
+// CPU lacks, or -1, selects the best it has) and returns the level in use.
+// Kernels read the level once per call, so changing it while kernels run is
+// safe, and since every level gives the same bits, harmless.
+func setKernelLevel(level int) int { return int(C.zero_set_kernel_level(C.int(level))) }
+
 // bf16FromFloat rounds f to bf16 (nearest even; NaN stays a quiet NaN).
 func bf16FromFloat(f float32) uint16 { return uint16(C.zk_bf16_from(C.float(f))) }
 

@@ -58,6 +58,15 @@ void zero_reduce(void* dst, const uintptr_t* srcs, int n, int dtype, int op, int
  * order, and write it (cast to dtype) to every buffer while it is in cache. */
 void zero_allreduce_fused(const uintptr_t* bufs, int n, int dtype, int op, int64_t lo, int64_t hi);
 
+/* ISA level of the hot loops: 0 = x86-64-v2 baseline (and every non-x86
+ * machine), 1 = AVX2 (x86-64-v3), 2 = AVX-512 (x86-64-v4). By default the
+ * widest the CPU supports. All levels give the same bits. */
+int zero_kernel_level(void);
+/* Sets the level (tests and benchmarks); a level < 0 or above what the CPU
+ * supports selects the CPU's best. Returns the level now in use. The level is
+ * read once per kernel call, atomically, so it may change at any time. */
+int zero_set_kernel_level(int level);
+
 /* Benchmark yardsticks: the simplest C loops that move the same bytes as a
  * kernel, over [lo, hi). Used only by bench_kernels_test.go. */
 void zero_yard_copy16(uint16_t* dst, const uint16_t* src, int64_t lo, int64_t hi);

@@ -379,7 +379,9 @@ func near(got float32, want, scale, rel, abs float64) bool {
 
 // ---- conversions ---------------------------------------------------------------
 
-func TestConvertBF16Exhaustive(t *testing.T) {
+func TestConvertBF16Exhaustive(t *testing.T) { forEachLevel(t, testConvertBF16Exhaustive) }
+
+func testConvertBF16Exhaustive(t *testing.T) {
 	src := newTBuf(BF16, 65536)
 	for i := range src.h {
 		src.h[i] = uint16(i)
@@ -407,7 +409,9 @@ func TestConvertBF16Exhaustive(t *testing.T) {
 	}
 }
 
-func TestConvertFP16Exhaustive(t *testing.T) {
+func TestConvertFP16Exhaustive(t *testing.T) { forEachLevel(t, testConvertFP16Exhaustive) }
+
+func testConvertFP16Exhaustive(t *testing.T) {
 	src := newTBuf(FP16, 65536)
 	for i := range src.h {
 		src.h[i] = uint16(i)
@@ -517,7 +521,9 @@ func convertAll(t *testing.T, xs []float32, bad *int) {
 	}
 }
 
-func TestConvertEdges(t *testing.T) {
+func TestConvertEdges(t *testing.T) { forEachLevel(t, testConvertEdges) }
+
+func testConvertEdges(t *testing.T) {
 	bad := 0
 	xs := edgeFloats()
 	convertAll(t, xs, &bad)
@@ -554,7 +560,9 @@ func TestConvertEdges(t *testing.T) {
 	}
 }
 
-func TestConvertRandom(t *testing.T) {
+func TestConvertRandom(t *testing.T) { forEachLevel(t, testConvertRandom) }
+
+func testConvertRandom(t *testing.T) {
 	rng := testRNG(t)
 	n := 1 << 20
 	if testing.Short() {
@@ -582,6 +590,101 @@ func TestConvertRandom(t *testing.T) {
 		xs[i] = math.Float32frombits(u)
 	}
 	convertAll(t, xs, &bad)
+}
+
+// ---- ISA levels ------------------------------------------------------------------
+
+// forEachLevel runs fn as a subtest at every ISA level of the host kernels
+// that this machine supports (kernels.c compiles the hot loops for x86-64-v2,
+// AVX2 and AVX-512), then restores the default.
+func forEachLevel(t *testing.T, fn func(t *testing.T)) {
+	best := setKernelLevel(-1)
+	defer setKernelLevel(-1)
+	for l := 0; l <= best; l++ {
+		if got := setKernelLevel(l); got != l {
+			t.Fatalf("setKernelLevel(%d) = %d", l, got)
+		}
+		t.Run(fmt.Sprintf("isa%d", l), fn)
+	}
+}
+
+// Every ISA level gives the same bits as the baseline for every kernel and
+// dtype, on random data with specials and arbitrary bit patterns. NaN
+// payloads must match too where one NaN passes through (conversions and
+// scaling); where two NaNs meet in an add (accumulate, reductions) which
+// payload survives depends on the operand order the compiler picks, so
+// there only NaN-ness must match.
+func TestKernelLevelsAgree(t *testing.T) {
+	rng := testRNG(t)
+	best := setKernelLevel(-1)
+	defer setKernelLevel(-1)
+	t.Logf("ISA levels 0..%d", best)
+	n := 50_000 + rng.IntN(1000)
+	seed := rng.Uint64()
+	type output struct {
+		b     *tbuf
+		exact bool // NaN payloads must match
+		name  string
+	}
+	run := func() (out []output, sumsq float64) {
+		r := rand.New(rand.NewPCG(seed, 7)) // the same inputs at every level
+		for _, st := range allDTypes {
+			src := newTBuf(st, n)
+			fillRand(r, src, true)
+			for i := 0; i < n; i += 5 {
+				src.setBits(i, r.Uint32()) // any bits: NaN payloads, subnormals, huge values
+			}
+			for _, dt := range allDTypes {
+				for _, scale := range []float32{1, 0.3} {
+					dst := newTBuf(dt, n)
+					castHost(dst.ptr(), dt, src.ptr(), st, n, scale)
+					out = append(out, output{dst, true, fmt.Sprintf("cast %v->%v scale %g", st, dt, scale)})
+				}
+			}
+			acc := newTBuf(FP32, n)
+			fillRand(r, acc, true)
+			accumulateHost(acc.ptr(), []segment{{ptr: src.ptr(), count: int64(n)}}, st, false, 0.7, 0)
+			out = append(out, output{acc, false, fmt.Sprintf("accumulate %v", st)})
+			for _, op := range allOps {
+				bufs := make([]uintptr, 3)
+				keep := make([]*tbuf, 3)
+				for k := range bufs {
+					keep[k] = newTBuf(st, n)
+					fillRand(r, keep[k], true)
+					bufs[k] = keep[k].ptr()
+				}
+				dst := newTBuf(st, n)
+				reduceHost(dst.ptr(), bufs, st, op, 0, n)
+				allReduceFusedHost(bufs, st, op, 0, n)
+				out = append(out, output{dst, false, fmt.Sprintf("reduce %v %v", st, op)})
+				for k := range keep {
+					out = append(out, output{keep[k], false, fmt.Sprintf("all-reduce %v %v rank %d", st, op, k)})
+				}
+			}
+		}
+		x := newTBuf(FP32, n)
+		fillRand(r, x, false)
+		return out, sumSquaresHost(x.ptr(), n)
+	}
+	setKernelLevel(0)
+	base, baseSq := run()
+	for l := 1; l <= best; l++ {
+		setKernelLevel(l)
+		got, sq := run()
+		if sq != baseSq {
+			t.Errorf("level %d: sum of squares %v, level 0 gave %v", l, sq, baseSq)
+		}
+		for k, o := range base {
+			g := got[k].b
+			for i := 0; i < o.b.len(); i++ {
+				want, have := o.b.bits(i), g.bits(i)
+				if have == want || (!o.exact && sameBits(o.b.dt, have, want)) {
+					continue
+				}
+				t.Fatalf("level %d, %s, element %d: %#x, level 0 gave %#x", l, o.name, i, have, want)
+			}
+		}
+	}
 }
 
 // ---- parallel split ----------------------------------------------------------
@@ -669,7 +772,9 @@ var testScales = []float32{1, 0.125, 0.3, -3.75}
 
 const sentinel = 12345.0
 
-func TestFlatten(t *testing.T) {
+func TestFlatten(t *testing.T) { forEachLevel(t, testFlatten) }
+
+func testFlatten(t *testing.T) {
 	rng := testRNG(t)
 	for _, st := range allDTypes {
 		for _, dt := range allDTypes {
@@ -731,7 +836,9 @@ func checkFlat(t *testing.T, name string, l *segLayout, dst, whole *tbuf, scale 
 
 // A signalling NaN copied with scale 1 keeps its bits (the multiply is
 // skipped), and the result does not depend on how many cores split the work.
-func TestFlattenCopyAndParallel(t *testing.T) {
+func TestFlattenCopyAndParallel(t *testing.T) { forEachLevel(t, testFlattenCopyAndParallel) }
+
+func testFlattenCopyAndParallel(t *testing.T) {
 	rng := testRNG(t)
 	src := newTBuf(FP32, 4)
 	src.f[0] = math.Float32frombits(0x7f800001)
@@ -771,7 +878,9 @@ func TestFlattenCopyAndParallel(t *testing.T) {
 	}
 }
 
-func TestAccumulate(t *testing.T) {
+func TestAccumulate(t *testing.T) { forEachLevel(t, testAccumulate) }
+
+func testAccumulate(t *testing.T) {
 	rng := testRNG(t)
 	for _, st := range allDTypes {
 		for _, first := range []bool{true, false} {
@@ -859,7 +968,9 @@ func checkAcc(t *testing.T, name string, l *segLayout, acc, before *tbuf, first 
 
 // The flag goes up for inf, NaN and overflow in the add, in any part of a
 // parallel split, and stays down otherwise; a zero flag address is allowed.
-func TestAccumulateFlag(t *testing.T) {
+func TestAccumulateFlag(t *testing.T) { forEachLevel(t, testAccumulateFlag) }
+
+func testAccumulateFlag(t *testing.T) {
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
 	runtime.GOMAXPROCS(3)
 	n := 500_000
@@ -910,7 +1021,9 @@ func TestAccumulateFlag(t *testing.T) {
 	}
 }
 
-func TestCast(t *testing.T) {
+func TestCast(t *testing.T) { forEachLevel(t, testCast) }
+
+func testCast(t *testing.T) {
 	rng := testRNG(t)
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
 	for _, st := range allDTypes {
@@ -962,7 +1075,9 @@ func refSumSqLanes(x []float32) float64 {
 	return s[0]
 }
 
-func TestSumSq(t *testing.T) {
+func TestSumSq(t *testing.T) { forEachLevel(t, testSumSq) }
+
+func testSumSq(t *testing.T) {
 	rng := testRNG(t)
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
 	for _, n := range []int{0, 1, 15, 16, 17, 1000 + rng.IntN(100), 400_000 + rng.IntN(1000)} {
@@ -1070,7 +1185,9 @@ func checkReduced(t *testing.T, name string, got *tbuf, bufs []*tbuf, op ReduceO
 	return true
 }
 
-func TestReduce(t *testing.T) {
+func TestReduce(t *testing.T) { forEachLevel(t, testReduce) }
+
+func testReduce(t *testing.T) {
 	rng := testRNG(t)
 	for _, dt := range allDTypes {
 		for _, op := range allOps {
@@ -1126,7 +1243,9 @@ func TestReduce(t *testing.T) {
 	}
 }
 
-func TestAllReduceFused(t *testing.T) {
+func TestAllReduceFused(t *testing.T) { forEachLevel(t, testAllReduceFused) }
+
+func testAllReduceFused(t *testing.T) {
 	rng := testRNG(t)
 	for _, dt := range allDTypes {
 		for _, op := range allOps {
@@ -1173,7 +1292,9 @@ func TestAllReduceFused(t *testing.T) {
 }
 
 // NaN and inf propagate through every op, from any rank.
-func TestReduceNonFinite(t *testing.T) {
+func TestReduceNonFinite(t *testing.T) { forEachLevel(t, testReduceNonFinite) }
+
+func testReduceNonFinite(t *testing.T) {
 	for _, dt := range allDTypes {
 		for _, op := range allOps {
 			const n = 4

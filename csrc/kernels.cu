@@ -21,321 +21,47 @@
  *     falls back to one element at a time otherwise.
  *   - The in-process reductions (reduce-scatter and the fused all-reduce of
  *     the one-GPU group) are grid-stride loops over packs of 8.
+ *
+ * The kernel bodies live in kernels_dev.cuh, so that csrc/emu_test.cc can run
+ * them on the host (`make cuda-emu`) where there is no GPU; this file wraps
+ * them in __global__ kernels and holds the host side: descriptor staging,
+ * kernel tables and the extern "C" launchers of zero_cuda.h.
  */
 #include <cuda_runtime.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "../elementwise.h"
-#include "zero_cuda.h"
+#include "kernels_dev.cuh"
 
-#define ZC_THREADS 256
-#define ZC_PACK 8                                /* elements per pack */
-#define ZC_UNROLL 4                              /* packs per thread per chunk */
-#define ZC_CHUNK (ZC_THREADS * ZC_PACK * ZC_UNROLL) /* elements per block */
-
-/* ---- descriptors ------------------------------------------------------- */
-
-/* A segment as the kernels see it: block0 is the number of the first block
- * of the launch that works on it. */
-struct zc_dseg {
-	uintptr_t src;
-	int64_t count;
-	int64_t offset;
-	int64_t block0;
-};
-
-struct zc_segs_arg {
-	const zc_dseg* ext; /* device array, or NULL: use inl */
-	int nseg;
-	zc_dseg inl[ZC_INLINE_SEGS];
-};
-
-struct zc_red_arg {
-	uintptr_t dst[ZC_MAX_RANKS];
-	uintptr_t src[ZC_MAX_RANKS];
-	int nout;
-	int nsrc;
-	int64_t count;
-	int vec; /* every address and the per-output stride allow 16-byte access */
-};
-
-/* ---- typed packs of 8 --------------------------------------------------- */
-
-__host__ __device__ constexpr int zc_size(int t) { return t == ZERO_F32 ? 4 : 2; }
-
-template <int T>
-__device__ __forceinline__ float zc_widen(uint32_t h) {
-	return T == ZERO_BF16 ? zero_bf16_to_f32((uint16_t)h) : zero_f16_to_f32((uint16_t)h);
-}
-
-template <int T>
-__device__ __forceinline__ uint32_t zc_narrow(float v) {
-	return T == ZERO_BF16 ? (uint32_t)zero_f32_to_bf16(v) : (uint32_t)zero_f32_to_f16(v);
-}
-
-/* 16 or 32 bytes of raw data: 8 elements of T. */
-struct zc_raw {
-	uint4 a, b;
-};
-
-template <int T>
-__device__ __forceinline__ zc_raw zc_load_raw(const char* p) {
-	zc_raw r;
-	r.a = __ldg((const uint4*)p);
-	if (T == ZERO_F32) r.b = __ldg((const uint4*)p + 1);
-	return r;
-}
-
-/* Plain (coherent) load, for buffers the same kernel writes: accumulators
- * and in-place reductions. */
-template <int T>
-__device__ __forceinline__ zc_raw zc_load_raw_rw(const char* p) {
-	zc_raw r;
-	r.a = *(const uint4*)p;
-	if (T == ZERO_F32) r.b = *((const uint4*)p + 1);
-	return r;
-}
-
-template <int T>
-__device__ __forceinline__ void zc_unpack(const zc_raw& r, float v[ZC_PACK]) {
-	if (T == ZERO_F32) {
-		v[0] = __uint_as_float(r.a.x);
-		v[1] = __uint_as_float(r.a.y);
-		v[2] = __uint_as_float(r.a.z);
-		v[3] = __uint_as_float(r.a.w);
-		v[4] = __uint_as_float(r.b.x);
-		v[5] = __uint_as_float(r.b.y);
-		v[6] = __uint_as_float(r.b.z);
-		v[7] = __uint_as_float(r.b.w);
-	} else {
-		/* little endian: element 2k is the low half of word k */
-		v[0] = zc_widen<T>(r.a.x & 0xffffu);
-		v[1] = zc_widen<T>(r.a.x >> 16);
-		v[2] = zc_widen<T>(r.a.y & 0xffffu);
-		v[3] = zc_widen<T>(r.a.y >> 16);
-		v[4] = zc_widen<T>(r.a.z & 0xffffu);
-		v[5] = zc_widen<T>(r.a.z >> 16);
-		v[6] = zc_widen<T>(r.a.w & 0xffffu);
-		v[7] = zc_widen<T>(r.a.w >> 16);
-	}
-}
-
-template <int T>
-__device__ __forceinline__ zc_raw zc_pack(const float v[ZC_PACK]) {
-	zc_raw r;
-	if (T == ZERO_F32) {
-		r.a = make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
-		r.b = make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]), __float_as_uint(v[7]));
-	} else {
-		r.a = make_uint4(zc_narrow<T>(v[0]) | (zc_narrow<T>(v[1]) << 16), zc_narrow<T>(v[2]) | (zc_narrow<T>(v[3]) << 16),
-		                 zc_narrow<T>(v[4]) | (zc_narrow<T>(v[5]) << 16), zc_narrow<T>(v[6]) | (zc_narrow<T>(v[7]) << 16));
-		r.b = r.a;
-	}
-	return r;
-}
-
-template <int T>
-__device__ __forceinline__ void zc_store_raw(char* p, const zc_raw& r) {
-	*(uint4*)p = r.a;
-	if (T == ZERO_F32) *((uint4*)p + 1) = r.b;
-}
-
-/* ---- segment lookup ------------------------------------------------------ */
-
-/* The segment block b works on: the last one whose block0 <= b (segments of
- * zero blocks never match, since the next segment has the same block0). */
-__device__ __forceinline__ zc_dseg zc_find(const zc_dseg* segs, int nseg, int64_t b) {
-	int lo = 0, hi = nseg - 1;
-	while (lo < hi) {
-		int mid = (lo + hi + 1) >> 1;
-		if (segs[mid].block0 <= b)
-			lo = mid;
-		else
-			hi = mid - 1;
-	}
-	return segs[lo];
-}
-
-/* ---- flatten (and cast) -------------------------------------------------- */
+/* ---- the kernels: the bodies of kernels_dev.cuh over the grid -------------- */
 
 template <int DT, int ST, bool SCALE>
 __global__ void __launch_bounds__(ZC_THREADS)
     zc_k_flatten(char* __restrict__ dst, const __grid_constant__ zc_segs_arg a, float scale) {
-	const zc_dseg* segs = a.ext ? a.ext : a.inl;
-	const int64_t b = blockIdx.x;
-	const zc_dseg sg = zc_find(segs, a.nseg, b);
-	const int64_t start = (b - sg.block0) * ZC_CHUNK;
-	const int64_t end = sg.count < start + ZC_CHUNK ? sg.count : start + ZC_CHUNK;
-	const char* __restrict__ src = (const char*)sg.src;
-	char* __restrict__ d = dst + sg.offset * zc_size(DT);
-	int64_t tail = start;
-	if (((sg.src | (uintptr_t)d) & 15u) == 0) {
-		const int64_t vend = start + (end - start) / ZC_PACK * ZC_PACK;
-		zc_raw in[ZC_UNROLL];
-#pragma unroll
-		for (int u = 0; u < ZC_UNROLL; u++) {
-			int64_t i = start + ((int64_t)u * ZC_THREADS + threadIdx.x) * ZC_PACK;
-			if (i < vend) in[u] = zc_load_raw<ST>(src + i * zc_size(ST));
-		}
-#pragma unroll
-		for (int u = 0; u < ZC_UNROLL; u++) {
-			int64_t i = start + ((int64_t)u * ZC_THREADS + threadIdx.x) * ZC_PACK;
-			if (i < vend) {
-				float v[ZC_PACK];
-				zc_unpack<ST>(in[u], v);
-				if (SCALE) {
-#pragma unroll
-					for (int k = 0; k < ZC_PACK; k++) v[k] = v[k] * scale;
-				}
-				zc_store_raw<DT>(d + i * zc_size(DT), zc_pack<DT>(v));
-			}
-		}
-		tail = vend;
-	}
-	for (int64_t i = tail + threadIdx.x; i < end; i += ZC_THREADS) {
-		float v = zero_load(src, ST, i);
-		if (SCALE) v = v * scale;
-		zero_store(d, DT, i, v);
-	}
+	zc_flatten_block<DT, ST, SCALE>(dst, a.ext ? a.ext : a.inl, a.nseg, scale, blockIdx.x, threadIdx.x);
 }
-
-/* ---- accumulate ---------------------------------------------------------- */
 
 template <int ST, bool SCALE, bool FIRST>
 __global__ void __launch_bounds__(ZC_THREADS)
     zc_k_accumulate(float* __restrict__ acc, const __grid_constant__ zc_segs_arg a, float scale, float* flag) {
-	const zc_dseg* segs = a.ext ? a.ext : a.inl;
-	const int64_t b = blockIdx.x;
-	const zc_dseg sg = zc_find(segs, a.nseg, b);
-	const int64_t start = (b - sg.block0) * ZC_CHUNK;
-	const int64_t end = sg.count < start + ZC_CHUNK ? sg.count : start + ZC_CHUNK;
-	const char* __restrict__ src = (const char*)sg.src;
-	float* __restrict__ d = acc + sg.offset;
-	uint32_t bad = 0;
-	int64_t tail = start;
-	if (((sg.src | (uintptr_t)d) & 15u) == 0) {
-		const int64_t vend = start + (end - start) / ZC_PACK * ZC_PACK;
-		zc_raw in[ZC_UNROLL], old[ZC_UNROLL];
-#pragma unroll
-		for (int u = 0; u < ZC_UNROLL; u++) {
-			int64_t i = start + ((int64_t)u * ZC_THREADS + threadIdx.x) * ZC_PACK;
-			if (i < vend) {
-				in[u] = zc_load_raw<ST>(src + i * zc_size(ST));
-				if (!FIRST) old[u] = zc_load_raw_rw<ZERO_F32>((const char*)(d + i));
-			}
-		}
-#pragma unroll
-		for (int u = 0; u < ZC_UNROLL; u++) {
-			int64_t i = start + ((int64_t)u * ZC_THREADS + threadIdx.x) * ZC_PACK;
-			if (i < vend) {
-				float v[ZC_PACK], o[ZC_PACK];
-				zc_unpack<ST>(in[u], v);
-				if (!FIRST) zc_unpack<ZERO_F32>(old[u], o);
-#pragma unroll
-				for (int k = 0; k < ZC_PACK; k++) {
-					if (SCALE) v[k] = v[k] * scale;
-					float r = FIRST ? v[k] : o[k] + v[k];
-					v[k] = r;
-					bad |= (uint32_t)!zero_isfinite(r);
-				}
-				zc_store_raw<ZERO_F32>((char*)(d + i), zc_pack<ZERO_F32>(v));
-			}
-		}
-		tail = vend;
-	}
-	for (int64_t i = tail + threadIdx.x; i < end; i += ZC_THREADS) {
-		float v = zero_load(src, ST, i);
-		if (SCALE) v = v * scale;
-		float r = FIRST ? v : d[i] + v;
-		d[i] = r;
-		bad |= (uint32_t)!zero_isfinite(r);
-	}
+	uint32_t bad = zc_accumulate_block<ST, SCALE, FIRST>(acc, a.ext ? a.ext : a.inl, a.nseg, scale, blockIdx.x, threadIdx.x);
 	if (__syncthreads_or((int)bad) && threadIdx.x == 0 && flag) *flag = 1.0f;
 }
 
-/* ---- in-process reductions ---------------------------------------------- */
-
-template <int T, int OP>
-__device__ __forceinline__ void zc_combine8(float t[ZC_PACK], const float x[ZC_PACK]) {
-#pragma unroll
-	for (int k = 0; k < ZC_PACK; k++) t[k] = zero_op_combine(OP, t[k], x[k]);
-}
-
-/* Output j = blockIdx.y; grid-stride over packs of this output's range. */
+/* Output j = blockIdx.y. */
 template <int T, int OP>
 __global__ void __launch_bounds__(ZC_THREADS) zc_k_reduce(const __grid_constant__ zc_red_arg a) {
-	const int j = blockIdx.y;
-	const int64_t base = (int64_t)j * a.count; /* element offset into every src */
-	char* d = (char*)a.dst[j];
-	const int64_t stride = (int64_t)gridDim.x * ZC_THREADS;
-	int64_t tail = 0;
-	if (a.vec) {
-		const int64_t packs = a.count / ZC_PACK;
-		for (int64_t p = (int64_t)blockIdx.x * ZC_THREADS + threadIdx.x; p < packs; p += stride) {
-			const int64_t i = p * ZC_PACK;
-			float t[ZC_PACK], x[ZC_PACK];
-			zc_unpack<T>(zc_load_raw_rw<T>((const char*)a.src[0] + (base + i) * zc_size(T)), t);
-			for (int k = 1; k < a.nsrc; k++) {
-				zc_unpack<T>(zc_load_raw_rw<T>((const char*)a.src[k] + (base + i) * zc_size(T)), x);
-				zc_combine8<T, OP>(t, x);
-			}
-#pragma unroll
-			for (int k = 0; k < ZC_PACK; k++) t[k] = zero_op_finish(OP, t[k], a.nsrc);
-			zc_store_raw<T>(d + i * zc_size(T), zc_pack<T>(t));
-		}
-		tail = packs * ZC_PACK;
-	}
-	for (int64_t i = tail + (int64_t)blockIdx.x * ZC_THREADS + threadIdx.x; i < a.count; i += stride) {
-		float t = zero_load((const void*)a.src[0], T, base + i);
-		for (int k = 1; k < a.nsrc; k++) t = zero_op_combine(OP, t, zero_load((const void*)a.src[k], T, base + i));
-		zero_store(d, T, i, zero_op_finish(OP, t, a.nsrc));
-	}
+	zc_reduce_thread<T, OP>(a, blockIdx.y, (int64_t)blockIdx.x * ZC_THREADS + threadIdx.x,
+	                        (int64_t)gridDim.x * ZC_THREADS);
 }
 
-/* Fused in-place all-reduce: a.src are the buffers (a.nsrc of them); the
- * result is written to every one. */
 template <int T, int OP>
 __global__ void __launch_bounds__(ZC_THREADS) zc_k_allreduce(const __grid_constant__ zc_red_arg a) {
-	const int64_t stride = (int64_t)gridDim.x * ZC_THREADS;
-	int64_t tail = 0;
-	if (a.vec) {
-		const int64_t packs = a.count / ZC_PACK;
-		for (int64_t p = (int64_t)blockIdx.x * ZC_THREADS + threadIdx.x; p < packs; p += stride) {
-			const int64_t off = p * ZC_PACK * zc_size(T);
-			float t[ZC_PACK], x[ZC_PACK];
-			zc_unpack<T>(zc_load_raw_rw<T>((const char*)a.src[0] + off), t);
-			for (int k = 1; k < a.nsrc; k++) {
-				zc_unpack<T>(zc_load_raw_rw<T>((const char*)a.src[k] + off), x);
-				zc_combine8<T, OP>(t, x);
-			}
-#pragma unroll
-			for (int k = 0; k < ZC_PACK; k++) t[k] = zero_op_finish(OP, t[k], a.nsrc);
-			const zc_raw r = zc_pack<T>(t);
-			for (int k = 0; k < a.nsrc; k++) zc_store_raw<T>((char*)a.src[k] + off, r);
-		}
-		tail = packs * ZC_PACK;
-	}
-	for (int64_t i = tail + (int64_t)blockIdx.x * ZC_THREADS + threadIdx.x; i < a.count; i += stride) {
-		float t = zero_load((const void*)a.src[0], T, i);
-		for (int k = 1; k < a.nsrc; k++) t = zero_op_combine(OP, t, zero_load((const void*)a.src[k], T, i));
-		const float r = zero_op_finish(OP, t, a.nsrc);
-		/* store once, then copy the stored bits, as the host kernel does */
-		zero_store((void*)a.src[0], T, i, r);
-		if (T == ZERO_F32) {
-			const uint32_t bits = ((const uint32_t*)a.src[0])[i];
-			for (int k = 1; k < a.nsrc; k++) ((uint32_t*)a.src[k])[i] = bits;
-		} else {
-			const uint16_t bits = ((const uint16_t*)a.src[0])[i];
-			for (int k = 1; k < a.nsrc; k++) ((uint16_t*)a.src[k])[i] = bits;
-		}
-	}
+	zc_allreduce_thread<T, OP>(a, (int64_t)blockIdx.x * ZC_THREADS + threadIdx.x, (int64_t)gridDim.x * ZC_THREADS);
 }
 
 /* ---- sum of squares ------------------------------------------------------ */
-
-#define ZC_SUMSQ_MAX_BLOCKS 1024
 
 /* A fixed tree over the block's threads; the result is in s[0]. */
 __device__ __forceinline__ void zc_tree(double* s) {
@@ -348,13 +74,7 @@ __device__ __forceinline__ void zc_tree(double* s) {
 
 __global__ void __launch_bounds__(ZC_THREADS) zc_k_sumsq_part(const float* __restrict__ x, int64_t n, double* part) {
 	__shared__ double s[ZC_THREADS];
-	double acc = 0.0;
-	const int64_t stride = (int64_t)gridDim.x * ZC_THREADS;
-	for (int64_t i = (int64_t)blockIdx.x * ZC_THREADS + threadIdx.x; i < n; i += stride) {
-		const double d = (double)x[i];
-		acc = acc + d * d;
-	}
-	s[threadIdx.x] = acc;
+	s[threadIdx.x] = zc_sumsq_thread(x, n, (int64_t)blockIdx.x * ZC_THREADS + threadIdx.x, (int64_t)gridDim.x * ZC_THREADS);
 	zc_tree(s);
 	if (threadIdx.x == 0) part[blockIdx.x] = s[0];
 }
@@ -388,7 +108,6 @@ __global__ void zc_k_spin(int64_t ns) {
 
 static int zc_set(int dev) { return (int)cudaSetDevice(dev); }
 
-static int zc_dtype_ok(int t) { return t == ZERO_F32 || t == ZERO_BF16 || t == ZERO_F16; }
 
 /* ---- the descriptor staging ring (one per device) ---------------------- */
 
@@ -498,16 +217,7 @@ static int zc_run_segs(int dev, cudaStream_t s, const zc_seg* segs, int nseg, zc
 		if (n == 0) return 0;
 		if (n <= ZC_INLINE_SEGS) {
 			int64_t blocks = 0;
-			int k = 0;
-			for (int m = i; m < j; m++) {
-				if (segs[m].count <= 0) continue;
-				a.inl[k].src = segs[m].ptr;
-				a.inl[k].count = segs[m].count;
-				a.inl[k].offset = segs[m].offset;
-				a.inl[k].block0 = blocks;
-				blocks += (segs[m].count + ZC_CHUNK - 1) / ZC_CHUNK;
-				k++;
-			}
+			int k = zc_build_descs(segs, i, j, a.inl, &blocks);
 			if (blocks > 0x7fffffffLL) return (int)cudaErrorInvalidConfiguration;
 			a.ext = NULL;
 			a.nseg = k;
@@ -523,16 +233,7 @@ static int zc_run_segs(int dev, cudaStream_t s, const zc_seg* segs, int nseg, zc
 			if (!err) {
 				zc_dseg* h = (zc_dseg*)(r->host + pos);
 				int64_t blocks = 0;
-				int k = 0;
-				for (int m = i; m < j; m++) {
-					if (segs[m].count <= 0) continue;
-					h[k].src = segs[m].ptr;
-					h[k].count = segs[m].count;
-					h[k].offset = segs[m].offset;
-					h[k].block0 = blocks;
-					blocks += (segs[m].count + ZC_CHUNK - 1) / ZC_CHUNK;
-					k++;
-				}
+				int k = zc_build_descs(segs, i, j, h, &blocks);
 				if (blocks > 0x7fffffffLL) err = (int)cudaErrorInvalidConfiguration;
 				if (!err) err = (int)cudaMemcpyAsync(r->dev + pos, h, bytes, cudaMemcpyHostToDevice, s);
 				if (!err) {
@@ -578,7 +279,7 @@ static const zc_flatten_fn zc_flatten_tbl[3][3][2] = {
 
 static int zc_flatten_launch(dim3 g, cudaStream_t s, const zc_segs_arg& a, void* ctx) {
 	const zc_flatten_ctx* c = (const zc_flatten_ctx*)ctx;
-	zc_flatten_tbl[c->dt][c->st][c->scale != 1.0f](g, s, a, c->dst, c->scale);
+	zc_flatten_tbl[zc_dt_index(c->dt)][zc_dt_index(c->st)][c->scale != 1.0f](g, s, a, c->dst, c->scale);
 	return (int)cudaGetLastError();
 }
 
@@ -603,7 +304,7 @@ static const zc_acc_fn zc_acc_tbl[3][2][2] = {ZC_AC(ZERO_F32), ZC_AC(ZERO_BF16),
 
 static int zc_acc_launch(dim3 g, cudaStream_t s, const zc_segs_arg& a, void* ctx) {
 	const zc_acc_ctx* c = (const zc_acc_ctx*)ctx;
-	zc_acc_tbl[c->st][c->scale != 1.0f][c->first != 0](g, s, a, c->acc, c->scale, c->flag);
+	zc_acc_tbl[zc_dt_index(c->st)][c->scale != 1.0f][c->first != 0](g, s, a, c->acc, c->scale, c->flag);
 	return (int)cudaGetLastError();
 }
 
@@ -626,14 +327,6 @@ static const zc_red_fn zc_allreduce_tbl[3][3] = {ZC_RD(zc_launch_allreduce, ZERO
                                                  ZC_RD(zc_launch_allreduce, ZERO_BF16),
                                                  ZC_RD(zc_launch_allreduce, ZERO_F16)};
 #undef ZC_RD
-
-/* Blocks for a grid-stride loop over `items` threads' worth of work. */
-static unsigned zc_grid(int64_t items) {
-	int64_t b = (items + ZC_THREADS - 1) / ZC_THREADS;
-	if (b < 1) b = 1;
-	if (b > 8192) b = 8192;
-	return (unsigned)b;
-}
 
 /* ---- extern "C" launchers ----------------------------------------------------- */
 
@@ -663,39 +356,25 @@ extern "C" int zc_cast(int dev, uintptr_t s, uintptr_t dst, int dst_dtype, uintp
 	return zc_flatten(dev, s, dst, dst_dtype, &one, 1, src_dtype, scale);
 }
 
-extern "C" int zc_sumsq(int dev, uintptr_t s, uintptr_t x, int64_t n, uintptr_t out) {
+extern "C" int zc_sumsq(int dev, uintptr_t s, uintptr_t x, int64_t n, double* out) {
 	int err = zc_set(dev);
 	if (err) return err;
 	cudaStream_t st = (cudaStream_t)s;
 	int64_t nb = (n + ZC_THREADS * 16 - 1) / (ZC_THREADS * 16);
 	if (nb < 1) nb = 1;
 	if (nb > ZC_SUMSQ_MAX_BLOCKS) nb = ZC_SUMSQ_MAX_BLOCKS;
-	double* part = NULL;
-	err = (int)cudaMallocAsync((void**)&part, (size_t)nb * sizeof(double), st);
+	double* part = NULL; /* nb partial sums, then the result */
+	err = (int)cudaMallocAsync((void**)&part, (size_t)(nb + 1) * sizeof(double), st);
 	if (err) return err;
 	zc_k_sumsq_part<<<(unsigned)nb, ZC_THREADS, 0, st>>>((const float*)x, n, part);
 	err = (int)cudaGetLastError();
 	if (!err) {
-		zc_k_sumsq_final<<<1, ZC_THREADS, 0, st>>>(part, (int)nb, (double*)out);
+		zc_k_sumsq_final<<<1, ZC_THREADS, 0, st>>>(part, (int)nb, part + nb);
 		err = (int)cudaGetLastError();
 	}
+	if (!err) err = (int)cudaMemcpyAsync(out, part + nb, sizeof(double), cudaMemcpyDefault, st);
 	int ferr = (int)cudaFreeAsync(part, st);
 	return err ? err : ferr;
-}
-
-static int zc_red_setup(zc_red_arg* a, const uintptr_t* dsts, int nout, const uintptr_t* srcs, int nsrc, int dtype,
-                        int op, int64_t count) {
-	if (!zc_dtype_ok(dtype) || op < ZERO_SUM || op > ZERO_MAX) return ZC_ERR_BAD_DTYPE;
-	if (nout > ZC_MAX_RANKS || nsrc > ZC_MAX_RANKS) return ZC_ERR_TOO_MANY_RANKS;
-	memset(a, 0, sizeof(*a));
-	uintptr_t any = 0;
-	for (int k = 0; k < nout; k++) any |= (a->dst[k] = dsts[k]);
-	for (int k = 0; k < nsrc; k++) any |= (a->src[k] = srcs[k]);
-	a->nout = nout;
-	a->nsrc = nsrc;
-	a->count = count;
-	a->vec = (any & 15u) == 0 && (count * zc_size(dtype)) % 16 == 0;
-	return 0;
 }
 
 extern "C" int zc_reduce(int dev, uintptr_t s, const uintptr_t* dsts, int nout, const uintptr_t* srcs, int nsrc,
@@ -707,7 +386,7 @@ extern "C" int zc_reduce(int dev, uintptr_t s, const uintptr_t* dsts, int nout, 
 	if ((err = zc_set(dev))) return err;
 	int64_t items = a.vec ? count / ZC_PACK : count;
 	dim3 g(zc_grid(items), (unsigned)nout);
-	zc_reduce_tbl[dtype][op](g, (cudaStream_t)s, a);
+	zc_reduce_tbl[zc_dt_index(dtype)][zc_op_index(op)](g, (cudaStream_t)s, a);
 	return (int)cudaGetLastError();
 }
 
@@ -718,7 +397,7 @@ extern "C" int zc_allreduce(int dev, uintptr_t s, const uintptr_t* bufs, int n, 
 	if (err) return err;
 	if ((err = zc_set(dev))) return err;
 	int64_t items = a.vec ? count / ZC_PACK : count;
-	zc_allreduce_tbl[dtype][op](dim3(zc_grid(items)), (cudaStream_t)s, a);
+	zc_allreduce_tbl[zc_dt_index(dtype)][zc_op_index(op)](dim3(zc_grid(items)), (cudaStream_t)s, a);
 	return (int)cudaGetLastError();
 }
 

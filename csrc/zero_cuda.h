@@ -117,10 +117,12 @@ int zc_accumulate(int dev, uintptr_t s, uintptr_t acc, const zc_seg* segs, int n
 int zc_cast(int dev, uintptr_t s, uintptr_t dst, int dst_dtype, uintptr_t src, int src_dtype, int64_t n,
             float scale);
 
-/* Sum of squares of n fp32 values in double, written to the double at out
- * (device or pinned memory). Deterministic for a given n: a fixed grid, a
- * fixed tree in each block and a fixed order over the blocks. */
-int zc_sumsq(int dev, uintptr_t s, uintptr_t x, int64_t n, uintptr_t out);
+/* Sum of squares of n fp32 values in double, copied to the double at out:
+ * device, pinned or pageable host memory (cudaMemcpyDefault; with pageable
+ * memory the call returns once the value is there). Deterministic for a
+ * given n: a fixed grid, a fixed tree in each block and a fixed order over
+ * the blocks. */
+int zc_sumsq(int dev, uintptr_t s, uintptr_t x, int64_t n, double* out);
 
 /* In-process reduce (reduce-scatter of the one-GPU group): for each output j
  * in [0, nout) and i in [0, count):
@@ -146,6 +148,10 @@ int zc_spin(int dev, uintptr_t s, int64_t ns);
  * symbols. Returns 0, or ZC_ERR_NO_NCCL with the dlopen/dlsym message in
  * msg. Safe to call again: the first success is kept. */
 int zc_nccl_load(const char* path, char* msg, int msglen);
+/* Like zc_nccl_load, but closes the library again (a check, for tests). */
+int zc_nccl_probe(const char* path, char* msg, int msglen);
+/* 1 once zc_nccl_load succeeded. */
+int zc_nccl_loaded(void);
 /* NCCL_VERSION_CODE of the loaded library, e.g. 22707. */
 int zc_nccl_version(int* version);
 const char* zc_nccl_error_string(int code);
@@ -161,7 +167,10 @@ int zc_nccl_init(int dev, const char* id128, int world, int rank, int64_t timeou
 /* The state of a communicator: ncclSuccess, ncclInProgress or an error. */
 int zc_nccl_async_error(uintptr_t comm, int* state);
 int zc_nccl_abort(int dev, uintptr_t comm);
-int zc_nccl_destroy(int dev, uintptr_t comm);
+/* ncclCommFinalize (flushes pending work), waits up to timeout_ms, then
+ * ncclCommDestroy; aborts instead if the finalize does not finish in time
+ * (and then returns ncclInProgress). */
+int zc_nccl_destroy(int dev, uintptr_t comm, int64_t timeout_ms);
 
 /* One collective of a batch. kind: 0 all-reduce, 1 reduce-scatter,
  * 2 all-gather, 3 broadcast (the values of CollectiveKind in nccl.go).

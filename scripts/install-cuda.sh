@@ -22,6 +22,7 @@ pins=(
 	nvidia-cuda-crt==13.0.88
 	nvidia-nvvm==13.0.88
 	nvidia-cuda-runtime==13.0.96
+	nvidia-cuda-cccl==13.0.85
 	nvidia-nccl-cu13==2.27.7
 )
 stamp="$dest/.zero-cuda-pins"

@@ -1,0 +1,345 @@
+package zero
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+	"unsafe"
+)
+
+// Benchmarks of the host kernels, each beside a yardstick: the simplest C
+// loop that moves the same bytes over the same buffers with the same
+// parallelRange split (kernels.c, zero_yard_*). Both run in the same
+// benchmark, interleaved, each timed on its own; the benchmark reports
+//
+//	GB/s         the kernel's bytes read + written per second
+//	yard-GB/s    the yardstick's
+//	x-yardstick  kernel speed / yardstick speed (target: >= 0.9)
+//	isa-level    the kernels' ISA level: 0 x86-64-v2, 1 AVX2, 2 AVX-512
+//	             (the yardsticks are always x86-64-v2; they are memory-bound)
+//
+// ns/op and MB/s cover the kernel alone (the timer stops around the
+// yardstick); the metrics above come from the median iteration. BenchmarkKernelFusedFlatten reports x-fused instead: the time of
+// the same work as separate passes over the time of the fused flatten.
+//
+//	go test -run XXX -bench Kernel -benchtime 3x
+
+// benchElems is the element count of every benchmark buffer: 64 MiB of fp32.
+const benchElems = 64 << 20 / 4
+
+// benchSegs is the number of gradients a flatten or accumulate benchmark
+// gathers into its flat buffer.
+const benchSegs = 64
+
+var benchBufs struct {
+	sync.Mutex
+	f32 map[int][]float32
+	u16 map[int][]uint16
+}
+
+// benchF32 returns shared fp32 buffer k of benchElems random finite values,
+// allocated once per process.
+func benchF32(k int) []float32 {
+	benchBufs.Lock()
+	defer benchBufs.Unlock()
+	if benchBufs.f32 == nil {
+		benchBufs.f32 = map[int][]float32{}
+	}
+	b, ok := benchBufs.f32[k]
+	if !ok {
+		rng := rand.New(rand.NewPCG(uint64(k), 1))
+		b = make([]float32, benchElems)
+		for i := range b {
+			b[i] = float32(rng.NormFloat64())
+		}
+		benchBufs.f32[k] = b
+	}
+	return b
+}
+
+// benchU16 returns shared 16-bit buffer k of benchElems random values of
+// dtype dt (bf16 or fp16), allocated once per process and dtype.
+func benchU16(k int, dt DType) []uint16 {
+	benchBufs.Lock()
+	defer benchBufs.Unlock()
+	if benchBufs.u16 == nil {
+		benchBufs.u16 = map[int][]uint16{}
+	}
+	key := k*4 + int(dt)
+	b, ok := benchBufs.u16[key]
+	if !ok {
+		rng := rand.New(rand.NewPCG(uint64(key), 2))
+		b = make([]uint16, benchElems)
+		for i := range b {
+			f := float32(rng.NormFloat64())
+			if dt == FP16 {
+				b[i] = fp16FromFloat(f)
+			} else {
+				b[i] = bf16FromFloat(f)
+			}
+		}
+		benchBufs.u16[key] = b
+	}
+	return b
+}
+
+func addrF32(x []float32) uintptr { return uintptr(unsafe.Pointer(&x[0])) }
+func addrU16(x []uint16) uintptr  { return uintptr(unsafe.Pointer(&x[0])) }
+
+// benchSegments cuts [0, benchElems) of src (elements of size bytes) into
+// benchSegs equal gradients.
+func benchSegments(src uintptr, size int) []segment {
+	per := benchElems / benchSegs
+	segs := make([]segment, benchSegs)
+	for k := range segs {
+		segs[k] = segment{ptr: src + uintptr(k*per*size), count: int64(per), offset: int64(k * per)}
+	}
+	return segs
+}
+
+// yardRange runs a yardstick loop over [0, benchElems) with parallelRange.
+func yardRange(kind yardKind, d, a, b, c, e uintptr) func() {
+	return func() {
+		parallelRange(benchElems, func(lo, hi int) { yardstick(kind, d, a, b, c, e, lo, hi) })
+	}
+}
+
+// benchLevels runs fn as a sub-benchmark at each ISA level the CPU has
+// (isa0 = x86-64-v2, isa1 = AVX2, isa2 = AVX-512), then restores the default.
+// The yardsticks are the same plain loops at every level.
+func benchLevels(b *testing.B, fn func(b *testing.B)) {
+	best := setKernelLevel(-1)
+	defer setKernelLevel(-1)
+	for l := 0; l <= best; l++ {
+		setKernelLevel(l)
+		b.Run(fmt.Sprintf("isa%d", l), fn)
+	}
+}
+
+// vsYardstick times kernel and yard b.N times each, interleaved (the order
+// alternates, so neither always runs on a cache the other warmed), and
+// reports both speeds from the median iteration, and their ratio. bytes is
+// what one call reads plus writes. The machine's memory bandwidth can change
+// between runs (other tenants); the ratio of interleaved runs is the figure
+// to compare.
+func vsYardstick(b *testing.B, bytes int64, kernel, yard func(), keep ...any) {
+	b.SetBytes(bytes)
+	kernel() // first touch and warm-up
+	yard()
+	tk := make([]time.Duration, 0, b.N)
+	ty := make([]time.Duration, 0, b.N)
+	timeYard := func() {
+		b.StopTimer()
+		t := time.Now()
+		yard()
+		ty = append(ty, time.Since(t))
+		b.StartTimer()
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if i%2 == 1 {
+			timeYard()
+		}
+		t := time.Now()
+		kernel()
+		tk = append(tk, time.Since(t))
+		if i%2 == 0 {
+			timeYard()
+		}
+	}
+	b.StopTimer()
+	reportPair(b, bytes, median(tk), median(ty), "yard-GB/s", "x-yardstick")
+	runtime.KeepAlive(keep)
+}
+
+func median(d []time.Duration) time.Duration {
+	s := append([]time.Duration(nil), d...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	return s[len(s)/2]
+}
+
+// reportPair reports the kernel's GB/s, the other's, the other's time over
+// the kernel's, and the ISA level.
+func reportPair(b *testing.B, bytes int64, kernel, other time.Duration, otherUnit, ratioUnit string) {
+	b.ReportMetric(float64(bytes)/kernel.Seconds()/1e9, "GB/s")
+	b.ReportMetric(float64(bytes)/other.Seconds()/1e9, otherUnit)
+	b.ReportMetric(other.Seconds()/kernel.Seconds(), ratioUnit)
+	b.ReportMetric(float64(kernelLevel()), "isa-level")
+}
+
+// flatten, bf16 gradients -> bf16 bucket with a pre-scale: 2 B read, 2 B written.
+func BenchmarkKernelFlattenBF16(b *testing.B) {
+	benchLevels(b, func(b *testing.B) {
+		src, dst := benchU16(0, BF16), benchU16(1, BF16)
+		segs := benchSegments(addrU16(src), 2)
+		vsYardstick(b, 4*benchElems,
+			func() { flattenHost(addrU16(dst), BF16, segs, BF16, 0.25) },
+			yardRange(yardCopy16, addrU16(dst), addrU16(src), 0, 0, 0), src, dst)
+	})
+}
+
+// flatten, fp16 gradients -> fp16 bucket with a pre-scale (the costliest
+// conversion: subnormals, overflow and NaN on the bits).
+func BenchmarkKernelFlattenFP16(b *testing.B) {
+	benchLevels(b, func(b *testing.B) {
+		src, dst := benchU16(0, FP16), benchU16(1, FP16)
+		segs := benchSegments(addrU16(src), 2)
+		vsYardstick(b, 4*benchElems,
+			func() { flattenHost(addrU16(dst), FP16, segs, FP16, 0.25) },
+			yardRange(yardCopy16, addrU16(dst), addrU16(src), 0, 0, 0), src, dst)
+	})
+}
+
+// flatten, fp32 -> fp32 without scaling (a gather copy).
+func BenchmarkKernelFlattenFP32(b *testing.B) {
+	benchLevels(b, func(b *testing.B) {
+		src, dst := benchF32(0), benchF32(1)
+		segs := benchSegments(addrF32(src), 4)
+		vsYardstick(b, 8*benchElems,
+			func() { flattenHost(addrF32(dst), FP32, segs, FP32, 1) },
+			yardRange(yardCopy32, addrF32(dst), addrF32(src), 0, 0, 0), src, dst)
+	})
+}
+
+// flatten, bf16 gradients -> fp32 bucket (fp32 communication): 2 B read, 4 B written.
+func BenchmarkKernelFlattenBF16toFP32(b *testing.B) {
+	benchLevels(b, func(b *testing.B) {
+		src, dst := benchU16(0, BF16), benchF32(1)
+		segs := benchSegments(addrU16(src), 2)
+		vsYardstick(b, 6*benchElems,
+			func() { flattenHost(addrF32(dst), FP32, segs, BF16, 1) },
+			yardRange(yardWiden, addrF32(dst), addrU16(src), 0, 0, 0), src, dst)
+	})
+}
+
+// accumulate fp32 into fp32 (add): 8 B read, 4 B written.
+func BenchmarkKernelAccumulateFP32(b *testing.B) {
+	benchLevels(b, func(b *testing.B) {
+		src, acc := benchF32(0), benchF32(2)
+		segs := benchSegments(addrF32(src), 4)
+		flag := make([]float32, 1)
+		vsYardstick(b, 12*benchElems,
+			func() { accumulateHost(addrF32(acc), segs, FP32, false, 1, addrF32(flag)) },
+			yardRange(yardAdd32, addrF32(acc), addrF32(src), 0, 0, 0), src, acc, flag)
+	})
+}
+
+// accumulate bf16 into fp32 with a post-scale (add): 6 B read, 4 B written.
+func BenchmarkKernelAccumulateBF16(b *testing.B) {
+	benchLevels(b, func(b *testing.B) {
+		src, acc := benchU16(0, BF16), benchF32(2)
+		segs := benchSegments(addrU16(src), 2)
+		flag := make([]float32, 1)
+		vsYardstick(b, 10*benchElems,
+			func() { accumulateHost(addrF32(acc), segs, BF16, false, 0.125, addrF32(flag)) },
+			yardRange(yardAdd16, addrF32(acc), addrU16(src), 0, 0, 0), src, acc, flag)
+	})
+}
+
+// cast, fp32 master shard -> bf16 parameters: 4 B read, 2 B written.
+func BenchmarkKernelCastFP32toBF16(b *testing.B) {
+	benchLevels(b, func(b *testing.B) {
+		src, dst := benchF32(0), benchU16(1, BF16)
+		vsYardstick(b, 6*benchElems,
+			func() { castHost(addrU16(dst), BF16, addrF32(src), FP32, benchElems, 1) },
+			yardRange(yardNarrow, addrU16(dst), addrF32(src), 0, 0, 0), src, dst)
+	})
+}
+
+// sum of squares of fp32: 4 B read.
+func BenchmarkKernelSumSq(b *testing.B) {
+	benchLevels(b, func(b *testing.B) {
+		x := benchF32(0)
+		var sink float64
+		vsYardstick(b, 4*benchElems,
+			func() { sink += sumSquaresHost(addrF32(x), benchElems) },
+			yardRange(yardRead32, 0, addrF32(x), 0, 0, 0), x)
+		_ = sink
+	})
+}
+
+// reduce of 4 ranks' fp32 buffers into a fifth: 16 B read, 4 B written.
+func BenchmarkKernelReduceFP32(b *testing.B) {
+	benchLevels(b, func(b *testing.B) {
+		s := []uintptr{addrF32(benchF32(0)), addrF32(benchF32(1)), addrF32(benchF32(2)), addrF32(benchF32(3))}
+		dst := benchF32(4)
+		vsYardstick(b, 20*benchElems,
+			func() {
+				parallelRange(benchElems, func(lo, hi int) { reduceHost(addrF32(dst), s, FP32, OpSum, lo, hi) })
+			},
+			yardRange(yardSum4x32, addrF32(dst), s[0], s[1], s[2], s[3]), dst)
+	})
+}
+
+// reduce of 4 ranks' bf16 buffers into a fifth: 8 B read, 2 B written.
+func BenchmarkKernelReduceBF16(b *testing.B) {
+	benchLevels(b, func(b *testing.B) {
+		s := []uintptr{addrU16(benchU16(0, BF16)), addrU16(benchU16(1, BF16)), addrU16(benchU16(2, BF16)), addrU16(benchU16(3, BF16))}
+		dst := benchU16(4, BF16)
+		vsYardstick(b, 10*benchElems,
+			func() {
+				parallelRange(benchElems, func(lo, hi int) { reduceHost(addrU16(dst), s, BF16, OpSum, lo, hi) })
+			},
+			yardRange(yardSum4x16, addrU16(dst), s[0], s[1], s[2], s[3]), dst)
+	})
+}
+
+// fused in-place all-reduce of 4 ranks' fp32 buffers: 16 B read, 16 B written.
+func BenchmarkKernelAllReduceFusedFP32(b *testing.B) {
+	benchLevels(b, func(b *testing.B) {
+		bufs := [][]float32{make([]float32, benchElems), make([]float32, benchElems), make([]float32, benchElems), make([]float32, benchElems)}
+		p := make([]uintptr, len(bufs))
+		for r := range bufs {
+			copy(bufs[r], benchF32(r))
+			p[r] = addrF32(bufs[r])
+		}
+		// AVG keeps the values bounded however often the benchmark repeats
+		vsYardstick(b, 32*benchElems,
+			func() {
+				parallelRange(benchElems, func(lo, hi int) { allReduceFusedHost(p, FP32, OpAvg, lo, hi) })
+			},
+			yardRange(yardAllSum4x32, 0, p[0], p[1], p[2], p[3]), bufs)
+	})
+}
+
+// The fused flatten (bf16 gradients -> bf16 bucket with the pre-scale, one
+// pass) against the same work in separate passes, as an unfused pipeline
+// would do it: cast the gradients to an fp32 temporary, scale it into a
+// second temporary, cast that back into the bucket.
+func BenchmarkKernelFusedFlatten(b *testing.B) {
+	benchLevels(b, func(b *testing.B) {
+		src, dst := benchU16(0, BF16), benchU16(1, BF16)
+		segs := benchSegments(addrU16(src), 2)
+		tmp1, tmp2 := benchF32(5), benchF32(6)
+		fused := func() { flattenHost(addrU16(dst), BF16, segs, BF16, 0.25) }
+		separate := func() {
+			flattenHost(addrF32(tmp1), FP32, segs, BF16, 1)
+			castHost(addrF32(tmp2), FP32, addrF32(tmp1), FP32, benchElems, 0.25)
+			castHost(addrU16(dst), BF16, addrF32(tmp2), FP32, benchElems, 1)
+		}
+		bytes := int64(4 * benchElems)
+		b.SetBytes(bytes)
+		fused()
+		separate()
+		tf := make([]time.Duration, 0, b.N)
+		ts := make([]time.Duration, 0, b.N)
+		b.ResetTimer()
+		for i := 0; i < b.N; i++ {
+			t := time.Now()
+			fused()
+			tf = append(tf, time.Since(t))
+			b.StopTimer()
+			t = time.Now()
+			separate()
+			ts = append(ts, time.Since(t))
+			b.StartTimer()
+		}
+		b.StopTimer()
+		reportPair(b, bytes, median(tf), median(ts), "separate-GB/s", "x-fused")
+		runtime.KeepAlive([]any{src, dst, tmp1, tmp2})
+	})
+}

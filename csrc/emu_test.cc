@@ -1,0 +1,376 @@
+/*
+ * emu_test.cc: the CUDA kernel bodies (kernels_dev.cuh) run on the host,
+ * block by block and thread by thread, against the host C kernels
+ * (kernels.c). It checks what a GPU-less machine can check of the CUDA path:
+ * the block/segment indexing, the 16-byte pack path and its alignment test,
+ * the element tails, the descriptor numbering, the grid-stride loops, the
+ * in-place reduce-scatter and the fused all-reduce. (That the GPU's float
+ * arithmetic is IEEE, with --fmad=false, is for cuda_test.go on a GPU.)
+ *
+ *   make cuda-emu        # builds and runs it; prints "N passed, M failed"
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <random>
+#include <vector>
+
+#include "kernels_dev.cuh"
+extern "C" {
+#include "../kernels.h"
+}
+
+static int passed, failed;
+
+static void check(bool ok, const char* what, long a, long b, unsigned got, unsigned want) {
+	if (ok) {
+		passed++;
+		return;
+	}
+	if (failed++ < 20) fprintf(stderr, "FAIL %s [%ld %ld]: got %#x want %#x\n", what, a, b, got, want);
+}
+
+static std::mt19937_64 rng(12345);
+
+static int dsize(int t) { return t == ZERO_F32 ? 4 : 2; }
+
+/* A host buffer with room to start at any alignment. */
+struct hbuf {
+	std::vector<unsigned char> mem;
+	unsigned char* p;
+	int dt;
+	int64_t n;
+	hbuf(int dt_, int64_t n_, int misalign) : mem((size_t)(n_ + 16) * 4 + 64), dt(dt_), n(n_) {
+		uintptr_t a = ((uintptr_t)mem.data() + 63) & ~(uintptr_t)63;
+		p = (unsigned char*)a + misalign * dsize(dt);
+	}
+	uint32_t bits(int64_t i) const {
+		if (dt == ZERO_F32) {
+			uint32_t u;
+			memcpy(&u, p + 4 * i, 4);
+			return u;
+		}
+		uint16_t h;
+		memcpy(&h, p + 2 * i, 2);
+		return h;
+	}
+	void set(int64_t i, uint32_t u) {
+		if (dt == ZERO_F32)
+			memcpy(p + 4 * i, &u, 4);
+		else {
+			uint16_t h = (uint16_t)u;
+			memcpy(p + 2 * i, &h, 2);
+		}
+	}
+	void fill(bool wild) {
+		std::normal_distribution<float> nd(0.0f, 1.0f);
+		for (int64_t i = 0; i < n; i++) {
+			if (wild && (rng() & 1)) {
+				set(i, (uint32_t)rng());
+				continue;
+			}
+			float v = nd(rng) * ldexpf(1.0f, (int)(rng() % 20) - 10);
+			uint32_t u;
+			memcpy(&u, &v, 4);
+			set(i, dt == ZERO_F32 ? u : dt == ZERO_BF16 ? zero_f32_to_bf16(v) : zero_f32_to_f16(v));
+		}
+	}
+	bool isnan(int64_t i) const {
+		uint32_t u = bits(i);
+		if (dt == ZERO_F32) return (u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu);
+		if (dt == ZERO_BF16) return (u & 0x7f80u) == 0x7f80u && (u & 0x7fu);
+		return (u & 0x7c00u) == 0x7c00u && (u & 0x3ffu);
+	}
+};
+
+static bool same(const hbuf& a, const hbuf& b, int64_t* at) {
+	for (int64_t i = 0; i < a.n; i++)
+		if (a.bits(i) != b.bits(i) && !(a.isnan(i) && b.isnan(i))) {
+			*at = i;
+			return false;
+		}
+	return true;
+}
+
+/* ---- dispatch of the templated bodies over a whole launch ------------------- */
+
+template <int DT, int ST, bool SC>
+static void run_flatten(char* dst, const zc_dseg* d, int n, float scale, int64_t blocks) {
+	for (int64_t b = 0; b < blocks; b++)
+		for (int t = 0; t < ZC_THREADS; t++) zc_flatten_block<DT, ST, SC>(dst, d, n, scale, b, t);
+}
+
+template <int DT, int ST>
+static void run_flatten2(char* dst, const zc_dseg* d, int n, float scale, int64_t blocks) {
+	if (scale != 1.0f)
+		run_flatten<DT, ST, true>(dst, d, n, scale, blocks);
+	else
+		run_flatten<DT, ST, false>(dst, d, n, scale, blocks);
+}
+
+template <int DT>
+static void run_flatten1(char* dst, int st, const zc_dseg* d, int n, float scale, int64_t blocks) {
+	switch (st) {
+	case ZERO_F32: run_flatten2<DT, ZERO_F32>(dst, d, n, scale, blocks); break;
+	case ZERO_BF16: run_flatten2<DT, ZERO_BF16>(dst, d, n, scale, blocks); break;
+	default: run_flatten2<DT, ZERO_F16>(dst, d, n, scale, blocks); break;
+	}
+}
+
+static void emu_flatten(char* dst, int dt, int st, const zc_dseg* d, int n, float scale, int64_t blocks) {
+	switch (dt) {
+	case ZERO_F32: run_flatten1<ZERO_F32>(dst, st, d, n, scale, blocks); break;
+	case ZERO_BF16: run_flatten1<ZERO_BF16>(dst, st, d, n, scale, blocks); break;
+	default: run_flatten1<ZERO_F16>(dst, st, d, n, scale, blocks); break;
+	}
+}
+
+template <int ST, bool SC, bool FIRST>
+static bool run_acc(float* acc, const zc_dseg* d, int n, float scale, int64_t blocks) {
+	uint32_t bad = 0;
+	for (int64_t b = 0; b < blocks; b++) {
+		uint32_t block_bad = 0; /* __syncthreads_or over the block */
+		for (int t = 0; t < ZC_THREADS; t++) block_bad |= zc_accumulate_block<ST, SC, FIRST>(acc, d, n, scale, b, t);
+		bad |= block_bad;
+	}
+	return bad != 0;
+}
+
+template <int ST>
+static bool run_acc1(float* acc, const zc_dseg* d, int n, float scale, int first, int64_t blocks) {
+	if (scale != 1.0f)
+		return first ? run_acc<ST, true, true>(acc, d, n, scale, blocks) : run_acc<ST, true, false>(acc, d, n, scale, blocks);
+	return first ? run_acc<ST, false, true>(acc, d, n, scale, blocks) : run_acc<ST, false, false>(acc, d, n, scale, blocks);
+}
+
+static bool emu_accumulate(float* acc, int st, const zc_dseg* d, int n, float scale, int first, int64_t blocks) {
+	switch (st) {
+	case ZERO_F32: return run_acc1<ZERO_F32>(acc, d, n, scale, first, blocks);
+	case ZERO_BF16: return run_acc1<ZERO_BF16>(acc, d, n, scale, first, blocks);
+	default: return run_acc1<ZERO_F16>(acc, d, n, scale, first, blocks);
+	}
+}
+
+template <int T, int OP>
+static void run_red(const zc_red_arg& a, unsigned grid, bool all) {
+	const int64_t stride = (int64_t)grid * ZC_THREADS;
+	if (all) {
+		for (int64_t g = 0; g < stride; g++) zc_allreduce_thread<T, OP>(a, g, stride);
+		return;
+	}
+	for (int j = 0; j < a.nout; j++)
+		for (int64_t g = 0; g < stride; g++) zc_reduce_thread<T, OP>(a, j, g, stride);
+}
+
+template <int T>
+static void run_red1(const zc_red_arg& a, int op, unsigned grid, bool all) {
+	switch (op) {
+	case ZERO_SUM: run_red<T, ZERO_SUM>(a, grid, all); break;
+	case ZERO_AVG: run_red<T, ZERO_AVG>(a, grid, all); break;
+	default: run_red<T, ZERO_MAX>(a, grid, all); break;
+	}
+}
+
+static void emu_reduce(const zc_red_arg& a, int dt, int op, unsigned grid, bool all) {
+	switch (dt) {
+	case ZERO_F32: run_red1<ZERO_F32>(a, op, grid, all); break;
+	case ZERO_BF16: run_red1<ZERO_BF16>(a, op, grid, all); break;
+	default: run_red1<ZERO_F16>(a, op, grid, all); break;
+	}
+}
+
+static const int dtypes[3] = {ZERO_F32, ZERO_BF16, ZERO_F16};
+
+/* ---- tests ---------------------------------------------------------------- */
+
+struct layout {
+	std::vector<hbuf*> src;
+	std::vector<zc_seg> segs;
+	int64_t total;
+};
+
+static layout make_layout(int st, int nseg, int maxlen, bool aligned) {
+	layout l;
+	int64_t off = (int64_t)(rng() % 5);
+	for (int k = 0; k < nseg; k++) {
+		int64_t n = (int64_t)(rng() % (unsigned)(maxlen + 1));
+		if (k == 0 && nseg > 1) n = 0; /* an empty segment too */
+		if (aligned) off = (off + 7) & ~(int64_t)7;
+		hbuf* b = new hbuf(st, n, aligned ? 0 : (int)(rng() % 8));
+		b->fill(true);
+		l.src.push_back(b);
+		l.segs.push_back(zc_seg{(uintptr_t)b->p, n, off});
+		off += n + (int64_t)(rng() % 2) * (int64_t)(rng() % 40);
+	}
+	l.total = off + 9;
+	for (int k = nseg - 1; k > 0; k--) std::swap(l.segs[k], l.segs[rng() % (unsigned)(k + 1)]);
+	return l;
+}
+
+static void free_layout(layout& l) {
+	for (hbuf* b : l.src) delete b;
+}
+
+static void test_flatten_accumulate() {
+	struct {
+		int nseg, maxlen;
+		bool aligned;
+	} cases[] = {{1, 70000, true}, {1, 20001, false}, {12, 9000, true}, {20, 3000, false}, {150, 2000, true}, {90, 500, false}};
+	const float scales[] = {1.0f, 0.125f, 0.3f, -3.75f};
+	for (auto& c : cases) {
+		for (int st : dtypes) {
+			layout l = make_layout(st, c.nseg, c.maxlen, c.aligned);
+			std::vector<zc_dseg> d(l.segs.size());
+			int64_t blocks = 0;
+			int n = zc_build_descs(l.segs.data(), 0, (int)l.segs.size(), d.data(), &blocks);
+			for (int dt : dtypes) {
+				for (float scale : scales) {
+					hbuf want(dt, l.total, 0), got(dt, l.total, 0);
+					want.fill(false);
+					memcpy(got.p, want.p, (size_t)(l.total * dsize(dt)));
+					zero_flatten(want.p, dt, (const zero_seg*)l.segs.data(), (int)l.segs.size(), st, scale, 0, l.total);
+					emu_flatten((char*)got.p, dt, st, d.data(), n, scale, blocks);
+					int64_t at = 0;
+					bool ok = same(got, want, &at);
+					check(ok, "flatten", st * 10 + dt, at, ok ? 0 : got.bits(at), ok ? 0 : want.bits(at));
+				}
+			}
+			for (int first = 0; first <= 1; first++) {
+				for (float scale : scales) {
+					hbuf want(ZERO_F32, l.total, 0), got(ZERO_F32, l.total, 0);
+					want.fill(false);
+					memcpy(got.p, want.p, (size_t)(l.total * 4));
+					float flag = 0;
+					zero_accumulate((float*)want.p, (const zero_seg*)l.segs.data(), (int)l.segs.size(), st, first, scale,
+					                &flag, 0, l.total);
+					bool bad = emu_accumulate((float*)got.p, st, d.data(), n, scale, first, blocks);
+					int64_t at = 0;
+					bool ok = same(got, want, &at);
+					check(ok, "accumulate", st * 10 + first, at, ok ? 0 : got.bits(at), ok ? 0 : want.bits(at));
+					check(bad == (flag != 0), "accumulate flag", st, first, bad, flag != 0);
+				}
+			}
+			free_layout(l);
+		}
+	}
+}
+
+static void test_reductions() {
+	const int worlds[] = {1, 2, 3, 4, 8};
+	const int64_t chunks[] = {1, 13, 64, 40000};
+	const int ops[] = {ZERO_SUM, ZERO_AVG, ZERO_MAX};
+	for (int w : worlds) {
+		for (int dt : dtypes) {
+			for (int64_t chunk : chunks) {
+				for (int op : ops) {
+					for (int misalign = 0; misalign <= 1; misalign++) {
+						/* reduce-scatter in place: output j is chunk j of rank j's buffer */
+						std::vector<hbuf*> host, emu;
+						std::vector<uintptr_t> hs, es, ed;
+						for (int k = 0; k < w; k++) {
+							host.push_back(new hbuf(dt, w * chunk, misalign && k == 1));
+							host[k]->fill(true);
+							emu.push_back(new hbuf(dt, w * chunk, misalign && k == 1));
+							memcpy(emu[k]->p, host[k]->p, (size_t)(w * chunk * dsize(dt)));
+							es.push_back((uintptr_t)emu[k]->p);
+							ed.push_back((uintptr_t)emu[k]->p + (uintptr_t)(k * chunk * dsize(dt)));
+						}
+						std::vector<hbuf*> want;
+						for (int j = 0; j < w; j++) {
+							want.push_back(new hbuf(dt, chunk, 0));
+							std::vector<uintptr_t> srcs;
+							for (int k = 0; k < w; k++) srcs.push_back((uintptr_t)host[k]->p + (uintptr_t)(j * chunk * dsize(dt)));
+							zero_reduce(want[j]->p, srcs.data(), w, dt, op, 0, chunk);
+						}
+						zc_red_arg a;
+						zc_red_setup(&a, ed.data(), w, es.data(), w, dt, op, chunk);
+						unsigned grid = (rng() & 1) ? 1 : zc_grid(a.vec ? chunk / ZC_PACK : chunk);
+						emu_reduce(a, dt, op, grid, false);
+						for (int j = 0; j < w; j++) {
+							hbuf got(dt, chunk, 0);
+							got.p = emu[j]->p + j * chunk * dsize(dt);
+							int64_t at = 0;
+							bool ok = same(got, *want[j], &at);
+							check(ok, "reduce", w * 100 + dt * 10 + op, at, ok ? 0 : got.bits(at), ok ? 0 : want[j]->bits(at));
+						}
+						/* fused all-reduce over fresh data */
+						std::vector<uintptr_t> hb, eb;
+						for (int k = 0; k < w; k++) {
+							host[k]->fill(true);
+							memcpy(emu[k]->p, host[k]->p, (size_t)(w * chunk * dsize(dt)));
+							hb.push_back((uintptr_t)host[k]->p);
+							eb.push_back((uintptr_t)emu[k]->p);
+						}
+						zero_allreduce_fused(hb.data(), w, dt, op, 0, w * chunk);
+						zc_red_setup(&a, eb.data(), 0, eb.data(), w, dt, op, w * chunk);
+						grid = (rng() & 1) ? 2 : zc_grid(a.vec ? w * chunk / ZC_PACK : w * chunk);
+						emu_reduce(a, dt, op, grid, true);
+						for (int k = 0; k < w; k++) {
+							int64_t at = 0;
+							bool ok = same(*emu[k], *host[k], &at);
+							check(ok, "allreduce", w * 100 + dt * 10 + op, at, ok ? 0 : emu[k]->bits(at), ok ? 0 : host[k]->bits(at));
+						}
+						for (hbuf* b : host) delete b;
+						for (hbuf* b : emu) delete b;
+						for (hbuf* b : want) delete b;
+					}
+				}
+			}
+		}
+	}
+}
+
+static void test_sumsq() {
+	const int64_t sizes[] = {0, 1, 1000, 1 << 20, 3 * 1000 * 1000 + 5};
+	for (int64_t n : sizes) {
+		hbuf x(ZERO_F32, n, 0);
+		x.fill(false);
+		int64_t nb = (n + ZC_THREADS * 16 - 1) / (ZC_THREADS * 16);
+		if (nb < 1) nb = 1;
+		if (nb > ZC_SUMSQ_MAX_BLOCKS) nb = ZC_SUMSQ_MAX_BLOCKS;
+		/* the two kernels of zc_sumsq: per-block trees, then one tree over the blocks */
+		std::vector<double> part(nb), s(ZC_THREADS);
+		for (int64_t b = 0; b < nb; b++) {
+			for (int t = 0; t < ZC_THREADS; t++)
+				s[t] = zc_sumsq_thread((const float*)x.p, n, b * ZC_THREADS + t, nb * ZC_THREADS);
+			for (int w = ZC_THREADS / 2; w > 0; w >>= 1)
+				for (int t = 0; t < w; t++) s[t] = s[t] + s[t + w];
+			part[b] = s[0];
+		}
+		for (int t = 0; t < ZC_THREADS; t++) {
+			double acc = 0.0;
+			for (int64_t i = t; i < nb; i += ZC_THREADS) acc = acc + part[i];
+			s[t] = acc;
+		}
+		for (int w = ZC_THREADS / 2; w > 0; w >>= 1)
+			for (int t = 0; t < w; t++) s[t] = s[t] + s[t + w];
+		double want = n ? zero_sumsq((const float*)x.p, 0, n) : 0.0;
+		bool ok = fabs(s[0] - want) <= 1e-12 * fabs(want);
+		check(ok, "sumsq", (long)n, 0, 0, 0);
+	}
+}
+
+static void test_descs() {
+	/* block numbering: every chunk of every non-empty segment exactly once */
+	zc_seg segs[5] = {{1, 0, 0}, {2, ZC_CHUNK, 0}, {3, 1, 0}, {4, 0, 0}, {5, 2 * ZC_CHUNK + 1, 0}};
+	zc_dseg d[5];
+	int64_t blocks = 0;
+	int n = zc_build_descs(segs, 0, 5, d, &blocks);
+	check(n == 3 && blocks == 1 + 1 + 3, "descs count", n, blocks, 0, 0);
+	for (int64_t b = 0; b < blocks; b++) {
+		zc_dseg s = zc_find(d, n, b);
+		uintptr_t want = b == 0 ? 2 : b == 1 ? 3 : 5;
+		check(s.src == want, "descs find", (long)b, 0, (unsigned)s.src, (unsigned)want);
+	}
+}
+
+int main() {
+	test_descs();
+	test_flatten_accumulate();
+	test_reductions();
+	test_sumsq();
+	printf("emu_test: %d passed, %d failed\n", passed, failed);
+	return failed != 0;
+}

@@ -1,0 +1,413 @@
+/*
+ * kernels_dev.cuh: the bodies of the CUDA kernels, one block or one thread
+ * at a time, with the block and thread numbers passed in.
+ *
+ * kernels.cu wraps each body in a __global__ kernel (blockIdx.x,
+ * threadIdx.x). Compiled without nvcc, the same bodies run on the host:
+ * csrc/emu_test.cc (`make cuda-emu`) executes every block and thread of a
+ * launch in turn and checks the result against the host C kernels, so the
+ * indexing, the 16-byte pack path, the tails and the descriptor layout are
+ * tested on machines without a GPU.
+ */
+#ifndef ZERO_KERNELS_DEV_CUH
+#define ZERO_KERNELS_DEV_CUH
+
+#include <stdint.h>
+
+#include "../elementwise.h"
+#include "zero_cuda.h"
+
+#include <string.h>
+
+#ifdef __CUDACC__
+#define ZC_DEV __device__ __forceinline__
+#define ZC_HD __host__ __device__ __forceinline__
+#define ZC_RESTRICT __restrict__
+#else
+/* host emulation: the few CUDA types and intrinsics the bodies use */
+#define ZC_DEV static inline
+#define ZC_HD static inline
+#define ZC_RESTRICT
+struct uint4 {
+	uint32_t x, y, z, w;
+};
+static inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
+	uint4 r = {x, y, z, w};
+	return r;
+}
+template <class T>
+static inline T __ldg(const T* p) {
+	return *p;
+}
+static inline float __uint_as_float(uint32_t u) {
+	float f;
+	memcpy(&f, &u, 4);
+	return f;
+}
+static inline uint32_t __float_as_uint(float f) {
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	return u;
+}
+#endif
+
+#define ZC_THREADS 256
+#define ZC_PACK 8                                   /* elements per pack */
+#define ZC_UNROLL 4                                 /* packs per thread per chunk */
+#define ZC_CHUNK (ZC_THREADS * ZC_PACK * ZC_UNROLL) /* elements per block */
+
+/* ---- descriptors ------------------------------------------------------- */
+
+/* A segment as the kernels see it: block0 is the number of the first block
+ * of the launch that works on it. */
+struct zc_dseg {
+	uintptr_t src;
+	int64_t count;
+	int64_t offset;
+	int64_t block0;
+};
+
+struct zc_segs_arg {
+	const zc_dseg* ext; /* device array, or NULL: use inl */
+	int nseg;
+	zc_dseg inl[ZC_INLINE_SEGS];
+};
+
+struct zc_red_arg {
+	uintptr_t dst[ZC_MAX_RANKS];
+	uintptr_t src[ZC_MAX_RANKS];
+	int nout;
+	int nsrc;
+	int64_t count;
+	int vec; /* every address and the per-output stride allow 16-byte access */
+};
+
+/* Fill out[] with the non-empty segments of segs[lo, hi), numbering their
+ * blocks from 0; returns the number of descriptors and sets *blocks. */
+static inline int zc_build_descs(const zc_seg* segs, int lo, int hi, zc_dseg* out, int64_t* blocks) {
+	int64_t b = 0;
+	int k = 0;
+	for (int m = lo; m < hi; m++) {
+		if (segs[m].count <= 0) continue;
+		out[k].src = segs[m].ptr;
+		out[k].count = segs[m].count;
+		out[k].offset = segs[m].offset;
+		out[k].block0 = b;
+		b += (segs[m].count + ZC_CHUNK - 1) / ZC_CHUNK;
+		k++;
+	}
+	*blocks = b;
+	return k;
+}
+
+
+/* ---- element sizes ----------------------------------------------------- */
+
+ZC_HD constexpr int zc_size(int t) { return t == ZERO_F32 ? 4 : 2; }
+
+/* ---- host helpers shared with the emulation -------------------------------- */
+
+/* Row of a dtype or op in the kernel tables (laid out in the order F32, BF16,
+ * F16 and SUM, AVG, MAX whatever the codes' values); -1 for a code out of
+ * range. */
+static inline int zc_dt_index(int t) { return t == ZERO_F32 ? 0 : t == ZERO_BF16 ? 1 : t == ZERO_F16 ? 2 : -1; }
+static inline int zc_op_index(int op) { return op == ZERO_SUM ? 0 : op == ZERO_AVG ? 1 : op == ZERO_MAX ? 2 : -1; }
+static inline int zc_dtype_ok(int t) { return zc_dt_index(t) >= 0; }
+
+/* Blocks for a grid-stride loop over `items` threads' worth of work. */
+static inline unsigned zc_grid(int64_t items) {
+	int64_t b = (items + ZC_THREADS - 1) / ZC_THREADS;
+	if (b < 1) b = 1;
+	if (b > 8192) b = 8192;
+	return (unsigned)b;
+}
+
+/* The arguments of an in-process reduction; vec when every address and the
+ * per-output stride allow 16-byte packs. */
+static inline int zc_red_setup(zc_red_arg* a, const uintptr_t* dsts, int nout, const uintptr_t* srcs, int nsrc,
+                               int dtype, int op, int64_t count) {
+	if (!zc_dtype_ok(dtype) || zc_op_index(op) < 0) return ZC_ERR_BAD_DTYPE;
+	if (nout > ZC_MAX_RANKS || nsrc > ZC_MAX_RANKS) return ZC_ERR_TOO_MANY_RANKS;
+	memset(a, 0, sizeof(*a));
+	uintptr_t any = 0;
+	for (int k = 0; k < nout; k++) any |= (a->dst[k] = dsts[k]);
+	for (int k = 0; k < nsrc; k++) any |= (a->src[k] = srcs[k]);
+	a->nout = nout;
+	a->nsrc = nsrc;
+	a->count = count;
+	a->vec = (any & 15u) == 0 && (count * zc_size(dtype)) % 16 == 0;
+	return 0;
+}
+
+/* ---- typed packs of 8 --------------------------------------------------- */
+
+template <int T>
+ZC_DEV float zc_widen(uint32_t h) {
+	return T == ZERO_BF16 ? zero_bf16_to_f32((uint16_t)h) : zero_f16_to_f32((uint16_t)h);
+}
+
+template <int T>
+ZC_DEV uint32_t zc_narrow(float v) {
+	return T == ZERO_BF16 ? (uint32_t)zero_f32_to_bf16(v) : (uint32_t)zero_f32_to_f16(v);
+}
+
+/* 16 or 32 bytes of raw data: 8 elements of T. */
+struct zc_raw {
+	uint4 a, b;
+};
+
+/* Read-only (non-coherent cache) load, for sources the kernel never writes. */
+template <int T>
+ZC_DEV zc_raw zc_load_raw(const char* p) {
+	zc_raw r;
+	r.a = __ldg((const uint4*)p);
+	r.b = T == ZERO_F32 ? __ldg((const uint4*)p + 1) : r.a;
+	return r;
+}
+
+/* Plain load, for buffers the same kernel writes (accumulators, in-place
+ * reductions). */
+template <int T>
+ZC_DEV zc_raw zc_load_raw_rw(const char* p) {
+	zc_raw r;
+	r.a = *(const uint4*)p;
+	r.b = T == ZERO_F32 ? *((const uint4*)p + 1) : r.a;
+	return r;
+}
+
+template <int T>
+ZC_DEV void zc_unpack(const zc_raw& r, float v[ZC_PACK]) {
+	if (T == ZERO_F32) {
+		v[0] = __uint_as_float(r.a.x);
+		v[1] = __uint_as_float(r.a.y);
+		v[2] = __uint_as_float(r.a.z);
+		v[3] = __uint_as_float(r.a.w);
+		v[4] = __uint_as_float(r.b.x);
+		v[5] = __uint_as_float(r.b.y);
+		v[6] = __uint_as_float(r.b.z);
+		v[7] = __uint_as_float(r.b.w);
+	} else {
+		/* little endian: element 2k is the low half of word k */
+		v[0] = zc_widen<T>(r.a.x & 0xffffu);
+		v[1] = zc_widen<T>(r.a.x >> 16);
+		v[2] = zc_widen<T>(r.a.y & 0xffffu);
+		v[3] = zc_widen<T>(r.a.y >> 16);
+		v[4] = zc_widen<T>(r.a.z & 0xffffu);
+		v[5] = zc_widen<T>(r.a.z >> 16);
+		v[6] = zc_widen<T>(r.a.w & 0xffffu);
+		v[7] = zc_widen<T>(r.a.w >> 16);
+	}
+}
+
+template <int T>
+ZC_DEV zc_raw zc_pack(const float v[ZC_PACK]) {
+	zc_raw r;
+	if (T == ZERO_F32) {
+		r.a = make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+		r.b = make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]), __float_as_uint(v[7]));
+	} else {
+		r.a = make_uint4(zc_narrow<T>(v[0]) | (zc_narrow<T>(v[1]) << 16), zc_narrow<T>(v[2]) | (zc_narrow<T>(v[3]) << 16),
+		                 zc_narrow<T>(v[4]) | (zc_narrow<T>(v[5]) << 16), zc_narrow<T>(v[6]) | (zc_narrow<T>(v[7]) << 16));
+		r.b = r.a;
+	}
+	return r;
+}
+
+template <int T>
+ZC_DEV void zc_store_raw(char* p, const zc_raw& r) {
+	*(uint4*)p = r.a;
+	if (T == ZERO_F32) *((uint4*)p + 1) = r.b;
+}
+
+/* ---- segment lookup ------------------------------------------------------ */
+
+/* The segment block b works on: the last one whose block0 <= b. */
+ZC_DEV zc_dseg zc_find(const zc_dseg* segs, int nseg, int64_t b) {
+	int lo = 0, hi = nseg - 1;
+	while (lo < hi) {
+		int mid = (lo + hi + 1) >> 1;
+		if (segs[mid].block0 <= b)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	return segs[lo];
+}
+
+/* ---- flatten (and cast): one block --------------------------------------- */
+
+template <int DT, int ST, bool SCALE>
+ZC_DEV void zc_flatten_block(char* ZC_RESTRICT dst, const zc_dseg* segs, int nseg, float scale, int64_t b, int tid) {
+	const zc_dseg sg = zc_find(segs, nseg, b);
+	const int64_t start = (b - sg.block0) * ZC_CHUNK;
+	const int64_t end = sg.count < start + ZC_CHUNK ? sg.count : start + ZC_CHUNK;
+	const char* ZC_RESTRICT src = (const char*)sg.src;
+	char* ZC_RESTRICT d = dst + sg.offset * zc_size(DT);
+	int64_t tail = start;
+	if (((sg.src | (uintptr_t)d) & 15u) == 0) {
+		const int64_t vend = start + (end - start) / ZC_PACK * ZC_PACK;
+		zc_raw in[ZC_UNROLL];
+#pragma unroll
+		for (int u = 0; u < ZC_UNROLL; u++) {
+			const int64_t i = start + ((int64_t)u * ZC_THREADS + tid) * ZC_PACK;
+			if (i < vend) in[u] = zc_load_raw<ST>(src + i * zc_size(ST));
+		}
+#pragma unroll
+		for (int u = 0; u < ZC_UNROLL; u++) {
+			const int64_t i = start + ((int64_t)u * ZC_THREADS + tid) * ZC_PACK;
+			if (i < vend) {
+				float v[ZC_PACK];
+				zc_unpack<ST>(in[u], v);
+				if (SCALE) {
+#pragma unroll
+					for (int k = 0; k < ZC_PACK; k++) v[k] = v[k] * scale;
+				}
+				zc_store_raw<DT>(d + i * zc_size(DT), zc_pack<DT>(v));
+			}
+		}
+		tail = vend;
+	}
+	for (int64_t i = tail + tid; i < end; i += ZC_THREADS) {
+		float v = zero_load(src, ST, i);
+		if (SCALE) v = v * scale;
+		zero_store(d, DT, i, v);
+	}
+}
+
+/* ---- accumulate: one block; returns nonzero if this thread saw inf/NaN ---- */
+
+template <int ST, bool SCALE, bool FIRST>
+ZC_DEV uint32_t zc_accumulate_block(float* ZC_RESTRICT acc, const zc_dseg* segs, int nseg, float scale, int64_t b,
+                                    int tid) {
+	const zc_dseg sg = zc_find(segs, nseg, b);
+	const int64_t start = (b - sg.block0) * ZC_CHUNK;
+	const int64_t end = sg.count < start + ZC_CHUNK ? sg.count : start + ZC_CHUNK;
+	const char* ZC_RESTRICT src = (const char*)sg.src;
+	float* ZC_RESTRICT d = acc + sg.offset;
+	uint32_t bad = 0;
+	int64_t tail = start;
+	if (((sg.src | (uintptr_t)d) & 15u) == 0) {
+		const int64_t vend = start + (end - start) / ZC_PACK * ZC_PACK;
+		zc_raw in[ZC_UNROLL], old[ZC_UNROLL];
+#pragma unroll
+		for (int u = 0; u < ZC_UNROLL; u++) {
+			const int64_t i = start + ((int64_t)u * ZC_THREADS + tid) * ZC_PACK;
+			if (i < vend) {
+				in[u] = zc_load_raw<ST>(src + i * zc_size(ST));
+				if (!FIRST) old[u] = zc_load_raw_rw<ZERO_F32>((const char*)(d + i));
+			}
+		}
+#pragma unroll
+		for (int u = 0; u < ZC_UNROLL; u++) {
+			const int64_t i = start + ((int64_t)u * ZC_THREADS + tid) * ZC_PACK;
+			if (i < vend) {
+				float v[ZC_PACK], o[ZC_PACK];
+				zc_unpack<ST>(in[u], v);
+				if (!FIRST) zc_unpack<ZERO_F32>(old[u], o);
+#pragma unroll
+				for (int k = 0; k < ZC_PACK; k++) {
+					if (SCALE) v[k] = v[k] * scale;
+					const float r = FIRST ? v[k] : o[k] + v[k];
+					v[k] = r;
+					bad |= (uint32_t)!zero_isfinite(r);
+				}
+				zc_store_raw<ZERO_F32>((char*)(d + i), zc_pack<ZERO_F32>(v));
+			}
+		}
+		tail = vend;
+	}
+	for (int64_t i = tail + tid; i < end; i += ZC_THREADS) {
+		float v = zero_load(src, ST, i);
+		if (SCALE) v = v * scale;
+		const float r = FIRST ? v : d[i] + v;
+		d[i] = r;
+		bad |= (uint32_t)!zero_isfinite(r);
+	}
+	return bad;
+}
+
+/* ---- in-process reductions: one thread of a grid-stride loop --------------- */
+
+/* Output j; gtid is the thread's number in the grid's x dimension and
+ * stride the number of threads in it. */
+template <int T, int OP>
+ZC_DEV void zc_reduce_thread(const zc_red_arg& a, int j, int64_t gtid, int64_t stride) {
+	const int64_t base = (int64_t)j * a.count; /* element offset into every src */
+	char* d = (char*)a.dst[j];
+	int64_t tail = 0;
+	if (a.vec) {
+		const int64_t packs = a.count / ZC_PACK;
+		for (int64_t p = gtid; p < packs; p += stride) {
+			const int64_t i = p * ZC_PACK;
+			float t[ZC_PACK], x[ZC_PACK];
+			zc_unpack<T>(zc_load_raw_rw<T>((const char*)a.src[0] + (base + i) * zc_size(T)), t);
+			for (int k = 1; k < a.nsrc; k++) {
+				zc_unpack<T>(zc_load_raw_rw<T>((const char*)a.src[k] + (base + i) * zc_size(T)), x);
+#pragma unroll
+				for (int e = 0; e < ZC_PACK; e++) t[e] = zero_op_combine(OP, t[e], x[e]);
+			}
+#pragma unroll
+			for (int e = 0; e < ZC_PACK; e++) t[e] = zero_op_finish(OP, t[e], a.nsrc);
+			zc_store_raw<T>(d + i * zc_size(T), zc_pack<T>(t));
+		}
+		tail = packs * ZC_PACK;
+	}
+	for (int64_t i = tail + gtid; i < a.count; i += stride) {
+		float t = zero_load((const void*)a.src[0], T, base + i);
+		for (int k = 1; k < a.nsrc; k++) t = zero_op_combine(OP, t, zero_load((const void*)a.src[k], T, base + i));
+		zero_store(d, T, i, zero_op_finish(OP, t, a.nsrc));
+	}
+}
+
+/* Fused in-place all-reduce over a.src[0..nsrc): the result is written to
+ * every buffer. */
+template <int T, int OP>
+ZC_DEV void zc_allreduce_thread(const zc_red_arg& a, int64_t gtid, int64_t stride) {
+	int64_t tail = 0;
+	if (a.vec) {
+		const int64_t packs = a.count / ZC_PACK;
+		for (int64_t p = gtid; p < packs; p += stride) {
+			const int64_t off = p * ZC_PACK * zc_size(T);
+			float t[ZC_PACK], x[ZC_PACK];
+			zc_unpack<T>(zc_load_raw_rw<T>((const char*)a.src[0] + off), t);
+			for (int k = 1; k < a.nsrc; k++) {
+				zc_unpack<T>(zc_load_raw_rw<T>((const char*)a.src[k] + off), x);
+#pragma unroll
+				for (int e = 0; e < ZC_PACK; e++) t[e] = zero_op_combine(OP, t[e], x[e]);
+			}
+#pragma unroll
+			for (int e = 0; e < ZC_PACK; e++) t[e] = zero_op_finish(OP, t[e], a.nsrc);
+			const zc_raw r = zc_pack<T>(t);
+			for (int k = 0; k < a.nsrc; k++) zc_store_raw<T>((char*)a.src[k] + off, r);
+		}
+		tail = packs * ZC_PACK;
+	}
+	for (int64_t i = tail + gtid; i < a.count; i += stride) {
+		float t = zero_load((const void*)a.src[0], T, i);
+		for (int k = 1; k < a.nsrc; k++) t = zero_op_combine(OP, t, zero_load((const void*)a.src[k], T, i));
+		/* store once, then copy the stored bits, as the host kernel does */
+		zero_store((void*)a.src[0], T, i, zero_op_finish(OP, t, a.nsrc));
+		if (T == ZERO_F32) {
+			const uint32_t bits = ((const uint32_t*)a.src[0])[i];
+			for (int k = 1; k < a.nsrc; k++) ((uint32_t*)a.src[k])[i] = bits;
+		} else {
+			const uint16_t bits = ((const uint16_t*)a.src[0])[i];
+			for (int k = 1; k < a.nsrc; k++) ((uint16_t*)a.src[k])[i] = bits;
+		}
+	}
+}
+
+/* ---- sum of squares: a thread's partial sum -------------------------------- */
+
+ZC_DEV double zc_sumsq_thread(const float* ZC_RESTRICT x, int64_t n, int64_t gtid, int64_t stride) {
+	double acc = 0.0;
+	for (int64_t i = gtid; i < n; i += stride) {
+		const double d = (double)x[i];
+		acc = acc + d * d;
+	}
+	return acc;
+}
+
+#define ZC_SUMSQ_MAX_BLOCKS 1024 /* blocks (partial sums) of zc_sumsq */
+
+#endif /* ZERO_KERNELS_DEV_CUH */

@@ -1,0 +1,565 @@
+//go:build cuda
+
+package zero
+
+/*
+#cgo CFLAGS: -I${SRCDIR}/csrc
+#cgo LDFLAGS: ${SRCDIR}/csrc/libzerocuda.a ${SRCDIR}/csrc/libcudart_static.a -lstdc++ -ldl -lpthread -lrt -lm
+#if __has_include("zero_cuda_stamp.h")
+#include "zero_cuda_stamp.h"
+#endif
+#include <stdlib.h>
+#include "elementwise.h"
+#include "zero_cuda.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+)
+
+// CUDADeviceCount returns the number of CUDA devices this process sees.
+func CUDADeviceCount() (int, error) {
+	var n C.int
+	if code := C.zc_device_count(&n); code != 0 {
+		return 0, cudaErr("cudaGetDeviceCount", -1, code)
+	}
+	return int(n), nil
+}
+
+var cudaDevices struct {
+	sync.Mutex
+	m map[int]*cudaDevice
+}
+
+// CUDA returns the CUDA device with the given ordinal (built with -tags
+// cuda; see cuda_stub.go otherwise). The same ordinal always gives the same
+// Device. A missing device, or a host without a driver, gives an error
+// wrapping ErrDevice (and the CUDA error, if any).
+//
+// zero never allocates or owns the framework's tensors. A Go stack that
+// keeps its tensors in CUDA memory and exposes their addresses hands them
+// over as they are:
+//
+//	dev, _ := zero.CUDA(0)                       // the framework's device ordinal
+//	stream, _ := zero.CUDAStream(handle, dev)    // its cudaStream_t, as a uintptr
+//	grad := zero.RawTensor(ptr, n, zero.BF16)    // its device pointer, as a uintptr
+//	ev, err := engine.GradReady(i, grad, stream) // read on that stream, in its order
+//
+// With gorgonia, ptr is a CUDA-backed tensor's Uintptr() and the stream the
+// one its CUDA engine runs on; with a PJRT client, ptr is the buffer's device
+// pointer (PJRT_Buffer_UnsafePointer / OpaqueDeviceMemoryDataPointer) and the
+// stream the one the client exposes for the device, or a zero stream
+// (Device.NewStream, StreamHandle) with events handed back and forth. The
+// rules: the memory stays alive and unchanged until the returned event fires
+// (work the framework enqueues later on the same stream is ordered after it
+// anyway), the stream belongs to the same device, and RawTensor's dtype is
+// the tensor's. Host Go slices (Float32s, Halfs) may be copied to and from
+// the device (cudaMemcpyDefault), but kernels refuse them with ErrStream: a
+// kernel that reads pageable host memory would kill the CUDA context.
+func CUDA(ordinal int) (Device, error) {
+	n, err := CUDADeviceCount()
+	if err != nil {
+		return nil, fmt.Errorf("%w: CUDA(%d): %w", ErrDevice, ordinal, err)
+	}
+	if ordinal < 0 || ordinal >= n {
+		return nil, errorf(ErrDevice, "CUDA(%d): this process sees %d CUDA device(s); use an ordinal in [0, %d) (check CUDA_VISIBLE_DEVICES)", ordinal, n, n)
+	}
+	cudaDevices.Lock()
+	defer cudaDevices.Unlock()
+	if d := cudaDevices.m[ordinal]; d != nil {
+		return d, nil
+	}
+	var name [256]C.char
+	var major, minor, sms C.int
+	var mem C.uint64_t
+	if code := C.zc_device_props(C.int(ordinal), &name[0], C.int(len(name)), &major, &minor, &mem, &sms); code != 0 {
+		return nil, fmt.Errorf("%w: %w", ErrDevice, cudaErr("cudaGetDeviceProperties", ordinal, code))
+	}
+	d := &cudaDevice{ordinal: ordinal, model: C.GoString(&name[0]), major: int(major), minor: int(minor), totalMem: uint64(mem), sms: int(sms)}
+	if cudaDevices.m == nil {
+		cudaDevices.m = map[int]*cudaDevice{}
+	}
+	cudaDevices.m[ordinal] = d
+	return d, nil
+}
+
+type cudaDevice struct {
+	ordinal      int
+	model        string
+	major, minor int
+	totalMem     uint64
+	sms          int
+}
+
+func cudaErr(op string, dev int, code C.int) error {
+	return &CUDAError{
+		Code:   int(code),
+		Name:   C.GoString(C.zc_error_name(code)),
+		Text:   C.GoString(C.zc_error_string(code)),
+		Op:     op,
+		Device: dev,
+	}
+}
+
+func (d *cudaDevice) err(op string, code C.int) error {
+	if code == 0 {
+		return nil
+	}
+	return cudaErr(op, d.ordinal, code)
+}
+
+func (d *cudaDevice) Name() string {
+	return fmt.Sprintf("cuda:%d (%s, sm_%d%d)", d.ordinal, d.model, d.major, d.minor)
+}
+
+func (d *cudaDevice) dev() C.int { return C.int(d.ordinal) }
+
+// cdtype maps a DType to the codes of elementwise.h explicitly, so the two
+// numberings may differ.
+func cdtype(t DType) C.int {
+	switch t {
+	case FP32:
+		return C.ZERO_F32
+	case BF16:
+		return C.ZERO_BF16
+	case FP16:
+		return C.ZERO_F16
+	}
+	return -1
+}
+
+func cop(op ReduceOp) C.int {
+	switch op {
+	case OpSum:
+		return C.ZERO_SUM
+	case OpAvg:
+		return C.ZERO_AVG
+	case OpMax:
+		return C.ZERO_MAX
+	}
+	return -1
+}
+
+func (d *cudaDevice) Alloc(count int, t DType) (Tensor, error) {
+	if count < 0 || !t.valid() {
+		return Tensor{}, errorf(ErrConfig, "Alloc(%d, %v): need a count ≥ 0 and a dtype of fp32, bf16 or fp16", count, t)
+	}
+	if count == 0 {
+		return Tensor{dtype: t}, nil
+	}
+	var p C.uintptr_t
+	if code := C.zc_malloc(d.dev(), C.uint64_t(count*t.Size()), &p); code != 0 {
+		return Tensor{}, d.err(fmt.Sprintf("Alloc(%d × %v)", count, t), code)
+	}
+	return Tensor{ptr: uintptr(p), count: count, dtype: t}, nil
+}
+
+func (d *cudaDevice) Free(t Tensor) error {
+	if t.ptr == 0 {
+		return nil
+	}
+	if t.keep != nil {
+		return errorf(ErrConfig, "Free: tensor at %#x is Go memory, not from %s", t.ptr, d.Name())
+	}
+	return d.err("Free", C.zc_free(d.dev(), C.uintptr_t(t.ptr)))
+}
+
+func (d *cudaDevice) allocPinned(count int, t DType) (Tensor, error) {
+	if count == 0 {
+		return Tensor{dtype: t}, nil
+	}
+	var p C.uintptr_t
+	if code := C.zc_host_alloc(d.dev(), C.uint64_t(count*t.Size()), &p); code != 0 {
+		return Tensor{}, d.err(fmt.Sprintf("AllocPinned(%d × %v)", count, t), code)
+	}
+	return Tensor{ptr: uintptr(p), count: count, dtype: t}, nil
+}
+
+func (d *cudaDevice) freePinned(t Tensor) error {
+	if t.ptr == 0 {
+		return nil
+	}
+	return d.err("FreePinned", C.zc_host_free(d.dev(), C.uintptr_t(t.ptr)))
+}
+
+// memInfo returns the device's free and total memory (cudaMemGetInfo).
+func (d *cudaDevice) memInfo() (free, total uint64, err error) {
+	var f, t C.uint64_t
+	if code := C.zc_mem_info(d.dev(), &f, &t); code != 0 {
+		return 0, 0, d.err("cudaMemGetInfo", code)
+	}
+	return uint64(f), uint64(t), nil
+}
+
+// ---- streams and events ----------------------------------------------------
+
+type cudaStream struct {
+	dev    *cudaDevice
+	h      uintptr
+	owned  bool
+	closed atomic.Bool
+}
+
+func (d *cudaDevice) NewStream() (Stream, error) {
+	var h C.uintptr_t
+	if code := C.zc_stream_create(d.dev(), &h); code != 0 {
+		return nil, d.err("NewStream", code)
+	}
+	return &cudaStream{dev: d, h: uintptr(h), owned: true}, nil
+}
+
+// CUDAStream wraps a stream the framework owns: handle is its cudaStream_t
+// as an integer (0 is the legacy default stream), dev the device it belongs
+// to. Close on the returned Stream synchronises it but does not destroy it.
+func CUDAStream(handle uintptr, dev Device) (Stream, error) {
+	d, ok := dev.(*cudaDevice)
+	if !ok {
+		return nil, errorf(ErrStream, "CUDAStream: device %v is not a CUDA device; pass one from zero.CUDA", deviceName(dev))
+	}
+	return &cudaStream{dev: d, h: handle}, nil
+}
+
+// StreamHandle returns the cudaStream_t of a CUDA stream as an integer, to
+// hand to a framework or a library.
+func StreamHandle(s Stream) (uintptr, error) {
+	cs, ok := s.(*cudaStream)
+	if !ok {
+		return 0, errorf(ErrStream, "StreamHandle: a %T has no CUDA handle", s)
+	}
+	return cs.h, nil
+}
+
+func deviceName(d Device) string {
+	if d == nil {
+		return "<nil>"
+	}
+	return d.Name()
+}
+
+func (d *cudaDevice) streamOf(s Stream) (*cudaStream, error) {
+	cs, ok := s.(*cudaStream)
+	if !ok {
+		return nil, errorf(ErrStream, "%s got a %T; pass a stream from its NewStream or zero.CUDAStream", d.Name(), s)
+	}
+	if cs.dev != d {
+		return nil, errorf(ErrStream, "%s got a stream of %s; use a stream of the same device", d.Name(), cs.dev.Name())
+	}
+	if cs.closed.Load() {
+		return nil, errorf(ErrClosed, "enqueue on a closed stream of %s", d.Name())
+	}
+	return cs, nil
+}
+
+// checkStream says whether s is a stream of this device.
+func (d *cudaDevice) checkStream(s Stream) error {
+	_, err := d.streamOf(s)
+	return err
+}
+
+func (s *cudaStream) record(timing bool) (*cudaEvent, error) {
+	if s.closed.Load() {
+		return nil, errorf(ErrClosed, "Record on a closed stream of %s", s.dev.Name())
+	}
+	var h C.uintptr_t
+	t := C.int(0)
+	if timing {
+		t = 1
+	}
+	if code := C.zc_record(s.dev.dev(), C.uintptr_t(s.h), t, &h); code != 0 {
+		return nil, s.dev.err("cudaEventRecord", code)
+	}
+	return newCUDAEvent(s.dev, uintptr(h), timing), nil
+}
+
+func (s *cudaStream) Record() (Event, error) { return s.record(true) }
+
+func (s *cudaStream) Wait(e Event) error {
+	if e == nil {
+		return nil
+	}
+	ce, ok := e.(*cudaEvent)
+	if !ok {
+		return errorf(ErrStream, "a CUDA stream cannot wait on a %T; use events of a CUDA device", e)
+	}
+	if s.closed.Load() {
+		return errorf(ErrClosed, "Wait on a closed stream of %s", s.dev.Name())
+	}
+	code := C.zc_stream_wait(s.dev.dev(), C.uintptr_t(s.h), C.uintptr_t(ce.h))
+	runtime.KeepAlive(ce)
+	return s.dev.err("cudaStreamWaitEvent", code)
+}
+
+func (s *cudaStream) Sync() error {
+	return s.dev.err("cudaStreamSynchronize", C.zc_stream_sync(s.dev.dev(), C.uintptr_t(s.h)))
+}
+
+func (s *cudaStream) Close() error {
+	if s.closed.Swap(true) {
+		return nil
+	}
+	err := s.dev.err("cudaStreamSynchronize", C.zc_stream_sync(s.dev.dev(), C.uintptr_t(s.h)))
+	if s.owned {
+		if e := s.dev.err("cudaStreamDestroy", C.zc_stream_destroy(s.dev.dev(), C.uintptr_t(s.h))); err == nil {
+			err = e
+		}
+	}
+	return err
+}
+
+// cudaEvent is a recorded cudaEvent_t. The handle is destroyed when the
+// event is garbage (cudaEventDestroy of a pending event is allowed: CUDA
+// releases it once it fires).
+type cudaEvent struct {
+	dev    *cudaDevice
+	h      uintptr
+	timing bool
+}
+
+type cudaEventHandle struct {
+	dev C.int
+	h   C.uintptr_t
+}
+
+func newCUDAEvent(d *cudaDevice, h uintptr, timing bool) *cudaEvent {
+	e := &cudaEvent{dev: d, h: h, timing: timing}
+	runtime.AddCleanup(e, func(x cudaEventHandle) { C.zc_event_destroy(x.dev, x.h) }, cudaEventHandle{d.dev(), C.uintptr_t(h)})
+	return e
+}
+
+func (e *cudaEvent) Sync() error {
+	code := C.zc_event_sync(e.dev.dev(), C.uintptr_t(e.h))
+	runtime.KeepAlive(e)
+	return e.dev.err("cudaEventSynchronize", code)
+}
+
+func (e *cudaEvent) Done() bool {
+	code := C.zc_event_query(e.dev.dev(), C.uintptr_t(e.h))
+	runtime.KeepAlive(e)
+	return code != 600 // cudaErrorNotReady; an error counts as done (Sync reports it)
+}
+
+func (e *cudaEvent) elapsedSince(start Event) (time.Duration, error) {
+	s, ok := start.(*cudaEvent)
+	if !ok {
+		return 0, errorf(ErrStream, "Elapsed: events of different devices")
+	}
+	if !s.timing || !e.timing {
+		return 0, errorf(ErrStream, "Elapsed: an event recorded without timing")
+	}
+	if err := s.Sync(); err != nil {
+		return 0, err
+	}
+	if err := e.Sync(); err != nil {
+		return 0, err
+	}
+	var ms C.float
+	code := C.zc_event_elapsed(e.dev.dev(), C.uintptr_t(s.h), C.uintptr_t(e.h), &ms)
+	runtime.KeepAlive(s)
+	runtime.KeepAlive(e)
+	if code != 0 {
+		return 0, e.dev.err("cudaEventElapsedTime", code)
+	}
+	return time.Duration(float64(ms) * float64(time.Millisecond)), nil
+}
+
+// ---- kernels -------------------------------------------------------------------
+
+// deviceOnly rejects Go slices (Float32s, Halfs) as kernel operands: a kernel
+// that dereferences pageable host memory kills the CUDA context.
+func (d *cudaDevice) deviceOnly(op string, ts ...Tensor) error {
+	for _, t := range ts {
+		if t.keep != nil && t.count > 0 {
+			return errorf(ErrStream, "%s on %s: a tensor is a Go slice in host memory; kernels need device memory (Alloc, or RawTensor of a device pointer) or AllocPinned memory", op, d.Name())
+		}
+	}
+	return nil
+}
+
+func (d *cudaDevice) zero(s Stream, t Tensor) error {
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	code := C.zc_memzero(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(t.ptr), C.uint64_t(t.Bytes()))
+	runtime.KeepAlive(t.keep)
+	return d.err("zero", code)
+}
+
+func (d *cudaDevice) copy(s Stream, dst, src Tensor) error {
+	if dst.Bytes() != src.Bytes() {
+		return errorf(ErrGradSize, "copy of %d bytes into %d bytes", src.Bytes(), dst.Bytes())
+	}
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	code := C.zc_memcpy(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(dst.ptr), C.uintptr_t(src.ptr), C.uint64_t(src.Bytes()))
+	runtime.KeepAlive(dst.keep)
+	runtime.KeepAlive(src.keep)
+	return d.err("copy", code)
+}
+
+// cSegments checks a batch and lays it out as zc_seg descriptors.
+func (d *cudaDevice) cSegments(op string, segs []Segment) ([]segment, DType, error) {
+	src := segs[0].Src.dtype
+	out := make([]segment, len(segs))
+	for i, sg := range segs {
+		if sg.Src.dtype != src {
+			return nil, 0, errorf(ErrDType, "%s: segment %d is %v, segment 0 is %v; batch gradients of one dtype", op, i, sg.Src.dtype, src)
+		}
+		if sg.Src.keep != nil && sg.Src.count > 0 {
+			return nil, 0, d.deviceOnly(op, sg.Src)
+		}
+		out[i] = segment{ptr: sg.Src.ptr, count: int64(sg.Src.count), offset: int64(sg.Offset)}
+	}
+	if !src.valid() {
+		return nil, 0, errorf(ErrDType, "%s: dtype %v; use fp32, bf16 or fp16", op, src)
+	}
+	return out, src, nil
+}
+
+// Compile-time checks that segment and zc_seg have the same layout.
+var (
+	_ [unsafe.Sizeof(segment{}) - C.sizeof_zc_seg]byte
+	_ [C.sizeof_zc_seg - unsafe.Sizeof(segment{})]byte
+)
+
+func (d *cudaDevice) flatten(s Stream, dst Tensor, segs []Segment, scale float32) error {
+	if len(segs) == 0 {
+		return nil
+	}
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	if err := d.deviceOnly("flatten", dst); err != nil {
+		return err
+	}
+	if !dst.dtype.valid() {
+		return errorf(ErrDType, "flatten into %v; use fp32, bf16 or fp16", dst.dtype)
+	}
+	c, src, err := d.cSegments("flatten", segs)
+	if err != nil {
+		return err
+	}
+	code := C.zc_flatten(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(dst.ptr), cdtype(dst.dtype),
+		(*C.zc_seg)(unsafe.Pointer(&c[0])), C.int(len(c)), cdtype(src), C.float(scale))
+	return d.err("flatten", code)
+}
+
+func (d *cudaDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool, scale float32, flag Tensor) error {
+	if len(segs) == 0 {
+		return nil
+	}
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	if acc.dtype != FP32 || (flag.ptr != 0 && flag.dtype != FP32) {
+		return errorf(ErrDType, "accumulate into %v with a %v flag; both are fp32", acc.dtype, flag.dtype)
+	}
+	if err := d.deviceOnly("accumulate", acc, flag); err != nil {
+		return err
+	}
+	c, src, err := d.cSegments("accumulate", segs)
+	if err != nil {
+		return err
+	}
+	f := C.int(0)
+	if first {
+		f = 1
+	}
+	code := C.zc_accumulate(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(acc.ptr), (*C.zc_seg)(unsafe.Pointer(&c[0])),
+		C.int(len(c)), cdtype(src), f, C.float(scale), C.uintptr_t(flag.ptr))
+	return d.err("accumulate", code)
+}
+
+func (d *cudaDevice) cast(s Stream, dst, src Tensor, scale float32) error {
+	if dst.count != src.count {
+		return errorf(ErrGradSize, "cast of %d elements into %d", src.count, dst.count)
+	}
+	if !dst.dtype.valid() || !src.dtype.valid() {
+		return errorf(ErrDType, "cast of %v into %v; use fp32, bf16 or fp16", src.dtype, dst.dtype)
+	}
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	if err := d.deviceOnly("cast", dst, src); err != nil {
+		return err
+	}
+	code := C.zc_cast(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(dst.ptr), cdtype(dst.dtype), C.uintptr_t(src.ptr),
+		cdtype(src.dtype), C.int64_t(src.count), C.float(scale))
+	return d.err("cast", code)
+}
+
+// sumSquares writes the sum of squares of x to *out. *out is Go memory, so
+// the final copy completes before the call returns (it waits for the
+// stream's earlier work).
+func (d *cudaDevice) sumSquares(s Stream, x Tensor, out *float64) error {
+	if x.dtype != FP32 {
+		return errorf(ErrDType, "sumSquares of %v; it takes the fp32 shard", x.dtype)
+	}
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	if err := d.deviceOnly("sumSquares", x); err != nil {
+		return err
+	}
+	code := C.zc_sumsq(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(x.ptr), C.int64_t(x.count), (*C.double)(unsafe.Pointer(out)))
+	return d.err("sumSquares", code)
+}
+
+// reduce is the in-process reduce-scatter: for each output j,
+// dsts[j][i] = op over k of srcs[k][j·count + i], in rank order (one launch).
+func (d *cudaDevice) reduce(s Stream, dsts, srcs []uintptr, dt DType, op ReduceOp, count int) error {
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	if len(dsts) == 0 || len(srcs) == 0 || count == 0 {
+		return nil
+	}
+	cd, csrc := cPtrs(dsts), cPtrs(srcs)
+	return d.err(fmt.Sprintf("reduce(%d × %d × %v, %v)", len(srcs), count, dt, op),
+		C.zc_reduce(d.dev(), C.uintptr_t(cs.h), &cd[0], C.int(len(cd)), &csrc[0], C.int(len(csrc)), cdtype(dt), cop(op), C.int64_t(count)))
+}
+
+// allReduce is the fused in-place all-reduce of the in-process group over
+// bufs (one launch).
+func (d *cudaDevice) allReduce(s Stream, bufs []uintptr, dt DType, op ReduceOp, count int) error {
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	if len(bufs) == 0 || count == 0 {
+		return nil
+	}
+	cb := cPtrs(bufs)
+	return d.err(fmt.Sprintf("allReduce(%d × %d × %v, %v)", len(bufs), count, dt, op),
+		C.zc_allreduce(d.dev(), C.uintptr_t(cs.h), &cb[0], C.int(len(cb)), cdtype(dt), cop(op), C.int64_t(count)))
+}
+
+func cPtrs(p []uintptr) []C.uintptr_t {
+	out := make([]C.uintptr_t, len(p))
+	for i, v := range p {
+		out[i] = C.uintptr_t(v)
+	}
+	return out
+}
+
+// cudaSpin enqueues a kernel that keeps s busy for about d (tests).
+func cudaSpin(s Stream, d time.Duration) error {
+	cs, ok := s.(*cudaStream)
+	if !ok {
+		return errorf(ErrStream, "cudaSpin: a %T is not a CUDA stream", s)
+	}
+	return cs.dev.err("spin", C.zc_spin(cs.dev.dev(), C.uintptr_t(cs.h), C.int64_t(d.Nanoseconds())))
+}

@@ -1,0 +1,1203 @@
+//go:build cuda
+
+package zero
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	mrand "math/rand"
+	"math/rand/v2"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+	"unsafe"
+)
+
+// Tests of the CUDA path. Those that need a GPU skip with a message that
+// names what is missing ("no CUDA device: …", "no libnccl.so.2: …"); the
+// loader and error tests run everywhere. scripts/gpu-test.sh runs them on a
+// GPU host, and the kernel tests again under compute-sanitizer.
+
+// needCUDA returns device 0 or skips.
+func needCUDA(t testing.TB) *cudaDevice {
+	t.Helper()
+	d, err := CUDA(0)
+	if err != nil {
+		t.Skipf("no CUDA device: %v", err)
+	}
+	return d.(*cudaDevice)
+}
+
+// needNCCL loads NCCL or skips.
+func needNCCL(t testing.TB) int {
+	t.Helper()
+	v, err := NCCLVersion("")
+	if err != nil {
+		t.Skipf("no libnccl.so.2: %v", err)
+	}
+	return v
+}
+
+func gpuStream(t testing.TB, d *cudaDevice) Stream {
+	t.Helper()
+	s, err := d.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s
+}
+
+// ---- host/device buffers ------------------------------------------------------
+
+// gbuf is a host buffer (Go heap) of one dtype.
+type gbuf struct {
+	dt DType
+	f  []float32
+	h  []uint16
+}
+
+func newGBuf(dt DType, n int) *gbuf {
+	b := &gbuf{dt: dt}
+	if dt == FP32 {
+		b.f = make([]float32, n)
+	} else {
+		b.h = make([]uint16, n)
+	}
+	return b
+}
+
+func (b *gbuf) n() int {
+	if b.dt == FP32 {
+		return len(b.f)
+	}
+	return len(b.h)
+}
+
+func (b *gbuf) t() Tensor {
+	if b.dt == FP32 {
+		return Float32s(b.f)
+	}
+	return Halfs(b.h, b.dt)
+}
+
+func (b *gbuf) bits(i int) uint32 {
+	if b.dt == FP32 {
+		return math.Float32bits(b.f[i])
+	}
+	return uint32(b.h[i])
+}
+
+func (b *gbuf) isNaN(i int) bool {
+	u := b.bits(i)
+	switch b.dt {
+	case FP32:
+		return u&0x7f800000 == 0x7f800000 && u&0x7fffff != 0
+	case BF16:
+		return u&0x7f80 == 0x7f80 && u&0x7f != 0
+	}
+	return u&0x7c00 == 0x7c00 && u&0x3ff != 0
+}
+
+func (b *gbuf) clone() *gbuf {
+	c := newGBuf(b.dt, b.n())
+	copy(c.f, b.f)
+	copy(c.h, b.h)
+	return c
+}
+
+// fill draws data that exercises every path: half of the elements are any
+// bit pattern (NaN payloads, infinities, subnormals, values that overflow a
+// narrower dtype), the rest ordinary values around 1.
+func (b *gbuf) fill(rng *rand.Rand, wild bool) {
+	for i := 0; i < b.n(); i++ {
+		v := float32(rng.NormFloat64() * math.Ldexp(1, rng.IntN(20)-10))
+		switch {
+		case b.dt == FP32 && wild && rng.IntN(2) == 0:
+			b.f[i] = math.Float32frombits(rng.Uint32())
+		case b.dt == FP32:
+			b.f[i] = v
+		case wild && rng.IntN(2) == 0:
+			b.h[i] = uint16(rng.Uint32())
+		case b.dt == BF16:
+			b.h[i] = bf16FromFloat(v)
+		default:
+			b.h[i] = fp16FromFloat(v)
+		}
+	}
+}
+
+// sameAs compares bits; NaN matches any NaN (the GPU makes canonical NaNs
+// where x86 keeps payloads, and elementwise.h does not promise payloads).
+func (b *gbuf) sameAs(o *gbuf) (int, bool) {
+	for i := 0; i < b.n(); i++ {
+		if b.bits(i) != o.bits(i) && !(b.isNaN(i) && o.isNaN(i)) {
+			return i, false
+		}
+	}
+	return 0, true
+}
+
+// upload copies b into new device memory with pad elements before it, so
+// the data can start at any alignment; it returns the tensor of b's data.
+func upload(t testing.TB, d *cudaDevice, s Stream, b *gbuf, pad int) Tensor {
+	t.Helper()
+	whole, err := d.Alloc(b.n()+pad+1, b.dt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Free(whole) })
+	dt := whole.slice(pad, b.n())
+	if err := d.copy(s, dt, b.t()); err != nil {
+		t.Fatal(err)
+	}
+	return dt
+}
+
+func download(t testing.TB, d *cudaDevice, s Stream, x Tensor) *gbuf {
+	t.Helper()
+	b := newGBuf(x.dtype, x.count)
+	if err := d.copy(s, b.t(), x); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// gpuLayout is a batch of segments: host sources, device copies, offsets.
+type gpuLayout struct {
+	host  []*gbuf
+	hsegs []segment
+	dsegs []Segment
+	total int
+}
+
+// makeGPULayout places nseg sources of random sizes in a flat buffer, with
+// gaps; aligned layouts keep every offset and source 16-byte aligned (the
+// vector path), the others misalign some.
+func makeGPULayout(t testing.TB, rng *rand.Rand, d *cudaDevice, s Stream, dt DType, nseg, maxLen int, aligned bool) *gpuLayout {
+	l := &gpuLayout{}
+	off := 0
+	for range nseg {
+		n := rng.IntN(maxLen + 1)
+		pad := 0
+		if aligned {
+			off = (off + 7) &^ 7
+		} else {
+			off += rng.IntN(3)
+			pad = rng.IntN(8)
+		}
+		b := newGBuf(dt, n)
+		b.fill(rng, true)
+		dev := upload(t, d, s, b, pad)
+		l.host = append(l.host, b)
+		l.hsegs = append(l.hsegs, segment{ptr: b.t().ptr, count: int64(n), offset: int64(off)})
+		l.dsegs = append(l.dsegs, Segment{Src: dev, Offset: off})
+		off += n + rng.IntN(2)*rng.IntN(40)
+	}
+	l.total = off + 8
+	rng.Shuffle(len(l.hsegs), func(i, j int) {
+		l.hsegs[i], l.hsegs[j] = l.hsegs[j], l.hsegs[i]
+		l.dsegs[i], l.dsegs[j] = l.dsegs[j], l.dsegs[i]
+		l.host[i], l.host[j] = l.host[j], l.host[i]
+	})
+	return l
+}
+
+var gpuLayouts = []struct {
+	name    string
+	nseg    int
+	maxLen  int
+	aligned bool
+}{
+	{"one", 1, 70000, true},
+	{"inline", 12, 9000, true},
+	{"inline-misaligned", 20, 3000, false},
+	{"ring", 150, 2000, true},
+	{"ring-misaligned", 90, 500, false},
+}
+
+// ---- kernels: the same bits as the host C ------------------------------------------
+
+func TestCUDAKernelsFlattenMatchHost(t *testing.T) {
+	d := needCUDA(t)
+	s := gpuStream(t, d)
+	rng := testRNG(t)
+	for _, lay := range gpuLayouts {
+		for _, st := range allDTypes {
+			l := makeGPULayout(t, rng, d, s, st, lay.nseg, lay.maxLen, lay.aligned)
+			for _, dt := range allDTypes {
+				for _, scale := range []float32{1, 0.125, 0.3, -3.75} {
+					init := newGBuf(dt, l.total)
+					init.fill(rng, false)
+					want := init.clone()
+					flattenHost(want.t().ptr, dt, l.hsegs, st, scale)
+					dst := upload(t, d, s, init, 0)
+					if err := d.flatten(s, dst, l.dsegs, scale); err != nil {
+						t.Fatal(err)
+					}
+					got := download(t, d, s, dst)
+					if i, ok := got.sameAs(want); !ok {
+						t.Fatalf("flatten %s %v→%v scale %v: element %d = %#x, host %#x", lay.name, st, dt, scale, i, got.bits(i), want.bits(i))
+					}
+				}
+			}
+		}
+	}
+}
+
+func TestCUDAKernelsAccumulateMatchHost(t *testing.T) {
+	d := needCUDA(t)
+	s := gpuStream(t, d)
+	rng := testRNG(t)
+	flagDev, err := d.Alloc(1, FP32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Free(flagDev)
+	for _, lay := range gpuLayouts {
+		for _, st := range allDTypes {
+			l := makeGPULayout(t, rng, d, s, st, lay.nseg, lay.maxLen, lay.aligned)
+			for _, first := range []bool{true, false} {
+				for _, scale := range []float32{1, 0.5, -3.75} {
+					init := newGBuf(FP32, l.total)
+					init.fill(rng, false)
+					want := init.clone()
+					hostFlag := newGBuf(FP32, 1)
+					accumulateHost(want.t().ptr, l.hsegs, st, first, scale, hostFlag.t().ptr)
+					acc := upload(t, d, s, init, 0)
+					if err := d.zero(s, flagDev); err != nil {
+						t.Fatal(err)
+					}
+					if err := d.accumulate(s, acc, l.dsegs, first, scale, flagDev); err != nil {
+						t.Fatal(err)
+					}
+					got := download(t, d, s, acc)
+					if i, ok := got.sameAs(want); !ok {
+						t.Fatalf("accumulate %s %v first=%v scale %v: element %d = %#x, host %#x", lay.name, st, first, scale, i, got.bits(i), want.bits(i))
+					}
+					if gf := download(t, d, s, flagDev); gf.f[0] != hostFlag.f[0] {
+						t.Fatalf("accumulate %s %v: overflow flag %v, host %v", lay.name, st, gf.f[0], hostFlag.f[0])
+					}
+				}
+			}
+		}
+	}
+}
+
+func TestCUDAKernelsCastMatchHost(t *testing.T) {
+	d := needCUDA(t)
+	s := gpuStream(t, d)
+	rng := testRNG(t)
+	for _, n := range []int{1, 7, 8, 4099, 1 << 20} {
+		for _, st := range allDTypes {
+			src := newGBuf(st, n)
+			src.fill(rng, true)
+			for _, pad := range []int{0, 1} {
+				dsrc := upload(t, d, s, src, pad)
+				for _, dt := range allDTypes {
+					for _, scale := range []float32{1, 0.3} {
+						want := newGBuf(dt, n)
+						castHost(want.t().ptr, dt, src.t().ptr, st, n, scale)
+						dst := upload(t, d, s, newGBuf(dt, n), 0)
+						if err := d.cast(s, dst, dsrc, scale); err != nil {
+							t.Fatal(err)
+						}
+						got := download(t, d, s, dst)
+						if i, ok := got.sameAs(want); !ok {
+							t.Fatalf("cast n=%d pad=%d %v→%v scale %v: element %d = %#x, host %#x", n, pad, st, dt, scale, i, got.bits(i), want.bits(i))
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+func TestCUDAKernelsReduceMatchHost(t *testing.T) {
+	d := needCUDA(t)
+	s := gpuStream(t, d)
+	rng := testRNG(t)
+	for _, w := range []int{1, 2, 3, 4, 8} {
+		for _, dt := range allDTypes {
+			for _, chunk := range []int{1, 13, 64, 40000} {
+				for _, op := range []ReduceOp{OpSum, OpAvg, OpMax} {
+					host := make([]*gbuf, w)
+					dev := make([]Tensor, w)
+					for k := range w {
+						host[k] = newGBuf(dt, w*chunk)
+						host[k].fill(rng, true)
+						dev[k] = upload(t, d, s, host[k], 0)
+					}
+					// reduce-scatter: output j = op over k of chunk j of src k,
+					// written in place into chunk j of rank j's buffer
+					want := make([]*gbuf, w)
+					for j := range w {
+						want[j] = newGBuf(dt, chunk)
+						srcs := make([]uintptr, w)
+						for k := range w {
+							srcs[k] = host[k].t().ptr + uintptr(j*chunk*dt.Size())
+						}
+						reduceHost(want[j].t().ptr, srcs, dt, op, 0, chunk)
+					}
+					dsts := make([]uintptr, w)
+					srcs := make([]uintptr, w)
+					for k := range w {
+						srcs[k] = dev[k].ptr
+						dsts[k] = dev[k].slice(k*chunk, chunk).ptr
+					}
+					if err := d.reduce(s, dsts, srcs, dt, op, chunk); err != nil {
+						t.Fatal(err)
+					}
+					for j := range w {
+						got := download(t, d, s, dev[j].slice(j*chunk, chunk))
+						if i, ok := got.sameAs(want[j]); !ok {
+							t.Fatalf("reduce w=%d %v chunk %d %v: output %d element %d = %#x, host %#x", w, dt, chunk, op, j, i, got.bits(i), want[j].bits(i))
+						}
+					}
+					// fused all-reduce over fresh buffers
+					bufs := make([]uintptr, w)
+					dbufs := make([]uintptr, w)
+					for k := range w {
+						host[k].fill(rng, true)
+						dev[k] = upload(t, d, s, host[k], 0)
+						bufs[k] = host[k].t().ptr
+						dbufs[k] = dev[k].ptr
+					}
+					allReduceFusedHost(bufs, dt, op, 0, w*chunk)
+					if err := d.allReduce(s, dbufs, dt, op, w*chunk); err != nil {
+						t.Fatal(err)
+					}
+					for k := range w {
+						got := download(t, d, s, dev[k])
+						if i, ok := got.sameAs(host[k]); !ok {
+							t.Fatalf("all-reduce w=%d %v n=%d %v: buffer %d element %d = %#x, host %#x", w, dt, w*chunk, op, k, i, got.bits(i), host[k].bits(i))
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+func TestCUDAKernelsSumSquares(t *testing.T) {
+	d := needCUDA(t)
+	s := gpuStream(t, d)
+	rng := testRNG(t)
+	for _, n := range []int{0, 1, 1000, 1 << 20, 3<<20 + 5} {
+		x := newGBuf(FP32, n)
+		x.fill(rng, false)
+		want := sumSquaresHost(x.t().ptr, n)
+		dx := upload(t, d, s, x, 0)
+		var got, again float64
+		if err := d.sumSquares(s, dx, &got); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.sumSquares(s, dx, &again); err != nil {
+			t.Fatal(err)
+		}
+		if math.Float64bits(got) != math.Float64bits(again) {
+			t.Fatalf("n=%d: sum of squares not deterministic: %v then %v", n, got, again)
+		}
+		if math.Abs(got-want) > 1e-12*math.Abs(want) {
+			t.Fatalf("n=%d: sum of squares %v, host %v", n, got, want)
+		}
+	}
+}
+
+// TestCUDAKernelsRefuseHostSlices: a Go slice as a kernel operand is an
+// error, not a dead CUDA context.
+func TestCUDAKernelsRefuseHostSlices(t *testing.T) {
+	d := needCUDA(t)
+	s := gpuStream(t, d)
+	x := make([]float32, 16)
+	dev, _ := d.Alloc(16, FP32)
+	defer d.Free(dev)
+	if err := d.flatten(s, dev, []Segment{{Src: Float32s(x)}}, 1); !errors.Is(err, ErrStream) {
+		t.Errorf("flatten from a Go slice: %v", err)
+	}
+	if err := d.accumulate(s, Float32s(x), []Segment{{Src: dev}}, true, 1, Tensor{}); !errors.Is(err, ErrStream) {
+		t.Errorf("accumulate into a Go slice: %v", err)
+	}
+	if err := d.cast(s, Float32s(x), dev, 1); !errors.Is(err, ErrStream) {
+		t.Errorf("cast into a Go slice: %v", err)
+	}
+	if err := d.copy(s, Float32s(x), dev); err != nil {
+		t.Errorf("copy to a Go slice is allowed: %v", err)
+	}
+	if err := d.flatten(NewHostStream(), dev, []Segment{{Src: dev}}, 1); !errors.Is(err, ErrStream) {
+		t.Errorf("a host stream on the CUDA device: %v", err)
+	}
+	if err := s.Sync(); err != nil {
+		t.Fatalf("the stream is still good: %v", err)
+	}
+}
+
+// ---- devices, memory, streams, events ---------------------------------------------
+
+func TestCUDADevices(t *testing.T) {
+	n, err := CUDADeviceCount()
+	if err != nil {
+		// no driver here: CUDA() must say so with a typed error
+		_, err2 := CUDA(0)
+		var ce *CUDAError
+		if !errors.Is(err2, ErrDevice) || !errors.Is(err2, ErrCUDA) || !errors.As(err2, &ce) {
+			t.Fatalf("CUDA(0) without a driver: %v; want ErrDevice wrapping a *CUDAError", err2)
+		}
+		t.Skipf("no CUDA device: %v", err)
+	}
+	if _, err := CUDA(n); !errors.Is(err, ErrDevice) {
+		t.Fatalf("CUDA(%d) of %d devices: %v; want ErrDevice", n, n, err)
+	}
+	if _, err := CUDA(-1); !errors.Is(err, ErrDevice) {
+		t.Fatalf("CUDA(-1): %v", err)
+	}
+	d0, _ := CUDA(0)
+	d1, _ := CUDA(0)
+	if d0 != d1 {
+		t.Fatal("CUDA(0) twice gave two devices")
+	}
+	t.Logf("%d device(s); %s", n, d0.Name())
+}
+
+func TestCUDAStreamsEvents(t *testing.T) {
+	d := needCUDA(t)
+	a := gpuStream(t, d)
+	b := gpuStream(t, d)
+	x, _ := d.Alloc(1<<20, FP32)
+	y, _ := d.Alloc(1<<20, FP32)
+	defer d.Free(x)
+	defer d.Free(y)
+	host := newGBuf(FP32, 1<<20)
+	for i := range host.f {
+		host.f[i] = float32(i)
+	}
+	start, err := a.Record()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cudaSpin(a, 50*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.copy(a, x, host.t()); err != nil {
+		t.Fatal(err)
+	}
+	ready, _ := a.Record()
+	if ready.Done() {
+		t.Fatal("event done while its stream spins")
+	}
+	// b copies x only after a wrote it
+	if err := b.Wait(ready); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.copy(b, y, x); err != nil {
+		t.Fatal(err)
+	}
+	got := download(t, d, b, y)
+	if got.f[12345] != 12345 {
+		t.Fatalf("b did not wait for a: %v", got.f[12345])
+	}
+	if !ready.Done() {
+		t.Fatal("event not done after the waiting stream synced")
+	}
+	el, err := Elapsed(start, ready)
+	if err != nil || el < 40*time.Millisecond {
+		t.Fatalf("Elapsed over a 50ms spin: %v, %v", el, err)
+	}
+	// a framework's own stream, by handle
+	h, err := StreamHandle(a)
+	if err != nil || h == 0 {
+		t.Fatalf("StreamHandle: %#x, %v", h, err)
+	}
+	wrapped, err := CUDAStream(h, d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.zero(wrapped, x); err != nil {
+		t.Fatal(err)
+	}
+	if err := wrapped.Close(); err != nil { // syncs, does not destroy
+		t.Fatal(err)
+	}
+	if err := d.copy(a, y, x); err != nil || a.Sync() != nil {
+		t.Fatalf("the framework's stream must survive Close of its wrapper: %v", err)
+	}
+	if _, err := CUDAStream(h, CPU()); !errors.Is(err, ErrStream) {
+		t.Errorf("CUDAStream on the CPU device: %v", err)
+	}
+	if err := a.Wait(&hostEvent{fired: make(chan struct{})}); !errors.Is(err, ErrStream) {
+		t.Errorf("waiting on a host event: %v", err)
+	}
+	if _, err := d.Alloc(1<<50, FP32); !errors.Is(err, ErrCUDA) {
+		t.Errorf("a 4 PiB allocation: %v; want a CUDA error", err)
+	} else {
+		var ce *CUDAError
+		errors.As(err, &ce)
+		t.Logf("as expected: %v (code %d)", err, ce.Code)
+	}
+}
+
+func TestCUDAAllocPinned(t *testing.T) {
+	d := needCUDA(t)
+	s := gpuStream(t, d)
+	p, err := AllocPinned(d, 1<<20, BF16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer FreePinned(d, p)
+	h := unsafe.Slice((*uint16)(unsafe.Pointer(&p.hostBytes()[0])), p.Len())
+	for i := range h {
+		if h[i] != 0 {
+			t.Fatal("pinned memory not zeroed")
+		}
+		h[i] = uint16(i)
+	}
+	dev, _ := d.Alloc(1<<20, BF16)
+	defer d.Free(dev)
+	back, _ := AllocPinned(d, 1<<20, BF16)
+	defer FreePinned(d, back)
+	if err := d.copy(s, dev, p); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.copy(s, back, dev); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	hb := unsafe.Slice((*uint16)(unsafe.Pointer(&back.hostBytes()[0])), back.Len())
+	for i := range hb {
+		if hb[i] != uint16(i) {
+			t.Fatalf("pinned round trip: element %d = %d", i, hb[i])
+		}
+	}
+}
+
+// ---- the one-GPU in-process group ----------------------------------------------------
+
+// onGPURanks runs fn on every rank of a one-GPU group, each with its own stream.
+func onGPURanks(t *testing.T, d *cudaDevice, n int, timeout time.Duration, fn func(c Comm, s Stream) error) []error {
+	t.Helper()
+	comms, err := NewCUDALocalGroupTimeout(n, d, timeout)
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for r := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s, err := d.NewStream()
+			if err != nil {
+				errs[r] = err
+				return
+			}
+			defer s.Close()
+			if errs[r] = fn(comms[r], s); errs[r] == nil {
+				errs[r] = s.Sync()
+			}
+		}()
+	}
+	wg.Wait()
+	return errs
+}
+
+// TestCUDAGroupCollectivesMatchCPU: every collective of the one-GPU group
+// gives the bits of the CPU group on the same data.
+func TestCUDAGroupCollectivesMatchCPU(t *testing.T) {
+	d := needCUDA(t)
+	rng := testRNG(t)
+	for _, w := range []int{2, 4} {
+		for _, dt := range allDTypes {
+			chunk := 1000 + rng.IntN(3000)
+			in := make([]*gbuf, w)
+			for r := range w {
+				in[r] = newGBuf(dt, w*chunk)
+				in[r].fill(rng, false)
+			}
+			run := func(gpu bool) [][]*gbuf {
+				out := make([][]*gbuf, w)
+				job := func(c Comm, s Stream, dev Device, up func(*gbuf) Tensor, down func(Tensor) *gbuf) error {
+					r := c.Rank()
+					var res []*gbuf
+					for _, op := range []ReduceOp{OpSum, OpAvg, OpMax} {
+						buf := up(in[r])
+						if err := c.AllReduce(s, buf, op); err != nil {
+							return err
+						}
+						res = append(res, down(buf))
+						send := up(in[r])
+						if err := c.ReduceScatter(s, send, send.slice(r*chunk, chunk), op); err != nil { // in place
+							return err
+						}
+						res = append(res, down(send.slice(r*chunk, chunk)))
+					}
+					all := up(newGBuf(dt, w*chunk))
+					mine := up(in[r])
+					if err := c.AllGather(s, mine.slice(0, chunk), all); err != nil {
+						return err
+					}
+					res = append(res, down(all))
+					bc := up(in[r])
+					if err := c.Broadcast(s, bc, w-1); err != nil {
+						return err
+					}
+					res = append(res, down(bc))
+					out[r] = res
+					return nil
+				}
+				var errs []error
+				if gpu {
+					errs = onGPURanks(t, d, w, 20*time.Second, func(c Comm, s Stream) error {
+						return job(c, s, d, func(b *gbuf) Tensor { return upload(t, d, s, b, 0) },
+							func(x Tensor) *gbuf { return download(t, d, s, x) })
+					})
+				} else {
+					comms, _ := NewLocalGroupTimeout(w, 20*time.Second)
+					errs = make([]error, w)
+					var wg sync.WaitGroup
+					for r := range w {
+						wg.Add(1)
+						go func() {
+							defer wg.Done()
+							s := NewHostStream()
+							defer s.Close()
+							errs[r] = job(comms[r], s, CPU(), func(b *gbuf) Tensor { return b.clone().t() },
+								func(x Tensor) *gbuf {
+									s.Sync()
+									b := newGBuf(x.dtype, x.count)
+									copy(b.t().hostBytes(), x.hostBytes())
+									return b
+								})
+						}()
+					}
+					wg.Wait()
+				}
+				for r, err := range errs {
+					if err != nil {
+						t.Fatalf("gpu=%v w=%d %v rank %d: %v", gpu, w, dt, r, err)
+					}
+				}
+				return out
+			}
+			cpu, gpu := run(false), run(true)
+			for r := range w {
+				for k := range cpu[r] {
+					if i, ok := gpu[r][k].sameAs(cpu[r][k]); !ok {
+						t.Fatalf("w=%d %v rank %d result %d: element %d = %#x on the GPU, %#x on the CPU", w, dt, r, k, i, gpu[r][k].bits(i), cpu[r][k].bits(i))
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestCUDAGroupPeerFails: a rank that never comes makes the others' calls
+// fail with ErrTimeout within the timeout; a rank that closes makes them fail
+// with ErrPeerFailed. Never a hang.
+func TestCUDAGroupPeerFails(t *testing.T) {
+	d := needCUDA(t)
+	buf, _ := d.Alloc(1024, FP32)
+	defer d.Free(buf)
+	start := time.Now()
+	errs := onGPURanks(t, d, 3, 300*time.Millisecond, func(c Comm, s Stream) error {
+		if c.Rank() == 2 {
+			return nil // returns early
+		}
+		return c.AllReduce(s, buf, OpSum)
+	})
+	if !errors.Is(errs[0], ErrTimeout) || !errors.Is(errs[1], ErrTimeout) {
+		t.Fatalf("peers of a vanished rank: %v", errs)
+	}
+	if time.Since(start) > 5*time.Second {
+		t.Fatalf("took %v", time.Since(start))
+	}
+	errs = onGPURanks(t, d, 2, 20*time.Second, func(c Comm, s Stream) error {
+		if c.Rank() == 1 {
+			return c.Close()
+		}
+		time.Sleep(50 * time.Millisecond)
+		return c.AllReduce(s, buf, OpSum)
+	})
+	if !errors.Is(errs[0], ErrPeerFailed) {
+		t.Fatalf("peer closed: %v", errs[0])
+	}
+	errs = onGPURanks(t, d, 2, 20*time.Second, func(c Comm, s Stream) error {
+		if c.Rank() == 1 {
+			return c.AllReduce(s, buf.slice(0, 512), OpSum)
+		}
+		return c.AllReduce(s, buf, OpSum)
+	})
+	if !errors.Is(errs[0], ErrMismatch) && !errors.Is(errs[1], ErrMismatch) {
+		t.Fatalf("mismatched collectives: %v", errs)
+	}
+}
+
+// ---- the engine on the GPU ---------------------------------------------------------
+
+// runEngineCUDA is runEngine (zero_test.go) on the one-GPU group: the same
+// protocol, with the gradients uploaded to device memory and written on CUDA
+// streams.
+func runEngineCUDA(t testing.TB, d *cudaDevice, r runSpec, params []Param, data workload, seed int64) []rankResult {
+	t.Helper()
+	comms, err := NewCUDALocalGroupTimeout(r.world, d, 60*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, CommDType: r.comm, PredivideFactor: r.predivide, GradAccumSteps: r.accum}
+	if cfg.GradAccumSteps == 0 {
+		cfg.GradAccumSteps = r.backwards
+	}
+	results := make([]rankResult, r.world)
+	errs := make([]error, r.world)
+	var wg sync.WaitGroup
+	for rank := range r.world {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[rank] = runRankCUDA(d, cfg, comms[rank], r, params, data, seed, &results[rank])
+		}()
+	}
+	wg.Wait()
+	for rank, err := range errs {
+		if err != nil {
+			t.Fatalf("%v: rank %d on the GPU: %v", r, rank, err)
+		}
+	}
+	return results
+}
+
+func runRankCUDA(d *cudaDevice, cfg Config, comm Comm, r runSpec, params []Param, data workload, seed int64, out *rankResult) (err error) {
+	defer comm.Close()
+	up, err := d.NewStream()
+	if err != nil {
+		return err
+	}
+	defer up.Close()
+	// upload this rank's gradients: dev[step][backward][param]
+	dev := make([][][]Tensor, r.steps)
+	defer func() {
+		for _, s := range dev {
+			for _, k := range s {
+				for _, g := range k {
+					d.Free(g)
+				}
+			}
+		}
+	}()
+	for step := range r.steps {
+		dev[step] = make([][]Tensor, r.backwards)
+		for k := range r.backwards {
+			dev[step][k] = make([]Tensor, len(params))
+			for p, q := range params {
+				g, err := d.Alloc(q.Count, q.DType)
+				if err != nil {
+					return err
+				}
+				dev[step][k][p] = g
+				if err := d.copy(up, g, data[step][k][comm.Rank()][p].t); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	if err := up.Sync(); err != nil {
+		return err
+	}
+	e, err := New(cfg, comm, params)
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	out.plan = e.Plan()
+	streams := make([]Stream, max(r.streams, 1))
+	for i := range streams {
+		if streams[i], err = d.NewStream(); err != nil {
+			return err
+		}
+		defer streams[i].Close()
+	}
+	rng := mrand.New(mrand.NewSource(seed + int64(comm.Rank())))
+	order := make([]int, len(params))
+	for step := range r.steps {
+		for k := range r.backwards {
+			for i := range order {
+				order[i] = len(params) - 1 - i
+			}
+			if r.shuffle {
+				rng.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+			}
+			if r.boundary && k == r.backwards-1 {
+				e.SetBoundary(true)
+			}
+			for i, p := range order {
+				if _, err := e.GradReady(p, dev[step][k][p], streams[i%len(streams)]); err != nil {
+					return err
+				}
+			}
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+		}
+		if err := e.Step(); err != nil {
+			return err
+		}
+		shard, err := e.GradShard()
+		if err != nil {
+			return err
+		}
+		full, err := e.FullGrads()
+		if err != nil {
+			return err
+		}
+		out.shard = append(out.shard, shard)
+		out.full = append(out.full, full)
+		out.stats = append(out.stats, e.Stats())
+	}
+	return nil
+}
+
+// TestCUDADifferentialMatrix: stages 1–3 × W 2, 4 × every dtype × overlap on
+// the one-GPU group give the bits of the CPU path (the same arithmetic in the
+// same order: flatten, rank-order reduce-scatter, copy-vs-add), for the
+// shards and the full gradients, with several buckets, producer streams and
+// backwards per step.
+func TestCUDADifferentialMatrix(t *testing.T) {
+	d := needCUDA(t)
+	seed := testSeed(t)
+	rng := rand.New(rand.NewPCG(uint64(seed), 1))
+	n := 0
+	for _, stage := range []int{1, 2, 3} {
+		for _, world := range []int{2, 4} {
+			for _, dt := range allDTypes {
+				params := testParams(dt)
+				for _, overlap := range []bool{false, true} {
+					r := runSpec{stage: stage, world: world, dtype: dt, backwards: 2, steps: 2, streams: 2,
+						overlap: overlap, bucket: 1024, predivide: float64(world)}
+					data := makeWorkload(mrand.New(mrand.NewSource(rng.Int64())), r, params)
+					cpu := runEngine(t, r, params, data, seed)
+					gpu := runEngineCUDA(t, d, r, params, data, seed)
+					for rank := range world {
+						for step := range r.steps {
+							for i, want := range cpu[rank].shard[step] {
+								if got := gpu[rank].shard[step][i]; math.Float32bits(got) != math.Float32bits(want) {
+									t.Fatalf("%v rank %d step %d: shard[%d] = %x on the GPU, %x on the CPU", r, rank, step, i, math.Float32bits(got), math.Float32bits(want))
+								}
+							}
+							for p := range params {
+								for i, want := range cpu[rank].full[step][p] {
+									if got := gpu[rank].full[step][p][i]; math.Float32bits(got) != math.Float32bits(want) {
+										t.Fatalf("%v rank %d step %d: param %d[%d] = %x on the GPU, %x on the CPU", r, rank, step, p, i, math.Float32bits(got), math.Float32bits(want))
+									}
+								}
+							}
+						}
+					}
+					n++
+				}
+			}
+		}
+	}
+	t.Logf("%d combinations bit-identical to the CPU path", n)
+}
+
+// TestCUDAProducerStreamRule: one bucket is filled from three CUDA streams;
+// stream 0 is held back by a spin kernel before it writes its gradient, and
+// that gradient is reported first. The reduction must wait on every
+// producer's event (seed 002); with the engine's wait narrowed to the last
+// producer (waitOnlyLastProducer), it reads the bucket too early and the sum
+// is wrong.
+func TestCUDAProducerStreamRule(t *testing.T) {
+	d := needCUDA(t)
+	seed := testSeed(t)
+	run := func(narrow bool) error {
+		params := []Param{{Count: 1 << 20, DType: FP32}, {Count: 1000, DType: FP32}, {Count: 3000, DType: FP32}}
+		r := runSpec{stage: 2, world: 2, dtype: FP32, backwards: 1, steps: 1}
+		data := makeWorkload(mrand.New(mrand.NewSource(seed)), r, params)
+		waitOnlyLastProducer = narrow
+		defer func() { waitOnlyLastProducer = false }()
+		comms, err := NewCUDALocalGroup(2, d)
+		if err != nil {
+			return err
+		}
+		res := make([][][]float32, 2)
+		errs := make([]error, 2)
+		var wg sync.WaitGroup
+		for rank := range 2 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs[rank] = func() error {
+					defer comms[rank].Close()
+					e, err := New(Config{Stage: 2, BucketBytes: 64 << 20, Overlap: true}, comms[rank], params)
+					if err != nil {
+						return err
+					}
+					defer e.Close()
+					var streams []Stream
+					for range params {
+						s, err := d.NewStream()
+						if err != nil {
+							return err
+						}
+						defer s.Close()
+						streams = append(streams, s)
+					}
+					for p := range params {
+						s := streams[p]
+						g, err := d.Alloc(params[p].Count, FP32)
+						if err != nil {
+							return err
+						}
+						defer d.Free(g)
+						if p == 0 {
+							if err := cudaSpin(s, 300*time.Millisecond); err != nil {
+								return err
+							}
+						}
+						// the framework writes the gradient on its stream...
+						if err := d.copy(s, g, data[0][0][rank][p].t); err != nil {
+							return err
+						}
+						// ...and reports it at once
+						if _, err := e.GradReady(p, g, s); err != nil {
+							return err
+						}
+					}
+					if err := e.EndBackward(); err != nil {
+						return err
+					}
+					if err := e.Step(); err != nil {
+						return err
+					}
+					res[rank], err = e.FullGrads()
+					return err
+				}()
+			}()
+		}
+		wg.Wait()
+		for _, err := range errs {
+			if err != nil {
+				return err
+			}
+		}
+		for p := range params {
+			for i, got := range res[0][p] {
+				want := (data[0][0][0][p].ref[i] + data[0][0][1][p].ref[i]) / 2
+				if math.Abs(float64(got)-want) > 1e-6*(1+math.Abs(want)) {
+					return fmt.Errorf("param %d[%d] = %g, want %g", p, i, got, want)
+				}
+			}
+		}
+		return nil
+	}
+	if err := run(false); err != nil {
+		t.Fatalf("waiting on every producer stream: %v", err)
+	}
+	if err := run(true); err == nil {
+		t.Fatal("with the wait narrowed to the last producer stream the sum was still right: the test cannot see the bug")
+	} else {
+		t.Logf("narrowed wait, as expected: %v", err)
+	}
+}
+
+// TestGPUStatsNVML: NVML's used memory of the GPUs grows by what the engine's
+// device allocated.
+func TestGPUStatsNVML(t *testing.T) {
+	d := needCUDA(t)
+	before, err := GPUMemoryInfo()
+	if err != nil {
+		t.Skipf("no NVML on this GPU host: %v", err)
+	}
+	used := func(ms []GPUMemory) (u uint64) {
+		for _, m := range ms {
+			u += m.Used
+		}
+		return u
+	}
+	x, err := d.Alloc(1<<30, BF16) // 2 GiB
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Free(x)
+	after, err := GPUMemoryInfo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	grew := int64(used(after)) - int64(used(before))
+	if grew < 1900<<20 {
+		t.Fatalf("NVML used memory grew by %d MiB after a 2 GiB allocation", grew>>20)
+	}
+	free, total, err := d.memInfo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range after {
+		t.Logf("NVML GPU %d %s: %d MiB used, %d MiB free of %d MiB", m.Index, m.Name, m.Used>>20, m.Free>>20, m.Total>>20)
+	}
+	t.Logf("cudaMemGetInfo %s: %d MiB free of %d MiB", d.Name(), free>>20, total>>20)
+}
+
+// ---- NCCL -------------------------------------------------------------------------------
+
+// TestNCCLLoaderMissing: a library that does not exist is a clear ErrNCCL,
+// not a crash (the binary started without NCCL).
+func TestNCCLLoaderMissing(t *testing.T) {
+	msg, err := probeNCCL("/nonexistent/libnccl.so.2")
+	if err == nil {
+		t.Fatal("loading a missing library succeeded")
+	}
+	if !strings.Contains(msg, "nonexistent") {
+		t.Errorf("dlopen message %q does not name the file", msg)
+	}
+	if _, err := NewNCCL(NCCLConfig{World: 1, Library: "/nonexistent/libnccl.so.2"}); ncclLoaded() {
+		t.Logf("NCCL was already loaded by an earlier test; NewNCCL went on: %v", err)
+	} else if !errors.Is(err, ErrNCCL) || !strings.Contains(err.Error(), "ZERO_NCCL_LIBRARY") {
+		t.Fatalf("NewNCCL without NCCL: %v; want ErrNCCL saying how to provide it", err)
+	}
+}
+
+// TestNCCLLoaderVersion loads the real NCCL (the wheel's in CI, PyTorch's on
+// the GPU hosts): no GPU is needed.
+func TestNCCLLoaderVersion(t *testing.T) {
+	v := needNCCL(t)
+	if v < 21900 {
+		t.Fatalf("NCCL version code %d; ncclAvg and non-blocking communicators need 2.19 or later", v)
+	}
+	t.Logf("NCCL %d.%d.%d", v/10000, v/100%100, v%100)
+	if os.Getenv("ZERO_NCCL_LIBRARY") == "" {
+		// with NCCL loaded and no GPU, NewNCCL fails on the device
+		if _, err := CUDA(0); err != nil {
+			if _, err := NewNCCL(NCCLConfig{World: 1}); !errors.Is(err, ErrDevice) {
+				t.Fatalf("NewNCCL without a device: %v; want ErrDevice", err)
+			}
+		}
+	}
+}
+
+// TestNCCLWorld1: bootstrap from torchrun's environment, every collective,
+// the watchdog's timeout and a clean abort, with one rank.
+func TestNCCLWorld1(t *testing.T) {
+	d := needCUDA(t)
+	needNCCL(t)
+	for k, v := range map[string]string{"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"} {
+		t.Setenv(k, v)
+	}
+	c, err := NewNCCLFromEnv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if c.Rank() != 0 || c.Size() != 1 || c.Device() != Device(d) {
+		t.Fatalf("rank %d size %d device %v", c.Rank(), c.Size(), c.Device())
+	}
+	s := gpuStream(t, d)
+	rng := testRNG(t)
+	for _, dt := range allDTypes {
+		in := newGBuf(dt, 4099)
+		in.fill(rng, false)
+		for _, op := range []ReduceOp{OpSum, OpAvg, OpMax} {
+			buf := upload(t, d, s, in, 0)
+			if err := c.AllReduce(s, buf, op); err != nil {
+				t.Fatal(err)
+			}
+			if got := download(t, d, s, buf); !gpuSameBits(got, in) {
+				t.Fatalf("AllReduce %v %v over one rank changed the data", dt, op)
+			}
+			send := upload(t, d, s, in, 0)
+			recv := upload(t, d, s, newGBuf(dt, in.n()), 0)
+			if err := c.ReduceScatter(s, send, recv, op); err != nil {
+				t.Fatal(err)
+			}
+			if got := download(t, d, s, recv); !gpuSameBits(got, in) {
+				t.Fatalf("ReduceScatter %v %v over one rank", dt, op)
+			}
+		}
+		send := upload(t, d, s, in, 0)
+		recv := upload(t, d, s, newGBuf(dt, in.n()), 0)
+		if err := c.AllGather(s, send, recv); err != nil {
+			t.Fatal(err)
+		}
+		if got := download(t, d, s, recv); !gpuSameBits(got, in) {
+			t.Fatalf("AllGather %v over one rank", dt)
+		}
+		if err := c.Broadcast(s, send, 0); err != nil {
+			t.Fatal(err)
+		}
+		if got := download(t, d, s, send); !gpuSameBits(got, in) {
+			t.Fatalf("Broadcast %v over one rank", dt)
+		}
+	}
+	cnt := c.Counters()
+	if cnt[KindAllReduce].Calls != 9 || cnt[KindReduceScatter].Calls != 9 || cnt[KindAllGather].Calls != 3 || cnt[KindBroadcast].Calls != 3 || cnt.Total().WireBytes != 0 {
+		t.Fatalf("counters %+v", cnt)
+	}
+	buf, _ := d.Alloc(8, FP32)
+	defer d.Free(buf)
+	if err := c.AllReduce(s, buf, ReduceOp(9)); !errors.Is(err, ErrConfig) {
+		t.Errorf("bad op: %v", err)
+	}
+	if err := c.AllReduce(s, Float32s(make([]float32, 8)), OpSum); !errors.Is(err, ErrStream) {
+		t.Errorf("a Go slice to NCCL: %v", err)
+	}
+	// a clean abort: later calls say why, Close is quiet, the stream lives on
+	nc := c.(*ncclComm)
+	nc.abort(errorf(ErrPeerFailed, "test abort"))
+	if err := c.AllReduce(s, buf, OpSum); !errors.Is(err, ErrPeerFailed) {
+		t.Fatalf("after abort: %v", err)
+	}
+	if err := c.Close(); err != nil {
+		t.Fatalf("Close after abort: %v", err)
+	}
+	if err := s.Sync(); err != nil {
+		t.Fatalf("stream after abort: %v", err)
+	}
+}
+
+// TestNCCLWatchdogTimeout: a batch that does not finish within the timeout
+// (its stream is held by a spin kernel) makes the watchdog abort the
+// communicator; later calls return ErrTimeout.
+func TestNCCLWatchdogTimeout(t *testing.T) {
+	d := needCUDA(t)
+	needNCCL(t)
+	c, err := NewNCCL(NCCLConfig{World: 1, Timeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	s := gpuStream(t, d)
+	buf, _ := d.Alloc(1024, FP32)
+	defer d.Free(buf)
+	if err := cudaSpin(s, 2*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.AllReduce(s, buf, OpSum); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		err := c.AllReduce(s, buf, OpSum)
+		if errors.Is(err, ErrTimeout) && errors.Is(err, ErrNCCL) {
+			t.Logf("watchdog: %v", err)
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the watchdog did not abort a batch stuck for 2s with a 300ms timeout (last: %v)", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if err := s.Sync(); err != nil {
+		t.Fatalf("stream after the watchdog's abort: %v", err)
+	}
+}
+
+func gpuSameBits(a, b *gbuf) bool {
+	_, ok := a.sameAs(b)
+	return ok
+}

@@ -1,0 +1,296 @@
+//go:build cuda
+
+package zero
+
+/*
+#include "zero_cuda.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"runtime"
+	"sync"
+	"time"
+)
+
+// NewCUDALocalGroup returns n communicators for n ranks of one process on
+// one CUDA device, each driven by its own goroutine and its own streams.
+// This is how multi-rank GPU behaviour is tested on one GPU: NCCL refuses
+// two ranks on one device.
+//
+// A collective is a rendezvous of the ranks' calls on the host: each rank
+// records an event on its stream and waits; the last rank to arrive makes
+// its stream wait on every other rank's event, enqueues the whole
+// collective there (the reduce kernels of csrc/kernels.cu, or copies), records
+// a completion event, and makes every other rank's stream wait on it. So each
+// call returns once the work is enqueued, every stream is ordered after the
+// collective, and the result does not depend on which rank came last:
+// reductions run in rank order, as in the CPU group, and give its bits.
+func NewCUDALocalGroup(n int, dev Device) ([]Comm, error) {
+	return NewCUDALocalGroupTimeout(n, dev, DefaultTimeout)
+}
+
+// NewCUDALocalGroupTimeout is NewCUDALocalGroup with a bound on how long a
+// collective waits for a peer that failed or left.
+func NewCUDALocalGroupTimeout(n int, dev Device, timeout time.Duration) ([]Comm, error) {
+	if n < 1 || n > C.ZC_MAX_RANKS {
+		return nil, errorf(ErrConfig, "NewCUDALocalGroup(%d): the world size must be in [1, %d]", n, C.ZC_MAX_RANKS)
+	}
+	if timeout <= 0 {
+		return nil, errorf(ErrConfig, "NewCUDALocalGroup: timeout %v; give a positive duration", timeout)
+	}
+	d, ok := dev.(*cudaDevice)
+	if !ok {
+		return nil, errorf(ErrDevice, "NewCUDALocalGroup: device %s is not a CUDA device; pass one from zero.CUDA", deviceName(dev))
+	}
+	g := &cudaGroup{n: n, dev: d, timeout: timeout, slots: make([]cudaSlot, n),
+		phase: &cudaPhase{done: make(chan struct{})}, aborted: make(chan struct{})}
+	comms := make([]Comm, n)
+	for r := range comms {
+		comms[r] = &cudaLocalComm{g: g, rank: r}
+	}
+	return comms, nil
+}
+
+type cudaGroup struct {
+	n       int
+	dev     *cudaDevice
+	timeout time.Duration
+
+	mu      sync.Mutex
+	slots   []cudaSlot
+	arrived int
+	phase   *cudaPhase
+	aborted chan struct{}
+	reason  error
+}
+
+// cudaPhase is one rendezvous: done closes when the last rank has enqueued
+// the collective (or failed to).
+type cudaPhase struct {
+	done chan struct{}
+	err  error
+}
+
+type cudaSlot struct {
+	a      collArgs
+	stream *cudaStream
+	ready  *cudaEvent
+}
+
+func (g *cudaGroup) abort(err error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.reason == nil {
+		g.reason = err
+		close(g.aborted)
+	}
+}
+
+func (g *cudaGroup) abortErr() error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.reason
+}
+
+type cudaLocalComm struct {
+	g    *cudaGroup
+	rank int
+	counters
+}
+
+func (c *cudaLocalComm) Rank() int              { return c.rank }
+func (c *cudaLocalComm) Size() int              { return c.g.n }
+func (c *cudaLocalComm) Device() Device         { return c.g.dev }
+func (c *cudaLocalComm) Counters() CommCounters { return c.snapshot() }
+
+func (c *cudaLocalComm) Close() error {
+	c.g.abort(errorf(ErrPeerFailed, "rank %d closed its communicator", c.rank))
+	return nil
+}
+
+func (c *cudaLocalComm) AllReduce(s Stream, buf Tensor, op ReduceOp) error {
+	if err := checkCollective("AllReduce", c.g.n, op, buf); err != nil {
+		return err
+	}
+	return c.collective(s, collArgs{kind: KindAllReduce, op: op, dtype: buf.dtype, count: buf.count, send: buf.ptr, recv: buf.ptr}, buf.Bytes(), buf)
+}
+
+func (c *cudaLocalComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
+	if err := checkCollective("ReduceScatter", c.g.n, op, send, recv); err != nil {
+		return err
+	}
+	if send.count != recv.count*c.g.n {
+		return errorf(ErrGradSize, "ReduceScatter: send has %d elements, recv %d; send must hold world size (%d) × recv", send.count, recv.count, c.g.n)
+	}
+	return c.collective(s, collArgs{kind: KindReduceScatter, op: op, dtype: send.dtype, count: send.count, send: send.ptr, recv: recv.ptr}, send.Bytes(), send, recv)
+}
+
+func (c *cudaLocalComm) AllGather(s Stream, send, recv Tensor) error {
+	if err := checkCollective("AllGather", c.g.n, OpSum, send, recv); err != nil {
+		return err
+	}
+	if recv.count != send.count*c.g.n {
+		return errorf(ErrGradSize, "AllGather: send has %d elements, recv %d; recv must hold world size (%d) × send", send.count, recv.count, c.g.n)
+	}
+	return c.collective(s, collArgs{kind: KindAllGather, dtype: send.dtype, count: send.count, send: send.ptr, recv: recv.ptr}, recv.Bytes(), send, recv)
+}
+
+func (c *cudaLocalComm) Broadcast(s Stream, buf Tensor, root int) error {
+	if err := checkCollective("Broadcast", c.g.n, OpSum, buf); err != nil {
+		return err
+	}
+	if root < 0 || root >= c.g.n {
+		return errorf(ErrConfig, "Broadcast: root %d; use a rank in [0, %d)", root, c.g.n)
+	}
+	return c.collective(s, collArgs{kind: KindBroadcast, root: root, dtype: buf.dtype, count: buf.count, send: buf.ptr, recv: buf.ptr}, buf.Bytes(), buf)
+}
+
+// collective publishes this rank's call and meets the peers; the last to
+// arrive enqueues the work for all (see NewCUDALocalGroup).
+func (c *cudaLocalComm) collective(s Stream, a collArgs, payload int, ts ...Tensor) error {
+	g := c.g
+	cs, err := g.dev.streamOf(s)
+	if err != nil {
+		return err
+	}
+	if err := g.dev.deviceOnly(a.kind.String(), ts...); err != nil {
+		return err
+	}
+	if err := g.abortErr(); err != nil {
+		return err
+	}
+	ready, err := cs.record(false)
+	if err != nil {
+		return err
+	}
+	c.add(a.kind, payload, g.n)
+
+	g.mu.Lock()
+	if g.reason != nil {
+		g.mu.Unlock()
+		return g.reason
+	}
+	ph := g.phase
+	g.slots[c.rank] = cudaSlot{a: a, stream: cs, ready: ready}
+	g.arrived++
+	if g.arrived == g.n {
+		slots := append([]cudaSlot(nil), g.slots...)
+		g.arrived = 0
+		g.phase = &cudaPhase{done: make(chan struct{})}
+		g.mu.Unlock()
+		ph.err = g.run(c.rank, slots)
+		if ph.err != nil {
+			g.abort(ph.err)
+		}
+		close(ph.done)
+		return ph.err
+	}
+	g.mu.Unlock()
+
+	timer := time.NewTimer(g.timeout)
+	defer timer.Stop()
+	select {
+	case <-ph.done:
+		return ph.err
+	case <-g.aborted:
+		select {
+		case <-ph.done: // the collective was enqueued before the abort
+			return ph.err
+		default:
+			return g.abortErr()
+		}
+	case <-timer.C:
+		g.abort(errorf(ErrTimeout, "rank %d waited %v in %v for its peers; a rank failed, returned early or issued fewer collectives", c.rank, g.timeout, a))
+		select {
+		case <-ph.done:
+			return ph.err
+		default:
+			return g.abortErr()
+		}
+	}
+}
+
+// run enqueues one collective for every rank on the stream of rank last.
+func (g *cudaGroup) run(last int, slots []cudaSlot) error {
+	a := slots[last].a
+	for r, o := range slots {
+		oa := o.a
+		if oa.kind != a.kind || oa.op != a.op || oa.root != a.root || oa.dtype != a.dtype || oa.count != a.count {
+			return errorf(ErrMismatch, "rank %d called %v while rank %d called %v; every rank must issue the same collectives in the same order", last, a, r, oa)
+		}
+	}
+	d, L := g.dev, slots[last].stream
+	for r, o := range slots {
+		if r != last {
+			if err := L.Wait(o.ready); err != nil {
+				return err
+			}
+		}
+	}
+	if err := g.work(L, slots); err != nil {
+		return err
+	}
+	done, err := L.record(false)
+	if err != nil {
+		return err
+	}
+	for r, o := range slots {
+		if r != last && o.stream != L {
+			if code := C.zc_stream_wait(d.dev(), C.uintptr_t(o.stream.h), C.uintptr_t(done.h)); code != 0 {
+				return d.err("cudaStreamWaitEvent", code)
+			}
+		}
+	}
+	runtime.KeepAlive(done) // the waits above use its handle
+	return nil
+}
+
+// work enqueues the collective's kernels and copies on L.
+func (g *cudaGroup) work(L *cudaStream, slots []cudaSlot) error {
+	d, n, a := g.dev, g.n, slots[0].a
+	size := uintptr(a.dtype.Size())
+	h := C.uintptr_t(L.h)
+	switch a.kind {
+	case KindAllReduce:
+		bufs := make([]uintptr, n)
+		for r, o := range slots {
+			bufs[r] = o.a.send
+		}
+		return d.allReduce(L, bufs, a.dtype, a.op, a.count)
+	case KindReduceScatter:
+		dsts := make([]uintptr, n)
+		srcs := make([]uintptr, n)
+		for r, o := range slots {
+			dsts[r] = o.a.recv
+			srcs[r] = o.a.send
+		}
+		return d.reduce(L, dsts, srcs, a.dtype, a.op, a.count/n)
+	case KindAllGather:
+		bytes := uintptr(a.count) * size
+		for r, dst := range slots {
+			for k, src := range slots {
+				to := dst.a.recv + uintptr(k)*bytes
+				if to == src.a.send || bytes == 0 {
+					continue
+				}
+				if code := C.zc_memcpy(d.dev(), h, C.uintptr_t(to), C.uintptr_t(src.a.send), C.uint64_t(bytes)); code != 0 {
+					return d.err(fmt.Sprintf("AllGather(%d × %v): copy rank %d → rank %d", a.count, a.dtype, k, r), code)
+				}
+			}
+		}
+	case KindBroadcast:
+		bytes := uintptr(a.count) * size
+		root := slots[a.root].a.send
+		for r, o := range slots {
+			if o.a.recv == root || bytes == 0 {
+				continue
+			}
+			if code := C.zc_memcpy(d.dev(), h, C.uintptr_t(o.a.recv), C.uintptr_t(root), C.uint64_t(bytes)); code != 0 {
+				return d.err(fmt.Sprintf("Broadcast(%d × %v): copy to rank %d", a.count, a.dtype, r), code)
+			}
+		}
+	}
+	return nil
+}
