@@ -1,1 +1,0 @@
-#define ZERO_CUDA_STAMP "0a6a3b784f59b63d"
