@@ -18,8 +18,10 @@
  * performs the same IEEE fp32 operations on each element in the same order
  * (contraction is off, so no FMA is formed even where the ISA has it); the
  * wider ones only do more elements per instruction, so all levels give the
- * same bits. zero_set_kernel_level lets the tests run every level the machine
- * has and compare.
+ * same bits. One exception in how, not in what: at levels 1 and 2 the fp16
+ * conversions use the F16C instructions, which implement the same rounding
+ * as elementwise.h (see ZK_F16C below). zero_set_kernel_level lets the tests
+ * run every level the machine has and compare them bit for bit.
  *
  * Streaming. The streaming kernels (flatten, cast, accumulate, sum of
  * squares) walk their arrays in blocks of ZK_BLOCK elements and prefetch each

@@ -50,12 +50,14 @@ double zero_sumsq(const float* x, int64_t lo, int64_t hi);
 /* reduce: for i in [lo, hi): dst[i] = op over srcs[0..n-1], in rank order, in
  * fp32 (elementwise.h: zero_op_combine, zero_op_finish), stored once in dtype.
  * dst may be one of the srcs: every input of a chunk is read before the chunk
- * of dst is written. */
+ * of dst is written. Where two NaNs meet, which payload survives is not
+ * specified (a NaN result is). */
 void zero_reduce(void* dst, const uintptr_t* srcs, int n, int dtype, int op, int64_t lo, int64_t hi);
 
-/* fused in-place all-reduce: chunk by chunk (16 KiB of fp32 work space on the
- * stack), read every buffer's chunk once, form the op result in fp32 in rank
- * order, and write it (cast to dtype) to every buffer while it is in cache. */
+/* fused in-place all-reduce: chunk by chunk (256 elements, an fp32 work space
+ * on the stack; see ZK_CHUNK in kernels.c), read every buffer's chunk once,
+ * form the op result in fp32 in rank order, and write it (cast to dtype) to
+ * every buffer while it is in cache. */
 void zero_allreduce_fused(const uintptr_t* bufs, int n, int dtype, int op, int64_t lo, int64_t hi);
 
 /* ISA level of the hot loops: 0 = x86-64-v2 baseline (and every non-x86

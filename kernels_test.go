@@ -565,7 +565,7 @@ func TestConvertRandom(t *testing.T) { forEachLevel(t, testConvertRandom) }
 func testConvertRandom(t *testing.T) {
 	rng := testRNG(t)
 	n := 1 << 20
-	if testing.Short() {
+	if !fullSize() {
 		n = 1 << 16
 	}
 	bad := 0
@@ -597,16 +597,28 @@ func testConvertRandom(t *testing.T) {
 // forEachLevel runs fn as a subtest at every ISA level of the host kernels
 // that this machine supports (kernels.c compiles the hot loops for x86-64-v2,
 // AVX2 and AVX-512), then restores the default.
+//
+// The largest inputs run only at the default (best) level, where the
+// package runs; the other levels get smaller ones (fullSize reports which),
+// and TestKernelLevelsAgree compares every level with the baseline bit for
+// bit. This keeps `go test -race` of the package well under a minute.
 func forEachLevel(t *testing.T, fn func(t *testing.T)) {
 	best := setKernelLevel(-1)
-	defer setKernelLevel(-1)
+	defer func() { setKernelLevel(-1); atLevelBest = true }()
 	for l := 0; l <= best; l++ {
 		if got := setKernelLevel(l); got != l {
 			t.Fatalf("setKernelLevel(%d) = %d", l, got)
 		}
+		atLevelBest = l == best
 		t.Run(fmt.Sprintf("isa%d", l), fn)
 	}
 }
+
+// atLevelBest is false while forEachLevel runs a subtest below the best level.
+var atLevelBest = true
+
+// fullSize says whether a test should use its largest inputs (see forEachLevel).
+func fullSize() bool { return atLevelBest && !testing.Short() }
 
 // Every ISA level gives the same bits as the baseline for every kernel and
 // dtype, on random data with specials and arbitrary bit patterns. NaN
@@ -854,9 +866,13 @@ func testFlattenCopyAndParallel(t *testing.T) {
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
 	for _, st := range allDTypes {
 		for _, dt := range allDTypes {
-			l := makeSegLayout(rng, st, []int{rng.IntN(200), 100_001 + rng.IntN(1000), rng.IntN(70_000), 100_000}, true)
+			l := makeSegLayout(rng, st, []int{rng.IntN(200), parallelThreshold/2 + rng.IntN(1000), rng.IntN(20_000), parallelThreshold / 2}, true)
 			var first *tbuf
-			for _, procs := range []int{1, 2, 3} {
+			procsList := []int{1, 2, 3}
+			if !fullSize() {
+				procsList = []int{2}
+			}
+			for _, procs := range procsList {
 				runtime.GOMAXPROCS(procs)
 				dst := newTBuf(dt, l.total)
 				for j := 0; j < l.total; j++ {
@@ -886,6 +902,9 @@ func testAccumulate(t *testing.T) {
 		for _, first := range []bool{true, false} {
 			for _, scale := range testScales {
 				for _, large := range []bool{false, true} {
+					if large && !fullSize() && scale != testScales[1] {
+						continue
+					}
 					name := fmt.Sprintf("%v/first=%v/scale=%g/large=%v", st, first, scale, large)
 					specials := rng.IntN(2) == 0
 					sizes := randSizes(rng, 1+rng.IntN(6), 300)
@@ -1030,6 +1049,9 @@ func testCast(t *testing.T) {
 		for _, dt := range allDTypes {
 			for _, scale := range testScales {
 				for _, n := range []int{1 + rng.IntN(200), parallelThreshold + rng.IntN(30_000)} {
+					if n > 200 && !fullSize() && scale != testScales[2] {
+						continue
+					}
 					runtime.GOMAXPROCS(1 + rng.IntN(3))
 					name := fmt.Sprintf("%v->%v/scale=%g/n=%d", st, dt, scale, n)
 					src := newTBuf(st, n)
@@ -1089,7 +1111,7 @@ func testSumSq(t *testing.T) {
 		for _, v := range x.f {
 			ref += float64(v) * float64(v)
 		}
-		for _, procs := range []int{1, 2, 3} {
+		for _, procs := range []int{1, 2, 3, 7} {
 			runtime.GOMAXPROCS(procs)
 			got := sumSquaresHost(x.ptr(), n)
 			if math.Abs(got-ref) > 1e-12*float64(n)*ref {
@@ -1192,6 +1214,9 @@ func testReduce(t *testing.T) {
 	for _, dt := range allDTypes {
 		for _, op := range allOps {
 			for n := 1; n <= 8; n++ {
+				if !fullSize() && n%3 != 2 && n != 1 {
+					continue // n = 1, 2, 5, 8 below the best level
+				}
 				size := 2*4096 + 1 + rng.IntN(3000) // crosses chunk boundaries
 				lo := rng.IntN(70)
 				hi := size - rng.IntN(70)
@@ -1250,6 +1275,9 @@ func testAllReduceFused(t *testing.T) {
 	for _, dt := range allDTypes {
 		for _, op := range allOps {
 			for n := 1; n <= 8; n++ {
+				if !fullSize() && n%3 != 2 && n != 1 {
+					continue // n = 1, 2, 5, 8 below the best level
+				}
 				size := 4096 + 1 + rng.IntN(9000)
 				lo := rng.IntN(100)
 				hi := size - rng.IntN(100)
