@@ -3,6 +3,9 @@ package zero
 import (
 	"fmt"
 	"math/rand"
+	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -92,4 +95,110 @@ func BenchmarkStep(b *testing.B) {
 			})
 		}
 	}
+}
+
+// BenchmarkCollectives runs each collective of the in-process group over
+// 64 MiB of fp32 per rank, beside a yardstick of the same bytes in the same
+// run: the same rank goroutines each make one in-place pass (x += 1) over
+// their 1/N of all N rank buffers, the least traffic any all-reduce of
+// shared buffers needs. Reported per rank count N:
+//
+//	algGB/s      payload bytes per second (one rank's buffer, as nccl-tests)
+//	yard-algGB/s the yardstick's, counted the same way
+//	x-yardstick  collective speed / yardstick speed (target ≥ 0.9 for all-reduce)
+func BenchmarkCollectives(b *testing.B) {
+	const elems = 64 << 20 / 4
+	for _, n := range []int{2, 4, 8} {
+		for _, kind := range []string{"all_reduce", "reduce_scatter", "all_gather", "all_reduce_as_rs+ag"} {
+			b.Run(fmt.Sprintf("%s/N=%d", kind, n), func(b *testing.B) {
+				comms, _ := NewLocalGroup(n)
+				bufs := make([]Tensor, n)
+				streams := make([]*HostStream, n)
+				for r := range n {
+					var err error
+					if bufs[r], err = CPU().Alloc(elems, FP32); err != nil {
+						b.Fatal(err)
+					}
+					defer CPU().Free(bufs[r])
+					streams[r] = NewHostStream()
+					defer streams[r].Close()
+				}
+				collective := func(r int) error {
+					c, s, buf := comms[r], streams[r], bufs[r]
+					mine := buf.slice(r*elems/n, elems/n)
+					switch kind {
+					case "all_reduce":
+						return c.AllReduce(s, buf, OpSum)
+					case "reduce_scatter":
+						return c.ReduceScatter(s, buf, mine, OpSum)
+					case "all_gather":
+						return c.AllGather(s, mine, buf)
+					}
+					if err := c.ReduceScatter(s, buf, mine, OpSum); err != nil {
+						return err
+					}
+					return c.AllGather(s, mine, buf)
+				}
+				onAll := func(fn func(r int)) time.Duration {
+					var wg sync.WaitGroup
+					t0 := time.Now()
+					for r := range n {
+						wg.Add(1)
+						go func() { defer wg.Done(); fn(r) }()
+					}
+					wg.Wait()
+					return time.Since(t0)
+				}
+				warm := func(r int) { // first touch of the pages, outside the timings
+					if err := collective(r); err != nil {
+						b.Error(err)
+					}
+					streams[r].Sync()
+				}
+				onAll(warm)
+				var tColl, tYard time.Duration
+				b.SetBytes(elems * 4)
+				b.ResetTimer()
+				for range b.N {
+					tColl += onAll(func(r int) {
+						if err := collective(r); err != nil {
+							b.Error(err)
+						}
+						if err := streams[r].Sync(); err != nil {
+							b.Error(err)
+						}
+					})
+					b.StopTimer()
+					tYard += onAll(func(r int) {
+						lo, hi := splitRange(elems, n, r)
+						for _, buf := range bufs {
+							yardstick(yardInc32, buf.ptr, 0, 0, 0, 0, lo, hi)
+						}
+					})
+					b.StartTimer()
+				}
+				b.ReportMetric(float64(anonHugeBytes())/(1<<20), "hugeMiB")
+				payload := float64(elems*4) * float64(b.N)
+				b.ReportMetric(payload/tColl.Seconds()/1e9, "algGB/s")
+				b.ReportMetric(payload/tYard.Seconds()/1e9, "yard-algGB/s")
+				b.ReportMetric(tYard.Seconds()/tColl.Seconds(), "x-yardstick")
+			})
+		}
+	}
+}
+
+// anonHugeBytes reads how much of the process's anonymous memory sits on
+// transparent huge pages.
+func anonHugeBytes() int64 {
+	data, err := os.ReadFile("/proc/self/smaps_rollup")
+	if err != nil {
+		return -1
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(line); len(f) >= 2 && f[0] == "AnonHugePages:" {
+			kb, _ := strconv.ParseInt(f[1], 10, 64)
+			return kb << 10
+		}
+	}
+	return -1
 }

@@ -120,6 +120,16 @@ func (d *cudaDevice) Name() string {
 
 func (d *cudaDevice) dev() C.int { return C.int(d.ordinal) }
 
+// memoryStats reads every GPU's memory from NVML for Stats; nil when NVML
+// is not there (a container without the driver's NVML library).
+func (d *cudaDevice) memoryStats() []GPUMemory {
+	ms, err := systemNVML.Memory()
+	if err != nil {
+		return nil
+	}
+	return ms
+}
+
 // cdtype maps a DType to the codes of elementwise.h explicitly, so the two
 // numberings may differ.
 func cdtype(t DType) C.int {

@@ -1042,6 +1042,23 @@ func TestGPUStatsNVML(t *testing.T) {
 		t.Logf("NVML GPU %d %s: %d MiB used, %d MiB free of %d MiB", m.Index, m.Name, m.Used>>20, m.Free>>20, m.Total>>20)
 	}
 	t.Logf("cudaMemGetInfo %s: %d MiB free of %d MiB", d.Name(), free>>20, total>>20)
+
+	// The engine's stats carry the same figures after a step.
+	comms, err := NewCUDALocalGroup(1, d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, err := New(Config{Stage: 2, BucketBytes: 1 << 20}, comms[0], []Param{{Count: 1 << 20, DType: BF16}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	if err := e.Step(); err != nil {
+		t.Fatal(err)
+	}
+	if st := e.Stats(); len(st.DeviceMemory) != len(after) || used(st.DeviceMemory) == 0 {
+		t.Fatalf("Stats().DeviceMemory = %+v, want %d GPUs with memory in use", st.DeviceMemory, len(after))
+	}
 }
 
 // ---- NCCL -------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ type Device interface {
 
 	// checkStream says whether s is a stream of this device.
 	checkStream(s Stream) error
+	// memoryStats reads the device memory for the stats (nil on the host).
+	memoryStats() []GPUMemory
 
 	// The kernels below enqueue on s and return at once.
 	zero(s Stream, t Tensor) error
@@ -97,6 +99,8 @@ func (h *hostDevice) Free(t Tensor) error {
 	}
 	return unix.Munmap(mem)
 }
+
+func (*hostDevice) memoryStats() []GPUMemory { return nil }
 
 func (*hostDevice) checkStream(s Stream) error {
 	_, err := hostStreamOf(s)

@@ -244,10 +244,9 @@ func (c *localComm) work(slots []collArgs, a collArgs) {
 		}
 		reduceHost(a.recv, srcs, a.dtype, a.op, 0, chunk)
 	case KindAllGather:
-		dst := Tensor{ptr: a.recv, count: a.count * n, dtype: a.dtype}.hostBytes()
 		for i, o := range slots {
-			if part := dst[i*a.count*int(size) : (i+1)*a.count*int(size)]; o.send != a.recv+uintptr(i*a.count)*size {
-				copy(part, Tensor{ptr: o.send, count: a.count, dtype: a.dtype}.hostBytes())
+			if part := a.recv + uintptr(i*a.count)*size; o.send != part {
+				castRange(part, a.dtype, o.send, a.dtype, 1, 0, int64(a.count))
 			}
 		}
 	case KindBroadcast:

@@ -405,6 +405,10 @@ ZK_YARD void zero_yard_sum4_16(uint16_t* restrict dst, const uint16_t* restrict 
 	for (int64_t i = lo; i < hi; i++) dst[i] = (uint16_t)(a[i] + b[i] + c[i] + d[i]);
 }
 
+ZK_YARD void zero_yard_inc32(float* restrict x, int64_t lo, int64_t hi) {
+	for (int64_t i = lo; i < hi; i++) x[i] += 1.0f;
+}
+
 ZK_YARD void zero_yard_allsum4_32(float* restrict a, float* restrict b, float* restrict c, float* restrict d, int64_t lo,
                           int64_t hi) {
 	for (int64_t i = lo; i < hi; i++) {

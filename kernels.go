@@ -46,6 +46,7 @@ static inline uint32_t zk_yard_u(int kind, uintptr_t d, uintptr_t a, uintptr_t b
 	case 7: zero_yard_sum4_32((float*)d, (const float*)a, (const float*)b, (const float*)c, (const float*)e, lo, hi); break;
 	case 8: zero_yard_sum4_16((uint16_t*)d, (const uint16_t*)a, (const uint16_t*)b, (const uint16_t*)c, (const uint16_t*)e, lo, hi); break;
 	case 9: zero_yard_allsum4_32((float*)a, (float*)b, (float*)c, (float*)e, lo, hi); break;
+	case 10: zero_yard_inc32((float*)d, lo, hi); break;
 	}
 	return 0;
 }
@@ -321,6 +322,7 @@ const (
 	yardSum4x32                    // d[i] = a[i]+b[i]+c[i]+e[i], fp32
 	yardSum4x16                    // d[i] = a[i]+b[i]+c[i]+e[i], uint16
 	yardAllSum4x32                 // a[i] = b[i] = c[i] = e[i] = a[i]+b[i]+c[i]+e[i], fp32
+	yardInc32                      // d[i] += 1, fp32 in place
 )
 
 func yardstick(kind yardKind, d, a, b, c, e uintptr, lo, hi int) uint32 {

@@ -83,5 +83,6 @@ void zero_yard_sum4_32(float* dst, const float* a, const float* b, const float* 
 void zero_yard_sum4_16(uint16_t* dst, const uint16_t* a, const uint16_t* b, const uint16_t* c,
                        const uint16_t* d, int64_t lo, int64_t hi);
 void zero_yard_allsum4_32(float* a, float* b, float* c, float* d, int64_t lo, int64_t hi);
+void zero_yard_inc32(float* x, int64_t lo, int64_t hi);
 
 #endif /* ZERO_KERNELS_H */

@@ -112,6 +112,9 @@ func (n *NVML) Shutdown() error {
 	return nil
 }
 
+// systemNVML serves the engine's stats: initialised once, never shut down.
+var systemNVML = NewNVML(nil)
+
 // GPUMemoryInfo reads every GPU's memory from the system's NVML. On a host
 // without the NVIDIA driver it returns an error wrapping ErrNVML.
 func GPUMemoryInfo() ([]GPUMemory, error) {

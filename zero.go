@@ -619,6 +619,7 @@ func (e *Engine) Step() error {
 		PeakGradBytes:     e.mem.peak,
 		ResidentGradBytes: e.mem.cur,
 		Overflow:          overflow[0] != 0,
+		DeviceMemory:      e.dev.memoryStats(),
 	}
 	e.commBase = now
 	e.reduceTimes = e.reduceTimes[:0]
@@ -649,6 +650,9 @@ type Stats struct {
 	ResidentGradBytes int64
 	// Overflow is set when a reduced gradient on this rank was inf or NaN.
 	Overflow bool
+	// DeviceMemory is every GPU's memory as NVML reports it after the step
+	// (CUDA devices only; nil on the host or without NVML).
+	DeviceMemory []GPUMemory
 }
 
 // Stats returns the stats of the last Step.
