@@ -246,12 +246,12 @@ func (c *localComm) work(slots []collArgs, a collArgs) {
 	case KindAllGather:
 		for i, o := range slots {
 			if part := a.recv + uintptr(i*a.count)*size; o.send != part {
-				castRange(part, a.dtype, o.send, a.dtype, 1, 0, int64(a.count))
+				copyStream(part, o.send, a.count*int(size))
 			}
 		}
 	case KindBroadcast:
 		if r != a.root {
-			copy(Tensor{ptr: a.recv, count: a.count, dtype: a.dtype}.hostBytes(), Tensor{ptr: slots[a.root].send, count: a.count, dtype: a.dtype}.hostBytes())
+			copyStream(a.recv, slots[a.root].send, a.count*int(size))
 		}
 	}
 }

@@ -306,3 +306,35 @@ func TestLocalGroupBadInput(t *testing.T) {
 }
 
 type fakeStream struct{ Stream }
+
+// TestCopyStream: the non-temporal copy of the all-gather and broadcast,
+// at sizes and alignments around its vector and 4 KiB thresholds.
+func TestCopyStream(t *testing.T) {
+	rng := rand.New(rand.NewSource(testSeed(t)))
+	src := make([]byte, 1<<20)
+	rng.Read(src)
+	for range 200 {
+		n := rng.Intn(len(src) / 2)
+		if rng.Intn(4) == 0 {
+			n = 4096 + rng.Intn(200) - 100
+		}
+		so, do := rng.Intn(64), rng.Intn(64)
+		dst := make([]byte, n+128)
+		copyStream(uintptr(unsafe.Pointer(&dst[do])), uintptr(unsafe.Pointer(&src[so])), n)
+		for i := range n {
+			if dst[do+i] != src[so+i] {
+				t.Fatalf("n=%d src+%d dst+%d: byte %d differs", n, so, do, i)
+			}
+		}
+		for i := range do {
+			if dst[i] != 0 {
+				t.Fatalf("n=%d: wrote before the destination", n)
+			}
+		}
+		for i := do + n; i < len(dst); i++ {
+			if dst[i] != 0 {
+				t.Fatalf("n=%d: wrote past the destination", n)
+			}
+		}
+	}
+}

@@ -420,6 +420,36 @@ ZK_YARD void zero_yard_allsum4_32(float* restrict a, float* restrict b, float* r
 	}
 }
 
+/* ---- streaming copy ------------------------------------------------------------ */
+
+/* Copies with non-temporal stores where the ISA has them: a copy into memory
+ * that is not in cache would otherwise read every destination line before
+ * writing it (read-for-ownership), moving 3 bytes per byte copied instead of
+ * 2. The in-process group's all-gather and broadcast use it. */
+void zero_copy_stream(void* dst, const void* src, int64_t bytes) {
+	char* d = (char*)dst;
+	const char* s = (const char*)src;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+	if (bytes >= 4096) {
+		int64_t head = (int64_t)((16 - ((uintptr_t)d & 15)) & 15);
+		memcpy(d, s, (size_t)head);
+		d += head, s += head, bytes -= head;
+		int64_t n = bytes / 64;
+		for (int64_t i = 0; i < n; i++, d += 64, s += 64) {
+			__m128i a = _mm_loadu_si128((const __m128i*)s), b = _mm_loadu_si128((const __m128i*)(s + 16));
+			__m128i c = _mm_loadu_si128((const __m128i*)(s + 32)), e = _mm_loadu_si128((const __m128i*)(s + 48));
+			_mm_stream_si128((__m128i*)d, a);
+			_mm_stream_si128((__m128i*)(d + 16), b);
+			_mm_stream_si128((__m128i*)(d + 32), c);
+			_mm_stream_si128((__m128i*)(d + 48), e);
+		}
+		bytes -= n * 64;
+		_mm_sfence();
+	}
+#endif
+	memcpy(d, s, (size_t)bytes);
+}
+
 #else /* ZK_TEMPLATE: the hot functions of one ISA level, named ZK_FN(name) */
 
 #if ZK_F16C

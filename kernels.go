@@ -33,6 +33,8 @@ static inline uint16_t zk_fp16_from(float f) { return zero_f32_to_f16(f); }
 static inline float zk_fp16_to(uint16_t h) { return zero_f16_to_f32(h); }
 
 // Benchmark yardsticks (bench_kernels_test.go); kind selects the loop.
+static inline void zk_copy_stream_u(uintptr_t d, uintptr_t s, int64_t n) { zero_copy_stream((void*)d, (const void*)s, n); }
+
 static inline uint32_t zk_yard_u(int kind, uintptr_t d, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t e,
                                  int64_t lo, int64_t hi) {
 	switch (kind) {
@@ -324,6 +326,11 @@ const (
 	yardAllSum4x32                 // a[i] = b[i] = c[i] = e[i] = a[i]+b[i]+c[i]+e[i], fp32
 	yardInc32                      // d[i] += 1, fp32 in place
 )
+
+// copyStream copies n bytes from src to dst with non-temporal stores.
+func copyStream(dst, src uintptr, n int) {
+	C.zk_copy_stream_u(C.uintptr_t(dst), C.uintptr_t(src), C.int64_t(n))
+}
 
 func yardstick(kind yardKind, d, a, b, c, e uintptr, lo, hi int) uint32 {
 	return uint32(C.zk_yard_u(C.int(kind), C.uintptr_t(d), C.uintptr_t(a), C.uintptr_t(b), C.uintptr_t(c),
