@@ -490,6 +490,51 @@ ZK_TARGET static void ZK_FN(zk_f2h)(uint16_t* restrict d, const float* restrict 
 #endif
 
 #if ZK_F16C
+/* d[i] = bf16(load(s, i) * scale) for an fp32 or bf16 source, the rounding of
+ * zero_f32_to_bf16 in vector integer ops: gcc's vectorisation of the scalar
+ * form runs 10-20% under a plain copy here. */
+ZK_TARGET static void ZK_FN(zk_to_bf16)(uint16_t* restrict d, const void* restrict s, int st, float scale,
+                                        int64_t n) {
+	int doscale = scale != 1.0f;
+	int64_t i = 0;
+#if ZK_F16C >= 2
+	const __m512 vs = _mm512_set1_ps(scale);
+	const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), abs = _mm512_set1_epi32(0x7fffffff),
+	              inf = _mm512_set1_epi32(0x7f800000), quiet = _mm512_set1_epi32(0x40);
+	for (; i + 16 <= n; i += 16) {
+		__m512 v = st == ZERO_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+		                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)s + i))), 16))
+		                           : _mm512_loadu_ps((const float*)s + i);
+		if (doscale) v = _mm512_mul_ps(v, vs);
+		__m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+		__mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs), inf);
+		__m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(hi, one))), 16);
+		r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, quiet));
+		_mm256_storeu_si256((__m256i*)(d + i), _mm512_cvtepi32_epi16(r));
+	}
+#endif
+	const __m256 vs8 = _mm256_set1_ps(scale);
+	const __m256i one8 = _mm256_set1_epi32(1), bias8 = _mm256_set1_epi32(0x7fff), abs8 = _mm256_set1_epi32(0x7fffffff),
+	              inf8 = _mm256_set1_epi32(0x7f800000), quiet8 = _mm256_set1_epi32(0x40);
+	for (; i + 8 <= n; i += 8) {
+		__m256 v = st == ZERO_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+		                                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)s + i))), 16))
+		                           : _mm256_loadu_ps((const float*)s + i);
+		if (doscale) v = _mm256_mul_ps(v, vs8);
+		__m256i u = _mm256_castps_si256(v), hi = _mm256_srli_epi32(u, 16);
+		__m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs8), inf8);
+		__m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias8, _mm256_and_si256(hi, one8))), 16);
+		r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, quiet8), nan);
+		__m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08); /* values fit 16 bits */
+		_mm_storeu_si128((__m128i*)(d + i), _mm256_castsi256_si128(p));
+	}
+	for (; i < n; i++) {
+		float v = zero_load(s, st, i);
+		if (doscale) v = v * scale;
+		d[i] = zero_f32_to_bf16(v);
+	}
+}
+
 /* one block of dst[i] = cast(load(src, i) * scale) through the generic loops */
 ZK_TARGET static void ZK_FN(zk_conv_block)(void* restrict dst, int dt, const void* restrict src, int st,
                                            float scale, int64_t n) {
@@ -510,6 +555,10 @@ ZK_TARGET static void ZK_FN(zk_conv)(void* restrict dst0, int dt, const void* re
 		void* restrict dst = ZK_AT(dst0, dt, i);
 		const void* restrict src = ZK_CAT(src0, st, i);
 #if ZK_F16C
+		if (dt == ZERO_BF16 && st != ZERO_F16) {
+			ZK_FN(zk_to_bf16)((uint16_t*)dst, src, st, scale, n);
+			continue;
+		}
 		if (st == ZERO_F16 || dt == ZERO_F16) {
 			/* through an fp32 block in L1: hardware fp16 on either side */
 			float t[ZK_BLOCK] __attribute__((aligned(64)));
