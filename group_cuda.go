@@ -48,7 +48,11 @@ func NewCUDALocalGroupTimeout(n int, dev Device, timeout time.Duration) ([]Comm,
 		phase: &cudaPhase{done: make(chan struct{})}, aborted: make(chan struct{})}
 	comms := make([]Comm, n)
 	for r := range comms {
-		comms[r] = &cudaLocalComm{g: g, rank: r}
+		c := &cudaLocalComm{g: g, rank: r}
+		c.collectives = collectives{world: n, issue: func(s Stream, x collective) error {
+			return c.collective(s, x.args(), x.payload(), x.send, x.recv)
+		}}
+		comms[r] = c
 	}
 	return comms, nil
 }
@@ -97,6 +101,7 @@ func (g *cudaGroup) abortErr() error {
 type cudaLocalComm struct {
 	g    *cudaGroup
 	rank int
+	collectives
 	counters
 }
 
@@ -108,43 +113,6 @@ func (c *cudaLocalComm) Counters() CommCounters { return c.snapshot() }
 func (c *cudaLocalComm) Close() error {
 	c.g.abort(errorf(ErrPeerFailed, "rank %d closed its communicator", c.rank))
 	return nil
-}
-
-func (c *cudaLocalComm) AllReduce(s Stream, buf Tensor, op ReduceOp) error {
-	if err := checkCollective("AllReduce", c.g.n, op, buf); err != nil {
-		return err
-	}
-	return c.collective(s, collArgs{kind: KindAllReduce, op: op, dtype: buf.dtype, count: buf.count, send: buf.ptr, recv: buf.ptr}, buf.Bytes(), buf)
-}
-
-func (c *cudaLocalComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
-	if err := checkCollective("ReduceScatter", c.g.n, op, send, recv); err != nil {
-		return err
-	}
-	if send.count != recv.count*c.g.n {
-		return errorf(ErrGradSize, "ReduceScatter: send has %d elements, recv %d; send must hold world size (%d) × recv", send.count, recv.count, c.g.n)
-	}
-	return c.collective(s, collArgs{kind: KindReduceScatter, op: op, dtype: send.dtype, count: send.count, send: send.ptr, recv: recv.ptr}, send.Bytes(), send, recv)
-}
-
-func (c *cudaLocalComm) AllGather(s Stream, send, recv Tensor) error {
-	if err := checkCollective("AllGather", c.g.n, OpSum, send, recv); err != nil {
-		return err
-	}
-	if recv.count != send.count*c.g.n {
-		return errorf(ErrGradSize, "AllGather: send has %d elements, recv %d; recv must hold world size (%d) × send", send.count, recv.count, c.g.n)
-	}
-	return c.collective(s, collArgs{kind: KindAllGather, dtype: send.dtype, count: send.count, send: send.ptr, recv: recv.ptr}, recv.Bytes(), send, recv)
-}
-
-func (c *cudaLocalComm) Broadcast(s Stream, buf Tensor, root int) error {
-	if err := checkCollective("Broadcast", c.g.n, OpSum, buf); err != nil {
-		return err
-	}
-	if root < 0 || root >= c.g.n {
-		return errorf(ErrConfig, "Broadcast: root %d; use a rank in [0, %d)", root, c.g.n)
-	}
-	return c.collective(s, collArgs{kind: KindBroadcast, root: root, dtype: buf.dtype, count: buf.count, send: buf.ptr, recv: buf.ptr}, buf.Bytes(), buf)
 }
 
 // collective publishes this rank's call and meets the peers; the last to

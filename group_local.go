@@ -1,7 +1,6 @@
 package zero
 
 import (
-	"fmt"
 	"sync"
 	"time"
 )
@@ -29,7 +28,9 @@ func NewLocalGroupTimeout(n int, timeout time.Duration) ([]Comm, error) {
 	g := &localGroup{n: n, timeout: timeout, pending: map[uint64]*rendezvous{}, aborted: make(chan struct{})}
 	comms := make([]Comm, n)
 	for r := range comms {
-		comms[r] = &localComm{g: g, rank: r}
+		c := &localComm{g: g, rank: r}
+		c.collectives = collectives{world: n, issue: c.enqueue}
+		comms[r] = c
 	}
 	return comms, nil
 }
@@ -52,16 +53,6 @@ type rendezvous struct {
 	departed int
 	all      chan struct{} // every rank published its arguments
 	done     chan struct{} // every rank finished its part
-}
-
-type collArgs struct {
-	kind  CollectiveKind
-	op    ReduceOp
-	root  int
-	dtype DType
-	count int // elements per rank's send buffer
-	send  uintptr
-	recv  uintptr
 }
 
 func (g *localGroup) abort(err error) {
@@ -132,6 +123,7 @@ type localComm struct {
 	g    *localGroup
 	rank int
 	seq  uint64 // collectives issued by this rank
+	collectives
 	counters
 }
 
@@ -146,44 +138,7 @@ func (c *localComm) Close() error {
 	return nil
 }
 
-func (c *localComm) AllReduce(s Stream, buf Tensor, op ReduceOp) error {
-	if err := checkCollective("AllReduce", c.g.n, op, buf); err != nil {
-		return err
-	}
-	return c.enqueue(s, collArgs{kind: KindAllReduce, op: op, dtype: buf.dtype, count: buf.count, send: buf.ptr, recv: buf.ptr}, buf.Bytes(), buf)
-}
-
-func (c *localComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
-	if err := checkCollective("ReduceScatter", c.g.n, op, send, recv); err != nil {
-		return err
-	}
-	if send.count != recv.count*c.g.n {
-		return errorf(ErrGradSize, "ReduceScatter: send has %d elements, recv %d; send must hold world size (%d) × recv", send.count, recv.count, c.g.n)
-	}
-	return c.enqueue(s, collArgs{kind: KindReduceScatter, op: op, dtype: send.dtype, count: send.count, send: send.ptr, recv: recv.ptr}, send.Bytes(), send, recv)
-}
-
-func (c *localComm) AllGather(s Stream, send, recv Tensor) error {
-	if err := checkCollective("AllGather", c.g.n, OpSum, send, recv); err != nil {
-		return err
-	}
-	if recv.count != send.count*c.g.n {
-		return errorf(ErrGradSize, "AllGather: send has %d elements, recv %d; recv must hold world size (%d) × send", send.count, recv.count, c.g.n)
-	}
-	return c.enqueue(s, collArgs{kind: KindAllGather, dtype: send.dtype, count: send.count, send: send.ptr, recv: recv.ptr}, recv.Bytes(), send, recv)
-}
-
-func (c *localComm) Broadcast(s Stream, buf Tensor, root int) error {
-	if err := checkCollective("Broadcast", c.g.n, OpSum, buf); err != nil {
-		return err
-	}
-	if root < 0 || root >= c.g.n {
-		return errorf(ErrConfig, "Broadcast: root %d; use a rank in [0, %d)", root, c.g.n)
-	}
-	return c.enqueue(s, collArgs{kind: KindBroadcast, root: root, dtype: buf.dtype, count: buf.count, send: buf.ptr, recv: buf.ptr}, buf.Bytes(), buf)
-}
-
-func (c *localComm) enqueue(s Stream, a collArgs, payload int, keep ...Tensor) error {
+func (c *localComm) enqueue(s Stream, x collective) error {
 	hs, err := hostStreamOf(s)
 	if err != nil {
 		return err
@@ -191,12 +146,12 @@ func (c *localComm) enqueue(s Stream, a collArgs, payload int, keep ...Tensor) e
 	if err := c.g.abortErr(); err != nil {
 		return err
 	}
-	c.add(a.kind, payload, c.g.n)
+	c.add(x.kind, x.payload(), c.g.n)
 	seq := c.seq
 	c.seq++
 	return hs.Launch(func() error {
-		err := c.run(seq, a)
-		keepAlive(keep)
+		err := c.run(seq, x.args())
+		keepAlive(x.send, x.recv)
 		return err
 	})
 }
@@ -265,8 +220,4 @@ func splitRange(count, n, r int) (int, int) {
 		hi = count
 	}
 	return lo, hi
-}
-
-func (a collArgs) String() string {
-	return fmt.Sprintf("%v(%d × %v, %v)", a.kind, a.count, a.dtype, a.op)
 }

@@ -136,8 +136,81 @@ func (c *counters) snapshot() CommCounters {
 	return c.c
 }
 
-// checkCollective validates arguments that every Comm checks the same way.
-func checkCollective(name string, world int, op ReduceOp, ts ...Tensor) error {
+// collective is one validated call, as every communicator receives it.
+type collective struct {
+	kind       CollectiveKind
+	op         ReduceOp
+	root       int
+	send, recv Tensor // the same tensor for all-reduce and broadcast
+}
+
+// payload is the bytes of the full buffer, for the counters.
+func (x collective) payload() int { return max(x.send.Bytes(), x.recv.Bytes()) }
+
+// collArgs is the plain-integer form the in-process groups share between ranks.
+type collArgs struct {
+	kind  CollectiveKind
+	op    ReduceOp
+	root  int
+	dtype DType
+	count int // elements of send
+	send  uintptr
+	recv  uintptr
+}
+
+func (x collective) args() collArgs {
+	return collArgs{kind: x.kind, op: x.op, root: x.root, dtype: x.send.dtype, count: x.send.count, send: x.send.ptr, recv: x.recv.ptr}
+}
+
+func (a collArgs) String() string {
+	return fmt.Sprintf("%v(%d × %v, %v)", a.kind, a.count, a.dtype, a.op)
+}
+
+// collectives implements Comm's four collectives for every communicator:
+// it checks each call the same way and hands it to issue.
+type collectives struct {
+	world int
+	issue func(s Stream, x collective) error
+}
+
+func (c collectives) AllReduce(s Stream, buf Tensor, op ReduceOp) error {
+	if err := checkCollective("AllReduce", op, buf); err != nil {
+		return err
+	}
+	return c.issue(s, collective{kind: KindAllReduce, op: op, send: buf, recv: buf})
+}
+
+func (c collectives) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
+	if err := checkCollective("ReduceScatter", op, send, recv); err != nil {
+		return err
+	}
+	if send.count != recv.count*c.world {
+		return errorf(ErrGradSize, "ReduceScatter: send has %d elements, recv %d; send must hold world size (%d) × recv", send.count, recv.count, c.world)
+	}
+	return c.issue(s, collective{kind: KindReduceScatter, op: op, send: send, recv: recv})
+}
+
+func (c collectives) AllGather(s Stream, send, recv Tensor) error {
+	if err := checkCollective("AllGather", OpSum, send, recv); err != nil {
+		return err
+	}
+	if recv.count != send.count*c.world {
+		return errorf(ErrGradSize, "AllGather: send has %d elements, recv %d; recv must hold world size (%d) × send", send.count, recv.count, c.world)
+	}
+	return c.issue(s, collective{kind: KindAllGather, send: send, recv: recv})
+}
+
+func (c collectives) Broadcast(s Stream, buf Tensor, root int) error {
+	if err := checkCollective("Broadcast", OpSum, buf); err != nil {
+		return err
+	}
+	if root < 0 || root >= c.world {
+		return errorf(ErrConfig, "Broadcast: root %d; use a rank in [0, %d)", root, c.world)
+	}
+	return c.issue(s, collective{kind: KindBroadcast, root: root, send: buf, recv: buf})
+}
+
+func checkCollective(name string, op ReduceOp, ts ...Tensor) error {
 	if op < OpSum || op > OpMax {
 		return errorf(ErrConfig, "%s: op %v; use OpSum, OpAvg or OpMax", name, op)
 	}

@@ -145,6 +145,10 @@ func NewNCCL(cfg NCCLConfig) (Comm, error) {
 	}
 	c := &ncclComm{dev: d, rank: cfg.Rank, world: cfg.World, h: uintptr(h), timeout: cfg.Timeout,
 		stop: make(chan struct{}), stopped: make(chan struct{})}
+	c.collectives = collectives{world: cfg.World, issue: func(s Stream, x collective) error {
+		return c.batch(s, ncclOp{kind: x.kind, dtype: x.send.dtype, op: x.op, root: x.root, send: x.send, recv: x.recv,
+			count: min(x.send.count, x.recv.count), payload: x.payload()})
+	}}
 	go c.watchdog(watchdogPoll(cfg.Timeout))
 	return c, nil
 }
@@ -204,6 +208,7 @@ type ncclComm struct {
 
 	stop    chan struct{}
 	stopped chan struct{}
+	collectives
 	counters
 }
 
@@ -236,43 +241,6 @@ func (o ncclOp) String() string {
 		return fmt.Sprintf("%v(%d × %v)", o.kind, o.count, o.dtype)
 	}
 	return fmt.Sprintf("%v(%d × %v, %v)", o.kind, o.count, o.dtype, o.op)
-}
-
-func (c *ncclComm) AllReduce(s Stream, buf Tensor, op ReduceOp) error {
-	if err := checkCollective("AllReduce", c.world, op, buf); err != nil {
-		return err
-	}
-	return c.batch(s, ncclOp{kind: KindAllReduce, dtype: buf.dtype, op: op, send: buf, recv: buf, count: buf.count, payload: buf.Bytes()})
-}
-
-func (c *ncclComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
-	if err := checkCollective("ReduceScatter", c.world, op, send, recv); err != nil {
-		return err
-	}
-	if send.count != recv.count*c.world {
-		return errorf(ErrGradSize, "ReduceScatter: send has %d elements, recv %d; send must hold world size (%d) × recv", send.count, recv.count, c.world)
-	}
-	return c.batch(s, ncclOp{kind: KindReduceScatter, dtype: send.dtype, op: op, send: send, recv: recv, count: recv.count, payload: send.Bytes()})
-}
-
-func (c *ncclComm) AllGather(s Stream, send, recv Tensor) error {
-	if err := checkCollective("AllGather", c.world, OpSum, send, recv); err != nil {
-		return err
-	}
-	if recv.count != send.count*c.world {
-		return errorf(ErrGradSize, "AllGather: send has %d elements, recv %d; recv must hold world size (%d) × send", send.count, recv.count, c.world)
-	}
-	return c.batch(s, ncclOp{kind: KindAllGather, dtype: send.dtype, send: send, recv: recv, count: send.count, payload: recv.Bytes()})
-}
-
-func (c *ncclComm) Broadcast(s Stream, buf Tensor, root int) error {
-	if err := checkCollective("Broadcast", c.world, OpSum, buf); err != nil {
-		return err
-	}
-	if root < 0 || root >= c.world {
-		return errorf(ErrConfig, "Broadcast: root %d; use a rank in [0, %d)", root, c.world)
-	}
-	return c.batch(s, ncclOp{kind: KindBroadcast, dtype: buf.dtype, root: root, send: buf, recv: buf, count: buf.count, payload: buf.Bytes()})
 }
 
 // batch enqueues ops from one C call (ncclGroupStart … ncclGroupEnd) and
