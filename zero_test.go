@@ -75,6 +75,7 @@ type runSpec struct {
 	streams   int
 	shuffle   bool
 	boundary  bool // SetBoundary(true) before the last backward of a step
+	boundAll  bool // SetBoundary(true) before every backward
 }
 
 func (r runSpec) String() string {
@@ -162,7 +163,7 @@ func runRank(cfg Config, comm Comm, r runSpec, params []Param, data workload, se
 			if r.shuffle {
 				rng.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
 			}
-			if r.boundary && k == r.backwards-1 {
+			if r.boundAll || r.boundary && k == r.backwards-1 {
 				e.SetBoundary(true)
 			}
 			for i, p := range order {
@@ -357,61 +358,9 @@ func TestTwoBoundaryBackwardsSum(t *testing.T) {
 	rng := rand.New(rand.NewSource(seed))
 	for _, stage := range []int{1, 2, 3} {
 		params := testParams(FP32)
-		r := runSpec{stage: stage, world: 2, dtype: FP32, backwards: 2, accum: 1, steps: 2, streams: 2, bucket: 1024, predivide: 1, overlap: true}
+		r := runSpec{stage: stage, world: 2, dtype: FP32, backwards: 2, accum: 1, steps: 2, streams: 2, bucket: 1024, predivide: 1, overlap: true, boundAll: true}
 		data := makeWorkload(rng, r, params)
-		comms, _ := NewLocalGroup(r.world)
-		res := make([]rankResult, r.world)
-		var wg sync.WaitGroup
-		errs := make([]error, r.world)
-		for rank := range r.world {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				errs[rank] = func() error {
-					e, err := New(Config{Stage: stage, BucketBytes: r.bucket, Overlap: true}, comms[rank], params)
-					if err != nil {
-						return err
-					}
-					defer e.Close()
-					s := NewHostStream()
-					defer s.Close()
-					res[rank].plan = e.Plan()
-					for step := range r.steps {
-						for k := range r.backwards {
-							e.SetBoundary(true)
-							for p := len(params) - 1; p >= 0; p-- {
-								if _, err := e.GradReady(p, data[step][k][rank][p].t, s); err != nil {
-									return err
-								}
-							}
-							if err := e.EndBackward(); err != nil {
-								return err
-							}
-						}
-						if err := e.Step(); err != nil {
-							return err
-						}
-						shard, err := e.GradShard()
-						if err != nil {
-							return err
-						}
-						full, err := e.FullGrads()
-						if err != nil {
-							return err
-						}
-						res[rank].shard = append(res[rank].shard, shard)
-						res[rank].full = append(res[rank].full, full)
-					}
-					return nil
-				}()
-			}()
-		}
-		wg.Wait()
-		for _, err := range errs {
-			if err != nil {
-				t.Fatal(err)
-			}
-		}
+		res := runEngine(t, r, params, data, seed)
 		checkMean(t, r, params, data, res)
 	}
 }
