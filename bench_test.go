@@ -109,8 +109,12 @@ func BenchmarkStep(b *testing.B) {
 func BenchmarkCollectives(b *testing.B) {
 	const elems = 64 << 20 / 4
 	for _, n := range []int{2, 4, 8} {
-		for _, kind := range []string{"all_reduce", "reduce_scatter", "all_gather", "all_reduce_as_rs+ag"} {
+		for _, kind := range []string{"all_reduce", "reduce_scatter", "all_gather", "all_reduce_as_rs+ag", "all_reduce_unstaggered"} {
 			b.Run(fmt.Sprintf("%s/N=%d", kind, n), func(b *testing.B) {
+				// Unstaggered, every rank's buffer starts at the same offset
+				// modulo the mapping's alignment.
+				staggerAllocs = kind != "all_reduce_unstaggered"
+				defer func() { staggerAllocs = true }()
 				comms, _ := NewLocalGroup(n)
 				bufs := make([]Tensor, n)
 				streams := make([]*HostStream, n)
@@ -127,7 +131,7 @@ func BenchmarkCollectives(b *testing.B) {
 					c, s, buf := comms[r], streams[r], bufs[r]
 					mine := buf.slice(r*elems/n, elems/n)
 					switch kind {
-					case "all_reduce":
+					case "all_reduce", "all_reduce_unstaggered":
 						return c.AllReduce(s, buf, OpSum)
 					case "reduce_scatter":
 						return c.ReduceScatter(s, buf, mine, OpSum)
