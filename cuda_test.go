@@ -815,7 +815,6 @@ func runRankCUDA(d *cudaDevice, cfg Config, comm Comm, r runSpec, params []Param
 		return err
 	}
 	defer e.Close()
-	out.plan = e.Plan()
 	streams := make([]Stream, max(r.streams, 1))
 	for i := range streams {
 		if streams[i], err = d.NewStream(); err != nil {
@@ -823,44 +822,7 @@ func runRankCUDA(d *cudaDevice, cfg Config, comm Comm, r runSpec, params []Param
 		}
 		defer streams[i].Close()
 	}
-	rng := mrand.New(mrand.NewSource(seed + int64(comm.Rank())))
-	order := make([]int, len(params))
-	for step := range r.steps {
-		for k := range r.backwards {
-			for i := range order {
-				order[i] = len(params) - 1 - i
-			}
-			if r.shuffle {
-				rng.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
-			}
-			if r.boundary && k == r.backwards-1 {
-				e.SetBoundary(true)
-			}
-			for i, p := range order {
-				if _, err := e.GradReady(p, dev[step][k][p], streams[i%len(streams)]); err != nil {
-					return err
-				}
-			}
-			if err := e.EndBackward(); err != nil {
-				return err
-			}
-		}
-		if err := e.Step(); err != nil {
-			return err
-		}
-		shard, err := e.GradShard()
-		if err != nil {
-			return err
-		}
-		full, err := e.FullGrads()
-		if err != nil {
-			return err
-		}
-		out.shard = append(out.shard, shard)
-		out.full = append(out.full, full)
-		out.stats = append(out.stats, e.Stats())
-	}
-	return nil
+	return rankLoop(e, r, len(params), func(step, k, p int) Tensor { return dev[step][k][p] }, streams, seed, out)
 }
 
 // TestCUDADifferentialMatrix: stages 1–3 × W 2, 4 × every dtype × overlap on

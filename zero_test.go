@@ -147,18 +147,26 @@ func runRank(cfg Config, comm Comm, r runSpec, params []Param, data workload, se
 		return err
 	}
 	defer e.Close()
-	out.plan = e.Plan()
 	streams := make([]Stream, max(r.streams, 1))
 	for i := range streams {
 		streams[i] = NewHostStream()
 		defer streams[i].Close()
 	}
-	rng := rand.New(rand.NewSource(seed + int64(comm.Rank())))
-	order := make([]int, len(params))
+	grad := func(step, k, p int) Tensor { return data[step][k][comm.Rank()][p].t }
+	return rankLoop(e, r, len(params), grad, streams, seed, out)
+}
+
+// rankLoop runs r's steps of the backward protocol on one rank: grad gives
+// the gradient of (step, backward, param), handed over from the producer
+// streams in turn, and out collects what the rank reads back.
+func rankLoop(e *Engine, r runSpec, nparams int, grad func(step, k, p int) Tensor, streams []Stream, seed int64, out *rankResult) error {
+	out.plan = e.Plan()
+	rng := rand.New(rand.NewSource(seed + int64(e.Rank())))
+	order := make([]int, nparams)
 	for step := range r.steps {
 		for k := range r.backwards {
 			for i := range order {
-				order[i] = len(params) - 1 - i
+				order[i] = nparams - 1 - i
 			}
 			if r.shuffle {
 				rng.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
@@ -167,7 +175,7 @@ func runRank(cfg Config, comm Comm, r runSpec, params []Param, data workload, se
 				e.SetBoundary(true)
 			}
 			for i, p := range order {
-				if _, err := e.GradReady(p, data[step][k][comm.Rank()][p].t, streams[i%len(streams)]); err != nil {
+				if _, err := e.GradReady(p, grad(step, k, p), streams[i%len(streams)]); err != nil {
 					return err
 				}
 			}
