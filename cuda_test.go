@@ -4,7 +4,6 @@ package zero
 
 import (
 	"errors"
-	"fmt"
 	"math"
 	mrand "math/rand"
 	"math/rand/v2"
@@ -877,96 +876,27 @@ func TestCUDADifferentialMatrix(t *testing.T) {
 // is wrong.
 func TestCUDAProducerStreamRule(t *testing.T) {
 	d := needCUDA(t)
-	seed := testSeed(t)
-	run := func(narrow bool) error {
-		params := []Param{{Count: 1 << 20, DType: FP32}, {Count: 1000, DType: FP32}, {Count: 3000, DType: FP32}}
-		r := runSpec{stage: 2, world: 2, dtype: FP32, backwards: 1, steps: 1}
-		data := makeWorkload(mrand.New(mrand.NewSource(seed)), r, params)
-		waitOnlyLastProducer = narrow
-		defer func() { waitOnlyLastProducer = false }()
-		comms, err := NewCUDALocalGroup(2, d)
+	params := []Param{{Count: 1 << 20, DType: FP32}, {Count: 1000, DType: FP32}, {Count: 3000, DType: FP32}}
+	group := func(n int) ([]Comm, error) { return NewCUDALocalGroup(n, d) }
+	producerRule(t, params, group, d, func(e *Engine, p int, grad Tensor, s Stream) error {
+		g, err := d.Alloc(grad.count, FP32)
 		if err != nil {
 			return err
 		}
-		res := make([][][]float32, 2)
-		errs := make([]error, 2)
-		var wg sync.WaitGroup
-		for rank := range 2 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				errs[rank] = func() error {
-					defer comms[rank].Close()
-					e, err := New(Config{Stage: 2, BucketBytes: 64 << 20, Overlap: true}, comms[rank], params)
-					if err != nil {
-						return err
-					}
-					defer e.Close()
-					var streams []Stream
-					for range params {
-						s, err := d.NewStream()
-						if err != nil {
-							return err
-						}
-						defer s.Close()
-						streams = append(streams, s)
-					}
-					for p := range params {
-						s := streams[p]
-						g, err := d.Alloc(params[p].Count, FP32)
-						if err != nil {
-							return err
-						}
-						defer d.Free(g)
-						if p == 0 {
-							if err := cudaSpin(s, 300*time.Millisecond); err != nil {
-								return err
-							}
-						}
-						// the framework writes the gradient on its stream...
-						if err := d.copy(s, g, data[0][0][rank][p].t); err != nil {
-							return err
-						}
-						// ...and reports it at once
-						if _, err := e.GradReady(p, g, s); err != nil {
-							return err
-						}
-					}
-					if err := e.EndBackward(); err != nil {
-						return err
-					}
-					if err := e.Step(); err != nil {
-						return err
-					}
-					res[rank], err = e.FullGrads()
-					return err
-				}()
-			}()
-		}
-		wg.Wait()
-		for _, err := range errs {
-			if err != nil {
+		t.Cleanup(func() { d.Free(g) }) // after every stream is closed
+		if p == 0 {
+			if err := cudaSpin(s, 300*time.Millisecond); err != nil {
 				return err
 			}
 		}
-		for p := range params {
-			for i, got := range res[0][p] {
-				want := (data[0][0][0][p].ref[i] + data[0][0][1][p].ref[i]) / 2
-				if math.Abs(float64(got)-want) > 1e-6*(1+math.Abs(want)) {
-					return fmt.Errorf("param %d[%d] = %g, want %g", p, i, got, want)
-				}
-			}
+		// the framework writes the gradient on its stream...
+		if err := d.copy(s, g, grad); err != nil {
+			return err
 		}
-		return nil
-	}
-	if err := run(false); err != nil {
-		t.Fatalf("waiting on every producer stream: %v", err)
-	}
-	if err := run(true); err == nil {
-		t.Fatal("with the wait narrowed to the last producer stream the sum was still right: the test cannot see the bug")
-	} else {
-		t.Logf("narrowed wait, as expected: %v", err)
-	}
+		// ...and reports it at once
+		_, err = e.GradReady(p, g, s)
+		return err
+	})
 }
 
 // TestGPUStatsNVML: NVML's used memory of the GPUs grows by what the engine's

@@ -425,16 +425,41 @@ func TestCollectiveCounts(t *testing.T) {
 // of them is held back. The reduction must wait for it (seed 002). With the
 // wait narrowed to the last producer, the same test sees a wrong sum.
 func TestProducerStreamRule(t *testing.T) {
+	params := []Param{{Count: 4096, DType: FP32}, {Count: 1000, DType: FP32}, {Count: 3000, DType: FP32}}
+	producerRule(t, params, NewLocalGroup, CPU(), func(e *Engine, p int, grad Tensor, s Stream) error {
+		// The framework writes the gradient on its stream, stream 0 late.
+		g := make([]float32, grad.count)
+		if err := s.(*HostStream).Launch(func() error {
+			if p == 0 {
+				time.Sleep(50 * time.Millisecond)
+			}
+			copy(g, grad.hostFloats())
+			return nil
+		}); err != nil {
+			return err
+		}
+		_, err := e.GradReady(p, Float32s(g), s)
+		return err
+	})
+}
+
+// producerRule fills one ZeRO-2 bucket on 2 ranks, reporting each
+// gradient through report, which writes it on stream s, one stream per
+// gradient (the first one late), and hands it to the engine. Waiting on every producer,
+// the mean must be right; with the wait narrowed to the last producer, the
+// test must see a wrong sum.
+func producerRule(t *testing.T, params []Param, group func(int) ([]Comm, error), dev Device, report func(e *Engine, p int, grad Tensor, s Stream) error) {
 	seed := testSeed(t)
+	r := runSpec{stage: 2, world: 2, dtype: FP32, backwards: 1, steps: 1}
+	data := makeWorkload(rand.New(rand.NewSource(seed)), r, params)
 	run := func(narrow bool) error {
-		rng := rand.New(rand.NewSource(seed))
-		params := []Param{{Count: 4096, DType: FP32}, {Count: 1000, DType: FP32}, {Count: 3000, DType: FP32}}
-		r := runSpec{stage: 2, world: 2, dtype: FP32, backwards: 1, steps: 1, bucket: 1 << 20, predivide: 1}
-		data := makeWorkload(rng, r, params)
 		waitOnlyLastProducer = narrow
 		defer func() { waitOnlyLastProducer = false }()
-		comms, _ := NewLocalGroup(2)
-		res := make([]rankResult, 2)
+		comms, err := group(2)
+		if err != nil {
+			return err
+		}
+		res := make([][][]float32, 2)
 		errs := make([]error, 2)
 		var wg sync.WaitGroup
 		for rank := range 2 {
@@ -442,33 +467,19 @@ func TestProducerStreamRule(t *testing.T) {
 			go func() {
 				defer wg.Done()
 				errs[rank] = func() error {
-					e, err := New(Config{Stage: 2, BucketBytes: r.bucket, Overlap: true}, comms[rank], params)
+					defer comms[rank].Close()
+					e, err := New(Config{Stage: 2, BucketBytes: 64 << 20, Overlap: true}, comms[rank], params)
 					if err != nil {
 						return err
 					}
 					defer e.Close()
-					streams := []*HostStream{NewHostStream(), NewHostStream(), NewHostStream()}
-					for _, s := range streams {
-						defer s.Close()
-					}
-					// The framework writes each gradient on its stream; stream 0
-					// is held back, and its gradient is reported first.
-					gate := make(chan struct{})
-					time.AfterFunc(50*time.Millisecond, func() { close(gate) })
 					for p := range params {
-						src := data[0][0][rank][p].t.hostFloats()
-						g := make([]float32, len(src))
-						s := streams[p]
-						if err := s.Launch(func() error {
-							if p == 0 {
-								<-gate
-							}
-							copy(g, src)
-							return nil
-						}); err != nil {
+						s, err := dev.NewStream()
+						if err != nil {
 							return err
 						}
-						if _, err := e.GradReady(p, Float32s(g), s); err != nil {
+						defer s.Close()
+						if err := report(e, p, data[0][0][rank][p].t, s); err != nil {
 							return err
 						}
 					}
@@ -478,8 +489,7 @@ func TestProducerStreamRule(t *testing.T) {
 					if err := e.Step(); err != nil {
 						return err
 					}
-					full, err := e.FullGrads()
-					res[rank].full = [][][]float32{full}
+					res[rank], err = e.FullGrads()
 					return err
 				}()
 			}()
@@ -491,7 +501,7 @@ func TestProducerStreamRule(t *testing.T) {
 			}
 		}
 		for p := range params {
-			for i, got := range res[0].full[0][p] {
+			for i, got := range res[0][p] {
 				want := (data[0][0][0][p].ref[i] + data[0][0][1][p].ref[i]) / 2
 				if math.Abs(float64(got)-want) > 1e-6*(1+math.Abs(want)) {
 					return fmt.Errorf("param %d[%d] = %g, want %g", p, i, got, want)
