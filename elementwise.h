@@ -171,6 +171,15 @@ ZERO_HD void zero_store(void* p, int dtype, int64_t i, float v) {
 	}
 }
 
+/* A conversion between equal dtypes with no scale is a bit copy (a NaN keeps
+ * its signalling bit): flatten and cast use it, on the host and the GPU. */
+ZERO_HD void zero_copy_elem(void* dst, const void* src, int dtype, int64_t i) {
+	if (dtype == ZERO_F32)
+		((uint32_t*)dst)[i] = ((const uint32_t*)src)[i];
+	else
+		((uint16_t*)dst)[i] = ((const uint16_t*)src)[i];
+}
+
 /* ---- scaling and accumulation ------------------------------------------- */
 
 /* zero_scale: v * s, skipped when s == 1 (the product would be the same bits

@@ -547,6 +547,10 @@ ZK_TARGET static void ZK_FN(zk_conv_block)(void* restrict dst, int dt, const voi
 ZK_TARGET static void ZK_FN(zk_conv)(void* restrict dst0, int dt, const void* restrict src0, int st, float scale,
                                      int64_t total) {
 	int doscale = scale != 1.0f;
+	if (dt == st && !doscale) { /* a bit copy (elementwise.h, zero_copy_elem) */
+		memcpy(dst0, src0, (size_t)(total * zk_size(dt)));
+		return;
+	}
 	for (int64_t i = 0; i < total; i += ZK_BLOCK) {
 		int64_t n = zk_min(ZK_BLOCK, total - i);
 		int64_t pa = i + ZK_PF, pb = zk_min(pa + n, total);

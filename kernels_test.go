@@ -1,6 +1,8 @@
 package zero
 
 import (
+	"bytes"
+	"encoding/binary"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -1366,5 +1368,49 @@ func testReduceNonFinite(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestSameDTypeIsBitCopy: flatten and cast between equal dtypes with no
+// scale copy bits, a signalling NaN included (elementwise.h, zero_copy_elem);
+// with a scale, a NaN comes out quiet.
+func TestSameDTypeIsBitCopy(t *testing.T) {
+	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 3))
+	const n = 3000
+	for _, d := range []DType{FP32, BF16, FP16} {
+		src := make([]byte, n*d.Size())
+		for i := range src {
+			src[i] = byte(rng.Uint32())
+		}
+		// a signalling NaN at element 7
+		if d == FP32 {
+			binary.LittleEndian.PutUint32(src[28:], 0x7f800001)
+		} else if d == BF16 {
+			binary.LittleEndian.PutUint16(src[14:], 0x7f81)
+		} else {
+			binary.LittleEndian.PutUint16(src[14:], 0x7c01)
+		}
+		flat := make([]byte, (n+64)*d.Size())
+		segs := []segment{{ptr: uintptr(unsafe.Pointer(&src[0])), count: n, offset: 64}}
+		flattenHost(uintptr(unsafe.Pointer(&flat[0])), d, segs, d, 1)
+		if !bytes.Equal(flat[64*d.Size():], src) {
+			t.Errorf("%v: unscaled flatten is not a bit copy", d)
+		}
+		cast := make([]byte, len(src))
+		castHost(uintptr(unsafe.Pointer(&cast[0])), d, uintptr(unsafe.Pointer(&src[0])), d, n, 1)
+		if !bytes.Equal(cast, src) {
+			t.Errorf("%v: unscaled cast is not a bit copy", d)
+		}
+		castHost(uintptr(unsafe.Pointer(&cast[0])), d, uintptr(unsafe.Pointer(&src[0])), d, n, 0.5)
+		quiet := uint32(binary.LittleEndian.Uint16(cast[14:])) & 0x0040
+		if d == FP16 {
+			quiet = uint32(binary.LittleEndian.Uint16(cast[14:])) & 0x0200
+		} else if d == FP32 {
+			quiet = binary.LittleEndian.Uint32(cast[28:]) & 0x00400000
+		}
+		if quiet == 0 {
+			t.Errorf("%v: a scaled signalling NaN is still signalling", d)
+		}
+		runtime.KeepAlive(src)
 	}
 }

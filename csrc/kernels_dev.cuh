@@ -256,6 +256,10 @@ ZC_DEV void zc_flatten_block(char* ZC_RESTRICT dst, const zc_dseg* segs, int nse
 		for (int u = 0; u < ZC_UNROLL; u++) {
 			const int64_t i = start + ((int64_t)u * ZC_THREADS + tid) * ZC_PACK;
 			if (i < vend) {
+				if (DT == ST && !SCALE) { /* a bit copy, as on the host */
+					zc_store_raw<DT>(d + i * zc_size(DT), in[u]);
+					continue;
+				}
 				float v[ZC_PACK];
 				zc_unpack<ST>(in[u], v);
 				if (SCALE) {
@@ -268,6 +272,10 @@ ZC_DEV void zc_flatten_block(char* ZC_RESTRICT dst, const zc_dseg* segs, int nse
 		tail = vend;
 	}
 	for (int64_t i = tail + tid; i < end; i += ZC_THREADS) {
+		if (DT == ST && !SCALE) {
+			zero_copy_elem(d, src, DT, i);
+			continue;
+		}
 		float v = zero_load(src, ST, i);
 		if (SCALE) v = v * scale;
 		zero_store(d, DT, i, v);
