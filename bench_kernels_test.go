@@ -171,6 +171,16 @@ func reportPair(b *testing.B, bytes int64, kernel, other time.Duration, otherUni
 	b.ReportMetric(float64(kernelLevel()), "isa-level")
 }
 
+// flatten, bf16 gradients -> bf16 bucket, no pre-scale (PredivideFactor 1,
+// the default): a bit copy.
+func BenchmarkKernelFlattenBF16Unscaled(b *testing.B) {
+	src, dst := benchU16(0, BF16), benchU16(1, BF16)
+	segs := benchSegments(addrU16(src), 2)
+	vsYardstick(b, 4*benchElems,
+		func() { flattenHost(addrU16(dst), BF16, segs, BF16, 1) },
+		yardRange(yardCopy16, addrU16(dst), addrU16(src), 0, 0, 0), src, dst)
+}
+
 // flatten, bf16 gradients -> bf16 bucket with a pre-scale: 2 B read, 2 B written.
 func BenchmarkKernelFlattenBF16(b *testing.B) {
 	benchLevels(b, func(b *testing.B) {
