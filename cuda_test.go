@@ -586,25 +586,17 @@ func onGPURanks(t *testing.T, d *cudaDevice, n int, timeout time.Duration, fn fu
 	if err != nil {
 		t.Fatal(err)
 	}
-	errs := make([]error, n)
-	var wg sync.WaitGroup
-	for r := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			s, err := d.NewStream()
-			if err != nil {
-				errs[r] = err
-				return
-			}
-			defer s.Close()
-			if errs[r] = fn(comms[r], s); errs[r] == nil {
-				errs[r] = s.Sync()
-			}
-		}()
-	}
-	wg.Wait()
-	return errs
+	return eachRank(n, func(r int) error {
+		s, err := d.NewStream()
+		if err != nil {
+			return err
+		}
+		defer s.Close()
+		if err := fn(comms[r], s); err != nil {
+			return err
+		}
+		return s.Sync()
+	})
 }
 
 // TestCUDAGroupCollectivesMatchCPU: every collective of the one-GPU group
@@ -749,27 +741,9 @@ func runEngineCUDA(t testing.TB, d *cudaDevice, r runSpec, params []Param, data 
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, CommDType: r.comm, PredivideFactor: r.predivide, GradAccumSteps: r.accum}
-	if cfg.GradAccumSteps == 0 {
-		cfg.GradAccumSteps = r.backwards
-	}
-	results := make([]rankResult, r.world)
-	errs := make([]error, r.world)
-	var wg sync.WaitGroup
-	for rank := range r.world {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[rank] = runRankCUDA(d, cfg, comms[rank], r, params, data, seed, &results[rank])
-		}()
-	}
-	wg.Wait()
-	for rank, err := range errs {
-		if err != nil {
-			t.Fatalf("%v: rank %d on the GPU: %v", r, rank, err)
-		}
-	}
-	return results
+	return runRanks(t, r, func(cfg Config, rank int, out *rankResult) error {
+		return runRankCUDA(d, cfg, comms[rank], r, params, data, seed, out)
+	})
 }
 
 func runRankCUDA(d *cudaDevice, cfg Config, comm Comm, r runSpec, params []Param, data workload, seed int64, out *rankResult) (err error) {

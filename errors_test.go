@@ -3,7 +3,6 @@ package zero
 import (
 	"errors"
 	"math"
-	"sync"
 	"testing"
 	"time"
 )
@@ -45,21 +44,14 @@ func TestConfigErrors(t *testing.T) {
 // ErrPlanMismatch from New, instead of a hang or silent corruption.
 func TestPlanMismatch(t *testing.T) {
 	comms, _ := NewLocalGroupTimeout(2, 10*time.Second)
-	errs := make([]error, 2)
-	var wg sync.WaitGroup
-	for r := range 2 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			params := []Param{{Count: 100, DType: FP32}, {Count: 50 + r, DType: FP32}}
-			e, err := New(Config{Stage: 2, BucketBytes: 1024}, comms[r], params)
-			if err == nil {
-				e.Close()
-			}
-			errs[r] = err
-		}()
-	}
-	wg.Wait()
+	errs := eachRank(2, func(r int) error {
+		params := []Param{{Count: 100, DType: FP32}, {Count: 50 + r, DType: FP32}}
+		e, err := New(Config{Stage: 2, BucketBytes: 1024}, comms[r], params)
+		if err == nil {
+			e.Close()
+		}
+		return err
+	})
 	for r, err := range errs {
 		if !errors.Is(err, ErrPlanMismatch) {
 			t.Errorf("rank %d: %v, want ErrPlanMismatch", r, err)
@@ -132,35 +124,25 @@ func TestGradReadyErrors(t *testing.T) {
 func TestEngineFailsOnPeerLoss(t *testing.T) {
 	comms, _ := NewLocalGroupTimeout(2, 300*time.Millisecond)
 	params := []Param{{Count: 1000, DType: FP32}}
-	errs := make([]error, 2)
-	var wg sync.WaitGroup
-	for r := range 2 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			e, err := New(Config{Stage: 2, BucketBytes: 1 << 20, Overlap: true}, comms[r], params)
-			if err != nil {
-				errs[r] = err
-				return
-			}
-			defer e.Close()
-			if r == 1 {
-				return // leaves without reducing
-			}
-			s := NewHostStream()
-			defer s.Close()
-			if _, err := e.GradReady(0, Float32s(make([]float32, 1000)), s); err != nil {
-				errs[r] = err
-				return
-			}
-			if err := e.EndBackward(); err != nil {
-				errs[r] = err
-				return
-			}
-			errs[r] = e.Step()
-		}()
-	}
-	wg.Wait()
+	errs := eachRank(2, func(r int) error {
+		e, err := New(Config{Stage: 2, BucketBytes: 1 << 20, Overlap: true}, comms[r], params)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		if r == 1 {
+			return nil // leaves without reducing
+		}
+		s := NewHostStream()
+		defer s.Close()
+		if _, err := e.GradReady(0, Float32s(make([]float32, 1000)), s); err != nil {
+			return err
+		}
+		if err := e.EndBackward(); err != nil {
+			return err
+		}
+		return e.Step()
+	})
 	if !errors.Is(errs[0], ErrTimeout) && !errors.Is(errs[0], ErrPeerFailed) {
 		t.Fatalf("rank 0: %v, want ErrTimeout or ErrPeerFailed", errs[0])
 	}

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"math"
 	"math/rand"
-	"sync"
 	"testing"
 	"time"
 	"unsafe"
@@ -17,21 +16,14 @@ func onRanks(n int, timeout time.Duration, fn func(c Comm, s *HostStream) error)
 	if err != nil {
 		return []error{err}
 	}
-	errs := make([]error, n)
-	var wg sync.WaitGroup
-	for r := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			s := NewHostStream()
-			errs[r] = fn(comms[r], s)
-			if err := s.Close(); errs[r] == nil {
-				errs[r] = err
-			}
-		}()
-	}
-	wg.Wait()
-	return errs
+	return eachRank(n, func(r int) error {
+		s := NewHostStream()
+		err := fn(comms[r], s)
+		if cerr := s.Close(); err == nil {
+			err = cerr
+		}
+		return err
+	})
 }
 
 // values returns n random values representable in d, as a tensor and as float64.

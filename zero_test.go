@@ -117,27 +117,41 @@ func runEngine(t testing.TB, r runSpec, params []Param, data workload, seed int6
 	if err != nil {
 		t.Fatal(err)
 	}
+	return runRanks(t, r, func(cfg Config, rank int, out *rankResult) error {
+		return runRank(cfg, comms[rank], r, params, data, seed, out)
+	})
+}
+
+// runRanks runs run on every rank with r's config and fails t on an error.
+func runRanks(t testing.TB, r runSpec, run func(cfg Config, rank int, out *rankResult) error) []rankResult {
+	t.Helper()
 	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, CommDType: r.comm, PredivideFactor: r.predivide, GradAccumSteps: r.accum}
 	if cfg.GradAccumSteps == 0 {
 		cfg.GradAccumSteps = r.backwards
 	}
 	results := make([]rankResult, r.world)
-	errs := make([]error, r.world)
-	var wg sync.WaitGroup
-	for rank := range r.world {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[rank] = runRank(cfg, comms[rank], r, params, data, seed, &results[rank])
-		}()
-	}
-	wg.Wait()
-	for rank, err := range errs {
+	for rank, err := range eachRank(r.world, func(rank int) error { return run(cfg, rank, &results[rank]) }) {
 		if err != nil {
 			t.Fatalf("%v: rank %d: %v", r, rank, err)
 		}
 	}
 	return results
+}
+
+// eachRank runs fn for ranks 0..n−1, each on a goroutine of its own, and
+// returns their errors.
+func eachRank(n int, fn func(rank int) error) []error {
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for rank := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[rank] = fn(rank)
+		}()
+	}
+	wg.Wait()
+	return errs
 }
 
 func runRank(cfg Config, comm Comm, r runSpec, params []Param, data workload, seed int64, out *rankResult) error {
@@ -460,41 +474,32 @@ func producerRule(t *testing.T, params []Param, group func(int) ([]Comm, error),
 			return err
 		}
 		res := make([][][]float32, 2)
-		errs := make([]error, 2)
-		var wg sync.WaitGroup
-		for rank := range 2 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				errs[rank] = func() error {
-					defer comms[rank].Close()
-					e, err := New(Config{Stage: 2, BucketBytes: 64 << 20, Overlap: true}, comms[rank], params)
-					if err != nil {
-						return err
-					}
-					defer e.Close()
-					for p := range params {
-						s, err := dev.NewStream()
-						if err != nil {
-							return err
-						}
-						defer s.Close()
-						if err := report(e, p, data[0][0][rank][p].t, s); err != nil {
-							return err
-						}
-					}
-					if err := e.EndBackward(); err != nil {
-						return err
-					}
-					if err := e.Step(); err != nil {
-						return err
-					}
-					res[rank], err = e.FullGrads()
+		errs := eachRank(2, func(rank int) error {
+			defer comms[rank].Close()
+			e, err := New(Config{Stage: 2, BucketBytes: 64 << 20, Overlap: true}, comms[rank], params)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			for p := range params {
+				s, err := dev.NewStream()
+				if err != nil {
 					return err
-				}()
-			}()
-		}
-		wg.Wait()
+				}
+				defer s.Close()
+				if err := report(e, p, data[0][0][rank][p].t, s); err != nil {
+					return err
+				}
+			}
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			res[rank], err = e.FullGrads()
+			return err
+		})
 		for _, err := range errs {
 			if err != nil {
 				return err
@@ -544,41 +549,32 @@ func TestOverflowFlag(t *testing.T) {
 		params := []Param{{Count: 256, DType: FP32}}
 		comms, _ := NewLocalGroup(2)
 		flags := make([][]bool, 2)
-		errs := make([]error, 2)
-		var wg sync.WaitGroup
-		for rank := range 2 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				errs[rank] = func() error {
-					e, err := New(Config{Stage: stage, BucketBytes: 1 << 20, Align: 1}, comms[rank], params)
-					if err != nil {
-						return err
-					}
-					defer e.Close()
-					s := NewHostStream()
-					defer s.Close()
-					for step := range 2 {
-						g := make([]float32, 256)
-						if step == 0 && rank == 0 {
-							g[200] = float32(math.Inf(1)) // element 200 lives on rank 1's shard
-						}
-						if _, err := e.GradReady(0, Float32s(g), s); err != nil {
-							return err
-						}
-						if err := e.EndBackward(); err != nil {
-							return err
-						}
-						if err := e.Step(); err != nil {
-							return err
-						}
-						flags[rank] = append(flags[rank], e.Stats().Overflow)
-					}
-					return nil
-				}()
-			}()
-		}
-		wg.Wait()
+		errs := eachRank(2, func(rank int) error {
+			e, err := New(Config{Stage: stage, BucketBytes: 1 << 20, Align: 1}, comms[rank], params)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			s := NewHostStream()
+			defer s.Close()
+			for step := range 2 {
+				g := make([]float32, 256)
+				if step == 0 && rank == 0 {
+					g[200] = float32(math.Inf(1)) // element 200 lives on rank 1's shard
+				}
+				if _, err := e.GradReady(0, Float32s(g), s); err != nil {
+					return err
+				}
+				if err := e.EndBackward(); err != nil {
+					return err
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				flags[rank] = append(flags[rank], e.Stats().Overflow)
+			}
+			return nil
+		})
 		for _, err := range errs {
 			if err != nil {
 				t.Fatal(err)
