@@ -35,13 +35,14 @@ func TestHostStreamWait(t *testing.T) {
 	var aDone atomic.Bool
 	a.Launch(func() error { <-gate; aDone.Store(true); return nil })
 	ev, _ := a.Record()
-	var early atomic.Bool
-	b.Launch(func() error { early.Store(true); return nil })
+	early := make(chan struct{})
+	b.Launch(func() error { close(early); return nil })
 	b.Wait(ev)
 	var sawA atomic.Bool
 	b.Launch(func() error { sawA.Store(aDone.Load()); return nil })
-	time.Sleep(20 * time.Millisecond)
-	if !early.Load() {
+	select {
+	case <-early:
+	case <-time.After(10 * time.Second):
 		t.Error("work enqueued before Wait was held back")
 	}
 	if ev.Done() {

@@ -445,7 +445,7 @@ func TestProducerStreamRule(t *testing.T) {
 		g := make([]float32, grad.count)
 		if err := s.(*HostStream).Launch(func() error {
 			if p == 0 {
-				time.Sleep(50 * time.Millisecond)
+				time.Sleep(200 * time.Millisecond)
 			}
 			copy(g, grad.hostFloats())
 			return nil
