@@ -128,7 +128,7 @@ type Engine struct {
 	inBackward  bool
 	boundary    bool
 	lastStream  Stream
-	reducing    map[Stream]bool // streams that ran reductions since the last sync
+	reducing    map[Stream]Event // the last reduction issued on each stream since the last sync
 
 	// window state
 	backwards   int // backwards since the last Step
@@ -176,7 +176,7 @@ func New(cfg Config, comm Comm, params []Param) (*Engine, error) {
 	e := &Engine{
 		cfg: cfg, comm: comm, dev: comm.Device(), params: append([]Param(nil), params...),
 		rank: comm.Rank(), world: comm.Size(), model: params[0].DType,
-		reducing: map[Stream]bool{},
+		reducing: map[Stream]Event{},
 	}
 	if err := e.init(); err != nil {
 		e.Close()
@@ -488,7 +488,7 @@ func (e *Engine) reduceBucket(b int, rs Stream) error {
 	clear(bs.producers)
 	bs.last = nil
 	e.pool.put(st, done)
-	e.reducing[rs] = true
+	e.reducing[rs] = done
 	e.reduceTimes = append(e.reduceTimes, [2]Event{start, done})
 	return nil
 }
@@ -554,10 +554,11 @@ func (e *Engine) fail(err error) error {
 	return err
 }
 
-// syncReductions waits for every reduction issued so far.
+// syncReductions waits for every reduction issued so far: for their
+// events, not for the streams, which may hold the framework's later work.
 func (e *Engine) syncReductions() error {
-	for s := range e.reducing {
-		if err := s.Sync(); err != nil {
+	for _, done := range e.reducing {
+		if err := done.Sync(); err != nil {
 			return e.fail(err)
 		}
 	}
@@ -732,8 +733,8 @@ func (e *Engine) Close() error {
 	if e.stream != nil {
 		first = e.stream.Close()
 	}
-	for s := range e.reducing {
-		if err := s.Sync(); err != nil && first == nil {
+	for _, done := range e.reducing {
+		if err := done.Sync(); err != nil && first == nil {
 			first = err
 		}
 	}
