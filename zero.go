@@ -108,7 +108,6 @@ type Engine struct {
 	params []Param
 	rank   int
 	world  int
-	model  DType
 
 	stream  Stream // the engine's own: reductions under Overlap, gathers, copies
 	shard   Tensor // fp32 reduced gradient shard: the concatenation of bucket shards
@@ -175,7 +174,7 @@ func New(cfg Config, comm Comm, params []Param) (*Engine, error) {
 	}
 	e := &Engine{
 		cfg: cfg, comm: comm, dev: comm.Device(), params: append([]Param(nil), params...),
-		rank: comm.Rank(), world: comm.Size(), model: params[0].DType,
+		rank: comm.Rank(), world: comm.Size(),
 		reducing: map[Stream]Event{},
 	}
 	if err := e.init(); err != nil {
