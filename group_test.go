@@ -330,3 +330,94 @@ func TestCopyStream(t *testing.T) {
 		}
 	}
 }
+
+// TestAvgMatchesScaledSum: for a power-of-two world, OpAvg gives the bits
+// of OpSum scaled by 1/n afterwards (but in fp16's subnormal range), which
+// is why the engine reduces with OpAvg there (ncclAvg on NCCL) and keeps
+// half-precision sums from overflowing.
+func TestAvgMatchesScaledSum(t *testing.T) {
+	seed := testSeed(t)
+	for _, n := range []int{2, 4, 8} {
+		for _, d := range []DType{FP32, BF16, FP16} {
+			rng := rand.New(rand.NewSource(seed + int64(n)))
+			in := make([]Tensor, n)
+			for r := range in {
+				in[r], _ = values(rng, 4096, d)
+			}
+			avg := make([][]float64, n)
+			sum := make([][]float64, n)
+			errs := onRanks(n, 10*time.Second, func(c Comm, s *HostStream) error {
+				a, b := cloneTensor(in[c.Rank()]), cloneTensor(in[c.Rank()])
+				if err := c.AllReduce(s, a, OpAvg); err != nil {
+					return err
+				}
+				if err := c.AllReduce(s, b, OpSum); err != nil {
+					return err
+				}
+				if err := s.Sync(); err != nil {
+					return err
+				}
+				avg[c.Rank()], sum[c.Rank()] = readBack(a), readBack(b)
+				return nil
+			})
+			for _, err := range errs {
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			for i := range avg[0] {
+				want := float64(float32(sum[0][i]) * float32(1/float64(n)))
+				if d == FP16 && math.Abs(want) < math.Ldexp(1, -14) {
+					continue // fp16 subnormals round where the scaled sum does not
+				}
+				if avg[0][i] != want {
+					t.Fatalf("n=%d %v: [%d] avg %g, sum/n %g", n, d, i, avg[0][i], want)
+				}
+			}
+		}
+	}
+}
+
+// opRecorder records the op of every reduce-scatter it passes on.
+type opRecorder struct {
+	Comm
+	ops []ReduceOp
+}
+
+func (o *opRecorder) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
+	o.ops = append(o.ops, op)
+	return o.Comm.ReduceScatter(s, send, recv, op)
+}
+
+// TestEngineReduceOp: the engine averages on the wire for a power-of-two
+// world and sums elsewhere.
+func TestEngineReduceOp(t *testing.T) {
+	for _, n := range []int{1, 2, 3, 4, 6, 8} {
+		comms, _ := NewLocalGroup(n)
+		rec := make([]*opRecorder, n)
+		errs := eachRank(n, func(r int) error {
+			rec[r] = &opRecorder{Comm: comms[r]}
+			e, err := New(Config{Stage: 2, BucketBytes: 1 << 20}, rec[r], []Param{{Count: 100, DType: FP16}})
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+			return e.Step()
+		})
+		for _, err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		want := OpSum
+		if n&(n-1) == 0 {
+			want = OpAvg
+		}
+		if len(rec[0].ops) != 1 || rec[0].ops[0] != want {
+			t.Errorf("world %d: reduce-scatter ops %v, want [%v]", n, rec[0].ops, want)
+		}
+	}
+}

@@ -118,6 +118,7 @@ type Engine struct {
 	mem     memoryMeter
 
 	prescale, postscale float32
+	reduceOp            ReduceOp // OpAvg where dividing by W is exact, else OpSum
 
 	// backward state
 	reported    []bool        // this backward
@@ -187,7 +188,14 @@ func New(cfg Config, comm Comm, params []Param) (*Engine, error) {
 func (e *Engine) init() error {
 	e.plan = newPlan(e.params, e.cfg.BucketBytes, e.world, e.cfg.Align)
 	e.prescale = float32(1 / e.cfg.PredivideFactor)
-	e.postscale = float32(e.cfg.PredivideFactor / float64(e.world*e.cfg.GradAccumSteps))
+	// The 1/W of the mean goes into the reduction (ncclAvg) where dividing by
+	// W is exact, a power of two: the same bits as a sum scaled afterwards,
+	// and no overflow of a half-precision sum on the wire. Elsewhere it goes
+	// into the accumulate's post-scale.
+	e.reduceOp, e.postscale = OpSum, float32(e.cfg.PredivideFactor/float64(e.world*e.cfg.GradAccumSteps))
+	if e.world&(e.world-1) == 0 {
+		e.reduceOp, e.postscale = OpAvg, float32(e.cfg.PredivideFactor/float64(e.cfg.GradAccumSteps))
+	}
 	var err error
 	if e.stream, err = e.dev.NewStream(); err != nil {
 		return err
@@ -470,7 +478,7 @@ func (e *Engine) reduceBucket(b int, rs Stream) error {
 		return err
 	}
 	mine := buf.slice(e.rank*bp.Shard, bp.Shard)
-	if err := e.comm.ReduceScatter(rs, buf, mine, OpSum); err != nil {
+	if err := e.comm.ReduceScatter(rs, buf, mine, e.reduceOp); err != nil {
 		return err
 	}
 	if err := e.dev.accumulate(rs, e.shard, []Segment{{Src: mine, Offset: bp.ShardOffset}}, bs.copyFirst, e.postscale, e.flag); err != nil {
