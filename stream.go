@@ -165,16 +165,21 @@ func (s *HostStream) Sync() error {
 	return e.Sync()
 }
 
+// Close drains the queue, stops the stream and returns its error. Closing
+// a closed stream does nothing.
 func (s *HostStream) Close() error {
+	s.mu.Lock()
+	closed := s.closed
+	s.mu.Unlock()
+	if closed {
+		return nil
+	}
 	err := s.Sync()
 	s.mu.Lock()
 	s.closed = true
 	s.wake.Signal()
 	s.mu.Unlock()
 	<-s.exited
-	if err != nil && s.stickyErr() == nil {
-		return nil
-	}
 	return err
 }
 
