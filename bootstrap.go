@@ -30,8 +30,10 @@ type NCCLConfig struct {
 	// (default 5 minutes).
 	BootstrapTimeout time.Duration
 	// Timeout bounds each collective batch: the watchdog aborts the
-	// communicator when a batch has not finished on the GPU in this time
-	// (default DefaultTimeout).
+	// communicator when a batch has not completed this long after it was
+	// enqueued (default DefaultTimeout). The clock starts at the enqueue, so
+	// it must also cover the work queued before the batch on its stream
+	// (without Overlap, the framework's backward kernels).
 	Timeout time.Duration
 	// Library is the NCCL shared library to dlopen (default: $ZERO_NCCL_LIBRARY,
 	// else "libnccl.so.2" from the loader's search path).

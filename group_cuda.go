@@ -73,8 +73,9 @@ type cudaGroup struct {
 // cudaPhase is one rendezvous: done closes when the last rank has enqueued
 // the collective (or failed to).
 type cudaPhase struct {
-	done chan struct{}
-	err  error
+	claimed bool // every rank arrived; the last one enqueues for all (under cudaGroup.mu)
+	done    chan struct{}
+	err     error
 }
 
 type cudaSlot struct {
@@ -146,6 +147,7 @@ func (c *cudaLocalComm) collective(s Stream, a collArgs, payload int, ts ...Tens
 	if g.arrived == g.n {
 		slots := append([]cudaSlot(nil), g.slots...)
 		g.arrived = 0
+		ph.claimed = true
 		g.phase = &cudaPhase{done: make(chan struct{})}
 		g.mu.Unlock()
 		ph.err = g.run(c.rank, slots)
@@ -163,21 +165,25 @@ func (c *cudaLocalComm) collective(s Stream, a collArgs, payload int, ts ...Tens
 	case <-ph.done:
 		return ph.err
 	case <-g.aborted:
-		select {
-		case <-ph.done: // the collective was enqueued before the abort
-			return ph.err
-		default:
-			return g.abortErr()
-		}
 	case <-timer.C:
-		g.abort(errorf(ErrTimeout, "rank %d waited %v in %v for its peers; a rank failed, returned early or issued fewer collectives", c.rank, g.timeout, a))
-		select {
-		case <-ph.done:
-			return ph.err
-		default:
-			return g.abortErr()
+		g.mu.Lock()
+		if !ph.claimed && g.reason == nil {
+			g.reason = errorf(ErrTimeout, "rank %d waited %v in %v for its peers; a rank failed, returned early or issued fewer collectives", c.rank, g.timeout, a)
+			close(g.aborted)
 		}
+		g.mu.Unlock()
 	}
+	// Once every rank has arrived, the last one is enqueuing work on every
+	// rank's stream, which must stay alive until it is done; that never
+	// waits on a peer, so waiting for it cannot hang.
+	g.mu.Lock()
+	claimed := ph.claimed
+	g.mu.Unlock()
+	if claimed {
+		<-ph.done
+		return ph.err
+	}
+	return g.abortErr()
 }
 
 // run enqueues one collective for every rank on the stream of rank last.

@@ -148,7 +148,14 @@ static int zc_ring_setup(zc_ring* r) {
 	}
 	for (int i = 0; i < ZC_RING_SLOTS; i++) {
 		err = (int)cudaEventCreateWithFlags(&r->ev[i], cudaEventDisableTiming);
-		if (err) return err; /* the ring stays not ready; the events made so far leak (rare) */
+		if (err) { /* undo, so a later call starts clean */
+			while (i-- > 0) cudaEventDestroy(r->ev[i]);
+			cudaFree(r->dev);
+			cudaFreeHost(r->host);
+			r->dev = NULL;
+			r->host = NULL;
+			return err;
+		}
 	}
 	r->head = 0;
 	r->qh = r->qn = 0;

@@ -61,6 +61,9 @@ run() { # run a step, log it, remember a failure
 } | tee -a "$log"
 
 cd "$here"
+# On the GPU host a GPU test that would skip (no device, a driver too old for
+# the CUDA 13 runtime, no NCCL) fails instead.
+export ZERO_REQUIRE_GPU=${ZERO_REQUIRE_GPU:-1}
 # 1. every CUDA, NCCL and GPU test (the CPU suite too with ALL=1)
 pattern='CUDA|NCCL|GPU|NVML|Bootstrap'
 [[ ${ALL:-0} == 1 ]] && pattern='.'
