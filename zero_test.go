@@ -683,3 +683,108 @@ func TestPlanInvariants(t *testing.T) {
 		}
 	}
 }
+
+// TestRandomProtocol drives random sessions: each rank reports a random
+// subset of the parameters in each backward (the others count as zero),
+// in a random order, from random streams, with random boundary flags and a
+// random number of backwards per step. Every step's full gradient must be
+// the float64 mean of what was reported.
+func TestRandomProtocol(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	for round := range 40 {
+		world := 1 + rng.Intn(4)
+		d := []DType{FP32, BF16, FP16}[rng.Intn(3)]
+		params := testParams(d)
+		cfg := Config{Stage: 1 + rng.Intn(3), BucketBytes: []int{200, 1000, 1 << 20}[rng.Intn(3)], Overlap: rng.Intn(2) == 0, PredivideFactor: float64(1 + rng.Intn(world)), GradAccumSteps: 1 + rng.Intn(3)}
+		steps := 1 + rng.Intn(3)
+		// plan[step][backward][rank][param]: reported or not
+		type backward struct {
+			boundary bool
+			report   [][]bool
+		}
+		sessions := make([][]backward, steps)
+		r := runSpec{stage: cfg.Stage, world: world, dtype: d, steps: steps, backwards: 3}
+		data := makeWorkload(rng, r, params)
+		for s := range sessions {
+			sessions[s] = make([]backward, 1+rng.Intn(3))
+			for k := range sessions[s] {
+				b := backward{boundary: rng.Intn(3) == 0, report: make([][]bool, world)}
+				for rank := range b.report {
+					b.report[rank] = make([]bool, len(params))
+					for p := range params {
+						b.report[rank][p] = rng.Intn(4) != 0
+					}
+				}
+				sessions[s][k] = b
+			}
+		}
+		comms, _ := NewLocalGroupTimeout(world, 20*time.Second)
+		full := make([][][][]float32, world)
+		errs := eachRank(world, func(rank int) error {
+			e, err := New(cfg, comms[rank], params)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			streams := []Stream{NewHostStream(), NewHostStream()}
+			for _, s := range streams {
+				defer s.Close()
+			}
+			prng := rand.New(rand.NewSource(seed + int64(round*100+rank)))
+			for s, sess := range sessions {
+				for k, b := range sess {
+					e.SetBoundary(b.boundary)
+					for _, p := range prng.Perm(len(params)) {
+						if b.report[rank][p] {
+							if _, err := e.GradReady(p, data[s][k][rank][p].t, streams[prng.Intn(2)]); err != nil {
+								return err
+							}
+						}
+					}
+					if err := e.EndBackward(); err != nil {
+						return err
+					}
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				g, err := e.FullGrads()
+				if err != nil {
+					return err
+				}
+				full[rank] = append(full[rank], g)
+			}
+			return nil
+		})
+		for _, err := range errs {
+			if err != nil {
+				t.Fatalf("round %d %+v: %v", round, cfg, err)
+			}
+		}
+		rtol := float64(world+len(sessions[0])+8) * (unitRoundoff(d) + unitRoundoff(FP32))
+		for s, sess := range sessions {
+			for p, q := range params {
+				for i := range q.Count {
+					sum, mag := 0.0, 0.0
+					for k, b := range sess {
+						for rank := range world {
+							if b.report[rank][p] {
+								v := data[s][k][rank][p].ref[i]
+								sum += v
+								mag += math.Abs(v)
+							}
+						}
+					}
+					div := float64(world * cfg.GradAccumSteps)
+					want, tol := sum/div, rtol*mag/div+float64(world)*math.Ldexp(1, -24)
+					for rank := range world {
+						if got := float64(full[rank][s][p][i]); !(math.Abs(got-want) <= tol) {
+							t.Fatalf("round %d %+v step %d rank %d: param %d[%d] = %g, want %g ± %g", round, cfg, s, rank, p, i, got, want, tol)
+						}
+					}
+				}
+			}
+		}
+	}
+}
