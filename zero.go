@@ -293,9 +293,11 @@ func (e *Engine) usable(op string) error {
 func (e *Engine) SetBoundary(b bool) { e.boundary = b }
 
 // GradReady hands the engine the gradient of parameter param, written by
-// the framework on stream. The engine reads it on that stream; the returned
-// event fires when the engine is done with the gradient's memory (work
-// enqueued later on the same stream is ordered after it anyway).
+// the framework on stream. The engine reads it on that stream, after the
+// work already enqueued there. The gradient's memory must stay as it is
+// until the returned event fires; work the framework enqueues later on the
+// same stream is ordered after it anyway. A nil event (a parameter of zero
+// elements) means the memory was never read.
 func (e *Engine) GradReady(param int, grad Tensor, stream Stream) (Event, error) {
 	if err := e.usable("GradReady"); err != nil {
 		return nil, err
