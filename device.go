@@ -121,19 +121,21 @@ func hostStreamOf(s Stream) (*HostStream, error) {
 	return hs, nil
 }
 
-// launch runs fn in stream order, keeping the tensors' memory alive until then.
-func (h *hostDevice) launch(s Stream, fn func()) error {
+// launch runs fn in stream order. fn keeps the Go memory behind its
+// tensors alive (keepAlive) until it has run.
+func (h *hostDevice) launch(s Stream, fn func() error) error {
 	hs, err := hostStreamOf(s)
 	if err != nil {
 		return err
 	}
-	return hs.Launch(func() error { fn(); return nil })
+	return hs.Launch(fn)
 }
 
 func (h *hostDevice) zero(s Stream, t Tensor) error {
-	return h.launch(s, func() {
+	return h.launch(s, func() error {
 		clear(t.hostBytes())
 		keepAlive(t)
+		return nil
 	})
 }
 
@@ -141,31 +143,32 @@ func (h *hostDevice) copy(s Stream, dst, src Tensor) error {
 	if dst.Bytes() != src.Bytes() {
 		return errorf(ErrGradSize, "copy of %d bytes into %d bytes", src.Bytes(), dst.Bytes())
 	}
-	return h.launch(s, func() {
+	return h.launch(s, func() error {
 		copy(dst.hostBytes(), src.hostBytes())
 		keepAlive(dst, src)
+		return nil
 	})
 }
 
-func segmentsOf(segs []Segment) ([]segment, []any) {
+// segmentsOf lays segs out as the kernels' descriptors.
+func segmentsOf(segs []Segment) []segment {
 	out := make([]segment, len(segs))
-	keep := make([]any, len(segs))
 	for i, sg := range segs {
 		out[i] = segment{ptr: sg.Src.ptr, count: int64(sg.Src.count), offset: int64(sg.Offset)}
-		keep[i] = sg.Src.keep
 	}
-	return out, keep
+	return out
 }
 
 func (h *hostDevice) flatten(s Stream, dst Tensor, segs []Segment, scale float32) error {
 	if len(segs) == 0 {
 		return nil
 	}
-	cs, keep := segmentsOf(segs)
-	src := segs[0].Src.dtype
-	return h.launch(s, func() {
-		flattenHost(dst.ptr, dst.dtype, cs, src, scale)
-		keepAlive(keep, dst)
+	cs := segmentsOf(segs)
+	return h.launch(s, func() error {
+		flattenHost(dst.ptr, dst.dtype, cs, segs[0].Src.dtype, scale)
+		keepAliveSegments(segs)
+		keepAlive(dst)
+		return nil
 	})
 }
 
@@ -173,11 +176,12 @@ func (h *hostDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool
 	if len(segs) == 0 {
 		return nil
 	}
-	cs, keep := segmentsOf(segs)
-	src := segs[0].Src.dtype
-	return h.launch(s, func() {
-		accumulateHost(acc.ptr, cs, src, first, scale, flag.ptr)
-		keepAlive(keep, acc, flag)
+	cs := segmentsOf(segs)
+	return h.launch(s, func() error {
+		accumulateHost(acc.ptr, cs, segs[0].Src.dtype, first, scale, flag.ptr)
+		keepAliveSegments(segs)
+		keepAlive(acc, flag)
+		return nil
 	})
 }
 
@@ -185,9 +189,10 @@ func (h *hostDevice) cast(s Stream, dst, src Tensor, scale float32) error {
 	if dst.count != src.count {
 		return errorf(ErrGradSize, "cast of %d elements into %d", src.count, dst.count)
 	}
-	return h.launch(s, func() {
+	return h.launch(s, func() error {
 		castHost(dst.ptr, dst.dtype, src.ptr, src.dtype, src.count, scale)
 		keepAlive(dst, src)
+		return nil
 	})
 }
 
@@ -195,12 +200,23 @@ func (h *hostDevice) sumSquares(s Stream, x Tensor, out *float64) error {
 	if x.dtype != FP32 {
 		return errorf(ErrDType, "sumSquares of %v; it takes the fp32 shard", x.dtype)
 	}
-	return h.launch(s, func() {
+	return h.launch(s, func() error {
 		*out = sumSquaresHost(x.ptr, x.count)
 		keepAlive(x)
+		return nil
 	})
 }
 
-// keepAlive marks values as used until this point, so the Go slices behind
-// tensors are not collected while a queued kernel still reads them.
-func keepAlive(v ...any) { runtime.KeepAlive(v) }
+// keepAlive marks the Go memory behind tensors as used until this point,
+// so it is not collected while a queued kernel still reads it.
+func keepAlive(ts ...Tensor) {
+	for _, t := range ts {
+		runtime.KeepAlive(t.keep)
+	}
+}
+
+func keepAliveSegments(segs []Segment) {
+	for _, sg := range segs {
+		runtime.KeepAlive(sg.Src.keep)
+	}
+}
