@@ -63,42 +63,17 @@ func gpuStream(t testing.TB, d *cudaDevice) Stream {
 
 // ---- host/device buffers ------------------------------------------------------
 
-// gbuf is a host buffer (Go heap) of one dtype.
-type gbuf struct {
-	dt DType
-	f  []float32
-	h  []uint16
-}
+// gbuf is the kernel tests' host buffer (kernels_test.go), with what the
+// GPU tests add to it.
+type gbuf = tbuf
 
-func newGBuf(dt DType, n int) *gbuf {
-	b := &gbuf{dt: dt}
-	if dt == FP32 {
-		b.f = make([]float32, n)
-	} else {
-		b.h = make([]uint16, n)
-	}
-	return b
-}
-
-func (b *gbuf) n() int {
-	if b.dt == FP32 {
-		return len(b.f)
-	}
-	return len(b.h)
-}
+func newGBuf(dt DType, n int) *gbuf { return newTBuf(dt, n) }
 
 func (b *gbuf) t() Tensor {
 	if b.dt == FP32 {
 		return Float32s(b.f)
 	}
 	return Halfs(b.h, b.dt)
-}
-
-func (b *gbuf) bits(i int) uint32 {
-	if b.dt == FP32 {
-		return math.Float32bits(b.f[i])
-	}
-	return uint32(b.h[i])
 }
 
 func (b *gbuf) isNaN(i int) bool {
@@ -112,18 +87,11 @@ func (b *gbuf) isNaN(i int) bool {
 	return u&0x7c00 == 0x7c00 && u&0x3ff != 0
 }
 
-func (b *gbuf) clone() *gbuf {
-	c := newGBuf(b.dt, b.n())
-	copy(c.f, b.f)
-	copy(c.h, b.h)
-	return c
-}
-
 // fill draws data that exercises every path: half of the elements are any
 // bit pattern (NaN payloads, infinities, subnormals, values that overflow a
 // narrower dtype), the rest ordinary values around 1.
 func (b *gbuf) fill(rng *rand.Rand, wild bool) {
-	for i := 0; i < b.n(); i++ {
+	for i := 0; i < b.len(); i++ {
 		v := float32(rng.NormFloat64() * math.Ldexp(1, rng.IntN(20)-10))
 		switch {
 		case b.dt == FP32 && wild && rng.IntN(2) == 0:
@@ -143,7 +111,7 @@ func (b *gbuf) fill(rng *rand.Rand, wild bool) {
 // sameAs compares bits; NaN matches any NaN (the GPU makes canonical NaNs
 // where x86 keeps payloads, and elementwise.h does not promise payloads).
 func (b *gbuf) sameAs(o *gbuf) (int, bool) {
-	for i := 0; i < b.n(); i++ {
+	for i := 0; i < b.len(); i++ {
 		if b.bits(i) != o.bits(i) && !(b.isNaN(i) && o.isNaN(i)) {
 			return i, false
 		}
@@ -155,12 +123,12 @@ func (b *gbuf) sameAs(o *gbuf) (int, bool) {
 // the data can start at any alignment; it returns the tensor of b's data.
 func upload(t testing.TB, d *cudaDevice, s Stream, b *gbuf, pad int) Tensor {
 	t.Helper()
-	whole, err := d.Alloc(b.n()+pad+1, b.dt)
+	whole, err := d.Alloc(b.len()+pad+1, b.dt)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { d.Free(whole) })
-	dt := whole.slice(pad, b.n())
+	dt := whole.slice(pad, b.len())
 	if err := d.copy(s, dt, b.t()); err != nil {
 		t.Fatal(err)
 	}
@@ -1028,7 +996,7 @@ func TestNCCLWorld1(t *testing.T) {
 				t.Fatalf("AllReduce %v %v over one rank changed the data", dt, op)
 			}
 			send := upload(t, d, s, in, 0)
-			recv := upload(t, d, s, newGBuf(dt, in.n()), 0)
+			recv := upload(t, d, s, newGBuf(dt, in.len()), 0)
 			if err := c.ReduceScatter(s, send, recv, op); err != nil {
 				t.Fatal(err)
 			}
@@ -1037,7 +1005,7 @@ func TestNCCLWorld1(t *testing.T) {
 			}
 		}
 		send := upload(t, d, s, in, 0)
-		recv := upload(t, d, s, newGBuf(dt, in.n()), 0)
+		recv := upload(t, d, s, newGBuf(dt, in.len()), 0)
 		if err := c.AllGather(s, send, recv); err != nil {
 			t.Fatal(err)
 		}
