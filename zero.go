@@ -723,9 +723,10 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 			continue
 		}
 		bp := &e.plan.Buckets[b]
-		for i := range out[p] {
+		for i := 0; i < q.Count; {
 			j := e.plan.ParamOffset[p] + i // element j of the bucket lives on rank j/Shard
-			out[p][i] = host[(j/bp.Shard)*e.plan.ShardElems+bp.ShardOffset+j%bp.Shard]
+			at := (j/bp.Shard)*e.plan.ShardElems + bp.ShardOffset + j%bp.Shard
+			i += copy(out[p][i:], host[at:at+bp.Shard-j%bp.Shard])
 		}
 	}
 	return out, nil
