@@ -89,6 +89,16 @@ func TestGradReadyErrors(t *testing.T) {
 				t.Errorf("stage %d %s: %v, want %v", stage, name, err, tc.want)
 			}
 		}
+		// A batch with one bad gradient is refused whole.
+		if _, err := e.GradsReady([]int{1, 0}, []Tensor{Halfs(good, BF16), Halfs(good, BF16)}, s); !errors.Is(err, ErrGradSize) {
+			t.Errorf("stage %d: batch with a bad gradient: %v, want ErrGradSize", stage, err)
+		}
+		if _, err := e.GradsReady([]int{1, 1}, []Tensor{Halfs(good, BF16), Halfs(good, BF16)}, s); !errors.Is(err, ErrDuplicateGrad) {
+			t.Errorf("stage %d: a parameter twice in a batch: %v, want ErrDuplicateGrad", stage, err)
+		}
+		if _, err := e.GradsReady([]int{1}, nil, s); !errors.Is(err, ErrParam) {
+			t.Errorf("stage %d: batch of mismatched lengths: %v, want ErrParam", stage, err)
+		}
 		if _, err := e.GradReady(1, Halfs(good, BF16), s); err != nil {
 			t.Fatal(err)
 		}

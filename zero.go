@@ -299,92 +299,157 @@ func (e *Engine) SetBoundary(b bool) { e.boundary = b }
 // same stream is ordered after it anyway. A nil event (a parameter of zero
 // elements) means the memory was never read.
 func (e *Engine) GradReady(param int, grad Tensor, stream Stream) (Event, error) {
+	return e.GradsReady([]int{param}, []Tensor{grad}, stream)
+}
+
+// GradsReady is GradReady for several gradients that the framework wrote on
+// one stream: the engine reads them with one kernel call per bucket instead
+// of one per gradient. Either every gradient is taken or, on an error, none.
+func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event, error) {
 	if err := e.usable("GradReady"); err != nil {
 		return nil, err
 	}
-	if param < 0 || param >= len(e.params) {
-		return nil, errorf(ErrParam, "GradReady: parameter %d; registered parameters are 0..%d", param, len(e.params)-1)
-	}
-	p := e.params[param]
-	if grad.dtype != p.DType {
-		return nil, errorf(ErrDType, "GradReady(%d %q): gradient is %v, parameter is %v; pass the gradient in the parameter's dtype", param, p.Name, grad.dtype, p.DType)
-	}
-	if grad.count != p.Count {
-		return nil, errorf(ErrGradSize, "GradReady(%d %q): gradient has %d elements, parameter has %d; pass the whole gradient", param, p.Name, grad.count, p.Count)
-	}
-	if stream == nil {
-		return nil, errorf(ErrStream, "GradReady(%d %q): nil stream; pass the stream that wrote the gradient", param, p.Name)
-	}
-	if err := e.dev.checkStream(stream); err != nil {
+	if err := e.checkGrads(params, grads, stream); err != nil {
 		return nil, err
-	}
-	if e.reported[param] {
-		return nil, errorf(ErrDuplicateGrad, "GradReady(%d %q) twice in one backward; call EndBackward between backwards, or sum the gradient before reporting it", param, p.Name)
-	}
-	if grad.count > 0 && grad.ptr == 0 {
-		return nil, errorf(ErrGradSize, "GradReady(%d %q): gradient has no memory", param, p.Name)
 	}
 	e.inBackward = true
 	e.lastStream = stream
-	b := e.plan.ParamBucket[param]
-	if b < 0 {
-		e.reported[param] = true
-		return nil, nil
+	// Group by bucket, in order of first appearance.
+	groups := map[int][]int{}
+	var order []int
+	for i, p := range params {
+		if b := e.plan.ParamBucket[p]; b >= 0 {
+			if _, ok := groups[b]; !ok {
+				order = append(order, b)
+			}
+			groups[b] = append(groups[b], i)
+		}
 	}
-	bp, bs := &e.plan.Buckets[b], &e.buckets[b]
-	off := bp.FlatOffset + e.plan.ParamOffset[param]
-	if e.cfg.Stage == 1 {
-		first := !e.localDirty[param]
-		if err := stream.Wait(bs.flushed); err != nil {
-			return nil, err
-		}
-		// The previous backward may have written this sum on another stream.
-		if w := e.localWriter[param]; w.stream != stream {
-			if err := stream.Wait(w.event); err != nil {
-				return nil, err
-			}
-		}
-		if err := e.dev.accumulate(stream, e.local, []Segment{{Src: grad, Offset: off}}, first, 1, Tensor{}); err != nil {
-			return nil, err
-		}
-		e.localDirty[param] = true
-		e.unflushed = true
-	} else {
-		if bs.stage == nil {
-			st, err := e.pool.get()
-			if err != nil {
-				return nil, err
-			}
-			bs.stage = st
-		}
-		// Every stream that writes into the buffer must wait until its
-		// last reduction has read it, not only the first one.
-		if _, seen := bs.producers[stream]; !seen {
-			if err := stream.Wait(bs.stage.free); err != nil {
-				return nil, err
-			}
-		}
-		if err := e.dev.flatten(stream, bs.stage.buf, []Segment{{Src: grad, Offset: e.plan.ParamOffset[param]}}, e.prescale); err != nil {
-			return nil, err
+	if len(order) == 0 {
+		return nil, nil // only empty parameters: nothing to read
+	}
+	for _, b := range order {
+		if err := e.gather(b, groups[b], params, grads, stream); err != nil {
+			return nil, e.fail(err)
 		}
 	}
 	ev, err := stream.Record()
 	if err != nil {
 		return nil, e.fail(err)
 	}
-	bs.producers[stream] = ev
-	bs.last = ev
-	if e.cfg.Stage == 1 {
-		e.localWriter[param] = streamEvent{stream, ev}
+	for _, b := range order {
+		bs := &e.buckets[b]
+		bs.producers[stream] = ev
+		bs.last = ev
+		bs.reported += len(groups[b])
+		if e.cfg.Stage == 1 {
+			for _, i := range groups[b] {
+				e.localWriter[params[i]] = streamEvent{stream, ev}
+			}
+		}
 	}
-	e.reported[param] = true
-	bs.reported++
 	if e.cfg.Stage > 1 || e.boundary {
 		if err := e.issueReady(stream, false); err != nil {
 			return nil, err
 		}
 	}
 	return ev, nil
+}
+
+// checkGrads refuses a batch with any bad gradient before anything else
+// changes, and marks the batch's parameters as reported when it takes it.
+func (e *Engine) checkGrads(params []int, grads []Tensor, stream Stream) (err error) {
+	marked := 0
+	defer func() {
+		if err != nil {
+			for _, p := range params[:marked] {
+				e.reported[p] = false
+			}
+		}
+	}()
+	if len(params) != len(grads) {
+		return errorf(ErrParam, "GradsReady: %d parameters and %d gradients; pass one gradient per parameter", len(params), len(grads))
+	}
+	if stream == nil {
+		return errorf(ErrStream, "GradReady: nil stream; pass the stream that wrote the gradient")
+	}
+	if err := e.dev.checkStream(stream); err != nil {
+		return err
+	}
+	for i, param := range params {
+		if param < 0 || param >= len(e.params) {
+			return errorf(ErrParam, "GradReady: parameter %d; registered parameters are 0..%d", param, len(e.params)-1)
+		}
+		p, grad := e.params[param], grads[i]
+		if grad.dtype != p.DType {
+			return errorf(ErrDType, "GradReady(%d %q): gradient is %v, parameter is %v; pass the gradient in the parameter's dtype", param, p.Name, grad.dtype, p.DType)
+		}
+		if grad.count != p.Count {
+			return errorf(ErrGradSize, "GradReady(%d %q): gradient has %d elements, parameter has %d; pass the whole gradient", param, p.Name, grad.count, p.Count)
+		}
+		if grad.count > 0 && grad.ptr == 0 {
+			return errorf(ErrGradSize, "GradReady(%d %q): gradient has no memory", param, p.Name)
+		}
+		if e.reported[param] {
+			return errorf(ErrDuplicateGrad, "GradReady(%d %q) twice in one backward; call EndBackward between backwards, or sum the gradient before reporting it", param, p.Name)
+		}
+		e.reported[param] = true // taken back above if a later gradient is refused
+		marked = i + 1
+	}
+	return nil
+}
+
+// gather enqueues on stream the reads of the gradients grads[idx] of
+// bucket b: ZeRO-1 adds them to its local fp32 sums, ZeRO-2/3 flatten them
+// into the bucket's staging buffer, one kernel call for all of them.
+func (e *Engine) gather(b int, idx []int, params []int, grads []Tensor, stream Stream) error {
+	bp, bs := &e.plan.Buckets[b], &e.buckets[b]
+	if e.cfg.Stage == 1 {
+		if err := stream.Wait(bs.flushed); err != nil {
+			return err
+		}
+		var first, add []Segment
+		for _, i := range idx {
+			p := params[i]
+			// The previous backward may have written this sum on another stream.
+			if w := e.localWriter[p]; w.stream != stream {
+				if err := stream.Wait(w.event); err != nil {
+					return err
+				}
+			}
+			sg := Segment{Src: grads[i], Offset: bp.FlatOffset + e.plan.ParamOffset[p]}
+			if e.localDirty[p] {
+				add = append(add, sg)
+			} else {
+				first = append(first, sg)
+			}
+			e.localDirty[p] = true
+		}
+		e.unflushed = true
+		if err := e.dev.accumulate(stream, e.local, first, true, 1, Tensor{}); err != nil {
+			return err
+		}
+		return e.dev.accumulate(stream, e.local, add, false, 1, Tensor{})
+	}
+	if bs.stage == nil {
+		st, err := e.pool.get()
+		if err != nil {
+			return err
+		}
+		bs.stage = st
+	}
+	// Every stream that writes into the buffer must wait until its last
+	// reduction has read it, not only the first one.
+	if _, seen := bs.producers[stream]; !seen {
+		if err := stream.Wait(bs.stage.free); err != nil {
+			return err
+		}
+	}
+	segs := make([]Segment, len(idx))
+	for k, i := range idx {
+		segs[k] = Segment{Src: grads[i], Offset: e.plan.ParamOffset[params[i]]}
+	}
+	return e.dev.flatten(stream, bs.stage.buf, segs, e.prescale)
 }
 
 // EndBackward closes a backward. Members that did not report count as zero.

@@ -76,6 +76,7 @@ type runSpec struct {
 	shuffle   bool
 	boundary  bool // SetBoundary(true) before the last backward of a step
 	boundAll  bool // SetBoundary(true) before every backward
+	batch     bool // hand gradients over in random batches (GradsReady)
 }
 
 func (r runSpec) String() string {
@@ -188,10 +189,20 @@ func rankLoop(e *Engine, r runSpec, nparams int, grad func(step, k, p int) Tenso
 			if r.boundAll || r.boundary && k == r.backwards-1 {
 				e.SetBoundary(true)
 			}
-			for i, p := range order {
-				if _, err := e.GradReady(p, grad(step, k, p), streams[i%len(streams)]); err != nil {
+			for i := 0; i < len(order); {
+				n := 1
+				if r.batch {
+					n = 1 + rng.Intn(len(order)-i)
+				}
+				batch := order[i : i+n]
+				gs := make([]Tensor, n)
+				for j, p := range batch {
+					gs[j] = grad(step, k, p)
+				}
+				if _, err := e.GradsReady(batch, gs, streams[i%len(streams)]); err != nil {
 					return err
 				}
+				i += n
 			}
 			if err := e.EndBackward(); err != nil {
 				return err
@@ -354,9 +365,11 @@ func TestBitExactInvariance(t *testing.T) {
 				{bucket: 2000, overlap: false, streams: 3, shuffle: true},
 				{bucket: 256, overlap: true, streams: 4, shuffle: true},
 				{bucket: 32 << 20, overlap: true, streams: 2, shuffle: true, boundary: true},
+				{bucket: 256, overlap: true, streams: 2, shuffle: true, batch: true},
+				{bucket: 2000, overlap: false, streams: 3, batch: true, boundary: true},
 			} {
 				r := base
-				r.bucket, r.overlap, r.streams, r.shuffle, r.boundary = v.bucket, v.overlap, v.streams, v.shuffle, v.boundary
+				r.bucket, r.overlap, r.streams, r.shuffle, r.boundary, r.batch = v.bucket, v.overlap, v.streams, v.shuffle, v.boundary, v.batch
 				got := runEngine(t, r, params, data, seed+1)
 				for step := range r.steps {
 					for p := range params {
