@@ -209,35 +209,45 @@ func anonHugeBytes() int64 {
 
 // BenchmarkGradReady: the engine's cost per gradient handed over, for 1000
 // small bf16 gradients per backward on one rank (ZeRO-2, Overlap), the
-// flatten kernels and reductions included.
+// flatten kernels and reductions included: one GradReady per gradient, and
+// GradsReady batches of 100.
 func BenchmarkGradReady(b *testing.B) {
-	comms, _ := NewLocalGroup(1)
-	params := make([]Param, 1000)
-	for i := range params {
-		params[i] = Param{Count: 64, DType: BF16}
-	}
-	e, err := New(Config{Stage: 2, BucketBytes: 1 << 20, Overlap: true}, comms[0], params)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer e.Close()
-	s := NewHostStream()
-	defer s.Close()
-	g := Halfs(make([]uint16, 64), BF16)
-	b.ReportAllocs()
-	b.ResetTimer()
-	for range b.N {
-		for p := len(params) - 1; p >= 0; p-- {
-			if _, err := e.GradReady(p, g, s); err != nil {
+	for _, batch := range []int{1, 100} {
+		b.Run(fmt.Sprintf("batch=%d", batch), func(b *testing.B) {
+			comms, _ := NewLocalGroup(1)
+			params := make([]Param, 1000)
+			for i := range params {
+				params[i] = Param{Count: 64, DType: BF16}
+			}
+			e, err := New(Config{Stage: 2, BucketBytes: 1 << 20, Overlap: true}, comms[0], params)
+			if err != nil {
 				b.Fatal(err)
 			}
-		}
-		if err := e.EndBackward(); err != nil {
-			b.Fatal(err)
-		}
-		if err := e.Step(); err != nil {
-			b.Fatal(err)
-		}
+			defer e.Close()
+			s := NewHostStream()
+			defer s.Close()
+			ids := make([]int, len(params))
+			grads := make([]Tensor, len(params))
+			for i := range ids {
+				ids[i] = len(params) - 1 - i
+				grads[i] = Halfs(make([]uint16, 64), BF16)
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			for range b.N {
+				for i := 0; i < len(ids); i += batch {
+					if _, err := e.GradsReady(ids[i:i+batch], grads[i:i+batch], s); err != nil {
+						b.Fatal(err)
+					}
+				}
+				if err := e.EndBackward(); err != nil {
+					b.Fatal(err)
+				}
+				if err := e.Step(); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(params)), "ns/grad")
+		})
 	}
-	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(params)), "ns/grad")
 }

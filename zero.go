@@ -5,6 +5,7 @@ package zero
 
 import (
 	"math"
+	"slices"
 	"time"
 )
 
@@ -314,22 +315,26 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 	}
 	e.inBackward = true
 	e.lastStream = stream
-	// Group by bucket, in order of first appearance.
-	groups := map[int][]int{}
-	var order []int
+	// Group by bucket, in order of first appearance (a batch spans few buckets).
+	var order []int    // buckets
+	var groups [][]int // indexes into params, per bucket of order
 	for i, p := range params {
-		if b := e.plan.ParamBucket[p]; b >= 0 {
-			if _, ok := groups[b]; !ok {
-				order = append(order, b)
-			}
-			groups[b] = append(groups[b], i)
+		b := e.plan.ParamBucket[p]
+		if b < 0 {
+			continue
 		}
+		k := slices.Index(order, b)
+		if k < 0 {
+			k = len(order)
+			order, groups = append(order, b), append(groups, nil)
+		}
+		groups[k] = append(groups[k], i)
 	}
 	if len(order) == 0 {
 		return nil, nil // only empty parameters: nothing to read
 	}
-	for _, b := range order {
-		if err := e.gather(b, groups[b], params, grads, stream); err != nil {
+	for k, b := range order {
+		if err := e.gather(b, groups[k], params, grads, stream); err != nil {
 			return nil, e.fail(err)
 		}
 	}
@@ -337,13 +342,13 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 	if err != nil {
 		return nil, e.fail(err)
 	}
-	for _, b := range order {
+	for k, b := range order {
 		bs := &e.buckets[b]
 		bs.producers[stream] = ev
 		bs.last = ev
-		bs.reported += len(groups[b])
+		bs.reported += len(groups[k])
 		if e.cfg.Stage == 1 {
-			for _, i := range groups[b] {
+			for _, i := range groups[k] {
 				e.localWriter[params[i]] = streamEvent{stream, ev}
 			}
 		}
