@@ -772,19 +772,7 @@ func runRankCUDA(d *cudaDevice, cfg Config, comm Comm, r runSpec, params []Param
 	if err := up.Sync(); err != nil {
 		return err
 	}
-	e, err := New(cfg, comm, params)
-	if err != nil {
-		return err
-	}
-	defer e.Close()
-	streams := make([]Stream, max(r.streams, 1))
-	for i := range streams {
-		if streams[i], err = d.NewStream(); err != nil {
-			return err
-		}
-		defer streams[i].Close()
-	}
-	return rankLoop(e, r, len(params), func(step, k, p int) Tensor { return dev[step][k][p] }, streams, seed, out)
+	return rankLoop(cfg, comm, d, r, params, func(step, k, p int) Tensor { return dev[step][k][p] }, seed, out)
 }
 
 // TestCUDADifferentialMatrix: stages 1–3 × W 2, 4 × every dtype × overlap on

@@ -157,6 +157,15 @@ func eachRank(n int, fn func(rank int) error) []error {
 
 func runRank(cfg Config, comm Comm, r runSpec, params []Param, data workload, seed int64, out *rankResult) error {
 	defer comm.Close()
+	grad := func(step, k, p int) Tensor { return data[step][k][comm.Rank()][p].t }
+	return rankLoop(cfg, comm, CPU(), r, params, grad, seed, out)
+}
+
+// rankLoop runs r's steps of the backward protocol on one rank with
+// r.streams producer streams of dev: grad gives the gradient of (step,
+// backward, param), handed over from the streams in turn, and out collects
+// what the rank reads back.
+func rankLoop(cfg Config, comm Comm, dev Device, r runSpec, params []Param, grad func(step, k, p int) Tensor, seed int64, out *rankResult) error {
 	e, err := New(cfg, comm, params)
 	if err != nil {
 		return err
@@ -164,17 +173,12 @@ func runRank(cfg Config, comm Comm, r runSpec, params []Param, data workload, se
 	defer e.Close()
 	streams := make([]Stream, max(r.streams, 1))
 	for i := range streams {
-		streams[i] = NewHostStream()
+		if streams[i], err = dev.NewStream(); err != nil {
+			return err
+		}
 		defer streams[i].Close()
 	}
-	grad := func(step, k, p int) Tensor { return data[step][k][comm.Rank()][p].t }
-	return rankLoop(e, r, len(params), grad, streams, seed, out)
-}
-
-// rankLoop runs r's steps of the backward protocol on one rank: grad gives
-// the gradient of (step, backward, param), handed over from the producer
-// streams in turn, and out collects what the rank reads back.
-func rankLoop(e *Engine, r runSpec, nparams int, grad func(step, k, p int) Tensor, streams []Stream, seed int64, out *rankResult) error {
+	nparams := len(params)
 	out.plan = e.Plan()
 	rng := rand.New(rand.NewSource(seed + int64(e.Rank())))
 	order := make([]int, nparams)
@@ -441,6 +445,18 @@ func TestCollectiveCounts(t *testing.T) {
 					}
 					if st.Backwards != r.backwards {
 						t.Errorf("stats say %d backwards, want %d", st.Backwards, r.backwards)
+					}
+					if st.ReduceTime <= 0 {
+						t.Errorf("stage %d: reduce time %v after %d reductions", stage, st.ReduceTime, want)
+					}
+					// gradient memory: the fp32 shard, ZeRO-1's fp32 local sums,
+					// and the two staging buffers (in order, the pool never grows)
+					mem := int64(4*rr.plan.ShardElems + 2*rr.plan.MaxBucket()*BF16.Size())
+					if stage == 1 {
+						mem += int64(4 * rr.plan.FullElems)
+					}
+					if st.StagingBuffers != 2 || st.ResidentGradBytes != mem || st.PeakGradBytes != mem {
+						t.Errorf("stage %d: %d staging buffers, resident %d, peak %d bytes; want 2 and %d", stage, st.StagingBuffers, st.ResidentGradBytes, st.PeakGradBytes, mem)
 					}
 				}
 			}
