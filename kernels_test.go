@@ -27,7 +27,15 @@ import (
 
 func testRNG(t testing.TB) *rand.Rand {
 	t.Helper()
-	seed := uint64(time.Now().UnixNano())
+	seed := seedFromEnv(t)
+	return rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+}
+
+// seedFromEnv returns ZERO_TEST_SEED, or a fresh seed, and logs how to
+// replay it.
+func seedFromEnv(t testing.TB) uint64 {
+	t.Helper()
+	seed := uint64(time.Now().UnixNano()) &^ (1 << 63) // fits an int64 too
 	if s := os.Getenv("ZERO_TEST_SEED"); s != "" {
 		v, err := strconv.ParseUint(s, 10, 64)
 		if err != nil {
@@ -36,7 +44,7 @@ func testRNG(t testing.TB) *rand.Rand {
 		seed = v
 	}
 	t.Logf("seed %d (rerun with ZERO_TEST_SEED=%d)", seed, seed)
-	return rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	return seed
 }
 
 // ---- reference conversions -------------------------------------------------
@@ -1375,7 +1383,7 @@ func testReduceNonFinite(t *testing.T) {
 // scale copy bits, a signalling NaN included (elementwise.h, zero_copy_elem);
 // with a scale, a NaN comes out quiet.
 func TestSameDTypeIsBitCopy(t *testing.T) {
-	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 3))
+	rng := testRNG(t)
 	const n = 3000
 	for _, d := range []DType{FP32, BF16, FP16} {
 		src := make([]byte, n*d.Size())

@@ -2,6 +2,7 @@ package zero
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -50,6 +51,10 @@ type HostStream struct {
 	err    error // sticky: the first error a work item returned
 	closed bool
 	exited chan struct{}
+
+	// For tests that must know the stream cannot move on by itself.
+	idle      bool                      // the worker waits for work
+	blockedOn atomic.Pointer[hostEvent] // the event a Wait is blocked on
 }
 
 type hostOp struct {
@@ -70,8 +75,10 @@ func (s *HostStream) run() {
 	for {
 		s.mu.Lock()
 		for len(s.queue) == 0 && !s.closed {
+			s.idle = true
 			s.wake.Wait()
 		}
+		s.idle = false
 		if len(s.queue) == 0 {
 			s.mu.Unlock()
 			return
@@ -152,9 +159,24 @@ func (s *HostStream) Wait(e Event) error {
 	// A failed producer fails the waiter too, so errors travel along
 	// dependencies instead of being read as good data.
 	return s.enqueue(hostOp{control: true, fn: func() error {
-		<-he.fired
+		if !he.Done() {
+			s.blockedOn.Store(he)
+			<-he.fired
+			s.blockedOn.Store(nil)
+		}
 		return he.err
 	}})
+}
+
+// settled reports whether the stream cannot move on by itself: it has no
+// work left, or it is blocked on an event that has not fired.
+func (s *HostStream) settled() bool {
+	if he := s.blockedOn.Load(); he != nil && !he.Done() {
+		return true
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.queue) == 0 && s.idle
 }
 
 func (s *HostStream) Sync() error {

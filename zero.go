@@ -154,7 +154,7 @@ type bucketState struct {
 	producers map[Stream]Event // the last event of every stream that wrote into the bucket
 	last      Event
 	copyFirst bool  // the next accumulate into the shard copies instead of adding
-	flushed   Event // ZeRO-1: the last flush finished reading the local sums
+	reduced   Event // the bucket's last reduction has finished (and read ZeRO-1's sums)
 }
 
 // waitOnlyLastProducer narrows the producer wait to the latest stream, the
@@ -410,7 +410,7 @@ func (e *Engine) checkGrads(params []int, grads []Tensor, stream Stream) (err er
 func (e *Engine) gather(b int, idx []int, params []int, grads []Tensor, stream Stream) error {
 	bp, bs := &e.plan.Buckets[b], &e.buckets[b]
 	if e.cfg.Stage == 1 {
-		if err := stream.Wait(bs.flushed); err != nil {
+		if err := stream.Wait(bs.reduced); err != nil {
 			return err
 		}
 		var first, add []Segment
@@ -526,6 +526,11 @@ func (e *Engine) reduceBucket(b int, rs Stream) error {
 	if err := rs.Wait(st.free); err != nil {
 		return err
 	}
+	// Reductions of one bucket update the same part of the shard (copy,
+	// then add): each must follow the last, whatever stream it ran on.
+	if err := rs.Wait(bs.reduced); err != nil {
+		return err
+	}
 	if waitOnlyLastProducer {
 		if err := rs.Wait(bs.last); err != nil {
 			return err
@@ -561,9 +566,7 @@ func (e *Engine) reduceBucket(b int, rs Stream) error {
 		return err
 	}
 	bs.copyFirst = false
-	if e.cfg.Stage == 1 {
-		bs.flushed = done
-	}
+	bs.reduced = done
 	clear(bs.producers)
 	bs.last = nil
 	e.pool.put(st, done)
@@ -708,6 +711,7 @@ func (e *Engine) Step() error {
 	e.backwards = 0
 	for i := range e.buckets {
 		e.buckets[i].copyFirst = true
+		e.buckets[i].reduced = nil // synced above
 	}
 	return nil
 }

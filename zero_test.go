@@ -9,11 +9,11 @@ import (
 	"time"
 )
 
-// testSeed gives fresh data every run; the seed is logged so a failure can be replayed.
+// testSeed gives fresh data every run; the seed is logged, and
+// ZERO_TEST_SEED=n replays a run (as testRNG does for the kernel tests).
 func testSeed(t testing.TB) int64 {
-	s := time.Now().UnixNano()
-	t.Logf("seed %d", s)
-	return s
+	t.Helper()
+	return int64(seedFromEnv(t))
 }
 
 // grad is one rank's gradient of one parameter in one backward, in the
@@ -813,6 +813,88 @@ func TestRandomProtocol(t *testing.T) {
 						}
 					}
 				}
+			}
+		}
+	}
+}
+
+// settle waits until none of the streams can move on by itself: each is
+// idle or blocked on an event that has not fired. A test that holds one
+// stream with a gate calls it before opening the gate, so whatever the
+// others would run without waiting for the gated work has run by then.
+func settle(t testing.TB, streams ...Stream) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for _, s := range streams {
+		hs := s.(*HostStream)
+		for !hs.settled() {
+			if time.Now().After(deadline) {
+				t.Fatal("a stream did not settle within 20 s")
+			}
+			time.Sleep(50 * time.Microsecond)
+		}
+	}
+}
+
+// gateStream returns a host stream held by a task that runs when open is called.
+func gateStream() (s *HostStream, open func()) {
+	s = NewHostStream()
+	gate := make(chan struct{})
+	s.Launch(func() error { <-gate; return nil })
+	var once sync.Once
+	return s, func() { once.Do(func() { close(gate) }) }
+}
+
+// TestReductionsOfABucketInOrder: two backwards report one bucket from two
+// streams, the first while its stream is still held by earlier work. The
+// second reduction (add) must not run before the first (copy), whatever
+// stream each ran on: the shard is the mean of 1 and 3, not the first
+// backward's 1/2 left by a copy that ran last.
+func TestReductionsOfABucketInOrder(t *testing.T) {
+	for _, stage := range []int{1, 2, 3} {
+		for _, overlap := range []bool{false, true} {
+			for _, boundary := range []bool{false, true} {
+				comms, _ := NewLocalGroup(1)
+				params := []Param{{Name: "w", Count: 256, DType: FP32}}
+				e, err := New(Config{Stage: stage, BucketBytes: 1 << 20, Overlap: overlap, GradAccumSteps: 2}, comms[0], params)
+				if err != nil {
+					t.Fatal(err)
+				}
+				a, open := gateStream()
+				b := NewHostStream()
+				ones, threes := make([]float32, 256), make([]float32, 256)
+				for i := range ones {
+					ones[i], threes[i] = 1, 3
+				}
+				for _, step := range []struct {
+					g []float32
+					s Stream
+				}{{ones, a}, {threes, b}} {
+					e.SetBoundary(boundary)
+					if _, err := e.GradReady(0, Float32s(step.g), step.s); err != nil {
+						t.Fatal(err)
+					}
+					if err := e.EndBackward(); err != nil {
+						t.Fatal(err)
+					}
+				}
+				settle(t, b, e.stream)
+				open()
+				if err := e.Step(); err != nil {
+					t.Fatal(err)
+				}
+				full, err := e.FullGrads()
+				if err != nil {
+					t.Fatal(err)
+				}
+				for i, v := range full[0] {
+					if v != 2 {
+						t.Fatalf("stage %d overlap=%v boundary=%v: element %d = %g, want 2 (the mean of 1 and 3)", stage, overlap, boundary, i, v)
+					}
+				}
+				e.Close()
+				a.Close()
+				b.Close()
 			}
 		}
 	}
