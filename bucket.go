@@ -18,6 +18,43 @@ type Plan struct {
 	ParamOffset []int
 	ShardElems  int // elements of one rank's shard over all buckets
 	FullElems   int // elements of all buckets, padding included
+	counts      []int
+}
+
+// ShardRange is the part of one parameter that one rank's shard holds:
+// elements [ParamOffset, ParamOffset+Count) of the parameter sit at
+// [ShardOffset, ShardOffset+Count) of the shard. A parameter is contiguous
+// in its bucket and a rank owns one contiguous slice of every bucket, so
+// the part is a single range; Count is 0 where the rank holds none of it.
+type ShardRange struct {
+	ParamOffset int
+	ShardOffset int
+	Count       int
+}
+
+// ShardRange returns where rank's shard holds parameter param.
+func (p *Plan) ShardRange(param, rank int) (ShardRange, error) {
+	if param < 0 || param >= len(p.counts) {
+		return ShardRange{}, errorf(ErrParam, "ShardRange: parameter %d; registered parameters are 0..%d", param, len(p.counts)-1)
+	}
+	if rank < 0 || rank >= p.World {
+		return ShardRange{}, errorf(ErrConfig, "ShardRange: rank %d; ranks are 0..%d", rank, p.World-1)
+	}
+	return p.shardRange(param, rank), nil
+}
+
+func (p *Plan) shardRange(param, rank int) ShardRange {
+	b := p.ParamBucket[param]
+	if b < 0 {
+		return ShardRange{}
+	}
+	bp := &p.Buckets[b]
+	first, owned := p.ParamOffset[param], rank*bp.Shard
+	lo, hi := max(first, owned), min(first+p.counts[param], owned+bp.Shard)
+	if hi <= lo {
+		return ShardRange{}
+	}
+	return ShardRange{ParamOffset: lo - first, ShardOffset: bp.ShardOffset + lo - owned, Count: hi - lo}
 }
 
 // BucketPlan is one bucket: members in backward order (the reverse of
@@ -35,7 +72,10 @@ type BucketPlan struct {
 // the parameters in reverse registration order. A parameter larger than a
 // bucket gets a bucket of its own.
 func newPlan(params []Param, bucketBytes, world, align int) *Plan {
-	p := &Plan{World: world, Align: align, ParamBucket: make([]int, len(params)), ParamOffset: make([]int, len(params))}
+	p := &Plan{World: world, Align: align, ParamBucket: make([]int, len(params)), ParamOffset: make([]int, len(params)), counts: make([]int, len(params))}
+	for i, q := range params {
+		p.counts[i] = q.Count
+	}
 	var cur BucketPlan
 	curBytes := 0
 	closeBucket := func() {
@@ -94,6 +134,8 @@ func (p *Plan) hash(cfg *Config, params []Param) uint64 {
 	put(int64(p.World))
 	put(int64(p.Align))
 	put(int64(cfg.Stage))
+	put(int64(cfg.BucketBytes))
+	put(int64(cfg.Reduction))
 	put(int64(cfg.CommDType))
 	put(int64(cfg.GradAccumSteps))
 	put(int64(math.Float64bits(cfg.PredivideFactor)))
@@ -159,15 +201,29 @@ func (sp *stagingPool) put(s *staging, free Event) {
 	sp.idle = append(sp.idle, s)
 }
 
-func (sp *stagingPool) release() {
-	for _, s := range sp.idle {
+// release frees every idle buffer.
+func (sp *stagingPool) release() error { return sp.trim(0) }
+
+// trim frees idle buffers, the longest idle first, until the pool holds
+// keep buffers or none is idle. A buffer is freed only after the last
+// reduction that read it has finished.
+func (sp *stagingPool) trim(keep int) error {
+	var first error
+	for sp.size > keep && len(sp.idle) > 0 {
+		s := sp.idle[0]
+		sp.idle = sp.idle[1:]
 		if s.free != nil {
-			_ = s.free.Sync()
+			if err := s.free.Sync(); err != nil && first == nil {
+				first = err
+			}
 		}
 		sp.mem.add(-int64(s.buf.Bytes()))
-		_ = sp.dev.Free(s.buf)
+		if err := sp.dev.Free(s.buf); err != nil && first == nil {
+			first = err
+		}
+		sp.size--
 	}
-	sp.idle, sp.size = nil, 0
+	return first
 }
 
 // memoryMeter tracks the bytes of gradient memory held and their peak.

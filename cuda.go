@@ -509,6 +509,47 @@ func (d *cudaDevice) cast(s Stream, dst, src Tensor, scale float32) error {
 	return d.err("cast", code)
 }
 
+// copyScaled copies fp32 between a Go slice and device memory, times
+// scale. Kernels cannot touch a Go slice, so a scale other than 1 runs on
+// the device through a temporary buffer, freed once the stream has synced.
+func (d *cudaDevice) copyScaled(s Stream, dst, src Tensor, scale float32) error {
+	if dst.dtype != FP32 || src.dtype != FP32 {
+		return errorf(ErrDType, "copyScaled of %v into %v; it copies fp32", src.dtype, dst.dtype)
+	}
+	if dst.count != src.count {
+		return errorf(ErrGradSize, "copyScaled of %d elements into %d", src.count, dst.count)
+	}
+	hostDst, hostSrc := dst.keep != nil, src.keep != nil
+	switch {
+	case scale == 1:
+		return d.copy(s, dst, src)
+	case !hostDst && !hostSrc:
+		return d.cast(s, dst, src, scale)
+	}
+	tmp, err := d.Alloc(src.count, FP32)
+	if err != nil {
+		return err
+	}
+	if hostDst {
+		err = d.cast(s, tmp, src, scale)
+		if err == nil {
+			err = d.copy(s, dst, tmp)
+		}
+	} else {
+		err = d.copy(s, tmp, src)
+		if err == nil {
+			err = d.cast(s, dst, tmp, scale)
+		}
+	}
+	if serr := s.Sync(); err == nil {
+		err = serr
+	}
+	if ferr := d.Free(tmp); err == nil {
+		err = ferr
+	}
+	return err
+}
+
 // sumSquares writes the sum of squares of x to *out. *out is Go memory, so
 // the final copy completes before the call returns (it waits for the
 // stream's earlier work).

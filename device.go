@@ -31,6 +31,9 @@ type Device interface {
 	flatten(s Stream, dst Tensor, segs []Segment, scale float32) error
 	accumulate(s Stream, acc Tensor, segs []Segment, first bool, scale float32, flag Tensor) error
 	cast(s Stream, dst, src Tensor, scale float32) error
+	// copyScaled copies fp32 elements between host memory (a Go slice)
+	// and the device's, times scale; the copy is done when s syncs.
+	copyScaled(s Stream, dst, src Tensor, scale float32) error
 	sumSquares(s Stream, x Tensor, out *float64) error
 }
 
@@ -194,6 +197,13 @@ func (h *hostDevice) cast(s Stream, dst, src Tensor, scale float32) error {
 		keepAlive(dst, src)
 		return nil
 	})
+}
+
+func (h *hostDevice) copyScaled(s Stream, dst, src Tensor, scale float32) error {
+	if dst.dtype != FP32 || src.dtype != FP32 {
+		return errorf(ErrDType, "copyScaled of %v into %v; it copies fp32", src.dtype, dst.dtype)
+	}
+	return h.cast(s, dst, src, scale)
 }
 
 func (h *hostDevice) sumSquares(s Stream, x Tensor, out *float64) error {

@@ -116,6 +116,13 @@ type counters struct {
 }
 
 func (c *counters) add(kind CollectiveKind, payloadBytes, world int) {
+	c.mu.Lock()
+	c.c.add(kind, payloadBytes, world)
+	c.mu.Unlock()
+}
+
+// add counts one collective of payloadBytes among world ranks.
+func (c *CommCounters) add(kind CollectiveKind, payloadBytes, world int) {
 	wire := int64(0)
 	if world > 1 {
 		wire = int64(payloadBytes) * int64(world-1) / int64(world)
@@ -123,11 +130,9 @@ func (c *counters) add(kind CollectiveKind, payloadBytes, world int) {
 			wire *= 2
 		}
 	}
-	c.mu.Lock()
-	c.c[kind].Calls++
-	c.c[kind].PayloadBytes += int64(payloadBytes)
-	c.c[kind].WireBytes += wire
-	c.mu.Unlock()
+	c[kind].Calls++
+	c[kind].PayloadBytes += int64(payloadBytes)
+	c[kind].WireBytes += wire
 }
 
 func (c *counters) snapshot() CommCounters {

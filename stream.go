@@ -132,6 +132,9 @@ type hostEvent struct {
 	fired chan struct{}
 	err   error
 	at    time.Time
+	// blockedSyncs counts the Syncs that had to wait, for tests that must
+	// know a caller is waiting on the event.
+	blockedSyncs atomic.Int32
 }
 
 func (s *HostStream) Record() (Event, error) {
@@ -206,7 +209,10 @@ func (s *HostStream) Close() error {
 }
 
 func (e *hostEvent) Sync() error {
-	<-e.fired
+	if !e.Done() {
+		e.blockedSyncs.Add(1)
+		<-e.fired
+	}
 	return e.err
 }
 

@@ -4,6 +4,7 @@
 package zero
 
 import (
+	"fmt"
 	"math"
 	"slices"
 	"time"
@@ -21,15 +22,42 @@ type Config struct {
 	Overlap bool
 	// CommDType is the dtype on the wire: the model dtype (default) or FP32.
 	CommDType DType
+	// Reduction is what Step leaves in the shard: the mean over ranks and
+	// backwards (default) or their sum.
+	Reduction Reduction
 	// PredivideFactor f scales by 1/f before the sum across ranks and by
-	// f/(W·G) after it (default 1).
+	// f/W after it (default 1): a guard against overflow on the wire.
 	PredivideFactor float64
-	// GradAccumSteps G divides the accumulated sum (default 1).
+	// GradAccumSteps fixes the number of backwards G between Steps; a Step
+	// after any other number is an error. 0 (default) takes G from the
+	// backwards actually taken.
 	GradAccumSteps int
 	// StagingBuffers is the initial size of the bucket buffer pool (default 2).
 	StagingBuffers int
 	// Align is the shard granularity in elements (default 64).
 	Align int
+}
+
+// Reduction says how Step combines the gradients of a window.
+type Reduction int
+
+const (
+	// Mean leaves (1/(W·G)) Σ_ranks Σ_backwards grad: the mean over the W
+	// ranks and the G backwards of the window.
+	Mean Reduction = iota
+	// Sum leaves Σ_ranks Σ_backwards grad, for callers that scale the loss
+	// themselves.
+	Sum
+)
+
+func (r Reduction) String() string {
+	switch r {
+	case Mean:
+		return "mean"
+	case Sum:
+		return "sum"
+	}
+	return fmt.Sprintf("Reduction(%d)", int(r))
 }
 
 // DefaultConfig is ZeRO-2 with overlap and 32 MiB buckets.
@@ -44,12 +72,17 @@ type Param struct {
 	DType DType
 }
 
-func (c *Config) resolve(params []Param) error {
+// resolve checks the config and fills in its defaults; model is the
+// gradients' dtype.
+func (c *Config) resolve(model DType) error {
 	if c.Stage < 1 || c.Stage > 3 {
 		return errorf(ErrConfig, "Stage %d; set Stage to 1, 2 or 3", c.Stage)
 	}
 	if c.BucketBytes <= 0 {
 		return errorf(ErrConfig, "BucketBytes %d; set a positive bucket size, e.g. 32<<20", c.BucketBytes)
+	}
+	if c.Reduction != Mean && c.Reduction != Sum {
+		return errorf(ErrConfig, "Reduction %v; use Mean or Sum", c.Reduction)
 	}
 	if c.PredivideFactor == 0 {
 		c.PredivideFactor = 1
@@ -57,11 +90,8 @@ func (c *Config) resolve(params []Param) error {
 	if !(c.PredivideFactor > 0) || math.IsInf(c.PredivideFactor, 0) {
 		return errorf(ErrConfig, "PredivideFactor %v; set a finite factor > 0 (1 = no pre-division)", c.PredivideFactor)
 	}
-	if c.GradAccumSteps == 0 {
-		c.GradAccumSteps = 1
-	}
 	if c.GradAccumSteps < 0 {
-		return errorf(ErrConfig, "GradAccumSteps %d; set it to 1 or more", c.GradAccumSteps)
+		return errorf(ErrConfig, "GradAccumSteps %d; set it to 1 or more, or 0 to count the backwards taken", c.GradAccumSteps)
 	}
 	if c.StagingBuffers == 0 {
 		c.StagingBuffers = 2
@@ -75,21 +105,6 @@ func (c *Config) resolve(params []Param) error {
 	if c.Align < 0 {
 		return errorf(ErrConfig, "Align %d; set a positive element count", c.Align)
 	}
-	if len(params) == 0 {
-		return errorf(ErrParam, "no parameters; register at least one")
-	}
-	model := params[0].DType
-	for i, p := range params {
-		if p.Count < 0 {
-			return errorf(ErrParam, "parameter %d (%q) has count %d; counts must be ≥ 0", i, p.Name, p.Count)
-		}
-		if !p.DType.valid() {
-			return errorf(ErrDType, "parameter %d (%q) has dtype %v; use FP32, BF16 or FP16", i, p.Name, p.DType)
-		}
-		if p.DType != model {
-			return errorf(ErrDType, "parameter %d (%q) is %v but parameter 0 is %v; register one dtype per engine", i, p.Name, p.DType, model)
-		}
-	}
 	if c.CommDType == 0 {
 		c.CommDType = model
 	}
@@ -97,6 +112,26 @@ func (c *Config) resolve(params []Param) error {
 		return errorf(ErrConfig, "CommDType %v with %v gradients; use the model dtype or FP32", c.CommDType, model)
 	}
 	return nil
+}
+
+// checkParams checks the parameter list and returns the model dtype.
+func checkParams(params []Param) (DType, error) {
+	if len(params) == 0 {
+		return 0, errorf(ErrParam, "no parameters; register at least one")
+	}
+	model := params[0].DType
+	for i, p := range params {
+		if p.Count < 0 {
+			return 0, errorf(ErrParam, "parameter %d (%q) has count %d; counts must be ≥ 0", i, p.Name, p.Count)
+		}
+		if !p.DType.valid() {
+			return 0, errorf(ErrDType, "parameter %d (%q) has dtype %v; use FP32, BF16 or FP16", i, p.Name, p.DType)
+		}
+		if p.DType != model {
+			return 0, errorf(ErrDType, "parameter %d (%q) is %v but parameter 0 is %v; register one dtype per engine", i, p.Name, p.DType, model)
+		}
+	}
+	return model, nil
 }
 
 // Engine is one rank's ZeRO engine. Its methods are called from the rank's
@@ -114,6 +149,7 @@ type Engine struct {
 	shard   Tensor // fp32 reduced gradient shard: the concatenation of bucket shards
 	local   Tensor // fp32 full-size local accumulator (ZeRO-1)
 	flag    Tensor // fp32 overflow flag raised by accumulate
+	window  Tensor // fp32 pair for Step's check that ranks agree on the window
 	pool    *stagingPool
 	buckets []bucketState
 	mem     memoryMeter
@@ -135,8 +171,9 @@ type Engine struct {
 	backwards   int // backwards since the last Step
 	unflushed   bool
 	stepIndex   int
-	commBase    CommCounters
+	sent        CommCounters // the engine's own collectives in this window
 	reduceTimes [][2]Event
+	readScale   float32 // the mean's 1/G, applied by whatever reads the shard
 	stats       Stats
 	failed      error
 	closed      bool
@@ -171,7 +208,11 @@ func New(cfg Config, comm Comm, params []Param) (*Engine, error) {
 	if comm.Size() < 1 {
 		return nil, errorf(ErrConfig, "world size %d; a group needs at least one rank", comm.Size())
 	}
-	if err := cfg.resolve(params); err != nil {
+	model, err := checkParams(params)
+	if err != nil {
+		return nil, err
+	}
+	if err := cfg.resolve(model); err != nil {
 		return nil, err
 	}
 	e := &Engine{
@@ -192,10 +233,13 @@ func (e *Engine) init() error {
 	// The 1/W of the mean goes into the reduction (ncclAvg) where dividing by
 	// W is exact, a power of two: the same bits as a sum scaled afterwards,
 	// and no overflow of a half-precision sum on the wire. Elsewhere it goes
-	// into the accumulate's post-scale.
-	e.reduceOp, e.postscale = OpSum, float32(e.cfg.PredivideFactor/float64(e.world*e.cfg.GradAccumSteps))
-	if e.world&(e.world-1) == 0 {
-		e.reduceOp, e.postscale = OpAvg, float32(e.cfg.PredivideFactor/float64(e.cfg.GradAccumSteps))
+	// into the accumulate's post-scale. The 1/G is known only at Step.
+	e.reduceOp, e.postscale = OpSum, float32(e.cfg.PredivideFactor)
+	if e.cfg.Reduction == Mean {
+		e.postscale = float32(e.cfg.PredivideFactor / float64(e.world))
+		if e.world&(e.world-1) == 0 {
+			e.reduceOp, e.postscale = OpAvg, float32(e.cfg.PredivideFactor)
+		}
 	}
 	var err error
 	if e.stream, err = e.dev.NewStream(); err != nil {
@@ -215,6 +259,9 @@ func (e *Engine) init() error {
 	if e.flag, err = e.dev.Alloc(1, FP32); err != nil {
 		return err
 	}
+	if e.window, err = e.dev.Alloc(2, FP32); err != nil {
+		return err
+	}
 	e.pool = &stagingPool{dev: e.dev, elems: e.plan.MaxBucket(), dtype: e.cfg.CommDType, mem: &e.mem}
 	if err := e.pool.grow(e.cfg.StagingBuffers); err != nil {
 		return err
@@ -226,7 +273,6 @@ func (e *Engine) init() error {
 	e.reported = make([]bool, len(e.params))
 	e.localDirty = make([]bool, len(e.params))
 	e.localWriter = make([]streamEvent, len(e.params))
-	e.commBase = e.comm.Counters()
 	return nil
 }
 
@@ -558,6 +604,7 @@ func (e *Engine) reduceBucket(b int, rs Stream) error {
 	if err := e.comm.ReduceScatter(rs, buf, mine, e.reduceOp); err != nil {
 		return err
 	}
+	e.sent.add(KindReduceScatter, buf.Bytes(), e.world)
 	if err := e.dev.accumulate(rs, e.shard, []Segment{{Src: mine, Offset: bp.ShardOffset}}, bs.copyFirst, e.postscale, e.flag); err != nil {
 		return err
 	}
@@ -648,9 +695,12 @@ func (e *Engine) syncReductions() error {
 	return nil
 }
 
-// Step ends the accumulation window: it runs the reductions still pending
-// (ZeRO-1 without a boundary), waits for all of them, and records the
-// step's stats. The reduced shard stays readable until the next backward.
+// Step ends the accumulation window. Its first collective checks that
+// every rank took the same number of backwards G (and G = GradAccumSteps
+// where that is set); then it runs the reductions still pending (ZeRO-1
+// without a boundary), waits for all of them, and records the step's stats.
+// The reduced shard is readable until the next backward. A Step refused
+// for the window keeps the window: no gradient is lost.
 func (e *Engine) Step() error {
 	if err := e.usable("Step"); err != nil {
 		return err
@@ -658,7 +708,11 @@ func (e *Engine) Step() error {
 	if e.inBackward {
 		return errorf(ErrProtocol, "Step inside a backward; call EndBackward first")
 	}
-	if e.cfg.Stage == 1 && e.unflushed {
+	g, err := e.agreeOnWindow()
+	if err != nil {
+		return err
+	}
+	if e.unflushed {
 		if err := e.issueReady(e.stream, true); err != nil {
 			return err
 		}
@@ -668,18 +722,12 @@ func (e *Engine) Step() error {
 	if err := e.syncReductions(); err != nil {
 		return err
 	}
-	if e.backwards == 0 {
-		// No backward in this window: the gradient is zero, not the last one.
-		if err := e.dev.zero(e.stream, e.shard); err != nil {
-			return err
-		}
-	}
 	overflow := []float32{0}
 	if err := e.dev.copy(e.stream, Float32s(overflow), e.flag); err != nil {
-		return err
+		return e.fail(err)
 	}
 	if err := e.dev.zero(e.stream, e.flag); err != nil {
-		return err
+		return e.fail(err)
 	}
 	if err := e.stream.Sync(); err != nil {
 		return e.fail(err)
@@ -692,11 +740,10 @@ func (e *Engine) Step() error {
 		}
 		reduce += d
 	}
-	now := e.comm.Counters()
 	e.stats = Stats{
 		Step:              e.stepIndex,
-		Backwards:         e.backwards,
-		Collectives:       now.Sub(e.commBase),
+		Backwards:         g,
+		Collectives:       e.sent,
 		ReduceTime:        reduce,
 		StagingBuffers:    e.pool.size,
 		PeakGradBytes:     e.mem.peak,
@@ -704,11 +751,15 @@ func (e *Engine) Step() error {
 		Overflow:          overflow[0] != 0,
 		DeviceMemory:      e.dev.memoryStats(),
 	}
-	e.commBase = now
+	e.sent = CommCounters{}
 	e.reduceTimes = e.reduceTimes[:0]
 	e.mem.peak = e.mem.cur
 	e.stepIndex++
 	e.backwards = 0
+	e.readScale = 1
+	if e.cfg.Reduction == Mean {
+		e.readScale = float32(1 / float64(g))
+	}
 	for i := range e.buckets {
 		e.buckets[i].copyFirst = true
 		e.buckets[i].reduced = nil // synced above
@@ -716,11 +767,46 @@ func (e *Engine) Step() error {
 	return nil
 }
 
+// agreeOnWindow max-all-reduces (G, −G) so every rank learns the largest
+// and smallest number of backwards taken since the last Step, and every
+// rank refuses the same windows: none taken, ranks that differ, or a G
+// other than GradAccumSteps.
+func (e *Engine) agreeOnWindow() (int, error) {
+	n := float32(e.backwards)
+	pair := []float32{n, -n}
+	if err := e.dev.copy(e.stream, e.window, Float32s(pair)); err != nil {
+		return 0, e.fail(err)
+	}
+	if err := e.comm.AllReduce(e.stream, e.window, OpMax); err != nil {
+		return 0, e.fail(err)
+	}
+	e.sent.add(KindAllReduce, e.window.Bytes(), e.world)
+	if err := e.dev.copy(e.stream, Float32s(pair), e.window); err != nil {
+		return 0, e.fail(err)
+	}
+	if err := e.stream.Sync(); err != nil {
+		return 0, e.fail(err)
+	}
+	most, least := int(pair[0]), int(-pair[1])
+	switch {
+	case most != least:
+		return 0, errorf(ErrMismatch, "Step: ranks took between %d and %d backwards since the last Step (this rank %d); every rank must take the same number", least, most, e.backwards)
+	case most == 0:
+		return 0, errorf(ErrProtocol, "Step with no backward since the last Step; report gradients and call EndBackward first")
+	case e.cfg.GradAccumSteps > 0 && most != e.cfg.GradAccumSteps:
+		return 0, errorf(ErrProtocol, "Step after %d backwards with GradAccumSteps %d; take %d backwards per step, or leave GradAccumSteps at 0 to divide by the backwards taken", most, e.cfg.GradAccumSteps, e.cfg.GradAccumSteps)
+	}
+	return most, nil
+}
+
 // Stats describes one step.
 type Stats struct {
-	Step      int
+	Step int
+	// Backwards is the number of backwards G in the window.
 	Backwards int
-	// Collectives is what this rank moved during the step, by kind.
+	// Collectives is what the engine moved for the step on this rank, by
+	// kind: the reductions and Step's window check. A caller's own
+	// collectives on the same Comm are not counted.
 	Collectives CommCounters
 	// ReduceTime is the time the reductions ran (reduce-scatter and
 	// accumulate), summed over buckets.
@@ -729,7 +815,8 @@ type Stats struct {
 	// Config.StagingBuffers only when buckets complete out of order.
 	StagingBuffers int
 	// PeakGradBytes and ResidentGradBytes count gradient memory: the fp32
-	// shard, ZeRO-1's local accumulator and the staging buffers.
+	// shard, ZeRO-1's local accumulator and the staging buffers. The peak
+	// is over the window; it starts again from the resident bytes at Step.
 	PeakGradBytes     int64
 	ResidentGradBytes int64
 	// Overflow is set when a reduced gradient on this rank was inf or NaN.
@@ -742,33 +829,52 @@ type Stats struct {
 // Stats returns the stats of the last Step.
 func (e *Engine) Stats() Stats { return e.stats }
 
+// readable refuses reads of the reduced gradient outside the span from a
+// Step to the next backward, where the shard holds partial sums.
+func (e *Engine) readable(op string) error {
+	if err := e.usable(op); err != nil {
+		return err
+	}
+	if e.inBackward || e.backwards > 0 {
+		return errorf(ErrProtocol, "%s while a backward of the next window is under way; the shard holds partial sums until Step", op)
+	}
+	if e.stepIndex == 0 {
+		return errorf(ErrProtocol, "%s before the first Step; there is no reduced gradient yet", op)
+	}
+	return e.syncReductions()
+}
+
 // GradShard returns a copy of this rank's reduced fp32 gradient shard: for
 // every bucket in plan order, its Shard elements starting at ShardOffset.
+// The mean's 1/G is applied by the copy.
 func (e *Engine) GradShard() ([]float32, error) {
-	if err := e.usable("GradShard"); err != nil {
-		return nil, err
-	}
-	if err := e.syncReductions(); err != nil {
+	if err := e.readable("GradShard"); err != nil {
 		return nil, err
 	}
 	out := make([]float32, e.plan.ShardElems)
-	if err := e.dev.copy(e.stream, Float32s(out), e.shard); err != nil {
+	if err := e.copyScaled(Float32s(out), e.shard, e.readScale); err != nil {
 		return nil, err
-	}
-	if err := e.stream.Sync(); err != nil {
-		return nil, e.fail(err)
 	}
 	return out, nil
 }
 
-// FullGrads all-gathers the shards and returns the full averaged gradient
-// of every parameter, in registration order. It is a collective: every rank
-// calls it.
-func (e *Engine) FullGrads() ([][]float32, error) {
-	if err := e.usable("FullGrads"); err != nil {
-		return nil, err
+// copyScaled copies between host memory and the device, times scale, on
+// the engine's stream, and waits for it.
+func (e *Engine) copyScaled(dst, src Tensor, scale float32) error {
+	if err := e.dev.copyScaled(e.stream, dst, src, scale); err != nil {
+		return e.fail(err)
 	}
-	if err := e.syncReductions(); err != nil {
+	if err := e.stream.Sync(); err != nil {
+		return e.fail(err)
+	}
+	return nil
+}
+
+// FullGrads all-gathers the shards and returns the full reduced gradient
+// of every parameter, in registration order. It is a collective: every
+// rank calls it. Its traffic is not counted in the step's stats.
+func (e *Engine) FullGrads() ([][]float32, error) {
+	if err := e.readable("FullGrads"); err != nil {
 		return nil, err
 	}
 	all, err := e.dev.Alloc(e.plan.ShardElems*e.world, FP32)
@@ -776,58 +882,85 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 		return nil, err
 	}
 	defer e.dev.Free(all)
-	host := make([]float32, all.count)
-	// A diagnostic read: its traffic is not the step's.
-	before := e.comm.Counters()
 	if err := e.comm.AllGather(e.stream, e.shard, all); err != nil {
-		return nil, err
-	}
-	e.commBase = e.commBase.Add(e.comm.Counters().Sub(before))
-	if err := e.dev.copy(e.stream, Float32s(host), all); err != nil {
-		return nil, err
-	}
-	if err := e.stream.Sync(); err != nil {
 		return nil, e.fail(err)
+	}
+	host := make([]float32, all.count)
+	if err := e.copyScaled(Float32s(host), all, e.readScale); err != nil {
+		return nil, err
 	}
 	out := make([][]float32, len(e.params))
 	for p, q := range e.params {
 		out[p] = make([]float32, q.Count)
-		b := e.plan.ParamBucket[p]
-		if b < 0 {
-			continue
-		}
-		bp := &e.plan.Buckets[b]
-		for i := 0; i < q.Count; {
-			j := e.plan.ParamOffset[p] + i // element j of the bucket lives on rank j/Shard
-			at := (j/bp.Shard)*e.plan.ShardElems + bp.ShardOffset + j%bp.Shard
-			i += copy(out[p][i:], host[at:at+bp.Shard-j%bp.Shard])
+		for r := range e.world {
+			rg := e.plan.shardRange(p, r)
+			at := r*e.plan.ShardElems + rg.ShardOffset
+			copy(out[p][rg.ParamOffset:], host[at:at+rg.Count])
 		}
 	}
 	return out, nil
 }
 
-// Close waits for pending work and frees the engine's memory. It does not
-// close the communicator.
+// TrimPools frees the staging buffers that the pool grew beyond
+// Config.StagingBuffers (when buckets completed out of order) and that no
+// bucket holds now. The stats' resident bytes drop by as much.
+func (e *Engine) TrimPools() error {
+	if err := e.usable("TrimPools"); err != nil {
+		return err
+	}
+	if err := e.pool.trim(e.cfg.StagingBuffers); err != nil {
+		return e.fail(err)
+	}
+	return nil
+}
+
+// Close waits for the work the engine enqueued (pending reductions, and
+// reads of gradients into a bucket that never filled) and frees the
+// engine's memory. It does not close the communicator. Closing twice does
+// nothing.
 func (e *Engine) Close() error {
 	if e.closed {
 		return nil
 	}
 	e.closed = true
 	var first error
-	if e.stream != nil {
-		first = e.stream.Close()
-	}
-	for _, done := range e.reducing {
-		if err := done.Sync(); err != nil && first == nil {
+	keep := func(err error) {
+		if err != nil && first == nil {
 			first = err
 		}
 	}
-	if e.pool != nil {
-		e.pool.release()
+	// Work on the caller's streams that still writes into our buffers.
+	for i := range e.buckets {
+		for _, ev := range e.buckets[i].producers {
+			keep(ev.Sync())
+		}
+		if st := e.buckets[i].stage; st != nil {
+			e.pool.put(st, nil)
+			e.buckets[i].stage = nil
+		}
 	}
-	for _, t := range []Tensor{e.shard, e.local, e.flag} {
+	for _, w := range e.localWriter {
+		if w.event != nil {
+			keep(w.event.Sync())
+		}
+	}
+	for _, done := range e.reducing {
+		keep(done.Sync())
+	}
+	if e.stream != nil {
+		keep(e.stream.Close())
+	}
+	if e.pool != nil {
+		keep(e.pool.release())
+	}
+	for _, t := range []Tensor{e.shard, e.local} {
 		if t.ptr != 0 {
-			_ = e.dev.Free(t)
+			e.mem.add(-int64(t.Bytes()))
+		}
+	}
+	for _, t := range []Tensor{e.shard, e.local, e.flag, e.window} {
+		if t.ptr != 0 {
+			keep(e.dev.Free(t))
 		}
 	}
 	return first

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -70,7 +71,8 @@ type runSpec struct {
 	bucket    int
 	backwards int
 	predivide float64
-	accum     int // GradAccumSteps; 0 = backwards
+	accum     int // GradAccumSteps; 0 = count the backwards
+	reduction Reduction
 	steps     int
 	streams   int
 	shuffle   bool
@@ -126,10 +128,7 @@ func runEngine(t testing.TB, r runSpec, params []Param, data workload, seed int6
 // runRanks runs run on every rank with r's config and fails t on an error.
 func runRanks(t testing.TB, r runSpec, run func(cfg Config, rank int, out *rankResult) error) []rankResult {
 	t.Helper()
-	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, CommDType: r.comm, PredivideFactor: r.predivide, GradAccumSteps: r.accum}
-	if cfg.GradAccumSteps == 0 {
-		cfg.GradAccumSteps = r.backwards
-	}
+	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, CommDType: r.comm, PredivideFactor: r.predivide, GradAccumSteps: r.accum, Reduction: r.reduction}
 	results := make([]rankResult, r.world)
 	for rank, err := range eachRank(r.world, func(rank int) error { return run(cfg, rank, &results[rank]) }) {
 		if err != nil {
@@ -247,9 +246,9 @@ func unitRoundoff(d DType) float64 {
 // scales and the fp32 accumulation, each relative to Σ|grad|/(W·G).
 func checkMean(t *testing.T, r runSpec, params []Param, data workload, res []rankResult) {
 	t.Helper()
-	g := r.accum
-	if g == 0 {
-		g = r.backwards
+	g := r.backwards
+	if r.reduction == Sum {
+		g = 1
 	}
 	comm := r.comm
 	if comm == 0 {
@@ -274,9 +273,13 @@ func checkMean(t *testing.T, r runSpec, params []Param, data workload, res []ran
 					}
 				}
 			}
+			div := float64(r.world * g)
+			if r.reduction == Sum {
+				div = 1
+			}
 			for i := range mean[p] {
-				mean[p][i] /= float64(r.world * g)
-				mag[p][i] /= float64(r.world * g)
+				mean[p][i] /= div
+				mag[p][i] /= div
 			}
 		}
 		for rank, rr := range res {
@@ -339,6 +342,9 @@ func TestDifferentialMatrix(t *testing.T) {
 							for _, f := range []float64{1, float64(world)} {
 								r := r0
 								r.overlap, r.bucket, r.predivide = overlap, bucket, f
+								if bucket == 256 { // a fixed G half the time, counted the other half
+									r.accum = backwards
+								}
 								res := runEngine(t, r, params, data, seed)
 								checkMean(t, r, params, data, res)
 								n++
@@ -397,7 +403,7 @@ func TestTwoBoundaryBackwardsSum(t *testing.T) {
 	rng := rand.New(rand.NewSource(seed))
 	for _, stage := range []int{1, 2, 3} {
 		params := testParams(FP32)
-		r := runSpec{stage: stage, world: 2, dtype: FP32, backwards: 2, accum: 1, steps: 2, streams: 2, bucket: 1024, predivide: 1, overlap: true, boundAll: true}
+		r := runSpec{stage: stage, world: 2, dtype: FP32, backwards: 2, steps: 2, streams: 2, bucket: 1024, predivide: 1, overlap: true, boundAll: true}
 		data := makeWorkload(rng, r, params)
 		res := runEngine(t, r, params, data, seed)
 		checkMean(t, r, params, data, res)
@@ -405,58 +411,62 @@ func TestTwoBoundaryBackwardsSum(t *testing.T) {
 }
 
 // TestCollectiveCounts: ZeRO-2/3 make one reduce-scatter per bucket per
-// backward, ZeRO-1 one per bucket per step, with or without a boundary.
+// backward, ZeRO-1 one per bucket per step, with or without a boundary, and
+// Step adds its one window check. The expected buckets, bytes and memory
+// are worked out by hand from testParams, not from the plan under test.
 func TestCollectiveCounts(t *testing.T) {
 	seed := testSeed(t)
 	rng := rand.New(rand.NewSource(seed))
-	for _, stage := range []int{1, 2, 3} {
-		for _, boundary := range []bool{false, true} {
-			params := testParams(BF16)
-			r := runSpec{stage: stage, world: 4, dtype: BF16, backwards: 4, steps: 2, streams: 2, bucket: 512, predivide: 1, overlap: true, boundary: boundary}
-			data := makeWorkload(rng, r, params)
-			res := runEngine(t, r, params, data, seed)
-			nb := len(res[0].plan.Buckets)
-			if nb < 4 {
-				t.Fatalf("the test needs several buckets, got %d", nb)
-			}
-			want := nb * r.backwards
-			if stage == 1 {
-				want = nb
-			}
-			for rank, rr := range res {
-				for step, st := range rr.stats {
-					c := st.Collectives
-					if got := c[KindReduceScatter].Calls; got != int64(want) {
-						t.Errorf("stage %d boundary=%v rank %d step %d: %d reduce-scatters, want %d (%d buckets, %d backwards)", stage, boundary, rank, step, got, want, nb, r.backwards)
+	// testParams in backward order: 1, 513, 64, 129, (0), 1000, 7, 300
+	// elements of 2 bytes, cut at 512 bytes, padded to 4 ranks × 64.
+	wantMembers := [][]int{{7}, {6}, {5, 4}, {2}, {1}, {0}}
+	wantPadded := []int{256, 768, 256, 1024, 256, 512} // 3072 elements, 6144 bytes
+	const nb, backwards = 6, 4
+	for _, d := range []DType{BF16, FP16} {
+		for _, stage := range []int{1, 2, 3} {
+			for _, boundary := range []bool{false, true} {
+				params := testParams(d)
+				r := runSpec{stage: stage, world: 4, dtype: d, backwards: backwards, steps: 2, streams: 2, bucket: 512, predivide: 1, overlap: true, boundary: boundary}
+				data := makeWorkload(rng, r, params)
+				res := runEngine(t, r, params, data, seed)
+				plan := res[0].plan
+				for b, bp := range plan.Buckets {
+					if b >= nb || !slices.Equal(bp.Params, wantMembers[b]) || bp.Padded != wantPadded[b] {
+						t.Fatalf("%v: bucket %d holds %v padded to %d; want %v padded to %d", d, b, bp.Params, bp.Padded, wantMembers[b%nb], wantPadded[b%nb])
 					}
-					if other := c.Total().Calls - c[KindReduceScatter].Calls; other != 0 {
-						t.Errorf("stage %d: %d other collectives in a step, want 0", stage, other)
-					}
-					padded := 0
-					for _, b := range rr.plan.Buckets {
-						padded += b.Padded
-					}
-					wantBytes := int64(padded * BF16.Size() * want / nb)
-					if got := c[KindReduceScatter].PayloadBytes; got != wantBytes {
-						t.Errorf("stage %d: payload %d bytes, want %d", stage, got, wantBytes)
-					}
-					if got := c[KindReduceScatter].WireBytes; got != wantBytes*3/4 {
-						t.Errorf("stage %d: wire %d bytes, want (W−1)/W of the payload = %d", stage, got, wantBytes*3/4)
-					}
-					if st.Backwards != r.backwards {
-						t.Errorf("stats say %d backwards, want %d", st.Backwards, r.backwards)
-					}
-					if st.ReduceTime <= 0 {
-						t.Errorf("stage %d: reduce time %v after %d reductions", stage, st.ReduceTime, want)
-					}
-					// gradient memory: the fp32 shard, ZeRO-1's fp32 local sums,
-					// and the two staging buffers (in order, the pool never grows)
-					mem := int64(4*rr.plan.ShardElems + 2*rr.plan.MaxBucket()*BF16.Size())
-					if stage == 1 {
-						mem += int64(4 * rr.plan.FullElems)
-					}
-					if st.StagingBuffers != 2 || st.ResidentGradBytes != mem || st.PeakGradBytes != mem {
-						t.Errorf("stage %d: %d staging buffers, resident %d, peak %d bytes; want 2 and %d", stage, st.StagingBuffers, st.ResidentGradBytes, st.PeakGradBytes, mem)
+				}
+				if len(plan.Buckets) != nb {
+					t.Fatalf("%v: %d buckets, want %d", d, len(plan.Buckets), nb)
+				}
+				reductions, payload, mem := int64(nb*backwards), int64(backwards*6144), int64(768*4+2*1024*2)
+				if stage == 1 {
+					reductions, payload, mem = nb, 6144, mem+3072*4
+				}
+				for rank, rr := range res {
+					for step, st := range rr.stats {
+						c := st.Collectives
+						where := fmt.Sprintf("%v stage %d boundary=%v rank %d step %d", d, stage, boundary, rank, step)
+						if got := c[KindReduceScatter]; got != (CollectiveCount{reductions, payload, payload * 3 / 4}) {
+							t.Errorf("%s: reduce-scatters %+v, want %d calls, %d payload bytes, %d on the wire", where, got, reductions, payload, payload*3/4)
+						}
+						if got := c[KindAllReduce]; got != (CollectiveCount{1, 8, 12}) {
+							t.Errorf("%s: all-reduces %+v, want the window check alone: 1 call of 8 bytes, 12 on the wire", where, got)
+						}
+						if other := c.Total().Calls - c[KindReduceScatter].Calls - c[KindAllReduce].Calls; other != 0 {
+							t.Errorf("%s: %d other collectives, want 0", where, other)
+						}
+						if st.Backwards != backwards {
+							t.Errorf("%s: stats say %d backwards, want %d", where, st.Backwards, backwards)
+						}
+						if st.ReduceTime <= 0 {
+							t.Errorf("%s: reduce time %v after %d reductions", where, st.ReduceTime, reductions)
+						}
+						// the fp32 shard, ZeRO-1's fp32 local sums, and two
+						// staging buffers of the largest bucket (in order, the
+						// pool never grows)
+						if st.StagingBuffers != 2 || st.ResidentGradBytes != mem || st.PeakGradBytes != mem {
+							t.Errorf("%s: %d staging buffers, resident %d, peak %d bytes; want 2 and %d", where, st.StagingBuffers, st.ResidentGradBytes, st.PeakGradBytes, mem)
+						}
 					}
 				}
 			}
@@ -725,7 +735,10 @@ func TestRandomProtocol(t *testing.T) {
 		world := 1 + rng.Intn(4)
 		d := []DType{FP32, BF16, FP16}[rng.Intn(3)]
 		params := testParams(d)
-		cfg := Config{Stage: 1 + rng.Intn(3), BucketBytes: []int{200, 1000, 1 << 20}[rng.Intn(3)], Overlap: rng.Intn(2) == 0, PredivideFactor: float64(1 + rng.Intn(world)), GradAccumSteps: 1 + rng.Intn(3)}
+		cfg := Config{Stage: 1 + rng.Intn(3), BucketBytes: []int{200, 1000, 1 << 20}[rng.Intn(3)], Overlap: rng.Intn(2) == 0, PredivideFactor: float64(1 + rng.Intn(world)), Reduction: Reduction(rng.Intn(2))}
+		if rng.Intn(2) == 0 {
+			cfg.GradAccumSteps = 1 + rng.Intn(3) // fixed: every step takes that many
+		}
 		steps := 1 + rng.Intn(3)
 		// plan[step][backward][rank][param]: reported or not
 		type backward struct {
@@ -736,7 +749,11 @@ func TestRandomProtocol(t *testing.T) {
 		r := runSpec{stage: cfg.Stage, world: world, dtype: d, steps: steps, backwards: 3}
 		data := makeWorkload(rng, r, params)
 		for s := range sessions {
-			sessions[s] = make([]backward, 1+rng.Intn(3))
+			g := cfg.GradAccumSteps
+			if g == 0 {
+				g = 1 + rng.Intn(3)
+			}
+			sessions[s] = make([]backward, g)
 			for k := range sessions[s] {
 				b := backward{boundary: rng.Intn(3) == 0, report: make([][]bool, world)}
 				for rank := range b.report {
@@ -791,8 +808,8 @@ func TestRandomProtocol(t *testing.T) {
 				t.Fatalf("round %d %+v: %v", round, cfg, err)
 			}
 		}
-		rtol := float64(world+len(sessions[0])+8) * (unitRoundoff(d) + unitRoundoff(FP32))
 		for s, sess := range sessions {
+			rtol := float64(world+len(sess)+8) * (unitRoundoff(d) + unitRoundoff(FP32))
 			for p, q := range params {
 				for i := range q.Count {
 					sum, mag := 0.0, 0.0
@@ -805,7 +822,10 @@ func TestRandomProtocol(t *testing.T) {
 							}
 						}
 					}
-					div := float64(world * cfg.GradAccumSteps)
+					div := float64(world * len(sess))
+					if cfg.Reduction == Sum {
+						div = 1
+					}
 					want, tol := sum/div, rtol*mag/div+float64(world)*math.Ldexp(1, -24)
 					for rank := range world {
 						if got := float64(full[rank][s][p][i]); !(math.Abs(got-want) <= tol) {

@@ -1,0 +1,679 @@
+package zero
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// Tests of the backward protocol's rules: the window Step closes, reads of
+// the reduced gradient, errors that must reach the caller on every rank,
+// and what Close and the stats account for.
+
+// onEngines builds an engine per rank of a fresh in-process group, runs fn
+// on each rank's goroutine with a host stream, and returns the errors.
+func onEngines(world int, timeout time.Duration, cfg Config, params []Param, fn func(e *Engine, s *HostStream) error) []error {
+	comms, err := NewLocalGroupTimeout(world, timeout)
+	if err != nil {
+		return []error{err}
+	}
+	return eachRank(world, func(rank int) error {
+		e, err := New(cfg, comms[rank], params)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		s := NewHostStream()
+		defer s.Close()
+		return fn(e, s)
+	})
+}
+
+// backward reports every parameter of params from s and ends the backward.
+func backward(e *Engine, s Stream, grads []Tensor) error {
+	for p := len(grads) - 1; p >= 0; p-- {
+		if _, err := e.GradReady(p, grads[p], s); err != nil {
+			return err
+		}
+	}
+	return e.EndBackward()
+}
+
+// constGrads is one gradient per parameter, every element v.
+func constGrads(params []Param, v float32) []Tensor {
+	out := make([]Tensor, len(params))
+	for p, q := range params {
+		x := make([]float32, q.Count)
+		for i := range x {
+			x[i] = v
+		}
+		out[p] = Float32s(x)
+	}
+	return out
+}
+
+// wantAll checks that every element of every parameter's full gradient is want.
+func wantAll(full [][]float32, want float32) error {
+	for p, g := range full {
+		for i, v := range g {
+			if v != want {
+				return fmt.Errorf("param %d[%d] = %g, want %g", p, i, v, want)
+			}
+		}
+	}
+	return nil
+}
+
+func everyRankIs(t *testing.T, what string, errs []error, want error) {
+	t.Helper()
+	for r, err := range errs {
+		if !errors.Is(err, want) {
+			t.Errorf("%s: rank %d: %v, want %v", what, r, err, want)
+		}
+	}
+}
+
+// TestWindowErrors: a Step with no backward, a Step after other than
+// GradAccumSteps backwards, and ranks that took different numbers of
+// backwards are refused with the same typed error on every rank, and the
+// refusal loses nothing.
+func TestWindowErrors(t *testing.T) {
+	params := testParams(FP32)
+	for _, stage := range []int{1, 2, 3} {
+		for _, overlap := range []bool{false, true} {
+			name := fmt.Sprintf("stage %d overlap=%v", stage, overlap)
+			cfg := Config{Stage: stage, BucketBytes: 1024, Overlap: overlap}
+			ones, threes := constGrads(params, 1), constGrads(params, 3)
+
+			// No backward: refused before the first Step and after one; the
+			// last window's gradient stays readable.
+			var first, later [2]error
+			errs := onEngines(2, 20*time.Second, cfg, params, func(e *Engine, s *HostStream) error {
+				if _, err := e.GradShard(); !errors.Is(err, ErrProtocol) {
+					return fmt.Errorf("GradShard before any Step: %v, want ErrProtocol", err)
+				}
+				first[e.Rank()] = e.Step()
+				if err := backward(e, s, ones); err != nil {
+					return err
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				later[e.Rank()] = e.Step()
+				full, err := e.FullGrads()
+				if err != nil {
+					return err
+				}
+				return wantAll(full, 1)
+			})
+			everyRankIs(t, name, errs, nil)
+			everyRankIs(t, name+": Step before any backward", first[:], ErrProtocol)
+			everyRankIs(t, name+": second Step", later[:], ErrProtocol)
+
+			// A fixed G: one backward of two is refused, the window is kept,
+			// and after the second the mean is over both.
+			fixed := cfg
+			fixed.GradAccumSteps = 2
+			var short [2]error
+			errs = onEngines(2, 20*time.Second, fixed, params, func(e *Engine, s *HostStream) error {
+				if err := backward(e, s, ones); err != nil {
+					return err
+				}
+				short[e.Rank()] = e.Step()
+				if err := backward(e, s, threes); err != nil {
+					return err
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				full, err := e.FullGrads()
+				if err != nil {
+					return err
+				}
+				return wantAll(full, 2)
+			})
+			everyRankIs(t, name, errs, nil)
+			everyRankIs(t, name+": 1 backward of GradAccumSteps 2", short[:], ErrProtocol)
+
+			// Rank 1 takes one backward fewer: every rank fails, none hangs.
+			errs = onEngines(2, 20*time.Second, cfg, params, func(e *Engine, s *HostStream) error {
+				for range 2 - e.Rank() {
+					if err := backward(e, s, ones); err != nil {
+						return err
+					}
+				}
+				return e.Step()
+			})
+			everyRankIs(t, name+": ranks took 2 and 1 backwards", errs, ErrMismatch)
+		}
+	}
+}
+
+// TestReadsOutsideTheWindow: the reduced gradient cannot be read or
+// written while the next window's backward is under way, on any rank; it
+// reads again after Step.
+func TestReadsOutsideTheWindow(t *testing.T) {
+	params := testParams(FP32)
+	for _, stage := range []int{1, 2, 3} {
+		cfg := Config{Stage: stage, BucketBytes: 1024, Overlap: true}
+		errs := onEngines(2, 20*time.Second, cfg, params, func(e *Engine, s *HostStream) error {
+			v, err := e.GradView(2)
+			if err != nil {
+				return err
+			}
+			buf := make([]float32, v.Count)
+			reads := map[string]func() error{
+				"GradShard":  func() error { _, err := e.GradShard(); return err },
+				"FullGrads":  func() error { _, err := e.FullGrads(); return err },
+				"View.Read":  func() error { return v.Read(buf) },
+				"View.Write": func() error { return v.Write(buf) },
+			}
+			refused := func(when string) error {
+				for name, read := range reads {
+					if err := read(); !errors.Is(err, ErrProtocol) {
+						return fmt.Errorf("%s %s: %v, want ErrProtocol", name, when, err)
+					}
+				}
+				return nil
+			}
+			if err := refused("before the first Step"); err != nil {
+				return err
+			}
+			if err := backward(e, s, constGrads(params, 1)); err != nil {
+				return err
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			if _, err := e.GradReady(7, constGrads(params, 5)[7], s); err != nil {
+				return err
+			}
+			if err := refused("inside the next backward"); err != nil {
+				return err
+			}
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+			if err := refused("after the next backward"); err != nil {
+				return err
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			for name, read := range reads {
+				if err := read(); err != nil {
+					return fmt.Errorf("%s after Step: %v", name, err)
+				}
+			}
+			return nil
+		})
+		everyRankIs(t, fmt.Sprintf("stage %d", stage), errs, nil)
+	}
+}
+
+// faultyComm fails the stream of every reduce-scatter after the real one
+// ran, as an NCCL error or a failed kernel would: the error surfaces only
+// when someone syncs.
+type faultyComm struct {
+	Comm
+	err error
+}
+
+func (c faultyComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
+	if err := c.Comm.ReduceScatter(s, send, recv, op); err != nil {
+		return err
+	}
+	return s.(*HostStream).Launch(func() error { return c.err })
+}
+
+// TestReductionErrorReachesCaller: a reduction that fails on its stream
+// fails Step, with and without Overlap (where it ran on the caller's
+// stream), and the engine refuses to go on.
+func TestReductionErrorReachesCaller(t *testing.T) {
+	boom := errors.New("reduction failed")
+	params := testParams(FP32)
+	for _, stage := range []int{1, 2, 3} {
+		for _, overlap := range []bool{false, true} {
+			comms, _ := NewLocalGroup(1)
+			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: overlap}, faultyComm{comms[0], boom}, params)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := NewHostStream()
+			if err := backward(e, s, constGrads(params, 1)); err != nil && !errors.Is(err, boom) {
+				t.Fatal(err)
+			}
+			if err := e.Step(); !errors.Is(err, boom) {
+				t.Errorf("stage %d overlap=%v: Step after a failed reduction: %v, want it", stage, overlap, err)
+			}
+			if _, err := e.GradShard(); !errors.Is(err, ErrCollective) {
+				t.Errorf("stage %d overlap=%v: GradShard after the failure: %v, want ErrCollective", stage, overlap, err)
+			}
+			e.Close()
+			s.Close()
+		}
+	}
+}
+
+// TestEngineFailsOnPeerLoss: a rank that leaves mid-step makes the other
+// rank's Step fail with the cause, never hang: ErrPeerFailed when it
+// closed its communicator, ErrTimeout when it vanished.
+func TestEngineFailsOnPeerLoss(t *testing.T) {
+	params := []Param{{Count: 1000, DType: FP32}, {Count: 3000, DType: FP32}}
+	for _, stage := range []int{1, 2, 3} {
+		for _, overlap := range []bool{false, true} {
+			for _, closes := range []bool{true, false} {
+				timeout, want := 20*time.Second, ErrPeerFailed
+				if !closes {
+					timeout, want = 300*time.Millisecond, ErrTimeout
+				}
+				comms, _ := NewLocalGroupTimeout(2, timeout)
+				reported := make(chan struct{})
+				errs := eachRank(2, func(r int) error {
+					e, err := New(Config{Stage: stage, BucketBytes: 4096, Overlap: overlap}, comms[r], params)
+					if err != nil {
+						return err
+					}
+					defer e.Close()
+					if r == 1 {
+						<-reported // leaves while rank 0's reductions wait for it
+						if closes {
+							comms[1].Close()
+						}
+						return nil
+					}
+					s := NewHostStream()
+					defer s.Close()
+					err = backward(e, s, constGrads(params, 1))
+					close(reported)
+					if err != nil {
+						return err
+					}
+					return e.Step()
+				})
+				if !errors.Is(errs[0], want) {
+					t.Errorf("stage %d overlap=%v closes=%v: rank 0: %v, want %v", stage, overlap, closes, errs[0], want)
+				}
+			}
+		}
+	}
+}
+
+// countingDevice is the host device with a ledger of the engine's live
+// allocations. Freed memory stays mapped until release, so a buffer freed
+// too early is reported by onFree instead of crashing the test.
+type countingDevice struct {
+	Device
+	mu     sync.Mutex
+	live   map[uintptr]int
+	frees  atomic.Int32
+	freed  []Tensor
+	onFree func(Tensor)
+}
+
+func newCountingDevice() *countingDevice {
+	return &countingDevice{Device: CPU(), live: map[uintptr]int{}}
+}
+
+func (d *countingDevice) Alloc(n int, dt DType) (Tensor, error) {
+	t, err := d.Device.Alloc(n, dt)
+	if err == nil && t.ptr != 0 {
+		d.mu.Lock()
+		d.live[t.ptr] = t.Bytes()
+		d.mu.Unlock()
+	}
+	return t, err
+}
+
+func (d *countingDevice) Free(t Tensor) error {
+	if t.ptr == 0 {
+		return nil
+	}
+	if d.onFree != nil {
+		d.onFree(t)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, ok := d.live[t.ptr]; !ok {
+		return fmt.Errorf("free of %#x, which is not live", t.ptr)
+	}
+	delete(d.live, t.ptr)
+	d.freed = append(d.freed, t)
+	d.frees.Add(1)
+	return nil
+}
+
+func (d *countingDevice) liveBytes() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n := 0
+	for _, b := range d.live {
+		n += b
+	}
+	return n
+}
+
+func (d *countingDevice) release() {
+	for _, t := range d.freed {
+		d.Device.Free(t)
+	}
+}
+
+// onDevice gives a communicator another device (of the same kind).
+type onDevice struct {
+	Comm
+	dev Device
+}
+
+func (c onDevice) Device() Device { return c.dev }
+
+// TestCloseWaitsAndFreesEverything: Close while a gradient is still being
+// read into a half-filled bucket (its stream is held) waits for the read
+// before freeing the buffer, and frees every buffer the engine allocated.
+func TestCloseWaitsAndFreesEverything(t *testing.T) {
+	params := []Param{{Count: 100, DType: FP32}, {Count: 100, DType: FP32}, {Count: 1000, DType: FP32}}
+	for _, stage := range []int{1, 2, 3} {
+		for _, overlap := range []bool{false, true} {
+			dev := newCountingDevice()
+			comms, _ := NewLocalGroup(1)
+			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: overlap}, onDevice{comms[0], dev}, params)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// One full bucket (parameter 2) and one of its two members
+			// (parameter 1), from a stream held by earlier work.
+			s, open := gateStream()
+			var ev Event
+			for _, p := range []int{2, 1} {
+				if ev, err = e.GradReady(p, constGrads(params, 1)[p], s); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var early atomic.Bool
+			dev.onFree = func(Tensor) {
+				if !ev.Done() {
+					early.Store(true)
+				}
+			}
+			closed := make(chan error)
+			go func() { closed <- e.Close() }()
+			// Open the gate once Close waits on the gradients' event, or
+			// once it has freed something without waiting.
+			for ev.(*hostEvent).blockedSyncs.Load() == 0 && dev.frees.Load() == 0 {
+				time.Sleep(50 * time.Microsecond)
+			}
+			open()
+			if err := <-closed; err != nil {
+				t.Fatal(err)
+			}
+			if early.Load() {
+				t.Errorf("stage %d overlap=%v: Close freed a buffer before the gradient read into it had run", stage, overlap)
+			}
+			if n := dev.liveBytes(); n != 0 {
+				t.Errorf("stage %d overlap=%v: %d bytes still allocated after Close", stage, overlap, n)
+			}
+			s.Close()
+			dev.release()
+		}
+	}
+}
+
+// TestStatsCountOnlyTheEngine: a caller's collectives on the engine's
+// communicator, in the middle of a backward, do not show in the stats.
+func TestStatsCountOnlyTheEngine(t *testing.T) {
+	params := testParams(FP32)
+	stats := make([]Stats, 2)
+	comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+	errs := eachRank(2, func(rank int) error {
+		e, err := New(Config{Stage: 2, BucketBytes: 1 << 20, Overlap: true}, comms[rank], params)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		s := NewHostStream()
+		defer s.Close()
+		mine := Float32s(make([]float32, 1000))
+		grads := constGrads(params, 1)
+		for p := len(params) - 1; p >= 0; p-- {
+			if _, err := e.GradReady(p, grads[p], s); err != nil {
+				return err
+			}
+			if err := comms[rank].AllReduce(s, mine, OpSum); err != nil {
+				return err
+			}
+		}
+		if err := e.EndBackward(); err != nil {
+			return err
+		}
+		if err := e.Step(); err != nil {
+			return err
+		}
+		stats[rank] = e.Stats()
+		return nil
+	})
+	everyRankIs(t, "run", errs, nil)
+	for rank, st := range stats {
+		if got := st.Collectives[KindAllReduce].Calls; got != 1 {
+			t.Errorf("rank %d: %d all-reduces in the stats; the engine made 1 (its window check), the caller %d", rank, got, len(params))
+		}
+		if got := st.Collectives[KindReduceScatter].Calls; got != 1 {
+			t.Errorf("rank %d: %d reduce-scatters, want 1 (one bucket)", rank, got)
+		}
+	}
+}
+
+// TestPeakResetsAtStep: the peak is over the window. A window whose
+// gradients arrive in registration order grows the staging pool to a
+// buffer per bucket; after TrimPools the next window but one peaks at the
+// shard and two buffers again. Expected bytes are worked out by hand.
+func TestPeakResetsAtStep(t *testing.T) {
+	// testParams(FP32) cut at 256 bytes on 1 rank: 7 buckets of 1, 513, 64,
+	// 129, 1000, 7 and 300 elements, padded to 64: 64, 576, 64, 192, 1024,
+	// 64, 320 (2304 elements of fp32 shard, 9216 bytes); a staging buffer
+	// holds the largest bucket, 1024 fp32 elements, 4096 bytes.
+	const shard, staging = 9216, 4096
+	params := testParams(FP32)
+	comms, _ := NewLocalGroup(1)
+	e, err := New(Config{Stage: 2, BucketBytes: 256}, comms[0], params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	s := NewHostStream()
+	defer s.Close()
+	grads := constGrads(params, 1)
+	step := func(order []int) Stats {
+		t.Helper()
+		for _, p := range order {
+			if _, err := e.GradReady(p, grads[p], s); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := e.EndBackward(); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Step(); err != nil {
+			t.Fatal(err)
+		}
+		return e.Stats()
+	}
+	registration, backwardOrder := []int{0, 1, 2, 3, 4, 5, 6, 7}, []int{7, 6, 5, 4, 3, 2, 1, 0}
+	for i, tc := range []struct {
+		order          []int
+		trimBefore     bool
+		buffers        int
+		peak, resident int64
+	}{
+		{registration, false, 7, shard + 7*staging, shard + 7*staging},
+		{backwardOrder, true, 2, shard + 7*staging, shard + 2*staging}, // held 7 until the trim
+		{backwardOrder, false, 2, shard + 2*staging, shard + 2*staging},
+	} {
+		if tc.trimBefore {
+			if err := e.TrimPools(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		st := step(tc.order)
+		if st.StagingBuffers != tc.buffers || st.PeakGradBytes != tc.peak || st.ResidentGradBytes != tc.resident {
+			t.Errorf("window %d: %d staging buffers, peak %d, resident %d bytes; want %d, %d, %d", i, st.StagingBuffers, st.PeakGradBytes, st.ResidentGradBytes, tc.buffers, tc.peak, tc.resident)
+		}
+	}
+}
+
+// TestSumReduction: Reduction Sum leaves Σ_ranks Σ_backwards grad, with
+// any PredivideFactor, in every stage.
+func TestSumReduction(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	for _, stage := range []int{1, 2, 3} {
+		for _, d := range []DType{FP32, BF16, FP16} {
+			for _, world := range []int{3, 4} {
+				params := testParams(d)
+				r := runSpec{stage: stage, world: world, dtype: d, backwards: 3, steps: 2, streams: 2, bucket: 512, predivide: float64(world), overlap: stage != 2, reduction: Sum}
+				data := makeWorkload(rng, r, params)
+				checkMean(t, r, params, data, runEngine(t, r, params, data, seed))
+			}
+		}
+	}
+}
+
+// TestMeanIsScaledSum: where W·G is a power of two, the mean has exactly
+// the bits of the sum times 1/(W·G): the 1/W on the wire and the 1/G at
+// the read are exact (fp16's subnormal range aside, so fp32 and bf16).
+func TestMeanIsScaledSum(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	for _, stage := range []int{1, 2, 3} {
+		for _, d := range []DType{FP32, BF16} {
+			params := testParams(d)
+			r := runSpec{stage: stage, world: 4, dtype: d, backwards: 2, steps: 2, streams: 2, bucket: 512, predivide: 1, overlap: true}
+			data := makeWorkload(rng, r, params)
+			mean := runEngine(t, r, params, data, seed)
+			r.reduction = Sum
+			sum := runEngine(t, r, params, data, seed)
+			for rank := range mean {
+				for step := range r.steps {
+					for p := range params {
+						for i, m := range mean[rank].full[step][p] {
+							want := sum[rank].full[step][p][i] / 8
+							if math.Float32bits(m) != math.Float32bits(want) {
+								t.Fatalf("stage %d %v rank %d step %d: param %d[%d] mean %x, sum/8 %x", stage, d, rank, step, p, i, math.Float32bits(m), math.Float32bits(want))
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestGradViews: each parameter's view on each rank reads exactly its
+// elements of the full gradient, the views of all ranks tile every
+// parameter, and a write reads back (exactly, as G is a power of two
+// here) and shows in GradShard at the plan's place.
+func TestGradViews(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	for _, stage := range []int{1, 2, 3} {
+		for _, world := range []int{1, 3, 4} {
+			params := testParams(FP32)
+			r := runSpec{stage: stage, world: world, dtype: FP32, backwards: 2, steps: 1, bucket: 700, predivide: 1}
+			data := makeWorkload(rng, r, params)
+			comms, _ := NewLocalGroupTimeout(world, 20*time.Second)
+			covered := make([][]int, len(params))
+			for p, q := range params {
+				covered[p] = make([]int, q.Count)
+			}
+			var mu sync.Mutex
+			errs := eachRank(world, func(rank int) error {
+				e, err := New(Config{Stage: stage, BucketBytes: r.bucket}, comms[rank], params)
+				if err != nil {
+					return err
+				}
+				defer e.Close()
+				s := NewHostStream()
+				defer s.Close()
+				for k := range r.backwards {
+					grads := make([]Tensor, len(params))
+					for p := range params {
+						grads[p] = data[0][k][rank][p].t
+					}
+					if err := backward(e, s, grads); err != nil {
+						return err
+					}
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				full, err := e.FullGrads()
+				if err != nil {
+					return err
+				}
+				for p := range params {
+					v, err := e.GradView(p)
+					if err != nil {
+						return err
+					}
+					got := make([]float32, v.Count)
+					if err := v.Read(got); err != nil {
+						return err
+					}
+					for i, x := range got {
+						if want := full[p][v.ParamOffset+i]; math.Float32bits(x) != math.Float32bits(want) {
+							return fmt.Errorf("param %d view [%d] = %g, full gradient has %g", p, v.ParamOffset+i, x, want)
+						}
+					}
+					mu.Lock()
+					for i := range v.Count {
+						covered[p][v.ParamOffset+i]++
+					}
+					mu.Unlock()
+					for i := range got {
+						got[i] = float32(p) + float32(i)/8
+					}
+					if err := v.Write(got); err != nil {
+						return err
+					}
+					back := make([]float32, v.Count)
+					if err := v.Read(back); err != nil {
+						return err
+					}
+					shard, err := e.GradShard()
+					if err != nil {
+						return err
+					}
+					for i := range got {
+						if back[i] != got[i] || shard[v.ShardOffset+i] != got[i] {
+							return fmt.Errorf("param %d: wrote %g at %d, read back %g, shard has %g", p, got[i], i, back[i], shard[v.ShardOffset+i])
+						}
+					}
+				}
+				if err := (View{}).Read(nil); !errors.Is(err, ErrParam) {
+					return fmt.Errorf("zero View: %v, want ErrParam", err)
+				}
+				if _, err := e.GradView(len(params)); !errors.Is(err, ErrParam) {
+					return fmt.Errorf("GradView out of range: %v, want ErrParam", err)
+				}
+				if v, _ := e.GradView(2); v.Count > 0 {
+					if err := v.Read(make([]float32, v.Count+1)); !errors.Is(err, ErrGradSize) {
+						return fmt.Errorf("Read of the wrong length: %v, want ErrGradSize", err)
+					}
+				}
+				return nil
+			})
+			everyRankIs(t, fmt.Sprintf("stage %d world %d", stage, world), errs, nil)
+			for p := range covered {
+				for i, n := range covered[p] {
+					if n != 1 {
+						t.Fatalf("stage %d world %d: param %d[%d] in %d ranks' views, want 1", stage, world, p, i, n)
+					}
+				}
+			}
+		}
+	}
+}
