@@ -373,52 +373,63 @@ type onDevice struct {
 func (c onDevice) Device() Device { return c.dev }
 
 // TestCloseWaitsAndFreesEverything: Close while a gradient is still being
-// read into a half-filled bucket (its stream is held) waits for the read
-// before freeing the buffer, and frees every buffer the engine allocated.
+// read into a half-filled bucket, or a full bucket's reduction still waits
+// for its gradient (their stream is held), waits for that work before
+// freeing a buffer, and frees every buffer the engine allocated.
 func TestCloseWaitsAndFreesEverything(t *testing.T) {
+	// Bucket 0 holds parameter 2, bucket 1 parameters 1 and 0.
 	params := []Param{{Count: 100, DType: FP32}, {Count: 100, DType: FP32}, {Count: 1000, DType: FP32}}
 	for _, stage := range []int{1, 2, 3} {
 		for _, overlap := range []bool{false, true} {
-			dev := newCountingDevice()
-			comms, _ := NewLocalGroup(1)
-			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: overlap}, onDevice{comms[0], dev}, params)
-			if err != nil {
-				t.Fatal(err)
-			}
-			// One full bucket (parameter 2) and one of its two members
-			// (parameter 1), from a stream held by earlier work.
-			s, open := gateStream()
-			var ev Event
-			for _, p := range []int{2, 1} {
-				if ev, err = e.GradReady(p, constGrads(params, 1)[p], s); err != nil {
+			for _, report := range [][]int{{1}, {2}, {2, 1}} {
+				where := fmt.Sprintf("stage %d overlap=%v reported %v", stage, overlap, report)
+				dev := newCountingDevice()
+				comms, _ := NewLocalGroup(1)
+				e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: overlap}, onDevice{comms[0], dev}, params)
+				if err != nil {
 					t.Fatal(err)
 				}
-			}
-			var early atomic.Bool
-			dev.onFree = func(Tensor) {
-				if !ev.Done() {
-					early.Store(true)
+				s, open := gateStream()
+				var pending []Event // what must have run before any free
+				for _, p := range report {
+					ev, err := e.GradReady(p, constGrads(params, 1)[p], s)
+					if err != nil {
+						t.Fatal(err)
+					}
+					pending = append(pending, ev)
 				}
+				for _, done := range e.reducing {
+					pending = append(pending, done)
+				}
+				var early atomic.Bool
+				dev.onFree = func(Tensor) {
+					for _, ev := range pending {
+						if !ev.Done() {
+							early.Store(true)
+						}
+					}
+				}
+				closed := make(chan error)
+				frees, blocked := dev.frees.Load(), hostSyncsBlocked.Load() // New freed a scratch buffer
+				go func() { closed <- e.Close() }()
+				// Open the gate once Close waits on an event, or once it has
+				// freed something without waiting.
+				for hostSyncsBlocked.Load() == blocked && dev.frees.Load() == frees {
+					time.Sleep(50 * time.Microsecond)
+				}
+				open()
+				if err := <-closed; err != nil {
+					t.Fatal(err)
+				}
+				if early.Load() {
+					t.Errorf("%s: Close freed a buffer before the work that uses it had run", where)
+				}
+				if n := dev.liveBytes(); n != 0 {
+					t.Errorf("%s: %d bytes still allocated after Close", where, n)
+				}
+				s.Close()
+				dev.release()
 			}
-			closed := make(chan error)
-			go func() { closed <- e.Close() }()
-			// Open the gate once Close waits on the gradients' event, or
-			// once it has freed something without waiting.
-			for ev.(*hostEvent).blockedSyncs.Load() == 0 && dev.frees.Load() == 0 {
-				time.Sleep(50 * time.Microsecond)
-			}
-			open()
-			if err := <-closed; err != nil {
-				t.Fatal(err)
-			}
-			if early.Load() {
-				t.Errorf("stage %d overlap=%v: Close freed a buffer before the gradient read into it had run", stage, overlap)
-			}
-			if n := dev.liveBytes(); n != 0 {
-				t.Errorf("stage %d overlap=%v: %d bytes still allocated after Close", stage, overlap, n)
-			}
-			s.Close()
-			dev.release()
 		}
 	}
 }

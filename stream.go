@@ -132,10 +132,11 @@ type hostEvent struct {
 	fired chan struct{}
 	err   error
 	at    time.Time
-	// blockedSyncs counts the Syncs that had to wait, for tests that must
-	// know a caller is waiting on the event.
-	blockedSyncs atomic.Int32
 }
+
+// hostSyncsBlocked counts the event Syncs that had to wait, for tests that
+// must know a caller is waiting.
+var hostSyncsBlocked atomic.Int64
 
 func (s *HostStream) Record() (Event, error) {
 	e := &hostEvent{fired: make(chan struct{})}
@@ -210,7 +211,7 @@ func (s *HostStream) Close() error {
 
 func (e *hostEvent) Sync() error {
 	if !e.Done() {
-		e.blockedSyncs.Add(1)
+		hostSyncsBlocked.Add(1)
 		<-e.fired
 	}
 	return e.err

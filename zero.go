@@ -929,7 +929,8 @@ func (e *Engine) Close() error {
 			first = err
 		}
 	}
-	// Work on the caller's streams that still writes into our buffers.
+	// Work on the caller's streams that still writes into our buffers
+	// (ZeRO-1's local sums too: their writers are among the producers).
 	for i := range e.buckets {
 		for _, ev := range e.buckets[i].producers {
 			keep(ev.Sync())
@@ -937,11 +938,6 @@ func (e *Engine) Close() error {
 		if st := e.buckets[i].stage; st != nil {
 			e.pool.put(st, nil)
 			e.buckets[i].stage = nil
-		}
-	}
-	for _, w := range e.localWriter {
-		if w.event != nil {
-			keep(w.event.Sync())
 		}
 	}
 	for _, done := range e.reducing {
