@@ -819,47 +819,47 @@ func TestCUDADifferentialMatrix(t *testing.T) {
 	t.Logf("%d combinations bit-identical to the CPU path", n)
 }
 
-// TestCUDAProducerStreamRule: one bucket is filled from three CUDA streams;
-// stream 0 is held back by a spin kernel before it writes its gradient, and
-// that gradient is reported first. The reduction must wait on every
-// producer's event (seed 002); with the engine's wait narrowed to the last
-// producer (waitOnlyLastProducer), it reads the bucket too early and the sum
-// is wrong.
+// TestCUDAProducerStreamRule: one bucket is filled from four CUDA streams;
+// a middle reporter's stream is held back by a spin kernel before it writes
+// its gradient. The reduction must wait on every producer's event (seed
+// 002); with the engine's wait narrowed to the last producer
+// (waitOnlyLastProducer), it reads the bucket too early and the sum is
+// wrong.
 func TestCUDAProducerStreamRule(t *testing.T) {
 	d := needCUDA(t)
-	params := []Param{{Count: 1 << 20, DType: FP32}, {Count: 1000, DType: FP32}, {Count: 3000, DType: FP32}}
+	params := []Param{{Count: 1 << 20, DType: FP32}, {Count: 1000, DType: FP32}, {Count: 3000, DType: FP32}, {Count: 1 << 18, DType: FP32}}
 	group := func(n int) ([]Comm, error) { return NewCUDALocalGroup(n, d) }
-	producerRule(t, params, group, d, func(e *Engine, p int, grad Tensor, s Stream) error {
+	producerRule(t, params, group, d, func(e *Engine, p int, grad Tensor, s Stream, hold bool) (func(), error) {
 		g, err := d.Alloc(grad.count, FP32)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		staged, err := d.Alloc(grad.count, FP32)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		t.Cleanup(func() { d.Free(g); d.Free(staged) }) // after every stream is closed
 		// Upload first: a copy from pageable host memory may hold the host
 		// until the stream gets to it, which would hide the spin below.
 		if err := d.copy(s, staged, grad); err != nil {
-			return err
+			return nil, err
 		}
 		if err := s.Sync(); err != nil {
-			return err
+			return nil, err
 		}
-		if p == 0 {
+		if hold {
 			if err := cudaSpin(s, 300*time.Millisecond); err != nil {
-				return err
+				return nil, err
 			}
 		}
 		// the framework writes the gradient on its stream (device to
 		// device: asynchronous)...
 		if err := d.copy(s, g, staged); err != nil {
-			return err
+			return nil, err
 		}
-		// ...and reports it at once
+		// ...and reports it at once; the spin releases itself
 		_, err = e.GradReady(p, g, s)
-		return err
+		return nil, err
 	})
 }
 

@@ -3,6 +3,7 @@ package zero
 import (
 	"errors"
 	"math"
+	"slices"
 	"testing"
 	"time"
 )
@@ -40,21 +41,58 @@ func TestConfigErrors(t *testing.T) {
 	}
 }
 
-// TestPlanMismatch: ranks that registered different parameters both get
-// ErrPlanMismatch from New, instead of a hang or silent corruption.
+// TestPlanMismatch: ranks that registered different parameters, or set
+// anything that changes the collectives or the arithmetic differently, all
+// get ErrPlanMismatch from New instead of a hang or silent corruption. The
+// parameters are sized so that no setting changes the bucket layout: each
+// must be in the check itself.
 func TestPlanMismatch(t *testing.T) {
+	base := Config{Stage: 2, BucketBytes: 1 << 20, CommDType: BF16, PredivideFactor: 1, GradAccumSteps: 2, Align: 64, Reduction: Mean}
+	params := []Param{{Count: 1024, DType: BF16}, {Count: 512, DType: BF16}}
+	for name, change := range map[string]func(c *Config, p []Param){
+		"parameter count": func(c *Config, p []Param) { p[1].Count = 256 },
+		"Stage":           func(c *Config, p []Param) { c.Stage = 3 },
+		"BucketBytes":     func(c *Config, p []Param) { c.BucketBytes = 2 << 20 },
+		"CommDType":       func(c *Config, p []Param) { c.CommDType = FP32 },
+		"PredivideFactor": func(c *Config, p []Param) { c.PredivideFactor = 2 },
+		"GradAccumSteps":  func(c *Config, p []Param) { c.GradAccumSteps = 0 },
+		"Align":           func(c *Config, p []Param) { c.Align = 128 },
+		"Reduction":       func(c *Config, p []Param) { c.Reduction = Sum },
+	} {
+		comms, _ := NewLocalGroupTimeout(2, 10*time.Second)
+		errs := eachRank(2, func(r int) error {
+			cfg, ps := base, slices.Clone(params)
+			if r == 1 {
+				change(&cfg, ps)
+			}
+			e, err := New(cfg, comms[r], ps)
+			if err == nil {
+				e.Close()
+			}
+			return err
+		})
+		for r, err := range errs {
+			if !errors.Is(err, ErrPlanMismatch) {
+				t.Errorf("%s differs: rank %d: %v, want ErrPlanMismatch", name, r, err)
+			}
+		}
+	}
+	// Settings that change neither: bits are the same with and without them.
 	comms, _ := NewLocalGroupTimeout(2, 10*time.Second)
 	errs := eachRank(2, func(r int) error {
-		params := []Param{{Count: 100, DType: FP32}, {Count: 50 + r, DType: FP32}}
-		e, err := New(Config{Stage: 2, BucketBytes: 1024}, comms[r], params)
+		cfg := base
+		if r == 1 {
+			cfg.Overlap, cfg.StagingBuffers = true, 5
+		}
+		e, err := New(cfg, comms[r], params)
 		if err == nil {
 			e.Close()
 		}
 		return err
 	})
 	for r, err := range errs {
-		if !errors.Is(err, ErrPlanMismatch) {
-			t.Errorf("rank %d: %v, want ErrPlanMismatch", r, err)
+		if err != nil {
+			t.Errorf("Overlap and StagingBuffers differ: rank %d: %v, want no error", r, err)
 		}
 	}
 }
@@ -118,7 +156,7 @@ func TestGradReadyErrors(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if full[1][0] != 1 || full[1][1] != 2 || full[1][2] != 3 || full[0][0] != 0 {
+		if !slices.Equal(full[1], []float32{1, 2, 3}) || !slices.Equal(full[0], make([]float32, 8)) {
 			t.Errorf("stage %d: after refused calls the gradient is %v %v, want [1 2 3] and zeros", stage, full[1], full[0])
 		}
 		e.Close()

@@ -77,6 +77,11 @@ func TestLocalCollectives(t *testing.T) {
 				}
 			}
 			for _, op := range []ReduceOp{OpSum, OpAvg, OpMax} {
+				// Every rank must get the same bits: all-reduces compared
+				// across ranks, and each rank's reduce-scatter chunk with
+				// the same chunk of an all-reduce of the same data.
+				arBits := make([][]float64, n)
+				rsBits := make([][]float64, n)
 				errs := onRanks(n, 10*time.Second, func(c Comm, s *HostStream) error {
 					r := c.Rank()
 					buf := cloneTensor(bufs[r])
@@ -88,6 +93,14 @@ func TestLocalCollectives(t *testing.T) {
 					if err := c.ReduceScatter(s, send, recv, op); err != nil {
 						return err
 					}
+					whole := cloneTensor(rs[r])
+					if err := c.AllReduce(s, whole, op); err != nil {
+						return err
+					}
+					defer func() {
+						arBits[r] = readBack(buf)
+						rsBits[r] = append(readBack(recv), readBack(whole.slice(r*count, count))...)
+					}()
 					ag := cloneTensor(rs[r])
 					if err := c.AllGather(s, ag.slice(r*count, count), ag); err != nil {
 						return err
@@ -129,9 +142,24 @@ func TestLocalCollectives(t *testing.T) {
 						t.Fatal(err)
 					}
 				}
+				for r := range n {
+					for i := range count {
+						if !sameFloat(arBits[r][i], arBits[0][i]) {
+							t.Fatalf("all-reduce n=%d %v %v: rank %d has %g at [%d], rank 0 %g", n, d, op, r, arBits[r][i], i, arBits[0][i])
+						}
+						if !sameFloat(rsBits[r][i], rsBits[r][count+i]) {
+							t.Fatalf("reduce-scatter n=%d %v %v: rank %d has %g at [%d], the all-reduce %g", n, d, op, r, rsBits[r][i], i, rsBits[r][count+i])
+						}
+					}
+				}
 			}
 		}
 	}
+}
+
+// sameFloat says whether a and b are one value, bit for bit (NaN is NaN).
+func sameFloat(a, b float64) bool {
+	return math.Float64bits(a) == math.Float64bits(b) || (math.IsNaN(a) && math.IsNaN(b))
 }
 
 func cloneTensor(t Tensor) Tensor {
@@ -365,13 +393,15 @@ func TestAvgMatchesScaledSum(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			for i := range avg[0] {
-				want := float64(float32(sum[0][i]) * float32(1/float64(n)))
-				if d == FP16 && math.Abs(want) < math.Ldexp(1, -14) {
-					continue // fp16 subnormals round where the scaled sum does not
-				}
-				if avg[0][i] != want {
-					t.Fatalf("n=%d %v: [%d] avg %g, sum/n %g", n, d, i, avg[0][i], want)
+			for r := range n {
+				for i := range avg[r] {
+					want := float64(float32(sum[r][i]) * float32(1/float64(n)))
+					if d == FP16 && math.Abs(want) < math.Ldexp(1, -14) {
+						continue // fp16 subnormals round where the scaled sum does not
+					}
+					if avg[r][i] != want {
+						t.Fatalf("n=%d %v rank %d: [%d] avg %g, sum/n %g", n, d, r, i, avg[r][i], want)
+					}
 				}
 			}
 		}

@@ -18,6 +18,9 @@ func TestHostStreamOrder(t *testing.T) {
 	if err := s.Sync(); err != nil {
 		t.Fatal(err)
 	}
+	if len(got) != 100 {
+		t.Fatalf("%d of 100 items ran", len(got))
+	}
 	for i, v := range got {
 		if v != i {
 			t.Fatalf("item %d ran as %d", i, v)

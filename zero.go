@@ -310,7 +310,7 @@ func (e *Engine) checkPlan() error {
 	for r := range e.world {
 		other := uint64(math.Float32bits(got[2*r])) | uint64(math.Float32bits(got[2*r+1]))<<32
 		if other != h {
-			return errorf(ErrPlanMismatch, "rank %d has plan %016x, rank %d has %016x; register the same parameters (count, dtype, order) with the same Stage, BucketBytes, CommDType, PredivideFactor and GradAccumSteps on every rank", e.rank, h, r, other)
+			return errorf(ErrPlanMismatch, "rank %d has plan %016x, rank %d has %016x; register the same parameters (count, dtype, order) with the same Stage, BucketBytes, CommDType, Reduction, PredivideFactor, GradAccumSteps and Align on every rank", e.rank, h, r, other)
 		}
 	}
 	return nil
