@@ -71,3 +71,7 @@ func NewNCCLFromEnv() (Comm, error) { return nil, noCUDA("NewNCCLFromEnv") }
 // NCCLVersion loads NCCL (library as in NCCLConfig.Library) and returns its
 // version code, e.g. 22707 for 2.27.7.
 func NCCLVersion(library string) (int, error) { return 0, noCUDA("NCCLVersion") }
+
+// GPUMemoryInfo reads every GPU's memory from NVML, which this build does
+// not include.
+func GPUMemoryInfo() ([]GPUMemory, error) { return nil, noCUDA("GPUMemoryInfo") }

@@ -37,6 +37,17 @@ type Device interface {
 	sumSquares(s Stream, x Tensor, out *float64) error
 }
 
+// GPUMemory is one GPU's memory as NVML reports it, in bytes (NVML is
+// compiled only with -tags cuda).
+type GPUMemory struct {
+	Index int
+	Name  string
+	UUID  string
+	Total uint64
+	Used  uint64
+	Free  uint64
+}
+
 // Segment places a source tensor at Offset elements into a flat buffer.
 type Segment struct {
 	Src    Tensor

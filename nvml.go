@@ -1,3 +1,5 @@
+//go:build cuda
+
 package zero
 
 import (
@@ -5,16 +7,6 @@ import (
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 )
-
-// GPUMemory is one GPU's memory as NVML reports it (bytes).
-type GPUMemory struct {
-	Index int
-	Name  string
-	UUID  string
-	Total uint64
-	Used  uint64
-	Free  uint64
-}
 
 // NVML queries GPUs through an nvml.Interface: the real library
 // (nvml.New(), which dlopens libnvidia-ml.so.1 at Init) or a mock such as

@@ -474,37 +474,49 @@ func TestCollectiveCounts(t *testing.T) {
 	}
 }
 
-// TestProducerStreamRule: one bucket is filled from three streams and one
-// of them is held back. The reduction must wait for it (seed 002). With the
-// wait narrowed to the last producer, the same test sees a wrong sum.
+// TestProducerStreamRule: one bucket is filled from four streams, and a
+// middle reporter's stream, drawn from the seed, is held by a gate. The
+// reduction must wait for it (seed 002). The gate opens only once the
+// engine's stream has settled, so a reduction that did not wait has run by
+// then: with the wait narrowed to the last producer (or the first), the
+// test sees a wrong sum every time.
 func TestProducerStreamRule(t *testing.T) {
-	params := []Param{{Count: 4096, DType: FP32}, {Count: 1000, DType: FP32}, {Count: 3000, DType: FP32}}
-	producerRule(t, params, NewLocalGroup, CPU(), func(e *Engine, p int, grad Tensor, s Stream) error {
-		// The framework writes the gradient on its stream, stream 0 late.
-		g := make([]float32, grad.count)
-		if err := s.(*HostStream).Launch(func() error {
-			if p == 0 {
-				time.Sleep(200 * time.Millisecond)
+	params := []Param{{Count: 4096, DType: FP32}, {Count: 1000, DType: FP32}, {Count: 3000, DType: FP32}, {Count: 500, DType: FP32}}
+	producerRule(t, params, NewLocalGroup, CPU(), func(e *Engine, p int, grad Tensor, s Stream, hold bool) (func(), error) {
+		// The framework writes the gradient on its stream, after a gate
+		// for the held one, and reports it at once.
+		hs := s.(*HostStream)
+		gate := make(chan struct{})
+		if hold {
+			if err := hs.Launch(func() error { <-gate; return nil }); err != nil {
+				return nil, err
 			}
-			copy(g, grad.hostFloats())
-			return nil
-		}); err != nil {
-			return err
+		}
+		g := make([]float32, grad.count)
+		if err := hs.Launch(func() error { copy(g, grad.hostFloats()); return nil }); err != nil {
+			return nil, err
 		}
 		_, err := e.GradReady(p, Float32s(g), s)
-		return err
+		return func() {
+			settle(t, e.stream)
+			close(gate)
+		}, err
 	})
 }
 
-// producerRule fills one ZeRO-2 bucket on 2 ranks, reporting each
-// gradient through report, which writes it on stream s, one stream per
-// gradient (the first one late), and hands it to the engine. Waiting on every producer,
-// the mean must be right; with the wait narrowed to the last producer, the
-// test must see a wrong sum.
-func producerRule(t *testing.T, params []Param, group func(int) ([]Comm, error), dev Device, report func(e *Engine, p int, grad Tensor, s Stream) error) {
+// producerRule fills one ZeRO-2 bucket on 2 ranks, reporting each gradient
+// through report, which writes it on stream s, one stream per gradient, and
+// hands it to the engine. One middle reporter is held back (hold): after
+// EndBackward the harness calls the release report returned for it. Waiting
+// on every producer, the mean must be right; with the wait narrowed to the
+// last producer, the test must see a wrong sum.
+func producerRule(t *testing.T, params []Param, group func(int) ([]Comm, error), dev Device, report func(e *Engine, p int, grad Tensor, s Stream, hold bool) (release func(), err error)) {
 	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
 	r := runSpec{stage: 2, world: 2, dtype: FP32, backwards: 1, steps: 1}
-	data := makeWorkload(rand.New(rand.NewSource(seed)), r, params)
+	data := makeWorkload(rng, r, params)
+	held := len(params) - 2 - rng.Intn(len(params)-2) // reported neither first nor last
+	t.Logf("holding the stream of parameter %d", held)
 	run := func(narrow bool) error {
 		waitOnlyLastProducer = narrow
 		defer func() { waitOnlyLastProducer = false }()
@@ -520,18 +532,26 @@ func producerRule(t *testing.T, params []Param, group func(int) ([]Comm, error),
 				return err
 			}
 			defer e.Close()
-			for p := range params {
+			var release func()
+			for p := len(params) - 1; p >= 0; p-- {
 				s, err := dev.NewStream()
 				if err != nil {
 					return err
 				}
 				defer s.Close()
-				if err := report(e, p, data[0][0][rank][p].t, s); err != nil {
+				rel, err := report(e, p, data[0][0][rank][p].t, s, p == held)
+				if err != nil {
 					return err
+				}
+				if p == held {
+					release = rel
 				}
 			}
 			if err := e.EndBackward(); err != nil {
 				return err
+			}
+			if release != nil {
+				release()
 			}
 			if err := e.Step(); err != nil {
 				return err
@@ -584,43 +604,45 @@ func TestCommDTypeFP32(t *testing.T) {
 // TestOverflowFlag: the accumulate pass flags an inf or NaN on the rank
 // that owns it, and the flag clears at the next step.
 func TestOverflowFlag(t *testing.T) {
-	for _, stage := range []int{1, 2} {
-		params := []Param{{Count: 256, DType: FP32}}
-		comms, _ := NewLocalGroup(2)
-		flags := make([][]bool, 2)
-		errs := eachRank(2, func(rank int) error {
-			e, err := New(Config{Stage: stage, BucketBytes: 1 << 20, Align: 1}, comms[rank], params)
-			if err != nil {
-				return err
-			}
-			defer e.Close()
-			s := NewHostStream()
-			defer s.Close()
-			for step := range 2 {
-				g := make([]float32, 256)
-				if step == 0 && rank == 0 {
-					g[200] = float32(math.Inf(1)) // element 200 lives on rank 1's shard
-				}
-				if _, err := e.GradReady(0, Float32s(g), s); err != nil {
+	for _, stage := range []int{1, 2, 3} {
+		for _, overlap := range []bool{false, true} {
+			params := []Param{{Count: 256, DType: FP32}}
+			comms, _ := NewLocalGroup(2)
+			flags := make([][]bool, 2)
+			errs := eachRank(2, func(rank int) error {
+				e, err := New(Config{Stage: stage, BucketBytes: 1 << 20, Align: 1, Overlap: overlap}, comms[rank], params)
+				if err != nil {
 					return err
 				}
-				if err := e.EndBackward(); err != nil {
-					return err
+				defer e.Close()
+				s := NewHostStream()
+				defer s.Close()
+				for step := range 2 {
+					g := make([]float32, 256)
+					if step == 0 && rank == 0 {
+						g[200] = float32(math.Inf(1)) // element 200 lives on rank 1's shard
+					}
+					if _, err := e.GradReady(0, Float32s(g), s); err != nil {
+						return err
+					}
+					if err := e.EndBackward(); err != nil {
+						return err
+					}
+					if err := e.Step(); err != nil {
+						return err
+					}
+					flags[rank] = append(flags[rank], e.Stats().Overflow)
 				}
-				if err := e.Step(); err != nil {
-					return err
+				return nil
+			})
+			for _, err := range errs {
+				if err != nil {
+					t.Fatal(err)
 				}
-				flags[rank] = append(flags[rank], e.Stats().Overflow)
 			}
-			return nil
-		})
-		for _, err := range errs {
-			if err != nil {
-				t.Fatal(err)
+			if flags[0][0] || !flags[1][0] || flags[0][1] || flags[1][1] {
+				t.Errorf("stage %d overlap=%v: overflow flags %v, want rank 1 set on step 0 only", stage, overlap, flags)
 			}
-		}
-		if flags[0][0] || !flags[1][0] || flags[0][1] || flags[1][1] {
-			t.Errorf("stage %d: overflow flags %v, want rank 1 set on step 0 only", stage, flags)
 		}
 	}
 }
