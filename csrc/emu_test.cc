@@ -7,6 +7,13 @@
  * in-place reduce-scatter and the fused all-reduce. (That the GPU's float
  * arithmetic is IEEE, with --fmad=false, is for cuda_test.go on a GPU.)
  *
+ * Both sides include elementwise.h, so a mistake in the shared math would
+ * pass that comparison: every result is also checked, bit for bit, against
+ * a reference written here from the definitions (values decoded by formula,
+ * rounded to each format by arithmetic in double, fp32 arithmetic in the
+ * order the design fixes). And since x86 does not fault on a misaligned
+ * 16-byte access, every vector load and store is checked for alignment.
+ *
  *   make cuda-emu        # builds and runs it; prints "N passed, M failed"
  */
 #include <math.h>
@@ -17,6 +24,8 @@
 #include <random>
 #include <vector>
 
+static long misaligned;
+#define ZC_ALIGNED16(p) (((uintptr_t)(p) & 15) ? (void)misaligned++ : (void)0)
 #include "kernels_dev.cuh"
 extern "C" {
 #include "../kernels.h"
@@ -183,6 +192,64 @@ static void emu_reduce(const zc_red_arg& a, int dt, int op, unsigned grid, bool 
 
 static const int dtypes[3] = {ZERO_F32, ZERO_BF16, ZERO_F16};
 
+/* ---- the independent reference ---------------------------------------------- */
+
+/* The value of bits u in format dt, by formula. */
+static double ref_decode(int dt, uint32_t u) {
+	if (dt != ZERO_F16) {
+		uint32_t w = dt == ZERO_BF16 ? u << 16 : u; /* bf16 is the top half of an fp32 */
+		float f;
+		memcpy(&f, &w, 4);
+		return f;
+	}
+	int e = (int)((u >> 10) & 31), m = (int)(u & 1023);
+	double v = e == 31 ? (m ? NAN : INFINITY) : e == 0 ? ldexp(m, -24) : ldexp(1024 + m, e - 25);
+	return (u & 0x8000u) ? -v : v;
+}
+
+/* x rounded to nearest even into a format of p significant bits whose
+ * normal exponents run from emin to emax (beyond: inf). */
+static double ref_round(double x, int p, int emin, int emax) {
+	if (x != x || x == 0 || isinf(x)) return x;
+	int e;
+	frexp(x, &e); /* |x| in [2^(e-1), 2^e) */
+	int q = (e - 1 < emin ? emin : e - 1) - (p - 1);
+	double r = ldexp(nearbyint(ldexp(x, -q)), q);
+	return fabs(r) >= ldexp(1.0, emax + 1) ? copysign(INFINITY, x) : r;
+}
+
+/* What storing the fp32 value v into format dt gives. */
+static double ref_store(int dt, float v) {
+	return dt == ZERO_F32 ? v : dt == ZERO_BF16 ? ref_round(v, 8, -126, 127) : ref_round(v, 11, -14, 15);
+}
+
+/* Bits got in format dt hold the value want (any NaN for a NaN; zeros by sign). */
+static bool ref_same(int dt, uint32_t got, double want) {
+	double g = ref_decode(dt, got);
+	if (want != want) return g != g;
+	return g == want && signbit(g) == signbit(want);
+}
+
+/* Element i of a segment's source, as fp32, times scale (no multiply at 1). */
+static float ref_scaled(int st, const zc_seg& sg, int64_t i, float scale) {
+	uint32_t u = 0;
+	memcpy(&u, (const char*)sg.ptr + i * dsize(st), (size_t)dsize(st));
+	float v = (float)ref_decode(st, u);
+	return scale == 1.0f ? v : v * scale;
+}
+
+/* A reduction over ranks in rank order, in fp32: sum, sum / n, or max with
+ * NaN winning; stored in dt. */
+static double ref_reduce(int dt, int op, const std::vector<double>& x) {
+	float s = (float)x[0];
+	for (size_t k = 1; k < x.size(); k++) {
+		float v = (float)x[k];
+		s = op == ZERO_MAX ? ((v > s || v != v) ? v : s) : s + v;
+	}
+	if (op == ZERO_AVG) s = s / (float)x.size();
+	return ref_store(dt, s);
+}
+
 /* ---- tests ---------------------------------------------------------------- */
 
 struct layout {
@@ -230,11 +297,29 @@ static void test_flatten_accumulate() {
 					hbuf want(dt, l.total, 0), got(dt, l.total, 0);
 					want.fill(false);
 					memcpy(got.p, want.p, (size_t)(l.total * dsize(dt)));
+					std::vector<double> ref(l.total);
+					std::vector<uint32_t> copied(l.total), is_copy(l.total);
+					for (int64_t i = 0; i < l.total; i++) copied[i] = want.bits(i), is_copy[i] = 1;
+					for (const zc_seg& sg : l.segs)
+						for (int64_t i = 0; i < sg.count; i++) {
+							int64_t at = sg.offset + i;
+							is_copy[at] = st == dt && scale == 1.0f;
+							if (is_copy[at])
+								memcpy(&copied[at], (const char*)sg.ptr + i * dsize(st), (size_t)dsize(st));
+							else
+								ref[at] = ref_store(dt, ref_scaled(st, sg, i, scale));
+						}
 					zero_flatten(want.p, dt, (const zero_seg*)l.segs.data(), (int)l.segs.size(), st, scale, 0, l.total);
 					emu_flatten((char*)got.p, dt, st, d.data(), n, scale, blocks);
 					int64_t at = 0;
 					bool ok = same(got, want, &at);
 					check(ok, "flatten", st * 10 + dt, at, ok ? 0 : got.bits(at), ok ? 0 : want.bits(at));
+					for (at = 0; at < l.total; at++) {
+						bool good = is_copy[at] ? got.bits(at) == copied[at] : ref_same(dt, got.bits(at), ref[at]);
+						if (!good) break;
+					}
+					ok = at == l.total;
+					check(ok, "flatten vs float64 reference", st * 10 + dt, at, ok ? 0 : got.bits(at), 0);
 				}
 			}
 			for (int first = 0; first <= 1; first++) {
@@ -243,6 +328,15 @@ static void test_flatten_accumulate() {
 					want.fill(false);
 					memcpy(got.p, want.p, (size_t)(l.total * 4));
 					float flag = 0;
+					std::vector<double> ref(l.total);
+					bool ref_bad = false;
+					for (int64_t i = 0; i < l.total; i++) ref[i] = ref_decode(ZERO_F32, want.bits(i));
+					for (const zc_seg& sg : l.segs)
+						for (int64_t i = 0; i < sg.count; i++) {
+							float v = ref_scaled(st, sg, i, scale);
+							ref_bad |= isinf(v) || v != v;
+							ref[sg.offset + i] = first ? v : (float)ref[sg.offset + i] + v;
+						}
 					zero_accumulate((float*)want.p, (const zero_seg*)l.segs.data(), (int)l.segs.size(), st, first, scale,
 					                &flag, 0, l.total);
 					bool bad = emu_accumulate((float*)got.p, st, d.data(), n, scale, first, blocks);
@@ -250,6 +344,11 @@ static void test_flatten_accumulate() {
 					bool ok = same(got, want, &at);
 					check(ok, "accumulate", st * 10 + first, at, ok ? 0 : got.bits(at), ok ? 0 : want.bits(at));
 					check(bad == (flag != 0), "accumulate flag", st, first, bad, flag != 0);
+					for (at = 0; at < l.total && ref_same(ZERO_F32, got.bits(at), ref[at]); at++) {
+					}
+					ok = at == l.total;
+					check(ok, "accumulate vs float64 reference", st * 10 + first, at, ok ? 0 : got.bits(at), 0);
+					check(bad == ref_bad, "accumulate flag vs reference", st, first, bad, ref_bad);
 				}
 			}
 			free_layout(l);
@@ -277,6 +376,13 @@ static void test_reductions() {
 							es.push_back((uintptr_t)emu[k]->p);
 							ed.push_back((uintptr_t)emu[k]->p + (uintptr_t)(k * chunk * dsize(dt)));
 						}
+						/* the reference of every output element, before the in-place run */
+						std::vector<double> ref((size_t)(w * chunk));
+						for (int64_t i = 0; i < w * chunk; i++) {
+							std::vector<double> x;
+							for (int k = 0; k < w; k++) x.push_back(ref_decode(dt, host[k]->bits(i)));
+							ref[i] = ref_reduce(dt, op, x);
+						}
 						std::vector<hbuf*> want;
 						for (int j = 0; j < w; j++) {
 							want.push_back(new hbuf(dt, chunk, 0));
@@ -294,6 +400,10 @@ static void test_reductions() {
 							int64_t at = 0;
 							bool ok = same(got, *want[j], &at);
 							check(ok, "reduce", w * 100 + dt * 10 + op, at, ok ? 0 : got.bits(at), ok ? 0 : want[j]->bits(at));
+							for (at = 0; at < chunk && ref_same(dt, got.bits(at), ref[j * chunk + at]); at++) {
+							}
+							ok = at == chunk;
+							check(ok, "reduce vs float64 reference", w * 100 + dt * 10 + op, at, ok ? 0 : got.bits(at), 0);
 						}
 						/* fused all-reduce over fresh data */
 						std::vector<uintptr_t> hb, eb;
@@ -303,6 +413,11 @@ static void test_reductions() {
 							hb.push_back((uintptr_t)host[k]->p);
 							eb.push_back((uintptr_t)emu[k]->p);
 						}
+						for (int64_t i = 0; i < w * chunk; i++) {
+							std::vector<double> x;
+							for (int k = 0; k < w; k++) x.push_back(ref_decode(dt, host[k]->bits(i)));
+							ref[i] = ref_reduce(dt, op, x);
+						}
 						zero_allreduce_fused(hb.data(), w, dt, op, 0, w * chunk);
 						zc_red_setup(&a, eb.data(), 0, eb.data(), w, dt, op, w * chunk);
 						grid = (rng() & 1) ? 2 : zc_grid(a.vec ? w * chunk / ZC_PACK : w * chunk);
@@ -311,6 +426,10 @@ static void test_reductions() {
 							int64_t at = 0;
 							bool ok = same(*emu[k], *host[k], &at);
 							check(ok, "allreduce", w * 100 + dt * 10 + op, at, ok ? 0 : emu[k]->bits(at), ok ? 0 : host[k]->bits(at));
+							for (at = 0; at < w * chunk && ref_same(dt, emu[k]->bits(at), ref[at]); at++) {
+							}
+							ok = at == w * chunk;
+							check(ok, "allreduce vs float64 reference", w * 100 + dt * 10 + op, at, ok ? 0 : emu[k]->bits(at), 0);
 						}
 						for (hbuf* b : host) delete b;
 						for (hbuf* b : emu) delete b;
@@ -349,6 +468,10 @@ static void test_sumsq() {
 		double want = n ? zero_sumsq((const float*)x.p, 0, n) : 0.0;
 		bool ok = fabs(s[0] - want) <= 1e-12 * fabs(want);
 		check(ok, "sumsq", (long)n, 0, 0, 0);
+		long double ref = 0; /* in another order and precision: the bound covers both roundings */
+		for (int64_t i = 0; i < n; i++) ref += (long double)ref_decode(ZERO_F32, x.bits(i)) * ref_decode(ZERO_F32, x.bits(i));
+		ok = fabsl(s[0] - ref) <= 1e-12L * ref;
+		check(ok, "sumsq vs float64 reference", (long)n, 0, 0, 0);
 	}
 }
 
@@ -371,6 +494,7 @@ int main() {
 	test_flatten_accumulate();
 	test_reductions();
 	test_sumsq();
+	check(misaligned == 0, "16-byte accesses on misaligned addresses", misaligned, 0, 0, 0);
 	printf("emu_test: %d passed, %d failed\n", passed, failed);
 	return failed != 0;
 }

@@ -23,7 +23,13 @@
 #define ZC_DEV __device__ __forceinline__
 #define ZC_HD __host__ __device__ __forceinline__
 #define ZC_RESTRICT __restrict__
+#define ZC_ALIGNED16(p) ((void)0)
 #else
+/* A 16-byte access to a misaligned address faults on a GPU but not on x86:
+ * the emulator defines this to catch the vector paths that would. */
+#ifndef ZC_ALIGNED16
+#define ZC_ALIGNED16(p) ((void)0)
+#endif
 /* host emulation: the few CUDA types and intrinsics the bodies use */
 #define ZC_DEV static inline
 #define ZC_HD static inline
@@ -159,6 +165,7 @@ struct zc_raw {
 /* Read-only (non-coherent cache) load, for sources the kernel never writes. */
 template <int T>
 ZC_DEV zc_raw zc_load_raw(const char* p) {
+	ZC_ALIGNED16(p);
 	zc_raw r;
 	r.a = __ldg((const uint4*)p);
 	r.b = T == ZERO_F32 ? __ldg((const uint4*)p + 1) : r.a;
@@ -169,6 +176,7 @@ ZC_DEV zc_raw zc_load_raw(const char* p) {
  * reductions). */
 template <int T>
 ZC_DEV zc_raw zc_load_raw_rw(const char* p) {
+	ZC_ALIGNED16(p);
 	zc_raw r;
 	r.a = *(const uint4*)p;
 	r.b = T == ZERO_F32 ? *((const uint4*)p + 1) : r.a;
@@ -215,6 +223,7 @@ ZC_DEV zc_raw zc_pack(const float v[ZC_PACK]) {
 
 template <int T>
 ZC_DEV void zc_store_raw(char* p, const zc_raw& r) {
+	ZC_ALIGNED16(p);
 	*(uint4*)p = r.a;
 	if (T == ZERO_F32) *((uint4*)p + 1) = r.b;
 }
