@@ -23,7 +23,7 @@ type NCCLConfig struct {
 	// MasterAddr and MasterPort are where rank 0 serves the NCCL unique id
 	// to the other ranks over TCP. Unused with World 1.
 	MasterAddr string
-	MasterPort int
+	MasterPort int // see MasterAddr
 	// Device overrides the device (default: CUDA(LocalRank)).
 	Device Device
 	// BootstrapTimeout bounds the id exchange and ncclCommInitRank

@@ -9,15 +9,16 @@ import (
 // Plan is the partition plan: which bucket holds each parameter, where, and
 // which elements each rank owns. It is the same on every rank.
 type Plan struct {
-	World   int
-	Align   int // shard sizes are multiples of Align elements
-	Buckets []BucketPlan
+	World   int          // ranks the buckets are split across
+	Align   int          // shard sizes are multiples of Align elements
+	Buckets []BucketPlan // in backward order: bucket 0 fills first
+
 	// ParamBucket and ParamOffset place parameter p at ParamOffset[p] in
 	// bucket ParamBucket[p] (−1 for a parameter of zero elements).
 	ParamBucket []int
-	ParamOffset []int
-	ShardElems  int // elements of one rank's shard over all buckets
-	FullElems   int // elements of all buckets, padding included
+	ParamOffset []int // see ParamBucket
+	ShardElems  int   // elements of one rank's shard over all buckets
+	FullElems   int   // elements of all buckets, padding included
 	counts      []int
 }
 
@@ -27,9 +28,9 @@ type Plan struct {
 // in its bucket and a rank owns one contiguous slice of every bucket, so
 // the part is a single range; Count is 0 where the rank holds none of it.
 type ShardRange struct {
-	ParamOffset int
-	ShardOffset int
-	Count       int
+	ParamOffset int // first element of the parameter in the range
+	ShardOffset int // where that element sits in the rank's shard
+	Count       int // elements in the range
 }
 
 // ShardRange returns where rank's shard holds parameter param.
@@ -60,12 +61,12 @@ func (p *Plan) shardRange(param, rank int) ShardRange {
 // BucketPlan is one bucket: members in backward order (the reverse of
 // registration), padded so that it splits evenly into World shards.
 type BucketPlan struct {
-	Params      []int
-	Elems       int // sum of the members' counts
-	Padded      int // Elems rounded up to a multiple of World·Align
-	Shard       int // Padded / World: the elements each rank owns
-	ShardOffset int // where this bucket's shard sits in a rank's shard buffer
-	FlatOffset  int // where this bucket sits in the full flat layout
+	Params      []int // member parameters, in the order they sit in the bucket
+	Elems       int   // sum of the members' counts
+	Padded      int   // Elems rounded up to a multiple of World·Align
+	Shard       int   // Padded / World: the elements each rank owns
+	ShardOffset int   // where this bucket's shard sits in a rank's shard buffer
+	FlatOffset  int   // where this bucket sits in the full flat layout
 }
 
 // newPlan cuts buckets of at most bucketBytes of model-dtype gradient from

@@ -40,18 +40,18 @@ type Device interface {
 // GPUMemory is one GPU's memory as NVML reports it, in bytes (NVML is
 // compiled only with -tags cuda).
 type GPUMemory struct {
-	Index int
-	Name  string
-	UUID  string
-	Total uint64
-	Used  uint64
-	Free  uint64
+	Index int    // NVML's device index
+	Name  string // e.g. "NVIDIA H100 80GB HBM3"
+	UUID  string // "GPU-…"
+	Total uint64 // bytes of device memory
+	Used  uint64 // bytes in use, by every process
+	Free  uint64 // bytes free
 }
 
 // Segment places a source tensor at Offset elements into a flat buffer.
 type Segment struct {
-	Src    Tensor
-	Offset int
+	Src    Tensor // the elements to place
+	Offset int    // where the first one goes, in elements of the buffer
 }
 
 // CPU returns the host device: buffers in RAM, kernels in host C, streams

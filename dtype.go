@@ -10,12 +10,14 @@ import (
 // codes match ZERO_F32/ZERO_BF16/ZERO_F16 of elementwise.h.
 type DType int
 
+// The dtypes of gradients, buckets and buffers.
 const (
-	FP32 DType = iota + 1
-	BF16
-	FP16
+	FP32 DType = iota + 1 // IEEE binary32
+	BF16                  // bfloat16: fp32's exponent, 8 significant bits
+	FP16                  // IEEE binary16
 )
 
+// Size is the bytes of one element.
 func (d DType) Size() int {
 	if d == FP32 {
 		return 4
@@ -25,6 +27,7 @@ func (d DType) Size() int {
 
 func (d DType) valid() bool { return d == FP32 || d == BF16 || d == FP16 }
 
+// String names the dtype as "fp32", "bf16" or "fp16".
 func (d DType) String() string {
 	switch d {
 	case FP32:
@@ -72,10 +75,17 @@ func RawTensor(ptr uintptr, count int, d DType) Tensor {
 	return Tensor{ptr: ptr, count: count, dtype: d}
 }
 
+// Ptr is the address of the first element.
 func (t Tensor) Ptr() uintptr { return t.ptr }
-func (t Tensor) Len() int     { return t.count }
+
+// Len is the number of elements.
+func (t Tensor) Len() int { return t.count }
+
+// DType is the element type.
 func (t Tensor) DType() DType { return t.dtype }
-func (t Tensor) Bytes() int   { return t.count * t.dtype.Size() }
+
+// Bytes is the size in bytes.
+func (t Tensor) Bytes() int { return t.count * t.dtype.Size() }
 
 // slice returns elements [lo, lo+n) of t.
 func (t Tensor) slice(lo, n int) Tensor {

@@ -15,6 +15,7 @@ type CUDAError struct {
 	Device int    // the device ordinal, -1 when none applies
 }
 
+// Error says what failed, where, and what to do about it.
 func (e *CUDAError) Error() string {
 	dev := ""
 	if e.Device >= 0 {
@@ -23,6 +24,7 @@ func (e *CUDAError) Error() string {
 	return fmt.Sprintf("%v: %s%s: %s (%d): %s%s", ErrCUDA, e.Op, dev, e.Name, e.Code, e.Text, cudaHint(e.Code))
 }
 
+// Unwrap makes errors.Is(err, ErrCUDA) true.
 func (e *CUDAError) Unwrap() error { return ErrCUDA }
 
 // cudaHint adds what to do for the errors a user can act on.
@@ -49,10 +51,11 @@ type NCCLError struct {
 	Name string // e.g. "ncclRemoteError"
 	Text string // ncclGetErrorString
 	Op   string // e.g. "AllReduce(4096 × bf16, sum)"
-	Rank int
+	Rank int    // the rank that saw the error
 	Last string // ncclGetLastError, when NCCL said more
 }
 
+// Error says what failed on which rank, with NCCL's own words.
 func (e *NCCLError) Error() string {
 	s := fmt.Sprintf("%v: rank %d: %s: %s (%d): %s", ErrNCCL, e.Rank, e.Op, e.Name, e.Code, e.Text)
 	if e.Last != "" {
@@ -61,6 +64,7 @@ func (e *NCCLError) Error() string {
 	return s
 }
 
+// Unwrap makes errors.Is(err, ErrNCCL) true.
 func (e *NCCLError) Unwrap() error { return ErrNCCL }
 
 // ncclResultName names an ncclResult_t value.
@@ -83,10 +87,12 @@ type NVMLError struct {
 	Op   string // e.g. "Init"
 }
 
+// Error says which NVML call failed and why.
 func (e *NVMLError) Error() string {
 	return fmt.Sprintf("%v: %s: %s (%d)%s", ErrNVML, e.Op, e.Name, e.Code, nvmlHint(e.Name))
 }
 
+// Unwrap makes errors.Is(err, ErrNVML) true.
 func (e *NVMLError) Unwrap() error { return ErrNVML }
 
 func nvmlHint(name string) string {

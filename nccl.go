@@ -8,12 +8,14 @@ import (
 // ReduceOp combines values across ranks. The codes match elementwise.h.
 type ReduceOp int
 
+// The reductions every communicator supports.
 const (
-	OpSum ReduceOp = iota
-	OpAvg
-	OpMax
+	OpSum ReduceOp = iota // Σ over ranks
+	OpAvg                 // Σ over ranks / W (ncclAvg on NCCL)
+	OpMax                 // max over ranks; a NaN wins
 )
 
+// String names the op as "sum", "avg" or "max".
 func (o ReduceOp) String() string {
 	switch o {
 	case OpSum:
@@ -52,6 +54,7 @@ type Comm interface {
 // CollectiveKind names a collective in the counters.
 type CollectiveKind int
 
+// The collectives the counters tell apart.
 const (
 	KindAllReduce CollectiveKind = iota
 	KindReduceScatter
@@ -60,6 +63,7 @@ const (
 	numKinds
 )
 
+// String names the kind as NCCL does, e.g. "reduce_scatter".
 func (k CollectiveKind) String() string {
 	return [...]string{"all_reduce", "reduce_scatter", "all_gather", "broadcast"}[k]
 }
@@ -70,9 +74,9 @@ func (k CollectiveKind) String() string {
 // model: reduce-scatter, all-gather and broadcast send (W−1)/W of the
 // payload per rank, all-reduce twice that.
 type CollectiveCount struct {
-	Calls        int64
-	PayloadBytes int64
-	WireBytes    int64
+	Calls        int64 // collectives issued
+	PayloadBytes int64 // bytes of their full buffers
+	WireBytes    int64 // bytes each rank sends, in the ring model
 }
 
 // CommCounters holds one count per collective kind.

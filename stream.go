@@ -138,6 +138,7 @@ type hostEvent struct {
 // must know a caller is waiting.
 var hostSyncsBlocked atomic.Int64
 
+// Record enqueues a marker; its event fires when the work before it has run.
 func (s *HostStream) Record() (Event, error) {
 	e := &hostEvent{fired: make(chan struct{})}
 	err := s.enqueue(hostOp{control: true, fn: func() error {
@@ -152,6 +153,7 @@ func (s *HostStream) Record() (Event, error) {
 	return e, nil
 }
 
+// Wait makes the stream's later work wait for e, an event of a host stream.
 func (s *HostStream) Wait(e Event) error {
 	if e == nil {
 		return nil
@@ -183,6 +185,8 @@ func (s *HostStream) settled() bool {
 	return len(s.queue) == 0 && s.idle
 }
 
+// Sync blocks until the work enqueued so far has run, and returns the
+// stream's first error.
 func (s *HostStream) Sync() error {
 	e, err := s.Record()
 	if err != nil {

@@ -4,7 +4,7 @@ package zero
 // the reduced gradient), where the plan puts it. The buffer may be device
 // memory, so a View is read and written by copies on the engine's stream.
 type View struct {
-	Param int
+	Param int // the parameter's index at registration
 	ShardRange
 	e     *Engine
 	buf   Tensor // the whole shard buffer

@@ -50,6 +50,7 @@ const (
 	Sum
 )
 
+// String names the reduction as "mean" or "sum".
 func (r Reduction) String() string {
 	switch r {
 	case Mean:
@@ -67,9 +68,9 @@ func DefaultConfig() Config {
 
 // Param describes a parameter at registration.
 type Param struct {
-	Name  string
-	Count int
-	DType DType
+	Name  string // for error messages
+	Count int    // elements; 0 is allowed (the parameter gets no bucket)
+	DType DType  // the gradient's dtype: one for all parameters of an engine
 }
 
 // resolve checks the config and fills in its defaults; model is the
@@ -319,8 +320,10 @@ func (e *Engine) checkPlan() error {
 // Plan returns the partition plan.
 func (e *Engine) Plan() *Plan { return e.plan }
 
-// Rank and World are the communicator's.
-func (e *Engine) Rank() int  { return e.rank }
+// Rank is this engine's rank in its communicator.
+func (e *Engine) Rank() int { return e.rank }
+
+// World is the number of ranks.
 func (e *Engine) World() int { return e.world }
 
 func (e *Engine) usable(op string) error {
@@ -801,7 +804,7 @@ func (e *Engine) agreeOnWindow() (int, error) {
 
 // Stats describes one step.
 type Stats struct {
-	Step int
+	Step int // the step's index, from 0
 	// Backwards is the number of backwards G in the window.
 	Backwards int
 	// Collectives is what the engine moved for the step on this rank, by
@@ -818,7 +821,7 @@ type Stats struct {
 	// shard, ZeRO-1's local accumulator and the staging buffers. The peak
 	// is over the window; it starts again from the resident bytes at Step.
 	PeakGradBytes     int64
-	ResidentGradBytes int64
+	ResidentGradBytes int64 // see PeakGradBytes
 	// Overflow is set when a reduced gradient on this rank was inf or NaN.
 	Overflow bool
 	// DeviceMemory is every GPU's memory as NVML reports it after the step
