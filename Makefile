@@ -1,11 +1,15 @@
 # zero: make test (vet + race tests), make demo (the benchmark table on the
 # CPU), make bench (go test benchmarks), make cuda / make gpu-test (GPU path).
 GO ?= go
+SHELL := bash
 
 .PHONY: test demo bench
+# Each test's result (and its seed) prints as it finishes; a failure prints
+# in full. -v output minus the RUN/PAUSE/CONT lines, with the exit status kept.
 test:
 	$(GO) vet ./...
-	$(GO) test -race -count=1 ./...
+	set -o pipefail; $(GO) test -race -count=1 -v ./... 2>&1 | grep -v -E '^=== (RUN|PAUSE|CONT|NAME)'
+
 
 demo:
 	$(GO) run ./cmd/demo

@@ -1,9 +1,11 @@
 package zero
 
 import (
+	"bytes"
 	"go/ast"
 	"go/parser"
 	"go/token"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -80,4 +82,21 @@ func exportedReceiver(recv *ast.FieldList) bool {
 	}
 	id, ok := typ.(*ast.Ident)
 	return ok && id.IsExported()
+}
+
+// TestReadmeQuotesTheExample: the README's program is example_test.go's
+// Example, word for word, so the README's code compiles and runs.
+func TestReadmeQuotesTheExample(t *testing.T) {
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := os.ReadFile("example_test.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := string(src[bytes.Index(src, []byte("func Example()")):])
+	if !strings.Contains(string(readme), "```go\n"+strings.TrimRight(body, "\n")+"\n```") {
+		t.Error("README.md does not quote example_test.go from func Example() to its end; copy it into the README's Use it section")
+	}
 }

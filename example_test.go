@@ -2,35 +2,79 @@ package zero_test
 
 import (
 	"fmt"
+	"sync"
 
 	"zero"
 )
 
-// The backward protocol on one rank: register, hand over each gradient as
-// backward produces it (here from two streams), end the backward, step,
-// and read the reduced fp32 shard.
+// Two ranks in one process reduce the gradients of a two-parameter model
+// over two backwards. Each rank keeps its shard of the mean gradient and
+// reads its part of parameter w through a view.
 func Example() {
-	comms, _ := zero.NewLocalGroup(1)
-	params := []zero.Param{{Name: "w", Count: 4, DType: zero.FP32}, {Name: "b", Count: 2, DType: zero.FP32}}
-	e, err := zero.New(zero.Config{Stage: 2, BucketBytes: 1 << 20, Overlap: true}, comms[0], params)
+	comms, err := zero.NewLocalGroup(2)
 	if err != nil {
 		panic(err)
 	}
-	defer e.Close()
-	s0, s1 := zero.NewHostStream(), zero.NewHostStream()
-	defer s0.Close()
-	defer s1.Close()
+	params := []zero.Param{
+		{Name: "w", Count: 4, DType: zero.FP32},
+		{Name: "b", Count: 2, DType: zero.FP32},
+	}
+	out := make([]string, len(comms))
+	var wg sync.WaitGroup
+	for r, comm := range comms {
+		wg.Add(1)
+		go func() { // one goroutine per rank
+			defer wg.Done()
+			out[r] = trainStep(comm, params)
+		}()
+	}
+	wg.Wait()
+	fmt.Print(out[0], out[1])
+	// Output:
+	// rank 0: w[0:1] = [2.25]
+	// rank 1: w[1:4] = [4.5 6.75 9]
+}
 
-	// Backward yields gradients in reverse registration order.
-	e.GradReady(1, zero.Float32s([]float32{0.5, -1}), s1)
-	e.GradReady(0, zero.Float32s([]float32{1, 2, 3, 4}), s0)
-	if err := e.EndBackward(); err != nil {
-		panic(err)
+// trainStep is one rank's step: two backwards, Step, and a read of its part
+// of w's gradient.
+func trainStep(comm zero.Comm, params []zero.Param) string {
+	// Align 1 lets this tiny model split across both ranks; the default
+	// (64 elements) suits real models.
+	e, err := zero.New(zero.Config{Stage: 2, BucketBytes: 1 << 20, Align: 1}, comm, params)
+	if err != nil {
+		return err.Error()
 	}
+	defer e.Close()
+	stream := zero.NewHostStream() // the stream the framework's backward runs on
+	defer stream.Close()
+
+	for k := 1; k <= 2; k++ {
+		// Backward yields gradients in reverse registration order. Here
+		// element i of every gradient is k·(rank+1)·(i+1).
+		for p := len(params) - 1; p >= 0; p-- {
+			g := make([]float32, params[p].Count)
+			for i := range g {
+				g[i] = float32(k * (comm.Rank() + 1) * (i + 1))
+			}
+			if _, err := e.GradReady(p, zero.Float32s(g), stream); err != nil {
+				return err.Error()
+			}
+		}
+		if err := e.EndBackward(); err != nil {
+			return err.Error()
+		}
+	}
+	// The mean over 2 ranks and 2 backwards: (1+2)·(1+2)·(i+1)/4.
 	if err := e.Step(); err != nil {
-		panic(err)
+		return err.Error()
 	}
-	shard, _ := e.GradShard()
-	fmt.Println(shard[:6]) // bucket layout: b, then w
-	// Output: [0.5 -1 1 2 3 4]
+	w, err := e.GradView(0)
+	if err != nil {
+		return err.Error()
+	}
+	got := make([]float32, w.Count)
+	if err := w.Read(got); err != nil {
+		return err.Error()
+	}
+	return fmt.Sprintf("rank %d: w[%d:%d] = %v\n", e.Rank(), w.ParamOffset, w.ParamOffset+w.Count, got)
 }

@@ -1,6 +1,3 @@
-// Package zero partitions gradients, optimizer state and (stage 3)
-// parameters across data-parallel ranks, as DeepSpeed's ZeRO does, and
-// reduces gradients in buckets while backward runs. See DESIGN.md.
 package zero
 
 import (

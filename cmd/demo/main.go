@@ -43,7 +43,7 @@ func main() {
 			fail(err)
 		}
 		for _, overlap := range []bool{true, false} {
-			cfg := zero.Config{Stage: stage, BucketBytes: *bucketMiB << 20, Overlap: overlap, GradAccumSteps: *backwards}
+			cfg := zero.Config{Stage: stage, BucketBytes: *bucketMiB << 20, Overlap: overlap}
 			row, err := run(cfg, params, data, *steps)
 			if err != nil {
 				fail(err)
@@ -54,8 +54,9 @@ func main() {
 				ms(row.wall), ms(row.stats.ReduceTime), row.maxErr)
 		}
 	}
-	fmt.Println("\nper rank; collectives, payload and wire are per step (wire: ring model); memory is gradient memory")
-	fmt.Println("(fp32 shard, ZeRO-1's fp32 local sums, bucket staging); max err: relative to Σ|g|, against a float64 mean")
+	fmt.Println("\nper rank; collectives, payload and wire are per step (wire: ring model; collectives include Step's")
+	fmt.Println("8-byte window check); memory is gradient memory (fp32 shard, ZeRO-1's fp32 local sums, bucket staging);")
+	fmt.Println("max err: relative to Σ|g|, against a float64 mean")
 }
 
 func mlp(layers, hidden int) []zero.Param {

@@ -1,0 +1,31 @@
+// Package zero reduces the gradients of data-parallel training the way
+// DeepSpeed's ZeRO does, for Go training stacks: each of W ranks keeps only
+// its shard of the reduced gradient, and gradients are reduce-scattered in
+// buckets while backward is still running.
+//
+// What it does today:
+//
+//   - New cuts the registered parameters into buckets (in backward order,
+//     each padded to split evenly into W shards) and checks that every rank
+//     built the same plan.
+//   - The framework hands over each gradient as backward produces it, on the
+//     stream that wrote it (GradReady, or GradsReady for several at once).
+//     The engine flattens it into its bucket, waits for every stream that
+//     wrote into the bucket, reduce-scatters the bucket and accumulates this
+//     rank's part into an fp32 shard: every backward at stages 2 and 3, once
+//     per step at stage 1 (which sums locally in fp32 until then).
+//   - Step closes the window of backwards since the last Step. After it, the
+//     shard holds the mean over ranks and backwards (or the sum, with
+//     Reduction Sum); GradShard, FullGrads and per-parameter views
+//     (GradView) read it.
+//   - Without a GPU, the kernels are host C and N ranks run in one process
+//     (NewLocalGroup). With -tags cuda they are CUDA C, and ranks talk over
+//     NCCL (NewNCCL) or share one GPU (NewCUDALocalGroup).
+//
+// Not yet: the partitioned optimizer step, ZeRO-3's parameter sharding
+// (stage 3 reduces gradients as stage 2 does), coalesced windows and CPU
+// offload. DESIGN.md in the repository says how each will work.
+//
+// Each rank's Engine is driven from one goroutine. Errors are typed
+// (errors.Is with ErrProtocol, ErrMismatch, …) and say what to change.
+package zero
