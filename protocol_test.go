@@ -595,24 +595,16 @@ func TestGradViews(t *testing.T) {
 			params := testParams(FP32)
 			r := runSpec{stage: stage, world: world, dtype: FP32, backwards: 2, steps: 1, bucket: 700, predivide: 1}
 			data := makeWorkload(rng, r, params)
-			comms, _ := NewLocalGroupTimeout(world, 20*time.Second)
 			covered := make([][]int, len(params))
 			for p, q := range params {
 				covered[p] = make([]int, q.Count)
 			}
 			var mu sync.Mutex
-			errs := eachRank(world, func(rank int) error {
-				e, err := New(Config{Stage: stage, BucketBytes: r.bucket}, comms[rank], params)
-				if err != nil {
-					return err
-				}
-				defer e.Close()
-				s := NewHostStream()
-				defer s.Close()
+			errs := onEngines(world, 20*time.Second, Config{Stage: stage, BucketBytes: r.bucket}, params, func(e *Engine, s *HostStream) error {
 				for k := range r.backwards {
 					grads := make([]Tensor, len(params))
 					for p := range params {
-						grads[p] = data[0][k][rank][p].t
+						grads[p] = data[0][k][e.Rank()][p].t
 					}
 					if err := backward(e, s, grads); err != nil {
 						return err
