@@ -16,7 +16,7 @@ func Example() {
 		panic(err)
 	}
 	params := []zero.Param{
-		{Name: "w", Count: 4, DType: zero.FP32},
+		{Name: "w", Count: 6, DType: zero.FP32},
 		{Name: "b", Count: 2, DType: zero.FP32},
 	}
 	out := make([]string, len(comms))
@@ -32,7 +32,7 @@ func Example() {
 	fmt.Print(out[0], out[1])
 	// Output:
 	// rank 0: w[0:1] = [2.25]
-	// rank 1: w[1:4] = [4.5 6.75 9]
+	// rank 1: w[1:6] = [4.5 6.75 9 11.25 13.5]
 }
 
 // trainStep is one rank's step: two backwards, Step, and a read of its part

@@ -398,7 +398,7 @@ func TestCloseWaitsAndFreesEverything(t *testing.T) {
 					}
 					pending = append(pending, ev)
 				}
-				for _, done := range e.reducing {
+				for _, done := range e.pl.reducing {
 					pending = append(pending, done)
 				}
 				var early atomic.Bool

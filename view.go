@@ -24,7 +24,7 @@ func (e *Engine) GradView(param int) (View, error) {
 	if err != nil {
 		return View{}, err
 	}
-	return View{Param: param, ShardRange: rg, e: e, buf: e.shard, check: e.readable,
+	return View{Param: param, ShardRange: rg, e: e, buf: e.pl.shard, check: e.readable,
 		scale: func() float32 { return e.readScale }}, nil
 }
 

@@ -1,6 +1,7 @@
 package zero
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -143,58 +144,29 @@ type Engine struct {
 	rank   int
 	world  int
 
-	stream  Stream // the engine's own: reductions under Overlap, gathers, copies
-	shard   Tensor // fp32 reduced gradient shard: the concatenation of bucket shards
-	local   Tensor // fp32 full-size local accumulator (ZeRO-1)
-	flag    Tensor // fp32 overflow flag raised by accumulate
-	window  Tensor // fp32 pair for Step's check that ranks agree on the window
-	pool    *stagingPool
-	buckets []bucketState
-	mem     memoryMeter
-
-	prescale, postscale float32
-	reduceOp            ReduceOp // OpAvg where dividing by W is exact, else OpSum
+	// The engine's own streams: reductions (under Overlap) and Step's
+	// collectives; gathers of the shards (FullGrads); copies to the host.
+	reduceStream, gatherStream, copyStream Stream
+	pl                                     *pipeline
+	window                                 Tensor // fp32 pair for Step's check that ranks agree on the window
 
 	// backward state
-	reported    []bool        // this backward
-	localDirty  []bool        // ZeRO-1: written since the last flush
-	localWriter []streamEvent // ZeRO-1: the last write of each parameter's sum
-	nextIssue   int           // reductions are issued in bucket order on every rank
-	inBackward  bool
-	boundary    bool
-	lastStream  Stream
-	reducing    map[Stream]Event // the last reduction issued on each stream since the last sync
+	inBackward bool
+	boundary   bool
+	lastStream Stream
 
 	// window state
-	backwards   int // backwards since the last Step
-	unflushed   bool
-	stepIndex   int
-	sent        CommCounters // the engine's own collectives in this window
-	reduceTimes [][2]Event
-	readScale   float32 // the mean's 1/G, applied by whatever reads the shard
-	stats       Stats
-	failed      error
-	closed      bool
+	backwards int // backwards since the last Step
+	stepIndex int
+	readScale float32 // the mean's 1/G, applied by whatever reads the shard
+	stats     Stats
+	failed    error
+	closed    bool
 }
 
-type streamEvent struct {
-	stream Stream
-	event  Event
-}
-
-// bucketState is a bucket's progress through the current backward.
-type bucketState struct {
-	reported  int
-	stage     *staging
-	producers map[Stream]Event // the last event of every stream that wrote into the bucket
-	last      Event
-	copyFirst bool  // the next accumulate into the shard copies instead of adding
-	reduced   Event // the bucket's last reduction has finished (and read ZeRO-1's sums)
-}
-
-// waitOnlyLastProducer narrows the producer wait to the latest stream, the
-// bug of seed 002. Only the test that shows the rule is needed sets it.
-var waitOnlyLastProducer = false
+// stageModes is how each stage reduces its buckets: ZeRO-1 sums locally
+// and reduces once per window; ZeRO-2 and ZeRO-3 stream every backward.
+var stageModes = [...]bucketMode{1: local, 2: streamed, 3: streamed}
 
 // New builds the partition plan and the engine for comm's rank. Every rank
 // calls it with the same config and parameters; plans that differ between
@@ -213,11 +185,7 @@ func New(cfg Config, comm Comm, params []Param) (*Engine, error) {
 	if err := cfg.resolve(model); err != nil {
 		return nil, err
 	}
-	e := &Engine{
-		cfg: cfg, comm: comm, dev: comm.Device(), params: append([]Param(nil), params...),
-		rank: comm.Rank(), world: comm.Size(),
-		reducing: map[Stream]Event{},
-	}
+	e := &Engine{cfg: cfg, comm: comm, dev: comm.Device(), params: append([]Param(nil), params...), rank: comm.Rank(), world: comm.Size()}
 	if err := e.init(); err != nil {
 		e.Close()
 		return nil, err
@@ -227,88 +195,75 @@ func New(cfg Config, comm Comm, params []Param) (*Engine, error) {
 
 func (e *Engine) init() error {
 	e.plan = newPlan(e.params, e.cfg.BucketBytes, e.world, e.cfg.Align)
-	e.prescale = float32(1 / e.cfg.PredivideFactor)
-	// The 1/W of the mean goes into the reduction (ncclAvg) where dividing by
-	// W is exact, a power of two: the same bits as a sum scaled afterwards,
-	// and no overflow of a half-precision sum on the wire. Elsewhere it goes
-	// into the accumulate's post-scale. The 1/G is known only at Step.
-	e.reduceOp, e.postscale = OpSum, float32(e.cfg.PredivideFactor)
-	if e.cfg.Reduction == Mean {
-		e.postscale = float32(e.cfg.PredivideFactor / float64(e.world))
-		if e.world&(e.world-1) == 0 {
-			e.reduceOp, e.postscale = OpAvg, float32(e.cfg.PredivideFactor)
+	for _, s := range []*Stream{&e.reduceStream, &e.gatherStream, &e.copyStream} {
+		var err error
+		if *s, err = e.dev.NewStream(); err != nil {
+			return err
 		}
-	}
-	var err error
-	if e.stream, err = e.dev.NewStream(); err != nil {
-		return err
 	}
 	if err := e.checkPlan(); err != nil {
 		return err
 	}
-	if e.shard, err = e.alloc(e.plan.ShardElems); err != nil {
-		return err
+	spec := pipelineSpec{
+		rank: e.rank, world: e.world, commDType: e.cfg.CommDType, overlap: e.cfg.Overlap,
+		staging: e.cfg.StagingBuffers, modes: make([]bucketMode, len(e.plan.Buckets)),
+		prescale: float32(1 / e.cfg.PredivideFactor), reduceOp: OpSum, postscale: float32(e.cfg.PredivideFactor),
 	}
-	if e.cfg.Stage == 1 {
-		if e.local, err = e.alloc(e.plan.FullElems); err != nil {
-			return err
+	for b := range spec.modes {
+		spec.modes[b] = stageModes[e.cfg.Stage]
+	}
+	// The 1/W of the mean goes into the reduction (ncclAvg) where dividing by
+	// W is exact, a power of two: the same bits as a sum scaled afterwards,
+	// and no overflow of a half-precision sum on the wire. Elsewhere it goes
+	// into the accumulate's post-scale. The 1/G is known only at Step.
+	if e.cfg.Reduction == Mean {
+		spec.postscale = float32(e.cfg.PredivideFactor / float64(e.world))
+		if e.world&(e.world-1) == 0 {
+			spec.reduceOp, spec.postscale = OpAvg, float32(e.cfg.PredivideFactor)
 		}
 	}
-	if e.flag, err = e.dev.Alloc(1, FP32); err != nil {
+	var err error
+	if e.pl, err = newPipeline(spec, e.plan, e.dev, e.comm, e.reduceStream); err != nil {
 		return err
 	}
-	if e.window, err = e.dev.Alloc(2, FP32); err != nil {
-		return err
-	}
-	e.pool = &stagingPool{dev: e.dev, elems: e.plan.MaxBucket(), dtype: e.cfg.CommDType, mem: &e.mem}
-	if err := e.pool.grow(e.cfg.StagingBuffers); err != nil {
-		return err
-	}
-	e.buckets = make([]bucketState, len(e.plan.Buckets))
-	for i := range e.buckets {
-		e.buckets[i] = bucketState{producers: map[Stream]Event{}, copyFirst: true}
-	}
-	e.reported = make([]bool, len(e.params))
-	e.localDirty = make([]bool, len(e.params))
-	e.localWriter = make([]streamEvent, len(e.params))
-	return nil
+	e.window, err = e.dev.Alloc(2, FP32)
+	return err
 }
 
-func (e *Engine) alloc(n int) (Tensor, error) {
-	t, err := e.dev.Alloc(n, FP32)
-	if err == nil {
-		e.mem.add(int64(t.Bytes()))
-	}
-	return t, err
-}
-
-// checkPlan all-gathers the plan's hash, so ranks that registered different
-// parameters or settings fail here instead of hanging later.
+// checkPlan all-gathers a hash of the plan and of every setting that
+// changes the collectives or the arithmetic, so ranks that registered
+// different parameters or settings fail here instead of hanging later.
 func (e *Engine) checkPlan() error {
-	h := e.plan.hash(&e.cfg, e.params)
-	mine := []float32{math.Float32frombits(uint32(h)), math.Float32frombits(uint32(h >> 32))}
+	h := newHasher()
+	for _, v := range []int64{int64(e.plan.Fingerprint()), int64(e.world), int64(e.cfg.Align), int64(e.cfg.Stage), int64(e.cfg.BucketBytes),
+		int64(e.cfg.Reduction), int64(e.cfg.CommDType), int64(e.cfg.GradAccumSteps), int64(math.Float64bits(e.cfg.PredivideFactor))} {
+		h.put(v)
+	}
+	mine := h.sum()
+	words := []float32{math.Float32frombits(uint32(mine)), math.Float32frombits(uint32(mine >> 32))}
 	all, err := e.dev.Alloc(2*e.world, FP32)
 	if err != nil {
 		return err
 	}
 	defer e.dev.Free(all)
 	got := make([]float32, 2*e.world)
-	if err := e.dev.copy(e.stream, all.slice(2*e.rank, 2), Float32s(mine)); err != nil {
+	s := e.reduceStream
+	if err := e.dev.copy(s, all.slice(2*e.rank, 2), Float32s(words)); err != nil {
 		return err
 	}
-	if err := e.comm.AllGather(e.stream, all.slice(2*e.rank, 2), all); err != nil {
+	if err := e.comm.AllGather(s, all.slice(2*e.rank, 2), all); err != nil {
 		return err
 	}
-	if err := e.dev.copy(e.stream, Float32s(got), all); err != nil {
+	if err := e.dev.copy(s, Float32s(got), all); err != nil {
 		return err
 	}
-	if err := e.stream.Sync(); err != nil {
+	if err := s.Sync(); err != nil {
 		return err
 	}
 	for r := range e.world {
 		other := uint64(math.Float32bits(got[2*r])) | uint64(math.Float32bits(got[2*r+1]))<<32
-		if other != h {
-			return errorf(ErrPlanMismatch, "rank %d has plan %016x, rank %d has %016x; register the same parameters (count, dtype, order) with the same Stage, BucketBytes, CommDType, Reduction, PredivideFactor, GradAccumSteps and Align on every rank", e.rank, h, r, other)
+		if other != mine {
+			return errorf(ErrPlanMismatch, "rank %d has plan %016x, rank %d has %016x; register the same parameters (count, dtype, order) with the same Stage, BucketBytes, CommDType, Reduction, PredivideFactor, GradAccumSteps and Align on every rank", e.rank, mine, r, other)
 		}
 	}
 	return nil
@@ -333,9 +288,16 @@ func (e *Engine) usable(op string) error {
 	return nil
 }
 
+func (e *Engine) fail(err error) error {
+	if e.failed == nil {
+		e.failed = err
+	}
+	return err
+}
+
 // SetBoundary(true) before the last backward of a step lets its deferred
-// reductions (ZeRO-1) overlap with that backward. It lasts until
-// EndBackward. Gradients still sum over every backward since the last
+// reductions (ZeRO-1's local buckets) overlap with that backward. It lasts
+// until EndBackward. Gradients still sum over every backward since the last
 // Step: a boundary never drops earlier backwards.
 func (e *Engine) SetBoundary(b bool) { e.boundary = b }
 
@@ -380,7 +342,7 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 		return nil, nil // only empty parameters: nothing to read
 	}
 	for k, b := range order {
-		if err := e.gather(b, groups[k], params, grads, stream); err != nil {
+		if err := e.pl.take(b, groups[k], params, grads, stream); err != nil {
 			return nil, e.fail(err)
 		}
 	}
@@ -389,20 +351,10 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 		return nil, e.fail(err)
 	}
 	for k, b := range order {
-		bs := &e.buckets[b]
-		bs.producers[stream] = ev
-		bs.last = ev
-		bs.reported += len(groups[k])
-		if e.cfg.Stage == 1 {
-			for _, i := range groups[k] {
-				e.localWriter[params[i]] = streamEvent{stream, ev}
-			}
-		}
+		e.pl.produced(b, groups[k], params, stream, ev)
 	}
-	if e.cfg.Stage > 1 || e.boundary {
-		if err := e.issueReady(stream, false); err != nil {
-			return nil, err
-		}
+	if err := e.pl.issueReady(stream, false, e.boundary); err != nil {
+		return nil, e.fail(err)
 	}
 	return ev, nil
 }
@@ -410,11 +362,12 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 // checkGrads refuses a batch with any bad gradient before anything else
 // changes, and marks the batch's parameters as reported when it takes it.
 func (e *Engine) checkGrads(params []int, grads []Tensor, stream Stream) (err error) {
+	reported := e.pl.reported
 	marked := 0
 	defer func() {
 		if err != nil {
 			for _, p := range params[:marked] {
-				e.reported[p] = false
+				reported[p] = false
 			}
 		}
 	}()
@@ -441,92 +394,30 @@ func (e *Engine) checkGrads(params []int, grads []Tensor, stream Stream) (err er
 		if grad.count > 0 && grad.ptr == 0 {
 			return errorf(ErrGradSize, "GradReady(%d %q): gradient has no memory", param, p.Name)
 		}
-		if e.reported[param] {
+		if reported[param] {
 			return errorf(ErrDuplicateGrad, "GradReady(%d %q) twice in one backward; call EndBackward between backwards, or sum the gradient before reporting it", param, p.Name)
 		}
-		e.reported[param] = true // taken back above if a later gradient is refused
+		reported[param] = true // taken back above if a later gradient is refused
 		marked = i + 1
 	}
 	return nil
 }
 
-// gather enqueues on stream the reads of the gradients grads[idx] of
-// bucket b: ZeRO-1 adds them to its local fp32 sums, ZeRO-2/3 flatten them
-// into the bucket's staging buffer, one kernel call for all of them.
-func (e *Engine) gather(b int, idx []int, params []int, grads []Tensor, stream Stream) error {
-	bp, bs := &e.plan.Buckets[b], &e.buckets[b]
-	if e.cfg.Stage == 1 {
-		if err := stream.Wait(bs.reduced); err != nil {
-			return err
-		}
-		var first, add []Segment
-		for _, i := range idx {
-			p := params[i]
-			// The previous backward may have written this sum on another stream.
-			if w := e.localWriter[p]; w.stream != stream {
-				if err := stream.Wait(w.event); err != nil {
-					return err
-				}
-			}
-			sg := Segment{Src: grads[i], Offset: bp.FlatOffset + e.plan.ParamOffset[p]}
-			if e.localDirty[p] {
-				add = append(add, sg)
-			} else {
-				first = append(first, sg)
-			}
-			e.localDirty[p] = true
-		}
-		e.unflushed = true
-		if err := e.dev.accumulate(stream, e.local, first, true, 1, Tensor{}); err != nil {
-			return err
-		}
-		return e.dev.accumulate(stream, e.local, add, false, 1, Tensor{})
-	}
-	if bs.stage == nil {
-		st, err := e.pool.get()
-		if err != nil {
-			return err
-		}
-		bs.stage = st
-	}
-	// Every stream that writes into the buffer must wait until its last
-	// reduction has read it, not only the first one.
-	if _, seen := bs.producers[stream]; !seen {
-		if err := stream.Wait(bs.stage.free); err != nil {
-			return err
-		}
-	}
-	segs := make([]Segment, len(idx))
-	for k, i := range idx {
-		segs[k] = Segment{Src: grads[i], Offset: e.plan.ParamOffset[params[i]]}
-	}
-	return e.dev.flatten(stream, bs.stage.buf, segs, e.prescale)
-}
-
-// EndBackward closes a backward. Members that did not report count as zero.
-// ZeRO-2/3 reduce every bucket of the backward; ZeRO-1 reduces only when
-// the backward was flagged as the boundary, and otherwise leaves it to Step.
+// EndBackward closes a backward. Members that did not report count as
+// zero. Streamed buckets are all reduced now; local buckets only when the
+// backward was flagged as the boundary, and otherwise at Step.
 func (e *Engine) EndBackward() error {
 	if err := e.usable("EndBackward"); err != nil {
 		return err
 	}
-	if e.cfg.Stage > 1 || e.boundary {
-		s := e.lastStream
-		if s == nil {
-			s = e.stream
-		}
-		if err := e.issueReady(s, true); err != nil {
-			return err
-		}
-		if e.cfg.Stage == 1 {
-			e.unflushed = false
-		}
+	s := e.lastStream
+	if s == nil {
+		s = e.reduceStream
 	}
-	clear(e.reported)
-	for i := range e.buckets {
-		e.buckets[i].reported = 0
+	if err := e.pl.issueReady(s, true, e.boundary); err != nil {
+		return e.fail(err)
 	}
-	e.nextIssue = 0
+	e.pl.endBackward()
 	e.inBackward = false
 	e.boundary = false
 	e.lastStream = nil
@@ -534,173 +425,12 @@ func (e *Engine) EndBackward() error {
 	return nil
 }
 
-// issueReady issues, in bucket order, the reductions of the buckets whose
-// members have all reported (or all remaining ones when all is set). Order
-// is the same on every rank whatever the arrival order, so the collectives
-// match across ranks.
-func (e *Engine) issueReady(caller Stream, all bool) error {
-	for e.nextIssue < len(e.buckets) {
-		b := e.nextIssue
-		if !all && e.buckets[b].reported < len(e.plan.Buckets[b].Params) {
-			return nil
-		}
-		rs := caller
-		if e.cfg.Overlap {
-			rs = e.stream
-		}
-		if err := e.reduceBucket(b, rs); err != nil {
-			return e.fail(err)
-		}
-		e.nextIssue++
-	}
-	return nil
-}
-
-// reduceBucket reduce-scatters bucket b on stream rs and accumulates this
-// rank's shard into the fp32 gradient shard: copy on the first reduction
-// after Step, add after that.
-func (e *Engine) reduceBucket(b int, rs Stream) error {
-	bp, bs := &e.plan.Buckets[b], &e.buckets[b]
-	st := bs.stage
-	if st == nil {
-		var err error
-		if st, err = e.pool.get(); err != nil {
-			return err
-		}
-	}
-	bs.stage = nil
-	if err := rs.Wait(st.free); err != nil {
-		return err
-	}
-	// Reductions of one bucket update the same part of the shard (copy,
-	// then add): each must follow the last, whatever stream it ran on.
-	if err := rs.Wait(bs.reduced); err != nil {
-		return err
-	}
-	if waitOnlyLastProducer {
-		if err := rs.Wait(bs.last); err != nil {
-			return err
-		}
-	} else {
-		for _, ev := range bs.producers {
-			if err := rs.Wait(ev); err != nil {
-				return err
-			}
-		}
-	}
-	buf := st.buf.slice(0, bp.Padded)
-	if e.cfg.Stage == 1 {
-		if err := e.flattenLocal(b, rs, buf); err != nil {
-			return err
-		}
-	} else if err := e.zeroGaps(b, rs, buf, e.reported); err != nil {
-		return err
-	}
-	start, err := rs.Record()
-	if err != nil {
-		return err
-	}
-	mine := buf.slice(e.rank*bp.Shard, bp.Shard)
-	if err := e.comm.ReduceScatter(rs, buf, mine, e.reduceOp); err != nil {
-		return err
-	}
-	e.sent.add(KindReduceScatter, buf.Bytes(), e.world)
-	if err := e.dev.accumulate(rs, e.shard, []Segment{{Src: mine, Offset: bp.ShardOffset}}, bs.copyFirst, e.postscale, e.flag); err != nil {
-		return err
-	}
-	done, err := rs.Record()
-	if err != nil {
-		return err
-	}
-	bs.copyFirst = false
-	bs.reduced = done
-	clear(bs.producers)
-	bs.last = nil
-	e.pool.put(st, done)
-	e.reducing[rs] = done
-	e.reduceTimes = append(e.reduceTimes, [2]Event{start, done})
-	return nil
-}
-
-// flattenLocal casts ZeRO-1's local fp32 sums of bucket b into its staging
-// buffer with the pre-scale, in one pass; members not written since the
-// last flush are zero.
-func (e *Engine) flattenLocal(b int, rs Stream, buf Tensor) error {
-	bp := &e.plan.Buckets[b]
-	segs := make([]Segment, 0, len(bp.Params))
-	for _, p := range bp.Params {
-		if e.localDirty[p] {
-			off := e.plan.ParamOffset[p]
-			segs = append(segs, Segment{Src: e.local.slice(bp.FlatOffset+off, e.params[p].Count), Offset: off})
-		}
-	}
-	if err := e.zeroGaps(b, rs, buf, e.localDirty); err != nil {
-		return err
-	}
-	if err := e.dev.flatten(rs, buf, segs, e.prescale); err != nil {
-		return err
-	}
-	for _, p := range bp.Params {
-		e.localDirty[p] = false
-	}
-	return nil
-}
-
-// zeroGaps zeroes the parts of bucket b's buffer that no gradient wrote:
-// members that did not report, and the padding.
-func (e *Engine) zeroGaps(b int, rs Stream, buf Tensor, written []bool) error {
-	bp := &e.plan.Buckets[b]
-	gapStart := -1
-	flush := func(end int) error {
-		if gapStart >= 0 && end > gapStart {
-			if err := e.dev.zero(rs, buf.slice(gapStart, end-gapStart)); err != nil {
-				return err
-			}
-		}
-		gapStart = -1
-		return nil
-	}
-	for _, p := range bp.Params {
-		off := e.plan.ParamOffset[p]
-		if written[p] {
-			if err := flush(off); err != nil {
-				return err
-			}
-		} else if gapStart < 0 {
-			gapStart = off
-		}
-	}
-	if gapStart < 0 {
-		gapStart = bp.Elems
-	}
-	return flush(bp.Padded)
-}
-
-func (e *Engine) fail(err error) error {
-	if e.failed == nil {
-		e.failed = err
-	}
-	return err
-}
-
-// syncReductions waits for every reduction issued so far: for their
-// events, not for the streams, which may hold the framework's later work.
-func (e *Engine) syncReductions() error {
-	for _, done := range e.reducing {
-		if err := done.Sync(); err != nil {
-			return e.fail(err)
-		}
-	}
-	clear(e.reducing)
-	return nil
-}
-
 // Step ends the accumulation window. Its first collective checks that
 // every rank took the same number of backwards G (and G = GradAccumSteps
-// where that is set); then it runs the reductions still pending (ZeRO-1
-// without a boundary), waits for all of them, and records the step's stats.
-// The reduced shard is readable until the next backward. A Step refused
-// for the window keeps the window: no gradient is lost.
+// where that is set); then it runs the reductions still pending (local
+// buckets without a boundary), waits for all of them, and records the
+// step's stats. The reduced shard is readable until the next backward. A
+// Step refused for the window keeps the window: no gradient is lost.
 func (e *Engine) Step() error {
 	if err := e.usable("Step"); err != nil {
 		return err
@@ -712,58 +442,51 @@ func (e *Engine) Step() error {
 	if err != nil {
 		return err
 	}
-	if e.unflushed {
-		if err := e.issueReady(e.stream, true); err != nil {
-			return err
-		}
-		e.nextIssue = 0
-		e.unflushed = false
-	}
-	if err := e.syncReductions(); err != nil {
-		return err
-	}
-	overflow := []float32{0}
-	if err := e.dev.copy(e.stream, Float32s(overflow), e.flag); err != nil {
-		return e.fail(err)
-	}
-	if err := e.dev.zero(e.stream, e.flag); err != nil {
-		return e.fail(err)
-	}
-	if err := e.stream.Sync(); err != nil {
-		return e.fail(err)
-	}
-	var reduce time.Duration
-	for _, ev := range e.reduceTimes {
-		d, err := Elapsed(ev[0], ev[1])
-		if err != nil {
+	if e.pl.unflushed {
+		if err := e.pl.issueReady(e.reduceStream, true, true); err != nil {
 			return e.fail(err)
 		}
-		reduce += d
+		e.pl.endBackward()
 	}
+	if err := e.pl.sync(); err != nil {
+		return e.fail(err)
+	}
+	overflow := []float32{0}
+	if err := e.dev.copy(e.copyStream, Float32s(overflow), e.pl.flag); err != nil {
+		return e.fail(err)
+	}
+	if err := e.dev.zero(e.copyStream, e.pl.flag); err != nil {
+		return e.fail(err)
+	}
+	if err := e.copyStream.Sync(); err != nil {
+		return e.fail(err)
+	}
+	reduce, err := e.pl.takeReduceTime()
+	if err != nil {
+		return e.fail(err)
+	}
+	pooled := e.pl.stagingPool.bytes + e.pl.localPool.bytes
 	e.stats = Stats{
 		Step:              e.stepIndex,
 		Backwards:         g,
-		Collectives:       e.sent,
+		Collectives:       e.pl.sent,
 		ReduceTime:        reduce,
-		StagingBuffers:    e.pool.size,
-		PeakGradBytes:     e.mem.peak,
-		ResidentGradBytes: e.mem.cur,
+		StagingBuffers:    e.pl.stagingPool.held,
+		PeakGradBytes:     e.pl.mem.peak,
+		ResidentGradBytes: e.pl.mem.cur,
+		PooledGradBytes:   pooled,
 		Overflow:          overflow[0] != 0,
 		DeviceMemory:      e.dev.memoryStats(),
 	}
-	e.sent = CommCounters{}
-	e.reduceTimes = e.reduceTimes[:0]
-	e.mem.peak = e.mem.cur
+	e.pl.sent = CommCounters{}
+	e.pl.mem.peak = e.pl.mem.cur
 	e.stepIndex++
 	e.backwards = 0
 	e.readScale = 1
 	if e.cfg.Reduction == Mean {
 		e.readScale = float32(1 / float64(g))
 	}
-	for i := range e.buckets {
-		e.buckets[i].copyFirst = true
-		e.buckets[i].reduced = nil // synced above
-	}
+	e.pl.newWindow()
 	return nil
 }
 
@@ -774,17 +497,18 @@ func (e *Engine) Step() error {
 func (e *Engine) agreeOnWindow() (int, error) {
 	n := float32(e.backwards)
 	pair := []float32{n, -n}
-	if err := e.dev.copy(e.stream, e.window, Float32s(pair)); err != nil {
+	s := e.reduceStream
+	if err := e.dev.copy(s, e.window, Float32s(pair)); err != nil {
 		return 0, e.fail(err)
 	}
-	if err := e.comm.AllReduce(e.stream, e.window, OpMax); err != nil {
+	if err := e.comm.AllReduce(s, e.window, OpMax); err != nil {
 		return 0, e.fail(err)
 	}
-	e.sent.add(KindAllReduce, e.window.Bytes(), e.world)
-	if err := e.dev.copy(e.stream, Float32s(pair), e.window); err != nil {
+	e.pl.sent.add(KindAllReduce, e.window.Bytes(), e.world)
+	if err := e.dev.copy(s, Float32s(pair), e.window); err != nil {
 		return 0, e.fail(err)
 	}
-	if err := e.stream.Sync(); err != nil {
+	if err := s.Sync(); err != nil {
 		return 0, e.fail(err)
 	}
 	most, least := int(pair[0]), int(-pair[1])
@@ -814,11 +538,16 @@ type Stats struct {
 	// StagingBuffers is the size of the bucket buffer pool; it grows past
 	// Config.StagingBuffers only when buckets complete out of order.
 	StagingBuffers int
-	// PeakGradBytes and ResidentGradBytes count gradient memory: the fp32
-	// shard, ZeRO-1's local accumulator and the staging buffers. The peak
-	// is over the window; it starts again from the resident bytes at Step.
+	// PeakGradBytes and ResidentGradBytes count the gradient memory the
+	// engine holds: the fp32 shard, the staging buffers and local
+	// accumulators, in use or pooled. The peak is over the window; it starts
+	// again from the resident bytes at Step.
 	PeakGradBytes     int64
 	ResidentGradBytes int64 // see PeakGradBytes
+	// PooledGradBytes is the part of ResidentGradBytes that the pools hold
+	// idle at the end of the step, kept for the next window; TrimPools frees
+	// what is beyond the configured staging buffers.
+	PooledGradBytes int64
 	// Overflow is set when a reduced gradient on this rank was inf or NaN.
 	Overflow bool
 	// DeviceMemory is every GPU's memory as NVML reports it after the step
@@ -841,7 +570,10 @@ func (e *Engine) readable(op string) error {
 	if e.stepIndex == 0 {
 		return errorf(ErrProtocol, "%s before the first Step; there is no reduced gradient yet", op)
 	}
-	return e.syncReductions()
+	if err := e.pl.sync(); err != nil {
+		return e.fail(err)
+	}
+	return nil
 }
 
 // GradShard returns a copy of this rank's reduced fp32 gradient shard: for
@@ -852,19 +584,19 @@ func (e *Engine) GradShard() ([]float32, error) {
 		return nil, err
 	}
 	out := make([]float32, e.plan.ShardElems)
-	if err := e.copyScaled(Float32s(out), e.shard, e.readScale); err != nil {
+	if err := e.copyScaled(Float32s(out), e.pl.shard, e.readScale); err != nil {
 		return nil, err
 	}
 	return out, nil
 }
 
 // copyScaled copies between host memory and the device, times scale, on
-// the engine's stream, and waits for it.
+// the engine's copy stream, and waits for it.
 func (e *Engine) copyScaled(dst, src Tensor, scale float32) error {
-	if err := e.dev.copyScaled(e.stream, dst, src, scale); err != nil {
+	if err := e.dev.copyScaled(e.copyStream, dst, src, scale); err != nil {
 		return e.fail(err)
 	}
-	if err := e.stream.Sync(); err != nil {
+	if err := e.copyStream.Sync(); err != nil {
 		return e.fail(err)
 	}
 	return nil
@@ -882,7 +614,14 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 		return nil, err
 	}
 	defer e.dev.Free(all)
-	if err := e.comm.AllGather(e.stream, e.shard, all); err != nil {
+	if err := e.comm.AllGather(e.gatherStream, e.pl.shard, all); err != nil {
+		return nil, e.fail(err)
+	}
+	gathered, err := e.gatherStream.Record()
+	if err != nil {
+		return nil, e.fail(err)
+	}
+	if err := e.copyStream.Wait(gathered); err != nil {
 		return nil, e.fail(err)
 	}
 	host := make([]float32, all.count)
@@ -901,14 +640,15 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 	return out, nil
 }
 
-// TrimPools frees the staging buffers that the pool grew beyond
-// Config.StagingBuffers (when buckets completed out of order) and that no
-// bucket holds now. The stats' resident bytes drop by as much.
+// TrimPools frees the pooled buffers that are idle: staging buffers beyond
+// Config.StagingBuffers (the pool grows when buckets complete out of order)
+// and ZeRO-1's local accumulators between windows. The stats' resident
+// bytes drop by as much; the next window allocates what it needs again.
 func (e *Engine) TrimPools() error {
 	if err := e.usable("TrimPools"); err != nil {
 		return err
 	}
-	if err := e.pool.trim(e.cfg.StagingBuffers); err != nil {
+	if err := e.pl.trim(); err != nil {
 		return e.fail(err)
 	}
 	return nil
@@ -923,41 +663,17 @@ func (e *Engine) Close() error {
 		return nil
 	}
 	e.closed = true
-	var first error
-	keep := func(err error) {
-		if err != nil && first == nil {
-			first = err
+	var errs []error
+	if e.pl != nil {
+		errs = append(errs, e.pl.close())
+	}
+	for _, s := range []Stream{e.reduceStream, e.gatherStream, e.copyStream} {
+		if s != nil {
+			errs = append(errs, s.Close())
 		}
 	}
-	// Work on the caller's streams that still writes into our buffers
-	// (ZeRO-1's local sums too: their writers are among the producers).
-	for i := range e.buckets {
-		for _, ev := range e.buckets[i].producers {
-			keep(ev.Sync())
-		}
-		if st := e.buckets[i].stage; st != nil {
-			e.pool.put(st, nil)
-			e.buckets[i].stage = nil
-		}
+	if e.window.ptr != 0 {
+		errs = append(errs, e.dev.Free(e.window))
 	}
-	for _, done := range e.reducing {
-		keep(done.Sync())
-	}
-	if e.stream != nil {
-		keep(e.stream.Close())
-	}
-	if e.pool != nil {
-		keep(e.pool.release())
-	}
-	for _, t := range []Tensor{e.shard, e.local} {
-		if t.ptr != 0 {
-			e.mem.add(-int64(t.Bytes()))
-		}
-	}
-	for _, t := range []Tensor{e.shard, e.local, e.flag, e.window} {
-		if t.ptr != 0 {
-			keep(e.dev.Free(t))
-		}
-	}
-	return first
+	return errors.Join(errs...)
 }
