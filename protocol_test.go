@@ -680,3 +680,64 @@ func TestGradViews(t *testing.T) {
 		}
 	}
 }
+
+// doneCounter counts the reduce-scatters that have finished running, on
+// the stream they ran on.
+type doneCounter struct {
+	Comm
+	done atomic.Int32
+}
+
+func (c *doneCounter) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
+	if err := c.Comm.ReduceScatter(s, send, recv, op); err != nil {
+		return err
+	}
+	return s.(*HostStream).Launch(func() error { c.done.Add(1); return nil })
+}
+
+// TestReductionsRunDuringBackward: once bucket 0's gradient is in, its
+// reduce-scatter runs to completion while the gradient of bucket 1 is still
+// held back by a gate, before EndBackward: at stages 2 and 3 every backward,
+// at stage 1 in the backward flagged as the boundary.
+func TestReductionsRunDuringBackward(t *testing.T) {
+	// Bucket 0 holds parameter 1, bucket 1 parameter 0.
+	params := []Param{{Count: 2048, DType: FP32}, {Count: 2048, DType: FP32}}
+	for _, stage := range []int{1, 2, 3} {
+		for _, overlap := range []bool{true, false} {
+			where := fmt.Sprintf("stage %d overlap=%v", stage, overlap)
+			comms, _ := NewLocalGroup(1)
+			comm := &doneCounter{Comm: comms[0]}
+			e, err := New(Config{Stage: stage, BucketBytes: 8192, Overlap: overlap}, comm, params)
+			if err != nil {
+				t.Fatal(err)
+			}
+			grads := constGrads(params, 1)
+			free := NewHostStream()
+			held, open := gateStream()
+			e.SetBoundary(true) // ZeRO-1 reduces in this backward; the others always do
+			if _, err := e.GradReady(1, grads[1], free); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := e.GradReady(0, grads[0], held); err != nil {
+				t.Fatal(err)
+			}
+			settle(t, e.reduceStream, free)
+			if got := comm.done.Load(); got != 1 {
+				t.Errorf("%s: %d reduce-scatters done while bucket 1's gradient is held, want bucket 0's", where, got)
+			}
+			open()
+			if err := e.EndBackward(); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.Step(); err != nil {
+				t.Fatal(err)
+			}
+			if got := comm.done.Load(); got != 2 {
+				t.Errorf("%s: %d reduce-scatters done after Step, want 2", where, got)
+			}
+			e.Close()
+			free.Close()
+			held.Close()
+		}
+	}
+}
