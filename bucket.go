@@ -528,6 +528,7 @@ func (pl *pipeline) newWindow() {
 		pl.buckets[i].copyFirst = true
 		pl.buckets[i].reduced = nil
 	}
+	clear(pl.writer) // their writes were flushed
 }
 
 // takeReduceTime sums the time the reductions since the last call ran.

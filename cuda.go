@@ -287,7 +287,27 @@ func (s *cudaStream) record(timing bool) (*cudaEvent, error) {
 	return newCUDAEvent(s.dev, uintptr(h), timing), nil
 }
 
+// Record records a timed event on the stream.
 func (s *cudaStream) Record() (Event, error) { return s.record(true) }
+
+// recordUntimed re-records reuse, an untimed event of this device, or
+// records a new untimed one.
+func (s *cudaStream) recordUntimed(reuse Event) (Event, error) {
+	e, ok := reuse.(*cudaEvent)
+	if !ok || e.timing || e.dev != s.dev {
+		return s.record(false)
+	}
+	if s.closed.Load() {
+		return nil, errorf(ErrClosed, "Record on a closed stream of %s", s.dev.Name())
+	}
+	h := C.uintptr_t(e.h)
+	code := C.zc_record(s.dev.dev(), C.uintptr_t(s.h), 0, &h)
+	runtime.KeepAlive(e)
+	if code != 0 {
+		return nil, s.dev.err("cudaEventRecord", code)
+	}
+	return e, nil
+}
 
 func (s *cudaStream) Wait(e Event) error {
 	if e == nil {

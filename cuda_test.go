@@ -518,7 +518,10 @@ func TestCUDAStreamsEvents(t *testing.T) {
 	if _, err := CUDAStream(h, CPU()); !errors.Is(err, ErrStream) {
 		t.Errorf("CUDAStream on the CPU device: %v", err)
 	}
-	if err := a.Wait(&hostEvent{fired: make(chan struct{})}); !errors.Is(err, ErrStream) {
+	hs := NewHostStream()
+	defer hs.Close()
+	hev, _ := hs.Record()
+	if err := a.Wait(hev); !errors.Is(err, ErrStream) {
 		t.Errorf("waiting on a host event: %v", err)
 	}
 	if _, err := d.Alloc(1<<50, FP32); !errors.Is(err, ErrCUDA) {

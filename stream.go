@@ -43,37 +43,93 @@ func Elapsed(start, end Event) (time.Duration, error) {
 	return 0, errorf(ErrStream, "Elapsed: events of different devices")
 }
 
-// HostStream is the CPU twin of a CUDA stream: one goroutine runs its queue.
+// untimedRecorder is a stream that can record an event without timing,
+// into an event of its own kind that it re-records (reuse), or into a new
+// one when reuse is nil or of another kind.
+type untimedRecorder interface {
+	recordUntimed(reuse Event) (Event, error)
+}
+
+// eventPool hands out untimed events for the producers of a window and
+// takes them back all at once, when the window's reductions have waited on
+// every one of them.
+type eventPool struct {
+	free, used []Event
+}
+
+// record records an event on s, reusing a pooled one where s can.
+func (p *eventPool) record(s Stream) (Event, error) {
+	u, ok := s.(untimedRecorder)
+	if !ok {
+		return s.Record()
+	}
+	var reuse Event
+	if n := len(p.free); n > 0 {
+		reuse, p.free = p.free[n-1], p.free[:n-1]
+	}
+	ev, err := u.recordUntimed(reuse)
+	if err != nil {
+		if reuse != nil {
+			p.free = append(p.free, reuse)
+		}
+		return nil, err
+	}
+	p.used = append(p.used, ev)
+	return ev, nil
+}
+
+// recycle takes back every event handed out; all of them must have fired.
+func (p *eventPool) recycle() {
+	p.free = append(p.free, p.used...)
+	clear(p.used)
+	p.used = p.used[:0]
+}
+
+// HostStream is the CPU twin of a CUDA stream: one goroutine runs its
+// queue. Its events are positions in the queue: an event fires when the
+// stream has finished that many items, so recording one enqueues nothing.
 type HostStream struct {
-	mu     sync.Mutex
-	wake   *sync.Cond
-	queue  []hostOp
-	err    error // sticky: the first error a work item returned
-	closed bool
-	exited chan struct{}
+	mu       sync.Mutex
+	wake     *sync.Cond // the worker waits for work
+	finished *sync.Cond // Syncs wait for the work before their event
+	queue    []hostOp
+	enqueued uint64        // items enqueued so far
+	done     atomic.Uint64 // items finished (run or skipped); written under mu
+	err      error         // sticky: the first error an item returned
+	errAt    uint64        // the number of that item, counting from 1
+	syncers  int           // Syncs waiting on finished
+	closed   bool
+	exited   chan struct{}
 
 	// For tests that must know the stream cannot move on by itself.
-	idle      bool                      // the worker waits for work
-	blockedOn atomic.Pointer[hostEvent] // the event a Wait is blocked on
+	idle      bool                     // the worker waits for work
+	blockedOn atomic.Pointer[hostWait] // what a Wait item is blocked on
 }
 
 type hostOp struct {
 	fn      func() error
-	control bool // runs even after an error: events, waits, markers
+	control bool // runs even after an error: waits, timing marks
+}
+
+// hostWait is a point of a host stream: its first seq items.
+type hostWait struct {
+	s   *HostStream
+	seq uint64
 }
 
 // NewHostStream starts a stream on the host.
 func NewHostStream() *HostStream {
 	s := &HostStream{exited: make(chan struct{})}
 	s.wake = sync.NewCond(&s.mu)
+	s.finished = sync.NewCond(&s.mu)
 	go s.run()
 	return s
 }
 
 func (s *HostStream) run() {
 	defer close(s.exited)
+	s.mu.Lock()
 	for {
-		s.mu.Lock()
 		for len(s.queue) == 0 && !s.closed {
 			s.idle = true
 			s.wake.Wait()
@@ -88,49 +144,71 @@ func (s *HostStream) run() {
 		s.queue = s.queue[1:]
 		failed := s.err != nil
 		s.mu.Unlock()
-		if failed && !op.control {
-			continue
+		var err error
+		if !failed || op.control {
+			err = op.fn()
 		}
-		if err := op.fn(); err != nil {
-			s.fail(err)
+		s.mu.Lock()
+		n := s.done.Load() + 1
+		if err != nil && s.err == nil {
+			s.err, s.errAt = err, n
+		}
+		s.done.Store(n)
+		if s.syncers > 0 {
+			s.finished.Broadcast()
 		}
 	}
 }
 
-func (s *HostStream) fail(err error) {
-	s.mu.Lock()
-	if s.err == nil {
-		s.err = err
-	}
-	s.mu.Unlock()
-}
-
-func (s *HostStream) stickyErr() error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.err
-}
-
-func (s *HostStream) enqueue(op hostOp) error {
+// enqueue appends op and returns its number.
+func (s *HostStream) enqueue(op hostOp) (uint64, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return errorf(ErrClosed, "enqueue on a closed stream")
+		return 0, errorf(ErrClosed, "enqueue on a closed stream")
 	}
 	s.queue = append(s.queue, op)
+	s.enqueued++
 	s.wake.Signal()
-	return nil
+	return s.enqueued, nil
 }
 
 // Launch enqueues host work. It is skipped once the stream has failed; an
 // error it returns makes the stream fail.
 func (s *HostStream) Launch(fn func() error) error {
-	return s.enqueue(hostOp{fn: fn})
+	_, err := s.enqueue(hostOp{fn: fn})
+	return err
 }
 
+// waitFor blocks until the stream has finished its first seq items and
+// returns the stream's error if one of them failed.
+func (s *HostStream) waitFor(seq uint64) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.done.Load() < seq {
+		hostSyncsBlocked.Add(1)
+		for s.done.Load() < seq {
+			s.syncers++
+			s.finished.Wait()
+			s.syncers--
+		}
+	}
+	return s.errBefore(seq)
+}
+
+// errBefore is the stream's error if it came from one of the first seq items.
+func (s *HostStream) errBefore(seq uint64) error {
+	if s.err != nil && s.errAt <= seq {
+		return s.err
+	}
+	return nil
+}
+
+// hostEvent is a point of a host stream's queue. Timed events also take
+// the time at which the stream reached them.
 type hostEvent struct {
-	fired chan struct{}
-	err   error
+	hostWait
+	timed bool
 	at    time.Time
 }
 
@@ -138,46 +216,73 @@ type hostEvent struct {
 // must know a caller is waiting.
 var hostSyncsBlocked atomic.Int64
 
-// Record enqueues a marker; its event fires when the work before it has run.
+// Record returns an event that fires when the work enqueued so far has
+// run, and that takes the time it fired (for Elapsed).
 func (s *HostStream) Record() (Event, error) {
-	e := &hostEvent{fired: make(chan struct{})}
-	err := s.enqueue(hostOp{control: true, fn: func() error {
-		e.err = s.stickyErr()
+	e := &hostEvent{timed: true}
+	seq, err := s.enqueue(hostOp{control: true, fn: func() error {
 		e.at = time.Now()
-		close(e.fired)
 		return nil
 	}})
 	if err != nil {
 		return nil, err
 	}
+	e.hostWait = hostWait{s, seq}
 	return e, nil
 }
 
-// Wait makes the stream's later work wait for e, an event of a host stream.
+// recordUntimed points reuse (or a new event) at the work enqueued so far.
+func (s *HostStream) recordUntimed(reuse Event) (Event, error) {
+	e, _ := reuse.(*hostEvent)
+	if e == nil {
+		e = &hostEvent{}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, errorf(ErrClosed, "Record on a closed stream")
+	}
+	e.hostWait, e.timed = hostWait{s, s.enqueued}, false
+	return e, nil
+}
+
+// Wait makes the stream's later work wait for e, which may be an event of
+// any device: the stream's worker waits, never the caller. An error of the
+// work before e fails this stream too, so errors travel along
+// dependencies instead of being read as good data.
 func (s *HostStream) Wait(e Event) error {
 	if e == nil {
 		return nil
 	}
 	he, ok := e.(*hostEvent)
 	if !ok {
-		return errorf(ErrStream, "a host stream cannot wait on a %T; use events of the host device", e)
+		_, err := s.enqueue(hostOp{control: true, fn: e.Sync})
+		return err
 	}
-	// A failed producer fails the waiter too, so errors travel along
-	// dependencies instead of being read as good data.
-	return s.enqueue(hostOp{control: true, fn: func() error {
-		if !he.Done() {
-			s.blockedOn.Store(he)
-			<-he.fired
-			s.blockedOn.Store(nil)
+	w := he.hostWait // the point as it is now, whatever e is re-recorded to later
+	if w.s == s {
+		return nil // in order already; an error is sticky on this stream anyway
+	}
+	if w.s.done.Load() >= w.seq {
+		w.s.mu.Lock()
+		err := w.s.errBefore(w.seq)
+		w.s.mu.Unlock()
+		if err == nil {
+			return nil // fired
 		}
-		return he.err
+	}
+	_, err := s.enqueue(hostOp{control: true, fn: func() error {
+		s.blockedOn.Store(&w)
+		defer s.blockedOn.Store(nil)
+		return w.s.waitFor(w.seq)
 	}})
+	return err
 }
 
 // settled reports whether the stream cannot move on by itself: it has no
-// work left, or it is blocked on an event that has not fired.
+// work left, or it is blocked on a point of another stream not yet reached.
 func (s *HostStream) settled() bool {
-	if he := s.blockedOn.Load(); he != nil && !he.Done() {
+	if w := s.blockedOn.Load(); w != nil && w.s.done.Load() < w.seq {
 		return true
 	}
 	s.mu.Lock()
@@ -188,11 +293,14 @@ func (s *HostStream) settled() bool {
 // Sync blocks until the work enqueued so far has run, and returns the
 // stream's first error.
 func (s *HostStream) Sync() error {
-	e, err := s.Record()
-	if err != nil {
-		return err
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return errorf(ErrClosed, "Sync on a closed stream")
 	}
-	return e.Sync()
+	seq := s.enqueued
+	s.mu.Unlock()
+	return s.waitFor(seq)
 }
 
 // Close drains the queue, stops the stream and returns its error. Closing
@@ -213,27 +321,20 @@ func (s *HostStream) Close() error {
 	return err
 }
 
-func (e *hostEvent) Sync() error {
-	if !e.Done() {
-		hostSyncsBlocked.Add(1)
-		<-e.fired
-	}
-	return e.err
-}
+// Sync blocks until the event has fired and returns the error, if any, of
+// the work before it.
+func (e *hostEvent) Sync() error { return e.s.waitFor(e.seq) }
 
-func (e *hostEvent) Done() bool {
-	select {
-	case <-e.fired:
-		return true
-	default:
-		return false
-	}
-}
+// Done reports whether the event has fired.
+func (e *hostEvent) Done() bool { return e.s.done.Load() >= e.seq }
 
 func (e *hostEvent) elapsedSince(start Event) (time.Duration, error) {
 	se, ok := start.(*hostEvent)
 	if !ok {
 		return 0, errorf(ErrStream, "Elapsed: events of different devices")
+	}
+	if !se.timed || !e.timed {
+		return 0, errorf(ErrStream, "Elapsed: an event recorded without timing")
 	}
 	if err := se.Sync(); err != nil {
 		return 0, err

@@ -130,3 +130,97 @@ func TestHostAllocStagger(t *testing.T) {
 		t.Errorf("8 buffers share %d offsets modulo 64 KiB", len(seen))
 	}
 }
+
+// foreignEvent is an event of another device: it fires when fire is closed.
+type foreignEvent struct{ fire chan struct{} }
+
+func (e foreignEvent) Sync() error { <-e.fire; return nil }
+func (e foreignEvent) Done() bool {
+	select {
+	case <-e.fire:
+		return true
+	default:
+		return false
+	}
+}
+
+// TestHostStreamWaitsOnAnotherDevice: a host stream waits on an event of
+// another device on its worker: Wait returns at once, and the work after
+// it runs only once the event fires.
+func TestHostStreamWaitsOnAnotherDevice(t *testing.T) {
+	s := NewHostStream()
+	defer s.Close()
+	ev := foreignEvent{make(chan struct{})}
+	if err := s.Wait(ev); err != nil { // must not block: nothing fires ev yet
+		t.Fatal(err)
+	}
+	var ran atomic.Bool
+	s.Launch(func() error { ran.Store(true); return nil })
+	after, _ := s.Record()
+	if after.Done() || ran.Load() {
+		t.Fatal("work after the Wait ran before the event fired")
+	}
+	close(ev.fire)
+	if err := after.Sync(); err != nil || !ran.Load() {
+		t.Fatalf("after the event fired: %v, ran %v", err, ran.Load())
+	}
+}
+
+// TestHostEventsArePoints: an untimed event is a point of the queue: it
+// fires when the work before it has run, carries the error of that work
+// only, and can be re-recorded from a pool; a Wait keeps the point it saw.
+func TestHostEventsArePoints(t *testing.T) {
+	a, b := NewHostStream(), NewHostStream()
+	defer b.Close()
+	gate := make(chan struct{})
+	a.Launch(func() error { <-gate; return nil })
+	var pool eventPool
+	before, err := pool.record(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	boom := errors.New("boom")
+	a.Launch(func() error { return boom })
+	failed, _ := pool.record(a)
+	if before.Done() || failed.Done() {
+		t.Fatal("events fired before their work ran")
+	}
+	if err := b.Wait(before); err != nil {
+		t.Fatal(err)
+	}
+	var sawGate atomic.Bool
+	b.Launch(func() error {
+		select {
+		case <-gate:
+			sawGate.Store(true)
+		default:
+		}
+		return nil
+	})
+	close(gate)
+	if err := before.Sync(); err != nil {
+		t.Errorf("event before the failing item: %v, want no error", err)
+	}
+	if err := failed.Sync(); !errors.Is(err, boom) {
+		t.Errorf("event after the failing item: %v, want boom", err)
+	}
+	if err := b.Sync(); err != nil || !sawGate.Load() {
+		t.Errorf("waiter on the earlier point: %v, ran after the gate %v", err, sawGate.Load())
+	}
+	if _, err := Elapsed(before, failed); !errors.Is(err, ErrStream) {
+		t.Errorf("Elapsed of untimed events: %v, want ErrStream", err)
+	}
+	// Re-recorded on another stream, a pooled event is that stream's point.
+	pool.recycle()
+	reused, err := pool.record(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if reused != failed && reused != before {
+		t.Error("the pool did not reuse an event")
+	}
+	if err := reused.Sync(); err != nil {
+		t.Errorf("reused on a good stream: %v", err)
+	}
+	a.Close()
+}

@@ -148,7 +148,14 @@ type Engine struct {
 	// collectives; gathers of the shards (FullGrads); copies to the host.
 	reduceStream, gatherStream, copyStream Stream
 	pl                                     *pipeline
-	window                                 Tensor // fp32 pair for Step's check that ranks agree on the window
+	events                                 eventPool // the window's producer events, untimed
+	one                                    struct {  // GradReady's batch of one, GradsReady's grouping
+		param  [1]int
+		grad   [1]Tensor
+		order  []int   // buckets of the batch
+		groups [][]int // indexes into the batch, per bucket of order
+	}
+	window Tensor // fp32 pair for Step's check that ranks agree on the window
 
 	// backward state
 	inBackward bool
@@ -306,9 +313,13 @@ func (e *Engine) SetBoundary(b bool) { e.boundary = b }
 // work already enqueued there. The gradient's memory must stay as it is
 // until the returned event fires; work the framework enqueues later on the
 // same stream is ordered after it anyway. A nil event (a parameter of zero
-// elements) means the memory was never read.
+// elements) means the memory was never read. The event is the engine's:
+// it stays valid until the next Step, which reuses it.
 func (e *Engine) GradReady(param int, grad Tensor, stream Stream) (Event, error) {
-	return e.GradsReady([]int{param}, []Tensor{grad}, stream)
+	e.one.param[0], e.one.grad[0] = param, grad
+	ev, err := e.GradsReady(e.one.param[:], e.one.grad[:], stream)
+	e.one.grad[0] = Tensor{} // do not keep the framework's memory alive
+	return ev, err
 }
 
 // GradsReady is GradReady for several gradients that the framework wrote on
@@ -323,9 +334,9 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 	}
 	e.inBackward = true
 	e.lastStream = stream
-	// Group by bucket, in order of first appearance (a batch spans few buckets).
-	var order []int    // buckets
-	var groups [][]int // indexes into params, per bucket of order
+	// Group by bucket, in order of first appearance (a batch spans few
+	// buckets), in slices the engine keeps from call to call.
+	order, groups := e.one.order[:0], e.one.groups
 	for i, p := range params {
 		b := e.plan.ParamBucket[p]
 		if b < 0 {
@@ -334,10 +345,15 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 		k := slices.Index(order, b)
 		if k < 0 {
 			k = len(order)
-			order, groups = append(order, b), append(groups, nil)
+			order = append(order, b)
+			if k == len(groups) {
+				groups = append(groups, nil)
+			}
+			groups[k] = groups[k][:0]
 		}
 		groups[k] = append(groups[k], i)
 	}
+	e.one.order, e.one.groups = order, groups
 	if len(order) == 0 {
 		return nil, nil // only empty parameters: nothing to read
 	}
@@ -346,7 +362,7 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 			return nil, e.fail(err)
 		}
 	}
-	ev, err := stream.Record()
+	ev, err := e.events.record(stream)
 	if err != nil {
 		return nil, e.fail(err)
 	}
@@ -487,6 +503,7 @@ func (e *Engine) Step() error {
 		e.readScale = float32(1 / float64(g))
 	}
 	e.pl.newWindow()
+	e.events.recycle() // every producer event was waited on by a synced reduction
 	return nil
 }
 

@@ -135,8 +135,8 @@ extern "C" int zc_stream_wait(int dev, uintptr_t s, uintptr_t e) {
 
 extern "C" int zc_record(int dev, uintptr_t s, int timing, uintptr_t* e) {
 	ZC_SET(dev);
+	if (*e) return (int)cudaEventRecord((cudaEvent_t)*e, (cudaStream_t)s); /* re-record a pooled event */
 	cudaEvent_t ev = NULL;
-	*e = 0;
 	int err = (int)cudaEventCreateWithFlags(&ev, timing ? cudaEventDefault : cudaEventDisableTiming);
 	if (err) return err;
 	err = (int)cudaEventRecord(ev, (cudaStream_t)s);

@@ -82,7 +82,8 @@ int zc_stream_destroy(int dev, uintptr_t s);
 int zc_stream_sync(int dev, uintptr_t s);
 /* Make work enqueued on s after this call wait for event e. */
 int zc_stream_wait(int dev, uintptr_t s, uintptr_t e);
-/* Create an event (with timing when timing != 0) and record it on s. */
+/* Create an event (with timing when timing != 0) and record it on s; when
+ * *e is an event already, record that one on s instead. */
 int zc_record(int dev, uintptr_t s, int timing, uintptr_t* e);
 int zc_event_destroy(int dev, uintptr_t e);
 int zc_event_sync(int dev, uintptr_t e);
