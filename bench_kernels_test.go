@@ -3,6 +3,7 @@ package zero
 import (
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"runtime"
 	"sort"
 	"sync"
@@ -27,6 +28,23 @@ import (
 // the same work as separate passes over the time of the fused flatten.
 //
 //	go test -run XXX -bench Kernel -benchtime 3x
+
+// ZERO_KERNEL_TUNING=prefetch,chunk,ntcopy (say 1,256,0: the Intel choice)
+// runs the benchmarks with another tuning than the CPU's, so the two can be
+// compared in one binary, run by run.
+func init() {
+	v := os.Getenv("ZERO_KERNEL_TUNING")
+	if v == "" {
+		return
+	}
+	var pf, chunk, nt int
+	if _, err := fmt.Sscanf(v, "%d,%d,%d", &pf, &chunk, &nt); err != nil {
+		fmt.Fprintf(os.Stderr, "ZERO_KERNEL_TUNING=%q: want prefetch,chunk,ntcopy such as 1,256,0\n", v)
+		os.Exit(2)
+	}
+	got := setKernelTuning(&kernelTuning{prefetch: pf != 0, chunk: chunk, ntCopy: nt != 0})
+	fmt.Fprintf(os.Stderr, "kernel tuning: %+v\n", got)
+}
 
 // benchElems is the element count of every benchmark buffer: 64 MiB of fp32.
 const benchElems = 64 << 20 / 4

@@ -296,6 +296,32 @@ func kernelLevel() int { return int(C.zero_kernel_level()) }
 // safe, and since every level gives the same bits, harmless.
 func setKernelLevel(level int) int { return int(C.zero_set_kernel_level(C.int(level))) }
 
+// kernelTuning is how the host kernels move memory; the CPU's choice is
+// made once (kernels.c, zk_tune_for_cpu) and never changes a result.
+type kernelTuning struct {
+	prefetch bool // software prefetch (off on AMD with AVX-512: Zen 4 and later)
+	chunk    int  // the reductions' chunk in elements (128 on AMD, 256 elsewhere)
+	ntCopy   bool // non-temporal stores for bit copies of 1 MiB or more (on AMD)
+}
+
+// setKernelTuning sets the tuning (nil: the CPU's choice) and returns the
+// one in use, for tests and benchmarks.
+func setKernelTuning(t *kernelTuning) kernelTuning {
+	a, b, c := -1, -1, -1
+	if t != nil {
+		a, b, c = btoi(t.prefetch), t.chunk, btoi(t.ntCopy)
+	}
+	r := int(C.zero_set_kernel_tuning(C.int(a), C.int(b), C.int(c)))
+	return kernelTuning{prefetch: r&1 != 0, chunk: r >> 1 & 0x7fff, ntCopy: r>>16 != 0}
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
 // bf16FromFloat rounds f to bf16 (nearest even; NaN stays a quiet NaN).
 func bf16FromFloat(f float32) uint16 { return uint16(C.zk_bf16_from(C.float(f))) }
 

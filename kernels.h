@@ -68,6 +68,12 @@ int zero_kernel_level(void);
  * supports selects the CPU's best. Returns the level now in use. The level is
  * read once per kernel call, atomically, so it may change at any time. */
 int zero_set_kernel_level(int level);
+/* Sets how the kernels move memory (tests and benchmarks): software prefetch
+ * on or off, the reductions' chunk in elements (16..256), and non-temporal
+ * stores for bit copies of 1 MiB or more. Any argument < 0 restores the
+ * CPU's choice. Returns swpf | chunk << 1 | ntcopy << 16. No setting changes
+ * any result. */
+int zero_set_kernel_tuning(int swpf, int chunk, int ntcopy);
 
 /* Benchmark yardsticks: the simplest C loops that move the same bytes as a
  * kernel, over [lo, hi). Used only by bench_kernels_test.go. */

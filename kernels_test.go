@@ -1422,3 +1422,50 @@ func TestSameDTypeIsBitCopy(t *testing.T) {
 		runtime.KeepAlive(src)
 	}
 }
+
+// TestKernelTuningChangesNoBits: prefetch, the reductions' chunk and
+// non-temporal copies change how memory moves, never a bit of the result:
+// reduce and the fused all-reduce over 8 buffers, and a bit-copy flatten
+// large enough to stream, under the Intel and AMD choices and an odd chunk.
+func TestKernelTuningChangesNoBits(t *testing.T) {
+	rng := testRNG(t)
+	defer setKernelTuning(nil)
+	const ranks, n = 8, 1_200_001 // bf16 halves of 1.2 MB each: past the streaming threshold
+	type result struct{ reduced, fused, flat []byte }
+	run := func(tune kernelTuning, in [][]byte, dt DType) result {
+		setKernelTuning(&tune)
+		var out result
+		bufs := make([]uintptr, ranks)
+		copies := make([][]byte, ranks)
+		for r := range ranks {
+			copies[r] = append([]byte(nil), in[r]...)
+			bufs[r] = uintptr(unsafe.Pointer(&copies[r][0]))
+		}
+		out.reduced = make([]byte, n*dt.Size())
+		reduceHost(uintptr(unsafe.Pointer(&out.reduced[0])), bufs, dt, OpAvg, 0, n)
+		allReduceFusedHost(bufs, dt, OpSum, 0, n)
+		out.fused = copies[3]
+		out.flat = make([]byte, n*dt.Size())
+		flattenHost(uintptr(unsafe.Pointer(&out.flat[0])), dt, []segment{{ptr: bufs[5], count: n}}, dt, 1)
+		runtime.KeepAlive(copies)
+		return out
+	}
+	for _, dt := range []DType{FP32, BF16} {
+		in := make([][]byte, ranks)
+		for r := range in {
+			in[r] = make([]byte, n*dt.Size())
+			for i := range in[r] {
+				in[r][i] = byte(rng.Uint32())
+			}
+		}
+		want := run(kernelTuning{prefetch: true, chunk: 256}, in, dt)
+		for _, tune := range []kernelTuning{{chunk: 128, ntCopy: true}, {prefetch: true, chunk: 48, ntCopy: true}} {
+			got := run(tune, in, dt)
+			for name, pair := range map[string][2][]byte{"reduce": {got.reduced, want.reduced}, "fused all-reduce": {got.fused, want.fused}, "flatten": {got.flat, want.flat}} {
+				if !bytes.Equal(pair[0], pair[1]) {
+					t.Errorf("%v %s with %+v: bits differ from prefetch on, chunk 256, memcpy", dt, name, tune)
+				}
+			}
+		}
+	}
+}
