@@ -3,11 +3,7 @@
 package zero
 
 /*
-#cgo CFLAGS: -I${SRCDIR}/csrc
-#cgo LDFLAGS: ${SRCDIR}/csrc/libzerocuda.a ${SRCDIR}/csrc/libcudart_static.a -lstdc++ -ldl -lpthread -lrt -lm
-#if __has_include("zero_cuda_stamp.h")
-#include "zero_cuda_stamp.h"
-#endif
+#cgo LDFLAGS: -ldl -lpthread
 #include <stdlib.h>
 #include "elementwise.h"
 #include "zero_cuda.h"
@@ -15,6 +11,7 @@ package zero
 import "C"
 
 import (
+	_ "embed"
 	"fmt"
 	"runtime"
 	"sync"
@@ -23,11 +20,51 @@ import (
 	"unsafe"
 )
 
+// zeroKernels is csrc/kernels.cu compiled ahead of time (make cuda):
+// SASS for sm_80 and sm_90, PTX for newer GPUs. Each device loads it once.
+//
+//go:embed zero_kernels.fatbin
+var zeroKernels []byte
+
+func init() {
+	C.zc_set_fatbin(unsafe.Pointer(&zeroKernels[0]), C.uint64_t(len(zeroKernels)))
+}
+
+// loadDriver loads libcuda.so.1 (or ZERO_CUDA_LIBRARY) and checks its
+// version; a missing or too old driver is an error wrapping ErrNoCUDA.
+func loadDriver(op string) error {
+	var msg [1024]C.char
+	code := C.zc_driver_load(nil, &msg[0], C.int(len(msg)))
+	switch code {
+	case 0:
+		return nil
+	case C.ZC_ERR_NO_DRIVER:
+		return fmt.Errorf("%w: %s: no usable NVIDIA driver: %s; run on a host with the NVIDIA driver (libcuda.so.1), or set ZERO_CUDA_LIBRARY to its path: %w", ErrNoCUDA, op, C.GoString(&msg[0]), cudaErr("dlopen", -1, code))
+	case C.ZC_ERR_OLD_DRIVER:
+		return fmt.Errorf("%w: %s: %s; update the NVIDIA driver: %w", ErrNoCUDA, op, C.GoString(&msg[0]), cudaErr("cuDriverGetVersion", -1, code))
+	}
+	return fmt.Errorf("%w: %s: %s: %w", ErrNoCUDA, op, C.GoString(&msg[0]), cudaErr("cuInit", -1, code))
+}
+
+// DriverVersion returns the CUDA version the NVIDIA driver supports, as
+// cuDriverGetVersion does (12040 for CUDA 12.4); zero needs 12000 or more.
+func DriverVersion() (int, error) {
+	if err := loadDriver("DriverVersion"); err != nil {
+		return 0, err
+	}
+	var v C.int
+	C.zc_driver_version(&v)
+	return int(v), nil
+}
+
 // CUDADeviceCount returns the number of CUDA devices this process sees.
 func CUDADeviceCount() (int, error) {
+	if err := loadDriver("CUDADeviceCount"); err != nil {
+		return 0, err
+	}
 	var n C.int
 	if code := C.zc_device_count(&n); code != 0 {
-		return 0, cudaErr("cudaGetDeviceCount", -1, code)
+		return 0, cudaErr("cuDeviceGetCount", -1, code)
 	}
 	return int(n), nil
 }
@@ -65,7 +102,7 @@ var cudaDevices struct {
 func CUDA(ordinal int) (Device, error) {
 	n, err := CUDADeviceCount()
 	if err != nil {
-		return nil, fmt.Errorf("%w: CUDA(%d): %w", ErrDevice, ordinal, err)
+		return nil, err
 	}
 	if ordinal < 0 || ordinal >= n {
 		return nil, errorf(ErrDevice, "CUDA(%d): this process sees %d CUDA device(s); use an ordinal in [0, %d) (check CUDA_VISIBLE_DEVICES)", ordinal, n, n)
@@ -79,7 +116,7 @@ func CUDA(ordinal int) (Device, error) {
 	var major, minor, sms C.int
 	var mem C.uint64_t
 	if code := C.zc_device_props(C.int(ordinal), &name[0], C.int(len(name)), &major, &minor, &mem, &sms); code != 0 {
-		return nil, fmt.Errorf("%w: %w", ErrDevice, cudaErr("cudaGetDeviceProperties", ordinal, code))
+		return nil, fmt.Errorf("%w: %w", ErrDevice, cudaErr("cuDeviceGetAttribute", ordinal, code))
 	}
 	d := &cudaDevice{ordinal: ordinal, model: C.GoString(&name[0]), major: int(major), minor: int(minor), totalMem: uint64(mem), sms: int(sms)}
 	if cudaDevices.m == nil {
@@ -95,6 +132,64 @@ type cudaDevice struct {
 	major, minor int
 	totalMem     uint64
 	sms          int
+
+	flags pinnedWords // flags that streams wait on for foreign events
+
+	mu     sync.Mutex
+	sumsqs []*sumsqScratch // idle, so the norm allocates nothing per step
+}
+
+func (d *cudaDevice) getSumsq() *sumsqScratch {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if n := len(d.sumsqs); n > 0 {
+		sc := d.sumsqs[n-1]
+		d.sumsqs = d.sumsqs[:n-1]
+		return sc
+	}
+	return nil
+}
+
+func (d *cudaDevice) putSumsq(sc *sumsqScratch) {
+	d.mu.Lock()
+	d.sumsqs = append(d.sumsqs, sc)
+	d.mu.Unlock()
+}
+
+// pinnedWords hands out single fp32-sized words of pinned, device-mapped
+// host memory, allocated a page at a time and never freed.
+type pinnedWords struct {
+	mu   sync.Mutex
+	free []Tensor
+}
+
+func (p *pinnedWords) get(d *cudaDevice) (Tensor, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.free) == 0 {
+		page, err := d.allocPinned(1024, FP32)
+		if err != nil {
+			return Tensor{}, err
+		}
+		for i := range page.count {
+			p.free = append(p.free, page.slice(i, 1))
+		}
+	}
+	t := p.free[len(p.free)-1]
+	p.free = p.free[:len(p.free)-1]
+	return t, nil
+}
+
+func (p *pinnedWords) put(t Tensor) {
+	p.mu.Lock()
+	p.free = append(p.free, t)
+	p.mu.Unlock()
+}
+
+// sumsqScratch is the device memory of one sum of squares (partial sums)
+// and the pinned double its result lands in.
+type sumsqScratch struct {
+	part, out Tensor
 }
 
 func cudaErr(op string, dev int, code C.int) error {
@@ -210,10 +305,11 @@ func (d *cudaDevice) memInfo() (free, total uint64, err error) {
 // ---- streams and events ----------------------------------------------------
 
 type cudaStream struct {
-	dev    *cudaDevice
-	h      uintptr
-	owned  bool
-	closed atomic.Bool
+	dev        *cudaDevice
+	h          uintptr
+	owned      bool
+	closed     atomic.Bool
+	foreignErr atomic.Pointer[error] // the first error of a foreign event waited on
 }
 
 func (d *cudaDevice) NewStream() (Stream, error) {
@@ -313,20 +409,59 @@ func (s *cudaStream) Wait(e Event) error {
 	if e == nil {
 		return nil
 	}
-	ce, ok := e.(*cudaEvent)
-	if !ok {
-		return errorf(ErrStream, "a CUDA stream cannot wait on a %T; use events of a CUDA device", e)
-	}
 	if s.closed.Load() {
 		return errorf(ErrClosed, "Wait on a closed stream of %s", s.dev.Name())
 	}
+	ce, ok := e.(*cudaEvent)
+	if !ok {
+		return s.waitForeign(e)
+	}
 	code := C.zc_stream_wait(s.dev.dev(), C.uintptr_t(s.h), C.uintptr_t(ce.h))
 	runtime.KeepAlive(ce)
-	return s.dev.err("cudaStreamWaitEvent", code)
+	return s.dev.err("cuStreamWaitEvent", code)
+}
+
+// waitForeign makes the stream wait for an event of another device (a host
+// stream's, say) without blocking the caller: the stream waits on a word of
+// pinned memory, which a goroutine sets once the event has fired. An error
+// of the work before the event cannot fail a CUDA stream; it is kept and
+// returned by this stream's next Sync.
+func (s *cudaStream) waitForeign(e Event) error {
+	flag, err := s.dev.flags.get(s.dev)
+	if err != nil {
+		return err
+	}
+	if code := C.zc_stream_wait_flag(s.dev.dev(), C.uintptr_t(s.h), C.uintptr_t(flag.ptr)); code != 0 {
+		s.dev.flags.put(flag)
+		return s.dev.err("cuStreamWaitValue32", code)
+	}
+	done, err := s.record(false)
+	if err != nil {
+		return err // the flag stays out of the pool: the wait may still read it
+	}
+	go func() {
+		if err := e.Sync(); err != nil {
+			s.foreignErr.CompareAndSwap(nil, &err)
+		}
+		atomic.StoreUint32((*uint32)(flag.hostPtr()), 1)
+		done.Sync() // the stream has read the flag: it can be reused
+		atomic.StoreUint32((*uint32)(flag.hostPtr()), 0)
+		s.dev.flags.put(flag)
+	}()
+	return nil
 }
 
 func (s *cudaStream) Sync() error {
-	return s.dev.err("cudaStreamSynchronize", C.zc_stream_sync(s.dev.dev(), C.uintptr_t(s.h)))
+	if s.closed.Load() {
+		return errorf(ErrClosed, "Sync on a closed stream of %s", s.dev.Name())
+	}
+	if err := s.dev.err("cuStreamSynchronize", C.zc_stream_sync(s.dev.dev(), C.uintptr_t(s.h))); err != nil {
+		return err
+	}
+	if p := s.foreignErr.Load(); p != nil {
+		return *p
+	}
+	return nil
 }
 
 func (s *cudaStream) Close() error {
@@ -570,9 +705,9 @@ func (d *cudaDevice) copyScaled(s Stream, dst, src Tensor, scale float32) error 
 	return err
 }
 
-// sumSquares writes the sum of squares of x to *out. *out is Go memory, so
-// the final copy completes before the call returns (it waits for the
-// stream's earlier work).
+// sumSquares writes the sum of squares of x to *out. The result comes back
+// through a pinned double and an explicit sync of s (not of the device);
+// the scratch memory comes from a pool, so a step allocates nothing.
 func (d *cudaDevice) sumSquares(s Stream, x Tensor, out *float64) error {
 	if x.dtype != FP32 {
 		return errorf(ErrDType, "sumSquares of %v; it takes the fp32 shard", x.dtype)
@@ -584,8 +719,27 @@ func (d *cudaDevice) sumSquares(s Stream, x Tensor, out *float64) error {
 	if err := d.deviceOnly("sumSquares", x); err != nil {
 		return err
 	}
-	code := C.zc_sumsq(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(x.ptr), C.int64_t(x.count), (*C.double)(unsafe.Pointer(out)))
-	return d.err("sumSquares", code)
+	sc := d.getSumsq()
+	if sc == nil {
+		sc = &sumsqScratch{}
+		if sc.part, err = d.Alloc(2*(C.ZC_SUMSQ_MAX_BLOCKS+1), FP32); err != nil {
+			return err
+		}
+		if sc.out, err = d.allocPinned(2, FP32); err != nil {
+			d.Free(sc.part)
+			return err
+		}
+	}
+	code := C.zc_sumsq(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(x.ptr), C.int64_t(x.count), C.uintptr_t(sc.part.ptr), C.uintptr_t(sc.out.ptr))
+	if err := d.err("sumSquares", code); err != nil {
+		return err
+	}
+	if err := cs.Sync(); err != nil {
+		return err
+	}
+	*out = *(*float64)(sc.out.hostPtr())
+	d.putSumsq(sc)
+	return nil
 }
 
 // reduce is the in-process reduce-scatter: for each output j,

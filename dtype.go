@@ -101,6 +101,10 @@ func (t Tensor) hostBytes() []byte {
 	return unsafe.Slice((*byte)(*(*unsafe.Pointer)(unsafe.Pointer(&t.ptr))), t.Bytes())
 }
 
+// hostPtr is the address as a pointer, for memory that Go did not allocate
+// (pinned host memory); read through memory rather than converted.
+func (t Tensor) hostPtr() unsafe.Pointer { return *(*unsafe.Pointer)(unsafe.Pointer(&t.ptr)) }
+
 // hostFloats views host fp32 memory.
 func (t Tensor) hostFloats() []float32 {
 	if t.count == 0 {

@@ -21,7 +21,7 @@ var (
 	ErrPeerFailed    = errors.New("zero: a peer rank failed or left")
 	ErrMismatch      = errors.New("zero: ranks called different collectives")
 	ErrClosed        = errors.New("zero: engine or communicator is closed")
-	ErrNoCUDA        = errors.New("zero: built without CUDA")
+	ErrNoCUDA        = errors.New("zero: CUDA not available")
 	ErrCUDA          = errors.New("zero: CUDA error")
 	ErrNCCL          = errors.New("zero: NCCL error")
 	ErrDevice        = errors.New("zero: no such device")

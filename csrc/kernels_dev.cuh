@@ -12,12 +12,7 @@
 #ifndef ZERO_KERNELS_DEV_CUH
 #define ZERO_KERNELS_DEV_CUH
 
-#include <stdint.h>
-
-#include "../elementwise.h"
-#include "zero_cuda.h"
-
-#include <string.h>
+#include "../cuda_abi.h"
 
 #ifdef __CUDACC__
 #define ZC_DEV __device__ __forceinline__
@@ -56,94 +51,6 @@ static inline uint32_t __float_as_uint(float f) {
 	return u;
 }
 #endif
-
-#define ZC_THREADS 256
-#define ZC_PACK 8                                   /* elements per pack */
-#define ZC_UNROLL 4                                 /* packs per thread per chunk */
-#define ZC_CHUNK (ZC_THREADS * ZC_PACK * ZC_UNROLL) /* elements per block */
-
-/* ---- descriptors ------------------------------------------------------- */
-
-/* A segment as the kernels see it: block0 is the number of the first block
- * of the launch that works on it. */
-struct zc_dseg {
-	uintptr_t src;
-	int64_t count;
-	int64_t offset;
-	int64_t block0;
-};
-
-struct zc_segs_arg {
-	const zc_dseg* ext; /* device array, or NULL: use inl */
-	int nseg;
-	zc_dseg inl[ZC_INLINE_SEGS];
-};
-
-struct zc_red_arg {
-	uintptr_t dst[ZC_MAX_RANKS];
-	uintptr_t src[ZC_MAX_RANKS];
-	int nout;
-	int nsrc;
-	int64_t count;
-	int vec; /* every address and the per-output stride allow 16-byte access */
-};
-
-/* Fill out[] with the non-empty segments of segs[lo, hi), numbering their
- * blocks from 0; returns the number of descriptors and sets *blocks. */
-static inline int zc_build_descs(const zc_seg* segs, int lo, int hi, zc_dseg* out, int64_t* blocks) {
-	int64_t b = 0;
-	int k = 0;
-	for (int m = lo; m < hi; m++) {
-		if (segs[m].count <= 0) continue;
-		out[k].src = segs[m].ptr;
-		out[k].count = segs[m].count;
-		out[k].offset = segs[m].offset;
-		out[k].block0 = b;
-		b += (segs[m].count + ZC_CHUNK - 1) / ZC_CHUNK;
-		k++;
-	}
-	*blocks = b;
-	return k;
-}
-
-
-/* ---- element sizes ----------------------------------------------------- */
-
-ZC_HD constexpr int zc_size(int t) { return t == ZERO_F32 ? 4 : 2; }
-
-/* ---- host helpers shared with the emulation -------------------------------- */
-
-/* Row of a dtype or op in the kernel tables (laid out in the order F32, BF16,
- * F16 and SUM, AVG, MAX whatever the codes' values); -1 for a code out of
- * range. */
-static inline int zc_dt_index(int t) { return t == ZERO_F32 ? 0 : t == ZERO_BF16 ? 1 : t == ZERO_F16 ? 2 : -1; }
-static inline int zc_op_index(int op) { return op == ZERO_SUM ? 0 : op == ZERO_AVG ? 1 : op == ZERO_MAX ? 2 : -1; }
-static inline int zc_dtype_ok(int t) { return zc_dt_index(t) >= 0; }
-
-/* Blocks for a grid-stride loop over `items` threads' worth of work. */
-static inline unsigned zc_grid(int64_t items) {
-	int64_t b = (items + ZC_THREADS - 1) / ZC_THREADS;
-	if (b < 1) b = 1;
-	if (b > 8192) b = 8192;
-	return (unsigned)b;
-}
-
-/* The arguments of an in-process reduction; vec when every address and the
- * per-output stride allow 16-byte packs. */
-static inline int zc_red_setup(zc_red_arg* a, const uintptr_t* dsts, int nout, const uintptr_t* srcs, int nsrc,
-                               int dtype, int op, int64_t count) {
-	if (!zc_dtype_ok(dtype) || zc_op_index(op) < 0) return ZC_ERR_BAD_DTYPE;
-	if (nout > ZC_MAX_RANKS || nsrc > ZC_MAX_RANKS) return ZC_ERR_TOO_MANY_RANKS;
-	memset(a, 0, sizeof(*a));
-	uintptr_t any = 0;
-	for (int k = 0; k < nout; k++) any |= (a->dst[k] = dsts[k]);
-	for (int k = 0; k < nsrc; k++) any |= (a->src[k] = srcs[k]);
-	a->nout = nout;
-	a->nsrc = nsrc;
-	a->count = count;
-	a->vec = (any & 15u) == 0 && (count * zc_size(dtype)) % 16 == 0;
-	return 0;
-}
 
 /* ---- typed packs of 8 --------------------------------------------------- */
 
@@ -345,6 +252,43 @@ ZC_DEV uint32_t zc_accumulate_block(float* ZC_RESTRICT acc, const zc_dseg* segs,
 
 /* ---- in-process reductions: one thread of a grid-stride loop --------------- */
 
+/* Packs p0, p0+stride, ... (ZC_UNROLL of them, those below packs) of
+ * output j: every rank's packs are loaded before any is combined, so each
+ * thread keeps ZC_UNROLL 16-byte loads in flight instead of one. Elements
+ * still combine in rank order. */
+template <int T, int OP>
+ZC_DEV void zc_reduce_packs(const zc_red_arg& a, int64_t base, int64_t p0, int64_t stride, int64_t packs,
+                            float t[ZC_UNROLL][ZC_PACK]) {
+	zc_raw r[ZC_UNROLL];
+#pragma unroll
+	for (int u = 0; u < ZC_UNROLL; u++) {
+		const int64_t p = p0 + u * stride;
+		if (p < packs) r[u] = zc_load_raw_rw<T>((const char*)a.src[0] + (base + p * ZC_PACK) * zc_size(T));
+	}
+#pragma unroll
+	for (int u = 0; u < ZC_UNROLL; u++)
+		if (p0 + u * stride < packs) zc_unpack<T>(r[u], t[u]);
+	for (int k = 1; k < a.nsrc; k++) {
+#pragma unroll
+		for (int u = 0; u < ZC_UNROLL; u++) {
+			const int64_t p = p0 + u * stride;
+			if (p < packs) r[u] = zc_load_raw_rw<T>((const char*)a.src[k] + (base + p * ZC_PACK) * zc_size(T));
+		}
+#pragma unroll
+		for (int u = 0; u < ZC_UNROLL; u++) {
+			if (p0 + u * stride >= packs) continue;
+			float x[ZC_PACK];
+			zc_unpack<T>(r[u], x);
+#pragma unroll
+			for (int e = 0; e < ZC_PACK; e++) t[u][e] = zero_op_combine(OP, t[u][e], x[e]);
+		}
+	}
+#pragma unroll
+	for (int u = 0; u < ZC_UNROLL; u++)
+#pragma unroll
+		for (int e = 0; e < ZC_PACK; e++) t[u][e] = zero_op_finish(OP, t[u][e], a.nsrc);
+}
+
 /* Output j; gtid is the thread's number in the grid's x dimension and
  * stride the number of threads in it. */
 template <int T, int OP>
@@ -354,18 +298,14 @@ ZC_DEV void zc_reduce_thread(const zc_red_arg& a, int j, int64_t gtid, int64_t s
 	int64_t tail = 0;
 	if (a.vec) {
 		const int64_t packs = a.count / ZC_PACK;
-		for (int64_t p = gtid; p < packs; p += stride) {
-			const int64_t i = p * ZC_PACK;
-			float t[ZC_PACK], x[ZC_PACK];
-			zc_unpack<T>(zc_load_raw_rw<T>((const char*)a.src[0] + (base + i) * zc_size(T)), t);
-			for (int k = 1; k < a.nsrc; k++) {
-				zc_unpack<T>(zc_load_raw_rw<T>((const char*)a.src[k] + (base + i) * zc_size(T)), x);
+		for (int64_t p0 = gtid; p0 < packs; p0 += stride * ZC_UNROLL) {
+			float t[ZC_UNROLL][ZC_PACK];
+			zc_reduce_packs<T, OP>(a, base, p0, stride, packs, t);
 #pragma unroll
-				for (int e = 0; e < ZC_PACK; e++) t[e] = zero_op_combine(OP, t[e], x[e]);
+			for (int u = 0; u < ZC_UNROLL; u++) {
+				const int64_t p = p0 + u * stride;
+				if (p < packs) zc_store_raw<T>(d + p * ZC_PACK * zc_size(T), zc_pack<T>(t[u]));
 			}
-#pragma unroll
-			for (int e = 0; e < ZC_PACK; e++) t[e] = zero_op_finish(OP, t[e], a.nsrc);
-			zc_store_raw<T>(d + i * zc_size(T), zc_pack<T>(t));
 		}
 		tail = packs * ZC_PACK;
 	}
@@ -383,19 +323,16 @@ ZC_DEV void zc_allreduce_thread(const zc_red_arg& a, int64_t gtid, int64_t strid
 	int64_t tail = 0;
 	if (a.vec) {
 		const int64_t packs = a.count / ZC_PACK;
-		for (int64_t p = gtid; p < packs; p += stride) {
-			const int64_t off = p * ZC_PACK * zc_size(T);
-			float t[ZC_PACK], x[ZC_PACK];
-			zc_unpack<T>(zc_load_raw_rw<T>((const char*)a.src[0] + off), t);
-			for (int k = 1; k < a.nsrc; k++) {
-				zc_unpack<T>(zc_load_raw_rw<T>((const char*)a.src[k] + off), x);
+		for (int64_t p0 = gtid; p0 < packs; p0 += stride * ZC_UNROLL) {
+			float t[ZC_UNROLL][ZC_PACK];
+			zc_reduce_packs<T, OP>(a, 0, p0, stride, packs, t);
 #pragma unroll
-				for (int e = 0; e < ZC_PACK; e++) t[e] = zero_op_combine(OP, t[e], x[e]);
+			for (int u = 0; u < ZC_UNROLL; u++) {
+				const int64_t p = p0 + u * stride;
+				if (p >= packs) continue;
+				const zc_raw r = zc_pack<T>(t[u]);
+				for (int k = 0; k < a.nsrc; k++) zc_store_raw<T>((char*)a.src[k] + p * ZC_PACK * zc_size(T), r);
 			}
-#pragma unroll
-			for (int e = 0; e < ZC_PACK; e++) t[e] = zero_op_finish(OP, t[e], a.nsrc);
-			const zc_raw r = zc_pack<T>(t);
-			for (int k = 0; k < a.nsrc; k++) zc_store_raw<T>((char*)a.src[k] + off, r);
 		}
 		tail = packs * ZC_PACK;
 	}
@@ -424,7 +361,5 @@ ZC_DEV double zc_sumsq_thread(const float* ZC_RESTRICT x, int64_t n, int64_t gti
 	}
 	return acc;
 }
-
-#define ZC_SUMSQ_MAX_BLOCKS 1024 /* blocks (partial sums) of zc_sumsq */
 
 #endif /* ZERO_KERNELS_DEV_CUH */

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# install-cuda.sh: install the CUDA 13.0 compiler, runtime and headers and the
-# NCCL headers (and library) from PyPI into a local folder, for `make cuda`.
-# No GPU and no system CUDA are needed. Idempotent: a second run with the same
-# pins does nothing. Prints the paths it installed.
+# install-cuda.sh: install, from PyPI into a local folder, what `make cuda`
+# needs to regenerate zero_kernels.fatbin (CUDA 12 nvrtc and nvFatbin: the
+# CUDA 12 compiler wheels carry the compiler libraries, not an nvcc binary)
+# and the NCCL library the loader tests open. No GPU and no system CUDA are
+# needed; building the Go package with -tags cuda needs none of this.
+# Idempotent: a second run with the same pins does nothing. Prints the paths.
 #
 #   scripts/install-cuda.sh            # into .cuda/ at the repository root
 #   ZERO_CUDA_HOME=/opt/zc scripts/install-cuda.sh
 #
-# The pins match the driver and toolkit of the H100 hosts the project is
-# tested on (CUDA 13.0). NCCL is pinned to the oldest CUDA 13 release on PyPI,
-# so the ncclConfig_t the library passes is one every later NCCL accepts; at
-# run time libnccl.so.2 is dlopen'ed (PyTorch's own NCCL on the GPU hosts).
+# nvrtc is pinned to CUDA 12.1: its cubins for sm_80 and sm_90 load on every
+# driver since CUDA 12.0 (minor-version compatibility), and nvrtc 12.0 fails
+# on the kernels' __grid_constant__ parameters (an internal compiler error).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -18,17 +19,14 @@ dest=${ZERO_CUDA_HOME:-$root/.cuda}
 python=${PYTHON:-python3}
 
 pins=(
-	nvidia-cuda-nvcc==13.0.88
-	nvidia-cuda-crt==13.0.88
-	nvidia-nvvm==13.0.88
-	nvidia-cuda-runtime==13.0.96
-	nvidia-cuda-cccl==13.0.85
-	nvidia-nccl-cu13==2.27.7
+	nvidia-cuda-nvrtc-cu12==12.1.105
+	nvidia-nvfatbin-cu12==12.4.127
+	nvidia-nccl-cu12==2.27.7
 )
 stamp="$dest/.zero-cuda-pins"
 want=$(printf '%s\n' "${pins[@]}")
 
-if [[ -f $stamp && "$(cat "$stamp")" == "$want" && -x $dest/nvidia/cu13/bin/nvcc ]]; then
+if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
 	echo "install-cuda: up to date in $dest"
 else
 	tmp="$dest.tmp.$$"
@@ -44,10 +42,7 @@ else
 	echo "install-cuda: installed ${pins[*]} into $dest"
 fi
 
-cu="$dest/nvidia/cu13"
 echo "ZERO_CUDA_HOME=$dest"
-echo "NVCC=$cu/bin/nvcc"
-echo "CUDA_INCLUDE=$cu/include"
-echo "CUDA_LIB=$cu/lib"
-echo "NCCL_INCLUDE=$dest/nvidia/nccl/include"
+echo "NVRTC_LIB=$dest/nvidia/cuda_nvrtc/lib"
+echo "NVFATBIN_LIB=$dest/nvidia/nvfatbin/lib"
 echo "NCCL_LIB=$dest/nvidia/nccl/lib"

@@ -1,54 +1,39 @@
+//go:build cuda
+
 /*
- * nccl.c: NCCL for zero, loaded at run time with dlopen, so that a binary
- * built with -tags cuda starts on a host without NCCL and NewNCCL reports a
- * clear error instead of the dynamic loader refusing to start the program.
+ * nccl_loader.c: NCCL for zero, loaded at run time with dlopen, so that a
+ * binary built with -tags cuda starts on a host without NCCL and NewNCCL
+ * reports a clear error instead of the dynamic loader refusing to start the
+ * program.
  *
- * It is compiled against the nccl.h of the oldest CUDA 13 NCCL wheel (see
- * scripts/install-cuda.sh) for the types, enum values and ncclConfig_t; the
- * functions come from whatever libnccl.so.2 the host provides (PyTorch's on
- * the GPU hosts). Communicators are created non-blocking, so no NCCL call
- * can block the caller forever: a call that returns ncclInProgress is polled
- * here with a deadline, and the Go side aborts the communicator when the
- * deadline passes.
+ * The types, codes and prototypes come from cuda_api.h, the project's own
+ * declarations, so no nccl.h is needed to build; the functions come from
+ * whatever libnccl.so.2 the host provides (PyTorch's on the GPU hosts).
+ * Communicators are created non-blocking, so no NCCL call can block the
+ * caller forever: a call that returns ncclInProgress is polled here with a
+ * deadline, and the Go side aborts the communicator when the deadline passes.
  */
-#include <cuda_runtime.h>
 #include <dlfcn.h>
-#include <nccl.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
 
-#include "../elementwise.h"
+#include "cuda_api.h"
 #include "zero_cuda.h"
 
-/* The codes the Go side passes must map onto NCCL's. */
-_Static_assert(NCCL_UNIQUE_ID_BYTES == 128, "ncclUniqueId is 128 bytes");
-_Static_assert(ncclInProgress == 7, "ncclInProgress");
-
-typedef ncclResult_t (*zn_coll_fn)(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t,
-                                   cudaStream_t);
+/* NCCL takes the device from the calling thread's current context: the
+ * device's primary context, made current by cuda_driver.c. */
+int zc_bind_device(int dev, uintptr_t* saved);
+void zc_unbind_device(uintptr_t saved);
 
 struct zn_lib {
 	int loaded;
 	void* lib;
-	ncclResult_t (*get_version)(int*);
-	ncclResult_t (*get_unique_id)(ncclUniqueId*);
-	ncclResult_t (*init_rank_config)(ncclComm_t*, int, ncclUniqueId, int, ncclConfig_t*);
-	ncclResult_t (*comm_abort)(ncclComm_t);
-	ncclResult_t (*comm_finalize)(ncclComm_t);
-	ncclResult_t (*comm_destroy)(ncclComm_t);
-	ncclResult_t (*async_error)(ncclComm_t, ncclResult_t*);
-	const char* (*error_string)(ncclResult_t);
-	const char* (*last_error)(ncclComm_t);
-	ncclResult_t (*all_reduce)(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t);
-	ncclResult_t (*reduce_scatter)(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t,
-	                               cudaStream_t);
-	ncclResult_t (*all_gather)(const void*, void*, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
-	ncclResult_t (*broadcast)(const void*, void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
-	ncclResult_t (*group_start)(void);
-	ncclResult_t (*group_end)(void);
+#define ZN_FIELD(name, sym, ret, args) ret(*name) args;
+	ZC_NCCL_FUNCS(ZN_FIELD)
+#undef ZN_FIELD
 };
 
 static struct zn_lib zn;
@@ -75,21 +60,9 @@ static int zn_open(const char* path, struct zn_lib* l, char* msg, int msglen) {
 		snprintf(msg, (size_t)msglen, "%s", e ? e : path);
 		return ZC_ERR_NO_NCCL;
 	}
-	ZN_SYM(get_version, "ncclGetVersion");
-	ZN_SYM(get_unique_id, "ncclGetUniqueId");
-	ZN_SYM(init_rank_config, "ncclCommInitRankConfig");
-	ZN_SYM(comm_abort, "ncclCommAbort");
-	ZN_SYM(comm_finalize, "ncclCommFinalize");
-	ZN_SYM(comm_destroy, "ncclCommDestroy");
-	ZN_SYM(async_error, "ncclCommGetAsyncError");
-	ZN_SYM(error_string, "ncclGetErrorString");
-	ZN_SYM(last_error, "ncclGetLastError");
-	ZN_SYM(all_reduce, "ncclAllReduce");
-	ZN_SYM(reduce_scatter, "ncclReduceScatter");
-	ZN_SYM(all_gather, "ncclAllGather");
-	ZN_SYM(broadcast, "ncclBroadcast");
-	ZN_SYM(group_start, "ncclGroupStart");
-	ZN_SYM(group_end, "ncclGroupEnd");
+#define ZN_LOAD(name, sym, ret, args) ZN_SYM(name, sym);
+	ZC_NCCL_FUNCS(ZN_LOAD)
+#undef ZN_LOAD
 	l->lib = lib;
 	l->loaded = 1;
 	return 0;
@@ -138,7 +111,7 @@ int zc_nccl_version(int* version) {
 const char* zc_nccl_error_string(int code) {
 	if (code == ZC_ERR_NO_NCCL) return "libnccl.so.2 is not loaded";
 	if (!zn.loaded) return "unknown NCCL error (libnccl.so.2 not loaded)";
-	return zn.error_string((ncclResult_t)code);
+	return zn.error_string(code);
 }
 
 void zc_nccl_last_error(uintptr_t comm, char* msg, int msglen) {
@@ -153,7 +126,7 @@ int zc_nccl_unique_id(char* id128) {
 	if (!zn.loaded) return ZC_ERR_NO_NCCL;
 	ncclUniqueId id;
 	ncclResult_t r = zn.get_unique_id(&id);
-	if (r == ncclSuccess) memcpy(id128, id.internal, NCCL_UNIQUE_ID_BYTES);
+	if (r == ncclSuccess) memcpy(id128, id.internal, sizeof id.internal);
 	return (int)r;
 }
 
@@ -186,25 +159,19 @@ static int zn_wait(ncclComm_t comm, int64_t timeout_ms) {
 int zc_nccl_init(int dev, const char* id128, int world, int rank, int64_t timeout_ms, uintptr_t* comm) {
 	*comm = 0;
 	if (!zn.loaded) return ZC_ERR_NO_NCCL;
-	int cerr = (int)cudaSetDevice(dev);
-	if (cerr) return (int)ncclUnhandledCudaError;
+	uintptr_t saved = 0;
+	if (zc_bind_device(dev, &saved)) return ncclUnhandledCudaError;
 	ncclUniqueId id;
-	memcpy(id.internal, id128, NCCL_UNIQUE_ID_BYTES);
-	ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-	config.blocking = 0;
+	memcpy(id.internal, id128, sizeof id.internal);
+	zc_nccl_config config = {sizeof(zc_nccl_config), ZC_NCCL_CONFIG_MAGIC, ZC_NCCL_CONFIG_VERSION, 0 /* non-blocking */};
 	ncclComm_t c = NULL;
 	ncclResult_t r = zn.init_rank_config(&c, world, id, rank, &config);
-	if (r != ncclSuccess && r != ncclInProgress) {
-		if (c) zn.comm_abort(c);
-		return (int)r;
-	}
-	int s = zn_wait(c, timeout_ms);
-	if (s != ncclSuccess) {
-		zn.comm_abort(c);
-		return s;
-	}
-	*comm = (uintptr_t)c;
-	return 0;
+	int s = r;
+	if (r == ncclSuccess || r == ncclInProgress) s = zn_wait(c, timeout_ms);
+	if (s != ncclSuccess && c) zn.comm_abort(c);
+	if (s == ncclSuccess) *comm = (uintptr_t)c;
+	zc_unbind_device(saved);
+	return s;
 }
 
 int zc_nccl_async_error(uintptr_t comm, int* state) {
@@ -218,24 +185,29 @@ int zc_nccl_async_error(uintptr_t comm, int* state) {
 
 int zc_nccl_abort(int dev, uintptr_t comm) {
 	if (!zn.loaded) return ZC_ERR_NO_NCCL;
-	cudaSetDevice(dev);
-	return (int)zn.comm_abort((ncclComm_t)comm);
+	uintptr_t saved = 0;
+	int bound = zc_bind_device(dev, &saved) == 0;
+	int r = zn.comm_abort((ncclComm_t)comm);
+	if (bound) zc_unbind_device(saved);
+	return r;
 }
 
 int zc_nccl_destroy(int dev, uintptr_t comm, int64_t timeout_ms) {
 	if (!zn.loaded) return ZC_ERR_NO_NCCL;
-	cudaSetDevice(dev);
+	uintptr_t saved = 0;
+	int bound = zc_bind_device(dev, &saved) == 0;
 	ncclComm_t c = (ncclComm_t)comm;
 	ncclResult_t r = zn.comm_finalize(c);
 	int s = (r == ncclSuccess || r == ncclInProgress) ? zn_wait(c, timeout_ms) : (int)r;
-	if (s != ncclSuccess) {
+	if (s != ncclSuccess)
 		zn.comm_abort(c);
-		return s;
-	}
-	return (int)zn.comm_destroy(c);
+	else
+		s = zn.comm_destroy(c);
+	if (bound) zc_unbind_device(saved);
+	return s;
 }
 
-static ncclDataType_t zn_dtype(int d) {
+static int zn_dtype(int d) {
 	switch (d) {
 	case ZERO_BF16: return ncclBfloat16;
 	case ZERO_F16: return ncclFloat16;
@@ -243,7 +215,7 @@ static ncclDataType_t zn_dtype(int d) {
 	}
 }
 
-static ncclRedOp_t zn_op(int op) {
+static int zn_op(int op) {
 	switch (op) {
 	case ZERO_AVG: return ncclAvg;
 	case ZERO_MAX: return ncclMax;
@@ -253,14 +225,18 @@ static ncclRedOp_t zn_op(int op) {
 
 int zc_nccl_batch(int dev, uintptr_t comm, const zc_nccl_op* ops, int n, int64_t timeout_ms) {
 	if (!zn.loaded) return ZC_ERR_NO_NCCL;
-	if (cudaSetDevice(dev) != cudaSuccess) return (int)ncclUnhandledCudaError;
+	uintptr_t saved = 0;
+	if (zc_bind_device(dev, &saved)) return ncclUnhandledCudaError;
 	ncclComm_t c = (ncclComm_t)comm;
 	ncclResult_t first = zn.group_start();
-	if (first != ncclSuccess) return (int)first;
+	if (first != ncclSuccess) {
+		zc_unbind_device(saved);
+		return first;
+	}
 	for (int i = 0; i < n; i++) {
 		const zc_nccl_op* o = &ops[i];
-		cudaStream_t s = (cudaStream_t)o->stream;
-		ncclDataType_t dt = zn_dtype(o->dtype);
+		CUstream s = (CUstream)o->stream;
+		int dt = zn_dtype(o->dtype);
 		ncclResult_t r = ncclSuccess;
 		switch (o->kind) {
 		case 0: r = zn.all_reduce((const void*)o->send, (void*)o->recv, o->count, dt, zn_op(o->op), c, s); break;
@@ -273,7 +249,7 @@ int zc_nccl_batch(int dev, uintptr_t comm, const zc_nccl_op* ops, int n, int64_t
 	}
 	/* the group must be closed on this thread whatever happened inside it */
 	ncclResult_t r = zn.group_end();
-	if (first != ncclSuccess) return (int)first;
-	if (r == ncclInProgress) return zn_wait(c, timeout_ms);
-	return (int)r;
+	if (first == ncclSuccess) first = r == ncclInProgress ? zn_wait(c, timeout_ms) : r;
+	zc_unbind_device(saved);
+	return first;
 }

@@ -1,26 +1,23 @@
 /*
- * zero_cuda.h: the C interface of libzerocuda.a (built by `make cuda`).
- *
- * cuda.go, group_cuda.go and nccl_cuda.go (all //go:build cuda) call these
- * functions through cgo. The header needs no CUDA or NCCL header: every
- * pointer and handle (device memory, cudaStream_t, cudaEvent_t, ncclComm_t)
- * crosses as a uintptr_t, so the Go side never converts an integer to an
- * unsafe.Pointer, and `go vet` stays quiet.
+ * zero_cuda.h: the C interface of the CUDA path for cuda.go, group_cuda.go
+ * and nccl_cuda.go (all //go:build cuda), implemented by cuda_driver.c (the
+ * CUDA driver API, loaded with dlopen) and nccl_loader.c (NCCL, likewise).
+ * No CUDA or NCCL header is needed: every pointer and handle (device
+ * memory, CUstream/cudaStream_t, CUevent, ncclComm_t) crosses as a
+ * uintptr_t, so the Go side never converts an integer to an unsafe.Pointer.
  *
  * Conventions:
  *   - every function that can fail returns a status: 0 for success, a
- *     cudaError_t value for CUDA failures (name and text from
- *     zc_error_name/zc_error_string), or for the NCCL functions an
- *     ncclResult_t value (text from zc_nccl_error_string);
- *   - every entry point that touches a device first calls cudaSetDevice(dev),
- *     because the current device is a property of the OS thread and a
- *     goroutine may move between threads;
+ *     CUresult for CUDA failures (name and text from zc_error_name and
+ *     zc_error_string), an ncclResult_t for the NCCL functions (text from
+ *     zc_nccl_error_string), or one of the ZC_ERR_ codes of cuda_abi.h;
+ *   - every entry point that touches a device makes its primary context
+ *     current on the calling thread and restores the thread's context
+ *     before it returns (a goroutine may run on any thread);
  *   - kernels and copies are enqueued on the given stream and return at once
- *     (copies into pageable host memory complete before they return, as
- *     cudaMemcpyAsync does);
+ *     (a copy into pageable host memory completes before it returns);
  *   - dtype codes are ZERO_F32/ZERO_BF16/ZERO_F16 and op codes
- *     ZERO_SUM/ZERO_AVG/ZERO_MAX of elementwise.h (the Go side maps its own
- *     DType and ReduceOp to them explicitly).
+ *     ZERO_SUM/ZERO_AVG/ZERO_MAX of elementwise.h.
  */
 #ifndef ZERO_CUDA_H
 #define ZERO_CUDA_H
@@ -28,30 +25,24 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "cuda_abi.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* One gradient of a batched kernel call: source address, element count, and
- * the offset (elements) of its first element in the flat destination. The
- * layout matches zero_seg of kernels.h and segment of kernels.go. */
-typedef struct {
-	uintptr_t ptr;
-	int64_t count;
-	int64_t offset;
-} zc_seg;
+/* ---- the driver ------------------------------------------------------- */
 
-/* Limits. Batches of up to ZC_INLINE_SEGS segments travel inside the kernel
- * parameters; larger ones are copied to a device-side descriptor array from
- * a pinned staging ring (one copy and one launch per batch). */
-#define ZC_INLINE_SEGS 32
-#define ZC_MAX_RANKS 32  /* buffers of one in-process reduction */
-#define ZC_MAX_DEVICES 64
-
-/* Own status codes, past every cudaError_t and ncclResult_t value. */
-#define ZC_ERR_TOO_MANY_RANKS 10001 /* more than ZC_MAX_RANKS buffers */
-#define ZC_ERR_BAD_DTYPE 10002      /* a dtype or op code out of range */
-#define ZC_ERR_NO_NCCL 10003        /* libnccl.so.2 not loaded; see zc_nccl_load */
+/* Load the driver (path NULL or "": $ZERO_CUDA_LIBRARY, else libcuda.so.1),
+ * resolve its entry points and cuInit. 0, or ZC_ERR_NO_DRIVER /
+ * ZC_ERR_OLD_DRIVER / a CUresult, with the reason in msg. A success is kept;
+ * a failure is tried again on the next call. Every other entry point loads
+ * the driver first. */
+int zc_driver_load(const char* path, char* msg, int msglen);
+/* cuDriverGetVersion, e.g. 12040 for CUDA 12.4. */
+int zc_driver_version(int* v);
+/* The kernels: a fatbin image, copied; the first call wins. */
+void zc_set_fatbin(const void* image, uint64_t len);
 
 /* ---- errors ------------------------------------------------------------ */
 
@@ -69,7 +60,7 @@ int zc_device_sync(int dev);
 /* Device memory, zeroed, 256-byte aligned. */
 int zc_malloc(int dev, uint64_t bytes, uintptr_t* p);
 int zc_free(int dev, uintptr_t p);
-/* Pinned (page-locked, portable, mapped) host memory, zeroed. */
+/* Pinned (page-locked, portable, mapped into the device) host memory, zeroed. */
 int zc_host_alloc(int dev, uint64_t bytes, uintptr_t* p);
 int zc_host_free(int dev, uintptr_t p);
 
@@ -82,6 +73,9 @@ int zc_stream_destroy(int dev, uintptr_t s);
 int zc_stream_sync(int dev, uintptr_t s);
 /* Make work enqueued on s after this call wait for event e. */
 int zc_stream_wait(int dev, uintptr_t s, uintptr_t e);
+/* Make work enqueued on s after this call wait until the 32-bit word at flag
+ * (pinned host memory from zc_host_alloc) is at least 1. */
+int zc_stream_wait_flag(int dev, uintptr_t s, uintptr_t flag);
 /* Create an event (with timing when timing != 0) and record it on s; when
  * *e is an event already, record that one on s instead. */
 int zc_record(int dev, uintptr_t s, int timing, uintptr_t* e);
@@ -99,7 +93,7 @@ int zc_memzero(int dev, uintptr_t s, uintptr_t p, uint64_t bytes);
  * device memory, pinned and pageable host memory. */
 int zc_memcpy(int dev, uintptr_t s, uintptr_t dst, uintptr_t src, uint64_t bytes);
 
-/* ---- kernels (csrc/kernels.cu) ----------------------------------------- */
+/* ---- kernels (csrc/kernels.cu, from the fatbin) ------------------------- */
 
 /* flatten: dst[seg.offset + i] = dst_dtype(src_dtype(seg.ptr[i]) * scale) for
  * every segment, one launch; the multiply is skipped when scale == 1.
@@ -118,12 +112,12 @@ int zc_accumulate(int dev, uintptr_t s, uintptr_t acc, const zc_seg* segs, int n
 int zc_cast(int dev, uintptr_t s, uintptr_t dst, int dst_dtype, uintptr_t src, int src_dtype, int64_t n,
             float scale);
 
-/* Sum of squares of n fp32 values in double, copied to the double at out:
- * device, pinned or pageable host memory (cudaMemcpyDefault; with pageable
- * memory the call returns once the value is there). Deterministic for a
- * given n: a fixed grid, a fixed tree in each block and a fixed order over
- * the blocks. */
-int zc_sumsq(int dev, uintptr_t s, uintptr_t x, int64_t n, double* out);
+/* Sum of squares of n fp32 values in double, copied to out (pinned host
+ * memory, or device memory) on s: the value is there once s has passed this
+ * point. scratch is device memory for ZC_SUMSQ_MAX_BLOCKS + 1 doubles.
+ * Deterministic for a given n: a fixed grid, a fixed tree in each block and
+ * a fixed order over the blocks. */
+int zc_sumsq(int dev, uintptr_t s, uintptr_t x, int64_t n, uintptr_t scratch, uintptr_t out);
 
 /* In-process reduce (reduce-scatter of the one-GPU group): for each output j
  * in [0, nout) and i in [0, count):
@@ -143,7 +137,7 @@ int zc_allreduce(int dev, uintptr_t s, const uintptr_t* bufs, int n, int dtype, 
  * stream back. */
 int zc_spin(int dev, uintptr_t s, int64_t ns);
 
-/* ---- NCCL (csrc/nccl.c), loaded with dlopen ------------------------------ */
+/* ---- NCCL (nccl_loader.c), loaded with dlopen ------------------------------ */
 
 /* Load libnccl (path NULL or "" means "libnccl.so.2") and resolve its
  * symbols. Returns 0, or ZC_ERR_NO_NCCL with the dlopen/dlsym message in
