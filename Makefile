@@ -54,6 +54,6 @@ HOSTCXX ?= g++
 cuda-emu: csrc/emu_test
 	csrc/emu_test
 
-csrc/emu_test: csrc/emu_test.cc csrc/kernels_dev.cuh cuda_abi.h elementwise.h kernels.c kernels.h
+csrc/emu_test: csrc/emu_test.cc csrc/emu_launch.h csrc/kernels_dev.cuh cuda_abi.h elementwise.h kernels.c kernels.h
 	$(HOSTCC) -O2 -ffp-contract=off -c kernels.c -o csrc/emu_kernels.o
 	$(HOSTCXX) -O2 -std=c++17 -ffp-contract=off -Wall -Wno-unknown-pragmas -Icsrc csrc/emu_test.cc csrc/emu_kernels.o -o $@

@@ -518,6 +518,13 @@ func (pl *pipeline) sync() error {
 		}
 	}
 	clear(pl.reducing)
+	// A communicator aborted mid-collective (NCCL's watchdog) still lets the
+	// reduction's event fire: that is not proof the reduction happened.
+	if a, ok := pl.comm.(asyncFailer); ok {
+		if err := a.asyncErr(); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 

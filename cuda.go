@@ -215,7 +215,7 @@ func (d *cudaDevice) Name() string {
 
 func (d *cudaDevice) dev() C.int { return C.int(d.ordinal) }
 
-// memoryStats reads every GPU's memory from NVML for Stats; nil when NVML
+// memoryStats reads every GPU's memory from NVML; nil when NVML
 // is not there (a container without the driver's NVML library).
 func (d *cudaDevice) memoryStats() []GPUMemory {
 	ms, err := systemNVML.Memory()
@@ -571,9 +571,16 @@ func (d *cudaDevice) copy(s Stream, dst, src Tensor) error {
 }
 
 // cSegments checks a batch and lays it out as zc_seg descriptors.
-func (d *cudaDevice) cSegments(op string, segs []Segment) ([]segment, DType, error) {
+// The C layout of a batch is built in a pooled slice: the launchers copy
+// it before they return, and a gradient's path allocates nothing.
+var segScratch = sync.Pool{New: func() any { return new([]segment) }}
+
+func (d *cudaDevice) cSegments(op string, segs []Segment, buf *[]segment) ([]segment, DType, error) {
 	src := segs[0].Src.dtype
-	out := make([]segment, len(segs))
+	if cap(*buf) < len(segs) {
+		*buf = make([]segment, len(segs))
+	}
+	out := (*buf)[:len(segs)]
 	for i, sg := range segs {
 		if sg.Src.dtype != src {
 			return nil, 0, errorf(ErrDType, "%s: segment %d is %v, segment 0 is %v; batch gradients of one dtype", op, i, sg.Src.dtype, src)
@@ -609,7 +616,9 @@ func (d *cudaDevice) flatten(s Stream, dst Tensor, segs []Segment, scale float32
 	if !dst.dtype.valid() {
 		return errorf(ErrDType, "flatten into %v; use fp32, bf16 or fp16", dst.dtype)
 	}
-	c, src, err := d.cSegments("flatten", segs)
+	buf := segScratch.Get().(*[]segment)
+	defer segScratch.Put(buf)
+	c, src, err := d.cSegments("flatten", segs, buf)
 	if err != nil {
 		return err
 	}
@@ -632,7 +641,9 @@ func (d *cudaDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool
 	if err := d.deviceOnly("accumulate", acc, flag); err != nil {
 		return err
 	}
-	c, src, err := d.cSegments("accumulate", segs)
+	buf := segScratch.Get().(*[]segment)
+	defer segScratch.Put(buf)
+	c, src, err := d.cSegments("accumulate", segs, buf)
 	if err != nil {
 		return err
 	}

@@ -22,7 +22,7 @@ type Device interface {
 
 	// checkStream says whether s is a stream of this device.
 	checkStream(s Stream) error
-	// memoryStats reads the device memory for the stats (nil on the host).
+	// memoryStats reads the device memory from NVML (nil on the host).
 	memoryStats() []GPUMemory
 
 	// The kernels below enqueue on s and return at once.

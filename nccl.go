@@ -51,6 +51,13 @@ type Comm interface {
 	Close() error
 }
 
+// asyncFailer is a communicator that can fail after its collectives were
+// enqueued, such that their events still fire (NCCL aborted by its
+// watchdog): asyncErr reports that failure.
+type asyncFailer interface {
+	asyncErr() error
+}
+
 // CollectiveKind names a collective in the counters.
 type CollectiveKind int
 

@@ -200,11 +200,13 @@ type ncclComm struct {
 	world   int
 	timeout time.Duration
 
-	mu      sync.Mutex
-	h       uintptr
-	failed  error // set once aborted: every later call returns it
-	closed  bool
-	pending []ncclPending
+	mu         sync.Mutex
+	h          uintptr
+	failed     error // set once aborted: every later call returns it
+	closed     bool
+	pending    []ncclPending
+	idleEvents []Event          // fired batch events, to record again
+	cops       [4]C.zc_nccl_op // the C form of a batch, reused
 
 	stop    chan struct{}
 	stopped chan struct{}
@@ -212,11 +214,29 @@ type ncclComm struct {
 	counters
 }
 
-// ncclPending is a batch enqueued and not yet seen finished.
+// ncclPending is a batch enqueued and not yet seen finished. It keeps the
+// batch's first op, to name it if the batch times out: nothing is
+// formatted while all goes well.
 type ncclPending struct {
-	done *cudaEvent
-	at   time.Time
-	what string
+	done  *cudaEvent
+	at    time.Time
+	first ncclOp
+	n     int
+}
+
+func (p ncclPending) String() string {
+	if p.n > 1 {
+		return fmt.Sprintf("%v and %d more", p.first, p.n-1)
+	}
+	return p.first.String()
+}
+
+// asyncErr is the reason the communicator was aborted, if it was: an
+// aborted collective's event still fires, and the engine asks here.
+func (c *ncclComm) asyncErr() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.failed
 }
 
 func (c *ncclComm) Rank() int              { return c.rank }
@@ -251,49 +271,56 @@ func (c *ncclComm) batch(s Stream, ops ...ncclOp) error {
 	if err != nil {
 		return err
 	}
-	cops := make([]C.zc_nccl_op, len(ops))
-	what := ""
-	for i, o := range ops {
+	if len(ops) > len(c.cops) {
+		return errorf(ErrConfig, "an NCCL batch of %d collectives; at most %d", len(ops), len(c.cops))
+	}
+	for _, o := range ops {
 		if err := c.dev.deviceOnly(o.kind.String(), o.send, o.recv); err != nil {
 			return err
 		}
-		cops[i] = C.zc_nccl_op{kind: C.int32_t(o.kind), dtype: C.int32_t(cdtype(o.dtype)), op: C.int32_t(cop(o.op)),
-			root: C.int32_t(o.root), send: C.uintptr_t(o.send.ptr), recv: C.uintptr_t(o.recv.ptr),
-			count: C.uint64_t(o.count), stream: C.uintptr_t(cs.h)}
-		if i > 0 {
-			what += ", "
-		}
-		what += o.String()
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	p := ncclPending{first: ops[0], n: len(ops)}
 	if c.failed != nil {
 		return c.failed
 	}
 	if c.closed {
-		return errorf(ErrClosed, "rank %d: %s on a closed NCCL communicator", c.rank, what)
+		return errorf(ErrClosed, "rank %d: %v on a closed NCCL communicator", c.rank, p)
+	}
+	for i, o := range ops {
+		c.cops[i] = C.zc_nccl_op{kind: C.int32_t(o.kind), dtype: C.int32_t(cdtype(o.dtype)), op: C.int32_t(cop(o.op)),
+			root: C.int32_t(o.root), send: C.uintptr_t(o.send.ptr), recv: C.uintptr_t(o.recv.ptr),
+			count: C.uint64_t(o.count), stream: C.uintptr_t(cs.h)}
 	}
 	// ncclGroupStart and ncclGroupEnd must run on one OS thread: they do,
 	// inside this one C call (a goroutine may move between Go calls).
-	code := C.zc_nccl_batch(c.dev.dev(), C.uintptr_t(c.h), &cops[0], C.int(len(cops)), C.int64_t(c.timeout.Milliseconds()))
+	code := C.zc_nccl_batch(c.dev.dev(), C.uintptr_t(c.h), &c.cops[0], C.int(len(ops)), C.int64_t(c.timeout.Milliseconds()))
 	switch {
 	case code == ncclInProgress:
-		c.abortLocked(fmt.Errorf("%w: %w: rank %d: %s was not enqueued within %v; a peer is not taking part (aborted the communicator)", ErrNCCL, ErrTimeout, c.rank, what, c.timeout))
+		c.abortLocked(fmt.Errorf("%w: %w: rank %d: %v was not enqueued within %v; a peer is not taking part (aborted the communicator)", ErrNCCL, ErrTimeout, c.rank, p, c.timeout))
 		return c.failed
 	case code == 4 || code == 5: // ncclInvalidArgument, ncclInvalidUsage: the communicator is still good
-		return ncclErr(what, c.rank, c.h, code)
+		return ncclErr(p.String(), c.rank, c.h, code)
 	case code != 0:
-		c.abortLocked(ncclErr(what, c.rank, c.h, code))
+		c.abortLocked(ncclErr(p.String(), c.rank, c.h, code))
 		return c.failed
 	}
 	for _, o := range ops {
 		c.add(o.kind, o.payload, c.world)
 	}
-	done, err := cs.record(false)
+	// The batch's completion event comes from the communicator's pool: the
+	// watchdog gives it back once it has seen it fire.
+	var reuse Event
+	if n := len(c.idleEvents); n > 0 {
+		reuse, c.idleEvents = c.idleEvents[n-1], c.idleEvents[:n-1]
+	}
+	ev, err := cs.recordUntimed(reuse)
 	if err != nil {
 		return err
 	}
-	c.pending = append(c.pending, ncclPending{done: done, at: time.Now(), what: what})
+	p.done, p.at = ev.(*cudaEvent), time.Now()
+	c.pending = append(c.pending, p)
 	return nil
 }
 
@@ -329,14 +356,20 @@ func (c *ncclComm) checkLocked() {
 		c.abortLocked(ncclErr("asynchronous error (watchdog)", c.rank, c.h, state))
 		return
 	}
-	for len(c.pending) > 0 && c.pending[0].done.Done() {
-		c.pending[0] = ncclPending{}
-		c.pending = c.pending[1:]
+	done := 0
+	for done < len(c.pending) && c.pending[done].done.Done() {
+		c.idleEvents = append(c.idleEvents, c.pending[done].done)
+		done++
+	}
+	if done > 0 { // shift in place: the slice keeps its capacity
+		n := copy(c.pending, c.pending[done:])
+		clear(c.pending[n:])
+		c.pending = c.pending[:n]
 	}
 	if len(c.pending) > 0 {
 		if age := time.Since(c.pending[0].at); age > c.timeout {
-			c.abortLocked(fmt.Errorf("%w: %w: rank %d: %s has not finished after %v (timeout %v); a peer failed or stopped issuing collectives (watchdog aborted the communicator)",
-				ErrNCCL, ErrTimeout, c.rank, c.pending[0].what, age.Round(time.Millisecond), c.timeout))
+			c.abortLocked(fmt.Errorf("%w: %w: rank %d: %v has not finished after %v (timeout %v); a peer failed or stopped issuing collectives (watchdog aborted the communicator)",
+				ErrNCCL, ErrTimeout, c.rank, c.pending[0], age.Round(time.Millisecond), c.timeout))
 		}
 	}
 }

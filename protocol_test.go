@@ -741,3 +741,60 @@ func TestReductionsRunDuringBackward(t *testing.T) {
 		}
 	}
 }
+
+// abortingComm is a communicator whose collectives are aborted while they
+// run, as NCCL's watchdog aborts a communicator: the reduce-scatter's work
+// still completes on the stream (its event fires), and only the
+// communicator knows it failed.
+type abortingComm struct {
+	Comm
+	after   int // reduce-scatters that succeed before the abort
+	calls   int
+	aborted atomic.Pointer[error]
+}
+
+func (c *abortingComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
+	if err := c.Comm.ReduceScatter(s, send, recv, op); err != nil {
+		return err
+	}
+	if c.calls++; c.calls > c.after {
+		err := fmt.Errorf("%w: the watchdog aborted the communicator during reduce-scatter %d", ErrCollective, c.calls)
+		c.aborted.CompareAndSwap(nil, &err)
+	}
+	return nil
+}
+
+func (c *abortingComm) asyncErr() error {
+	if p := c.aborted.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// TestAbortedReductionFailsStep: a reduction whose communicator was aborted
+// mid-collective fails Step (and the reads after it), though its event fired.
+func TestAbortedReductionFailsStep(t *testing.T) {
+	params := testParams(FP32)
+	for _, stage := range []int{1, 2, 3} {
+		for _, overlap := range []bool{false, true} {
+			comms, _ := NewLocalGroup(1)
+			c := &abortingComm{Comm: comms[0], after: 2}
+			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: overlap}, c, params)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := NewHostStream()
+			if err := backward(e, s, constGrads(params, 1)); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.Step(); !errors.Is(err, ErrCollective) {
+				t.Errorf("stage %d overlap=%v: Step after an aborted reduction: %v, want the abort", stage, overlap, err)
+			}
+			if _, err := e.FullGrads(); err == nil {
+				t.Errorf("stage %d overlap=%v: FullGrads after an aborted reduction returned a gradient", stage, overlap)
+			}
+			e.Close()
+			s.Close()
+		}
+	}
+}

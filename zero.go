@@ -492,7 +492,6 @@ func (e *Engine) Step() error {
 		ResidentGradBytes: e.pl.mem.cur,
 		PooledGradBytes:   pooled,
 		Overflow:          overflow[0] != 0,
-		DeviceMemory:      e.dev.memoryStats(),
 	}
 	e.pl.sent = CommCounters{}
 	e.pl.mem.peak = e.pl.mem.cur
@@ -567,13 +566,14 @@ type Stats struct {
 	PooledGradBytes int64
 	// Overflow is set when a reduced gradient on this rank was inf or NaN.
 	Overflow bool
-	// DeviceMemory is every GPU's memory as NVML reports it after the step
-	// (CUDA devices only; nil on the host or without NVML).
-	DeviceMemory []GPUMemory
 }
 
 // Stats returns the stats of the last Step.
 func (e *Engine) Stats() Stats { return e.stats }
+
+// DeviceMemory reads every GPU's memory from NVML now (nil on the host or
+// without NVML). It is not part of Stats: a step never queries NVML.
+func (e *Engine) DeviceMemory() []GPUMemory { return e.dev.memoryStats() }
 
 // readable refuses reads of the reduced gradient outside the span from a
 // Step to the next backward, where the shard holds partial sums.

@@ -26,7 +26,7 @@
 
 static long misaligned;
 #define ZC_ALIGNED16(p) (((uintptr_t)(p) & 15) ? (void)misaligned++ : (void)0)
-#include "kernels_dev.cuh"
+#include "emu_launch.h"
 extern "C" {
 #include "../kernels.h"
 }
@@ -101,93 +101,6 @@ static bool same(const hbuf& a, const hbuf& b, int64_t* at) {
 			return false;
 		}
 	return true;
-}
-
-/* ---- dispatch of the templated bodies over a whole launch ------------------- */
-
-template <int DT, int ST, bool SC>
-static void run_flatten(char* dst, const zc_dseg* d, int n, float scale, int64_t blocks) {
-	for (int64_t b = 0; b < blocks; b++)
-		for (int t = 0; t < ZC_THREADS; t++) zc_flatten_block<DT, ST, SC>(dst, d, n, scale, b, t);
-}
-
-template <int DT, int ST>
-static void run_flatten2(char* dst, const zc_dseg* d, int n, float scale, int64_t blocks) {
-	if (scale != 1.0f)
-		run_flatten<DT, ST, true>(dst, d, n, scale, blocks);
-	else
-		run_flatten<DT, ST, false>(dst, d, n, scale, blocks);
-}
-
-template <int DT>
-static void run_flatten1(char* dst, int st, const zc_dseg* d, int n, float scale, int64_t blocks) {
-	switch (st) {
-	case ZERO_F32: run_flatten2<DT, ZERO_F32>(dst, d, n, scale, blocks); break;
-	case ZERO_BF16: run_flatten2<DT, ZERO_BF16>(dst, d, n, scale, blocks); break;
-	default: run_flatten2<DT, ZERO_F16>(dst, d, n, scale, blocks); break;
-	}
-}
-
-static void emu_flatten(char* dst, int dt, int st, const zc_dseg* d, int n, float scale, int64_t blocks) {
-	switch (dt) {
-	case ZERO_F32: run_flatten1<ZERO_F32>(dst, st, d, n, scale, blocks); break;
-	case ZERO_BF16: run_flatten1<ZERO_BF16>(dst, st, d, n, scale, blocks); break;
-	default: run_flatten1<ZERO_F16>(dst, st, d, n, scale, blocks); break;
-	}
-}
-
-template <int ST, bool SC, bool FIRST>
-static bool run_acc(float* acc, const zc_dseg* d, int n, float scale, int64_t blocks) {
-	uint32_t bad = 0;
-	for (int64_t b = 0; b < blocks; b++) {
-		uint32_t block_bad = 0; /* __syncthreads_or over the block */
-		for (int t = 0; t < ZC_THREADS; t++) block_bad |= zc_accumulate_block<ST, SC, FIRST>(acc, d, n, scale, b, t);
-		bad |= block_bad;
-	}
-	return bad != 0;
-}
-
-template <int ST>
-static bool run_acc1(float* acc, const zc_dseg* d, int n, float scale, int first, int64_t blocks) {
-	if (scale != 1.0f)
-		return first ? run_acc<ST, true, true>(acc, d, n, scale, blocks) : run_acc<ST, true, false>(acc, d, n, scale, blocks);
-	return first ? run_acc<ST, false, true>(acc, d, n, scale, blocks) : run_acc<ST, false, false>(acc, d, n, scale, blocks);
-}
-
-static bool emu_accumulate(float* acc, int st, const zc_dseg* d, int n, float scale, int first, int64_t blocks) {
-	switch (st) {
-	case ZERO_F32: return run_acc1<ZERO_F32>(acc, d, n, scale, first, blocks);
-	case ZERO_BF16: return run_acc1<ZERO_BF16>(acc, d, n, scale, first, blocks);
-	default: return run_acc1<ZERO_F16>(acc, d, n, scale, first, blocks);
-	}
-}
-
-template <int T, int OP>
-static void run_red(const zc_red_arg& a, unsigned grid, bool all) {
-	const int64_t stride = (int64_t)grid * ZC_THREADS;
-	if (all) {
-		for (int64_t g = 0; g < stride; g++) zc_allreduce_thread<T, OP>(a, g, stride);
-		return;
-	}
-	for (int j = 0; j < a.nout; j++)
-		for (int64_t g = 0; g < stride; g++) zc_reduce_thread<T, OP>(a, j, g, stride);
-}
-
-template <int T>
-static void run_red1(const zc_red_arg& a, int op, unsigned grid, bool all) {
-	switch (op) {
-	case ZERO_SUM: run_red<T, ZERO_SUM>(a, grid, all); break;
-	case ZERO_AVG: run_red<T, ZERO_AVG>(a, grid, all); break;
-	default: run_red<T, ZERO_MAX>(a, grid, all); break;
-	}
-}
-
-static void emu_reduce(const zc_red_arg& a, int dt, int op, unsigned grid, bool all) {
-	switch (dt) {
-	case ZERO_F32: run_red1<ZERO_F32>(a, op, grid, all); break;
-	case ZERO_BF16: run_red1<ZERO_BF16>(a, op, grid, all); break;
-	default: run_red1<ZERO_F16>(a, op, grid, all); break;
-	}
 }
 
 static const int dtypes[3] = {ZERO_F32, ZERO_BF16, ZERO_F16};

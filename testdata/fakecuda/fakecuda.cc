@@ -1,0 +1,550 @@
+/*
+ * fakecuda.cc: a fake libcuda.so.1 over host memory, for the tests of the
+ * CUDA path on machines without a GPU. The tests build it (g++ -shared) when
+ * ZERO_FAKE_CUDA=1 and point the loader at it with ZERO_CUDA_LIBRARY.
+ *
+ * It implements the driver entry points of cuda_api.h with CUDA's semantics
+ * where the library depends on them:
+ *   - device memory and pinned memory are host allocations; a device pointer
+ *     is a host address;
+ *   - each stream is a thread running its queue in order; stream 0 is one
+ *     more; events are positions in a stream (not ready until the stream got
+ *     there, and a never-recorded event is ready); a wait on an event takes
+ *     the position it has when the wait is enqueued;
+ *   - copies from or to pageable memory (not allocated here) run in stream
+ *     order and are complete when the call returns;
+ *   - a call that needs a context fails with CUDA_ERROR_INVALID_CONTEXT when
+ *     the thread has none current;
+ *   - the module accepts a fatbin (checked by its magic) and knows the kernels
+ *     by their C names; a launch runs the kernel bodies of kernels_dev.cuh on
+ *     the stream's thread, block by block and thread by thread (emu_launch.h),
+ *     so results are those of the real kernels' code.
+ * Every call returns its own status. FAKECUDA_DRIVER sets the driver version
+ * (default 12040), FAKECUDA_CC the compute capability (default 9.0).
+ */
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "cuda_api.h"
+#include "emu_launch.h"
+
+/* ---- memory ------------------------------------------------------------------ */
+
+static std::mutex mem_mu;
+static std::map<uintptr_t, size_t> allocs; /* base -> bytes, device and pinned */
+static size_t allocated;
+static const size_t total_mem = (size_t)80 << 30;
+
+static void* fake_alloc(size_t bytes) {
+	void* p = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
+	if (!p) return nullptr;
+	std::lock_guard<std::mutex> g(mem_mu);
+	allocs[(uintptr_t)p] = bytes;
+	allocated += bytes;
+	return p;
+}
+
+static bool fake_free(void* p) {
+	std::lock_guard<std::mutex> g(mem_mu);
+	auto it = allocs.find((uintptr_t)p);
+	if (it == allocs.end()) return false;
+	allocated -= it->second;
+	allocs.erase(it);
+	free(p);
+	return true;
+}
+
+/* Whether [p, p+n) lies in memory allocated here (device or pinned). */
+static bool ours(uintptr_t p, size_t n) {
+	std::lock_guard<std::mutex> g(mem_mu);
+	auto it = allocs.upper_bound(p);
+	if (it == allocs.begin()) return false;
+	--it;
+	return p >= it->first && p + n <= it->first + it->second;
+}
+
+/* ---- contexts ------------------------------------------------------------------ */
+
+struct CUctx_st {
+	int dev;
+};
+static CUctx_st primary[8] = {{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}};
+static thread_local CUcontext current = nullptr;
+
+static int ndevices() {
+	const char* v = getenv("FAKECUDA_DEVICES");
+	int n = v ? atoi(v) : 1;
+	return n < 0 ? 0 : n > 8 ? 8 : n;
+}
+
+#define NEED_CTX()                                          \
+	do {                                                \
+		if (!current) return CUDA_ERROR_INVALID_CONTEXT; \
+	} while (0)
+
+/* ---- streams and events ---------------------------------------------------------- */
+
+struct CUstream_st {
+	std::mutex mu;
+	std::condition_variable cv, idle;
+	std::deque<std::function<void()>> q;
+	bool stop = false, busy = false;
+	std::thread th;
+	CUstream_st() : th([this] { run(); }) {}
+	~CUstream_st() {
+		{
+			std::lock_guard<std::mutex> g(mu);
+			stop = true;
+		}
+		cv.notify_all();
+		th.join();
+	}
+	void run() {
+		std::unique_lock<std::mutex> l(mu);
+		for (;;) {
+			cv.wait(l, [this] { return stop || !q.empty(); });
+			if (q.empty()) return;
+			auto f = std::move(q.front());
+			q.pop_front();
+			busy = true;
+			l.unlock();
+			f();
+			l.lock();
+			busy = false;
+			if (q.empty()) idle.notify_all();
+		}
+	}
+	void push(std::function<void()> f) {
+		std::lock_guard<std::mutex> g(mu);
+		q.push_back(std::move(f));
+		cv.notify_all();
+	}
+	void drain() {
+		std::unique_lock<std::mutex> l(mu);
+		idle.wait(l, [this] { return q.empty() && !busy; });
+	}
+};
+
+static CUstream_st* legacy() {
+	static CUstream_st* s = new CUstream_st;
+	return s;
+}
+static CUstream_st* S(CUstream s) { return s ? s : legacy(); }
+
+static std::mutex streams_mu;
+static std::map<CUstream, int> streams;
+
+struct CUevent_st {
+	std::mutex mu;
+	std::condition_variable cv;
+	uint64_t recorded = 0, completed = 0;
+	bool timing = true;
+	std::chrono::steady_clock::time_point at;
+	void wait_for(uint64_t g) {
+		std::unique_lock<std::mutex> l(mu);
+		cv.wait(l, [&] { return completed >= g; });
+	}
+};
+
+/* ---- kernels ----------------------------------------------------------------------- */
+
+enum kind { K_FLATTEN, K_ACC, K_REDUCE, K_ALLREDUCE, K_SUMSQ_PART, K_SUMSQ_FINAL, K_SPIN };
+
+struct CUfunc_st {
+	kind k;
+	int a, b, c; /* the digits of the name */
+};
+struct CUmod_st {
+	std::map<std::string, CUfunc_st*> fns;
+};
+
+static const int dts[3] = {ZERO_F32, ZERO_BF16, ZERO_F16};
+static const int ops[3] = {ZERO_SUM, ZERO_AVG, ZERO_MAX};
+
+static CUfunc_st* parse(const char* name) {
+	int a = 0, b = 0, c = 0;
+	if (sscanf(name, "zc_flatten_%1d%1d%1d", &a, &b, &c) == 3 && a < 3 && b < 3 && c < 2) return new CUfunc_st{K_FLATTEN, a, b, c};
+	if (sscanf(name, "zc_acc_%1d%1d%1d", &a, &b, &c) == 3 && a < 3 && b < 2 && c < 2) return new CUfunc_st{K_ACC, a, b, c};
+	if (sscanf(name, "zc_reduce_%1d%1d", &a, &b) == 2 && a < 3 && b < 3) return new CUfunc_st{K_REDUCE, a, b, 0};
+	if (sscanf(name, "zc_allreduce_%1d%1d", &a, &b) == 2 && a < 3 && b < 3) return new CUfunc_st{K_ALLREDUCE, a, b, 0};
+	if (!strcmp(name, "zc_sumsq_part")) return new CUfunc_st{K_SUMSQ_PART, 0, 0, 0};
+	if (!strcmp(name, "zc_sumsq_final")) return new CUfunc_st{K_SUMSQ_FINAL, 0, 0, 0};
+	if (!strcmp(name, "zc_spin")) return new CUfunc_st{K_SPIN, 0, 0, 0};
+	return nullptr;
+}
+
+/* The fixed tree of the sum-of-squares kernels over one block's values. */
+static double tree(double* s) {
+	for (int w = ZC_THREADS / 2; w > 0; w >>= 1)
+		for (int t = 0; t < w; t++) s[t] = s[t] + s[t + w];
+	return s[0];
+}
+
+template <class T>
+static T arg(void** params, int i) {
+	T v;
+	memcpy(&v, params[i], sizeof v);
+	return v;
+}
+
+extern "C" {
+
+CUresult cuInit(unsigned int) { return CUDA_SUCCESS; }
+
+CUresult cuDriverGetVersion(int* v) {
+	const char* e = getenv("FAKECUDA_DRIVER");
+	*v = e ? atoi(e) : 12040;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorName(CUresult err, const char** s) {
+	switch (err) {
+	case CUDA_SUCCESS: *s = "CUDA_SUCCESS"; break;
+	case CUDA_ERROR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
+	case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+	case CUDA_ERROR_INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
+	case CUDA_ERROR_INVALID_IMAGE: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
+	case CUDA_ERROR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
+	case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
+	case CUDA_ERROR_NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
+	default: *s = nullptr; return CUDA_ERROR_INVALID_VALUE;
+	}
+	return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorString(CUresult err, const char** s) {
+	CUresult r = cuGetErrorName(err, s);
+	if (!r) *s = "an error of the fake CUDA driver";
+	return r;
+}
+
+CUresult cuDeviceGetCount(int* n) {
+	*n = ndevices();
+	return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGet(CUdevice* d, int ordinal) {
+	if (ordinal < 0 || ordinal >= ndevices()) return CUDA_ERROR_INVALID_DEVICE;
+	*d = ordinal;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
+	if (d < 0 || d >= ndevices()) return CUDA_ERROR_INVALID_DEVICE;
+	snprintf(name, (size_t)len, "Fake CUDA device (host memory)");
+	return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
+	if (d < 0 || d >= ndevices()) return CUDA_ERROR_INVALID_DEVICE;
+	const char* cc = getenv("FAKECUDA_CC");
+	int major = 9, minor = 0;
+	if (cc) sscanf(cc, "%d.%d", &major, &minor);
+	switch (attr) {
+	case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *v = major; break;
+	case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *v = minor; break;
+	case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = 132; break;
+	default: return CUDA_ERROR_INVALID_VALUE;
+	}
+	return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice d) {
+	if (d < 0 || d >= ndevices()) return CUDA_ERROR_INVALID_DEVICE;
+	*bytes = total_mem;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice d) {
+	if (d < 0 || d >= ndevices()) return CUDA_ERROR_INVALID_DEVICE;
+	*c = &primary[d];
+	return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetCurrent(CUcontext* c) {
+	*c = current;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSetCurrent(CUcontext c) {
+	current = c;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSynchronize(void) {
+	NEED_CTX();
+	std::lock_guard<std::mutex> g(streams_mu);
+	for (auto& s : streams) s.first->drain();
+	legacy()->drain();
+	return CUDA_SUCCESS;
+}
+
+CUresult cuMemGetInfo_v2(size_t* f, size_t* t) {
+	NEED_CTX();
+	std::lock_guard<std::mutex> g(mem_mu);
+	*t = total_mem;
+	*f = total_mem - allocated;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
+	NEED_CTX();
+	if (bytes > total_mem) return CUDA_ERROR_OUT_OF_MEMORY;
+	void* q = fake_alloc(bytes);
+	if (!q) return CUDA_ERROR_OUT_OF_MEMORY;
+	*p = (CUdeviceptr)(uintptr_t)q;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p) {
+	NEED_CTX();
+	return fake_free((void*)(uintptr_t)p) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned int) {
+	NEED_CTX();
+	*p = fake_alloc(bytes);
+	return *p ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult cuMemFreeHost(void* p) {
+	NEED_CTX();
+	return fake_free(p) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr* d, void* p, unsigned int) {
+	NEED_CTX();
+	if (!ours((uintptr_t)p, 1)) return CUDA_ERROR_INVALID_VALUE;
+	*d = (CUdeviceptr)(uintptr_t)p;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream s) {
+	NEED_CTX();
+	if (!ours((uintptr_t)p, n)) return CUDA_ERROR_INVALID_VALUE;
+	S(s)->push([=] { memset((void*)(uintptr_t)p, v, n); });
+	return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+	NEED_CTX();
+	if (ours((uintptr_t)dst, n) && ours((uintptr_t)src, n)) {
+		S(s)->push([=] { memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n); });
+		return CUDA_SUCCESS;
+	}
+	/* pageable memory on one side: in stream order, done when this returns */
+	S(s)->drain();
+	memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n);
+	return CUDA_SUCCESS;
+}
+
+CUresult cuStreamCreate(CUstream* s, unsigned int) {
+	NEED_CTX();
+	*s = new CUstream_st;
+	std::lock_guard<std::mutex> g(streams_mu);
+	streams[*s] = 1;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuStreamDestroy_v2(CUstream s) {
+	NEED_CTX();
+	{
+		std::lock_guard<std::mutex> g(streams_mu);
+		if (!streams.erase(s)) return CUDA_ERROR_INVALID_VALUE;
+	}
+	s->drain();
+	delete s;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuStreamSynchronize(CUstream s) {
+	NEED_CTX();
+	S(s)->drain();
+	return CUDA_SUCCESS;
+}
+
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
+	NEED_CTX();
+	uint64_t g;
+	{
+		std::lock_guard<std::mutex> l(e->mu);
+		g = e->recorded;
+	}
+	S(s)->push([=] { e->wait_for(g); });
+	return CUDA_SUCCESS;
+}
+
+CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, uint32_t value, unsigned int) {
+	NEED_CTX();
+	if (!ours((uintptr_t)addr, 4)) return CUDA_ERROR_INVALID_VALUE;
+	S(s)->push([=] {
+		while (__atomic_load_n((const uint32_t*)(uintptr_t)addr, __ATOMIC_ACQUIRE) < value)
+			std::this_thread::sleep_for(std::chrono::microseconds(50));
+	});
+	return CUDA_SUCCESS;
+}
+
+CUresult cuEventCreate(CUevent* e, unsigned int flags) {
+	NEED_CTX();
+	*e = new CUevent_st;
+	(*e)->timing = !(flags & CU_EVENT_DISABLE_TIMING);
+	return CUDA_SUCCESS;
+}
+
+CUresult cuEventRecord(CUevent e, CUstream s) {
+	NEED_CTX();
+	uint64_t g;
+	{
+		std::lock_guard<std::mutex> l(e->mu);
+		g = ++e->recorded;
+	}
+	S(s)->push([=] {
+		std::lock_guard<std::mutex> l(e->mu);
+		if (e->completed < g) e->completed = g;
+		e->at = std::chrono::steady_clock::now();
+		e->cv.notify_all();
+	});
+	return CUDA_SUCCESS;
+}
+
+CUresult cuEventSynchronize(CUevent e) {
+	uint64_t g;
+	{
+		std::lock_guard<std::mutex> l(e->mu);
+		g = e->recorded;
+	}
+	e->wait_for(g);
+	return CUDA_SUCCESS;
+}
+
+CUresult cuEventQuery(CUevent e) {
+	std::lock_guard<std::mutex> l(e->mu);
+	return e->completed >= e->recorded ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+CUresult cuEventDestroy_v2(CUevent e) {
+	/* CUDA allows destroying a pending event; keep it until it has fired */
+	uint64_t g;
+	{
+		std::lock_guard<std::mutex> l(e->mu);
+		g = e->recorded;
+	}
+	std::thread([e, g] {
+		e->wait_for(g);
+		delete e;
+	}).detach();
+	return CUDA_SUCCESS;
+}
+
+CUresult cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
+	if (!a->timing || !b->timing) return CUDA_ERROR_INVALID_VALUE;
+	if (cuEventQuery(a) || cuEventQuery(b)) return CUDA_ERROR_NOT_READY;
+	std::lock_guard<std::mutex> la(a->mu);
+	std::lock_guard<std::mutex> lb(b->mu);
+	*ms = std::chrono::duration<float, std::milli>(b->at - a->at).count();
+	return CUDA_SUCCESS;
+}
+
+CUresult cuModuleLoadData(CUmodule* m, const void* image) {
+	NEED_CTX();
+	uint32_t magic = 0;
+	if (image) memcpy(&magic, image, 4);
+	if (magic != 0xBA55ED50u) return CUDA_ERROR_INVALID_IMAGE;
+	*m = new CUmod_st;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+	NEED_CTX();
+	auto it = m->fns.find(name);
+	if (it == m->fns.end()) {
+		CUfunc_st* g = parse(name);
+		if (!g) return CUDA_ERROR_NOT_FOUND;
+		it = m->fns.emplace(name, g).first;
+	}
+	*f = it->second;
+	return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned, unsigned bx, unsigned, unsigned, unsigned,
+                        CUstream s, void** p, void**) {
+	NEED_CTX();
+	if (gx == 0 || gy == 0) return CUDA_ERROR_INVALID_VALUE;
+	switch (f->k) {
+	case K_FLATTEN: {
+		if (bx != ZC_THREADS) return CUDA_ERROR_INVALID_VALUE;
+		char* dst = arg<char*>(p, 0);
+		zc_segs_arg a = arg<zc_segs_arg>(p, 1);
+		float scale = arg<float>(p, 2);
+		int dt = dts[f->a], st = dts[f->b];
+		S(s)->push([=] { emu_flatten(dst, dt, st, a.ext ? (const zc_dseg*)a.ext : a.inl, a.nseg, scale, gx); });
+		break;
+	}
+	case K_ACC: {
+		if (bx != ZC_THREADS) return CUDA_ERROR_INVALID_VALUE;
+		float* acc = arg<float*>(p, 0);
+		zc_segs_arg a = arg<zc_segs_arg>(p, 1);
+		float scale = arg<float>(p, 2);
+		float* flag = arg<float*>(p, 3);
+		int st = dts[f->a], first = f->c;
+		S(s)->push([=] {
+			if (emu_accumulate(acc, st, a.ext ? (const zc_dseg*)a.ext : a.inl, a.nseg, scale, first, gx) && flag) *flag = 1.0f;
+		});
+		break;
+	}
+	case K_REDUCE:
+	case K_ALLREDUCE: {
+		zc_red_arg a = arg<zc_red_arg>(p, 0);
+		int dt = dts[f->a], op = ops[f->b];
+		bool all = f->k == K_ALLREDUCE;
+		if (!all && (int)gy != a.nout) return CUDA_ERROR_INVALID_VALUE;
+		S(s)->push([=] { emu_reduce(a, dt, op, gx, all); });
+		break;
+	}
+	case K_SUMSQ_PART: {
+		const float* x = arg<const float*>(p, 0);
+		int64_t n = arg<int64_t>(p, 1);
+		double* part = arg<double*>(p, 2);
+		S(s)->push([=] {
+			double t[ZC_THREADS];
+			for (unsigned b = 0; b < gx; b++) {
+				for (int i = 0; i < ZC_THREADS; i++) t[i] = zc_sumsq_thread(x, n, (int64_t)b * ZC_THREADS + i, (int64_t)gx * ZC_THREADS);
+				part[b] = tree(t);
+			}
+		});
+		break;
+	}
+	case K_SUMSQ_FINAL: {
+		const double* part = arg<const double*>(p, 0);
+		int nb = arg<int>(p, 1);
+		double* out = arg<double*>(p, 2);
+		S(s)->push([=] {
+			double t[ZC_THREADS];
+			for (int i = 0; i < ZC_THREADS; i++) {
+				double acc = 0.0;
+				for (int k = i; k < nb; k += ZC_THREADS) acc = acc + part[k];
+				t[i] = acc;
+			}
+			*out = tree(t);
+		});
+		break;
+	}
+	case K_SPIN: {
+		int64_t ns = arg<int64_t>(p, 0);
+		S(s)->push([=] { std::this_thread::sleep_for(std::chrono::nanoseconds(ns)); });
+		break;
+	}
+	}
+	return CUDA_SUCCESS;
+}
+
+} /* extern "C" */
