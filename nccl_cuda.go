@@ -205,7 +205,7 @@ type ncclComm struct {
 	failed     error // set once aborted: every later call returns it
 	closed     bool
 	pending    []ncclPending
-	idleEvents []Event          // fired batch events, to record again
+	idleEvents []Event         // fired batch events, to record again
 	cops       [4]C.zc_nccl_op // the C form of a batch, reused
 
 	stop    chan struct{}
