@@ -46,6 +46,23 @@ func loadDriver(op string) error {
 	return fmt.Errorf("%w: %s: %s: %w", ErrNoCUDA, op, C.GoString(&msg[0]), cudaErr("cuInit", -1, code))
 }
 
+// currentContext and setContext read and set the calling OS thread's
+// CUDA context (tests; the caller must hold the thread).
+func currentContext() (uintptr, error) {
+	var c C.uintptr_t
+	if code := C.zc_context_current(&c); code != 0 {
+		return 0, cudaErr("cuCtxGetCurrent", -1, code)
+	}
+	return uintptr(c), nil
+}
+
+func setContext(c uintptr) error {
+	if code := C.zc_context_set(C.uintptr_t(c)); code != 0 {
+		return cudaErr("cuCtxSetCurrent", -1, code)
+	}
+	return nil
+}
+
 // DriverVersion returns the CUDA version the NVIDIA driver supports, as
 // cuDriverGetVersion does (12040 for CUDA 12.4); zero needs 12000 or more.
 func DriverVersion() (int, error) {

@@ -667,3 +667,18 @@ int zc_bind_device(int dev, uintptr_t* saved) {
 void zc_unbind_device(uintptr_t saved) {
 	if (__atomic_load_n(&zc_loaded, __ATOMIC_ACQUIRE)) cu.cuCtxSetCurrent((CUcontext)saved);
 }
+
+/* ---- the calling thread's context (tests) --------------------------------- */
+
+int zc_context_current(uintptr_t* c) {
+	int err = zc_ensure();
+	CUcontext x = NULL;
+	if (!err) err = cu.cuCtxGetCurrent(&x);
+	*c = (uintptr_t)x;
+	return err;
+}
+
+int zc_context_set(uintptr_t c) {
+	int err = zc_ensure();
+	return err ? err : cu.cuCtxSetCurrent((CUcontext)c);
+}

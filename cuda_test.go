@@ -1185,3 +1185,19 @@ func TestCUDARingBatchesBackToBack(t *testing.T) {
 	first()
 	second()
 }
+
+// TestCUDALocalDevice: with one visible device (the launcher set
+// CUDA_VISIBLE_DEVICES per process) every local rank uses ordinal 0; with
+// all of them visible, LOCAL_RANK picks the device.
+func TestCUDALocalDevice(t *testing.T) {
+	for _, tc := range []struct{ rank, visible, want int }{{0, 1, 0}, {3, 1, 0}, {3, 8, 3}, {0, 8, 0}} {
+		if got := pickLocalDevice(tc.rank, tc.visible); got != tc.want {
+			t.Errorf("LOCAL_RANK %d with %d visible: device %d, want %d", tc.rank, tc.visible, got, tc.want)
+		}
+	}
+	if os.Getenv("ZERO_FAKE_CUDA") == "1" { // one fake device, LOCAL_RANK 5
+		if d, err := localDevice(5); err != nil || d != 0 {
+			t.Errorf("localDevice(5) with one device: %d, %v; want 0", d, err)
+		}
+	}
+}

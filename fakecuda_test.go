@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"testing"
 )
 
@@ -53,4 +54,43 @@ func fakeCUDA(t *testing.T) *cudaDevice {
 		t.Skip("runs against the fake driver only (ZERO_FAKE_CUDA=1)")
 	}
 	return needCUDA(t)
+}
+
+// TestCUDALeavesTheCallersContext: a framework's own context, current on
+// the calling thread, is current again after every call into the library,
+// which works in the device's primary context meanwhile (the fake refuses
+// work with no context current).
+func TestCUDALeavesTheCallersContext(t *testing.T) {
+	d := fakeCUDA(t)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	const framework = uintptr(0xf00d) // the fake takes any handle as a context
+	if err := setContext(framework); err != nil {
+		t.Fatal(err)
+	}
+	defer setContext(0)
+	s, err := d.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	x, err := d.Alloc(1000, FP32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	steps := []func() error{
+		func() error { return d.zero(s, x) },
+		func() error { return d.cast(s, x, x, 2) },
+		func() error { _, err := s.Record(); return err },
+		s.Sync,
+		func() error { return d.Free(x) },
+		s.Close,
+	}
+	for i, step := range steps {
+		if err := step(); err != nil {
+			t.Fatalf("step %d: %v", i, err)
+		}
+		if c, err := currentContext(); err != nil || c != framework {
+			t.Fatalf("after step %d the thread's context is %#x (%v), want the framework's %#x", i, c, err, framework)
+		}
+	}
 }

@@ -120,8 +120,11 @@ func NewNCCL(cfg NCCLConfig) (Comm, error) {
 	}
 	dev := cfg.Device
 	if dev == nil {
-		var err error
-		if dev, err = CUDA(cfg.LocalRank); err != nil {
+		ordinal, err := localDevice(cfg.LocalRank)
+		if err != nil {
+			return nil, err
+		}
+		if dev, err = CUDA(ordinal); err != nil {
 			return nil, err
 		}
 	}
@@ -423,6 +426,25 @@ func (c *ncclComm) Close() error {
 		return ncclErr("ncclCommDestroy", c.rank, 0, code)
 	}
 	return nil
+}
+
+// localDevice is the ordinal of this process's GPU: LOCAL_RANK where the
+// process sees every GPU of the host, and 0 where the launcher gave it one
+// (CUDA_VISIBLE_DEVICES set per process, as Slurm and some torchrun setups
+// do): there the only device is ordinal 0, whatever LOCAL_RANK says.
+func localDevice(localRank int) (int, error) {
+	n, err := CUDADeviceCount()
+	if err != nil {
+		return 0, err
+	}
+	return pickLocalDevice(localRank, n), nil
+}
+
+func pickLocalDevice(localRank, visible int) int {
+	if visible == 1 {
+		return 0
+	}
+	return localRank
 }
 
 func getenvNCCLLibrary() string { return os.Getenv("ZERO_NCCL_LIBRARY") }

@@ -44,6 +44,10 @@ int zc_driver_version(int* v);
 /* The kernels: a fatbin image, copied; the first call wins. */
 void zc_set_fatbin(const void* image, uint64_t len);
 
+/* The calling thread's current context, and setting it (tests). */
+int zc_context_current(uintptr_t* c);
+int zc_context_set(uintptr_t c);
+
 /* ---- errors ------------------------------------------------------------ */
 
 const char* zc_error_name(int code);
