@@ -691,6 +691,19 @@ func TestCUDAGroupCollectivesMatchCPU(t *testing.T) {
 						t.Fatalf("w=%d %v rank %d result %d: element %d = %#x on the GPU, %#x on the CPU", w, dt, r, k, i, gpu[r][k].bits(i), cpu[r][k].bits(i))
 					}
 				}
+				// W a power of two: the group's average (rank-order fp32 sum,
+				// then one scale by 1/W) has the bits of its sum times 1/W,
+				// fp16's subnormal range aside, where the sum rounds first.
+				sum, avg := gpu[r][0], gpu[r][2]
+				for i := range sum.len() {
+					want := refEncode(dt, sum.val(i)*float32(1/float64(w)))
+					if dt == FP16 && math.Abs(float64(sum.val(i))) < math.Ldexp(1, -13) {
+						continue
+					}
+					if !sameBits(dt, avg.bits(i), want) {
+						t.Fatalf("w=%d %v rank %d: average [%d] = %#x, sum/%d = %#x", w, dt, r, i, avg.bits(i), w, want)
+					}
+				}
 			}
 		}
 	}
