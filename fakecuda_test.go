@@ -3,11 +3,13 @@
 package zero
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"testing"
 )
 
@@ -92,5 +94,26 @@ func TestCUDALeavesTheCallersContext(t *testing.T) {
 		if c, err := currentContext(); err != nil || c != framework {
 			t.Fatalf("after step %d the thread's context is %#x (%v), want the framework's %#x", i, c, err, framework)
 		}
+	}
+}
+
+// TestCUDAOldDriver: a driver older than CUDA 12.0 is refused with
+// ErrNoCUDA naming both versions. The load is kept once it succeeds, so the
+// old driver is tried in a process of its own.
+func TestCUDAOldDriver(t *testing.T) {
+	if os.Getenv("ZERO_OLD_DRIVER_CHILD") == "1" {
+		_, err := CUDA(0)
+		if !errors.Is(err, ErrNoCUDA) || !strings.Contains(err.Error(), "CUDA 11.8") || !strings.Contains(err.Error(), "12.0") {
+			t.Fatalf("CUDA(0) on a CUDA 11.8 driver: %v; want ErrNoCUDA naming 11.8 and 12.0", err)
+		}
+		t.Logf("as expected: %v", err)
+		return
+	}
+	fakeCUDA(t)
+	cmd := exec.Command(os.Args[0], "-test.run", "^TestCUDAOldDriver$", "-test.v")
+	cmd.Env = append(os.Environ(), "ZERO_OLD_DRIVER_CHILD=1", "FAKECUDA_DRIVER=11080")
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "as expected") {
+		t.Fatalf("the child with an old driver: %v\n%s", err, out)
 	}
 }
