@@ -16,7 +16,8 @@ type Plan struct {
 	Buckets []BucketPlan // in backward order: bucket 0 fills first
 
 	// ParamBucket and ParamOffset place parameter p at ParamOffset[p] in
-	// bucket ParamBucket[p] (−1 for a parameter of zero elements).
+	// bucket ParamBucket[p] (−1 for a parameter of zero elements or a
+	// frozen one).
 	ParamBucket []int
 	ParamOffset []int // see ParamBucket
 	ShardElems  int   // elements of one rank's shard over all buckets
@@ -86,6 +87,9 @@ func newPlan(params []Param, bucketBytes, world, align int) *Plan {
 	for i, q := range params {
 		p.counts[i] = q.Count
 		p.dtype = q.DType
+		if q.Frozen {
+			p.counts[i] = 0 // no gradient, no elements in any bucket
+		}
 	}
 	var cur BucketPlan
 	closeBucket := func() {
@@ -104,7 +108,7 @@ func newPlan(params []Param, bucketBytes, world, align int) *Plan {
 	}
 	for i := len(params) - 1; i >= 0; i-- {
 		n, size := params[i].Count, params[i].DType.Size()
-		if n == 0 {
+		if n == 0 || params[i].Frozen {
 			p.ParamBucket[i], p.ParamOffset[i] = -1, 0
 			continue
 		}

@@ -692,6 +692,47 @@ func (d *cudaDevice) cast(s Stream, dst, src Tensor, scale float32) error {
 	return d.err("cast", code)
 }
 
+func (d *cudaDevice) optimize(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32) error {
+	if len(ranges) == 0 {
+		return nil
+	}
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	if err := d.deviceOnly("optimize", b.p, b.g, b.m, b.v, b.vmax, b.out); err != nil {
+		return err
+	}
+	code := C.zc_optimize(d.dev(), C.uintptr_t(cs.h), cbool(kind == optSGD), C.uintptr_t(b.p.ptr), C.uintptr_t(b.g.ptr),
+		C.uintptr_t(b.m.ptr), C.uintptr_t(b.v.ptr), C.uintptr_t(b.vmax.ptr), C.uintptr_t(b.out.ptr), cdtype(b.out.dtype),
+		(*C.zero_opt_range)(unsafe.Pointer(&ranges[0])), C.int(len(ranges)), C.float(gscale))
+	return d.err("optimize", code)
+}
+
+func (d *cudaDevice) unflatten(s Stream, flat Tensor, segs []Segment) error {
+	if len(segs) == 0 {
+		return nil
+	}
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	if err := d.deviceOnly("unflatten", flat); err != nil {
+		return err
+	}
+	buf := segScratch.Get().(*[]segment)
+	defer segScratch.Put(buf)
+	c, src, err := d.cSegments("unflatten", segs, buf)
+	if err != nil {
+		return err
+	}
+	if src != flat.dtype {
+		return errorf(ErrDType, "unflatten of %v into %v; one dtype", flat.dtype, src)
+	}
+	code := C.zc_unflatten(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(flat.ptr), cdtype(flat.dtype), (*C.zc_seg)(unsafe.Pointer(&c[0])), C.int(len(c)))
+	return d.err("unflatten", code)
+}
+
 // copyScaled copies fp32 between a Go slice and device memory, times
 // scale. Kernels cannot touch a Go slice, so a scale other than 1 runs on
 // the device through a temporary buffer, freed once the stream has synced.

@@ -76,6 +76,13 @@ typedef struct {
 	int vec;
 } zc_red_arg;
 
+/* A range of an optimizer pass as the kernels see it: block0 is the number
+ * of the first block of the launch that works on it. */
+typedef struct {
+	zero_opt_range r;
+	int64_t block0;
+} zc_odesc;
+
 ZC_ABI_FN int zc_size(int t) { return t == ZERO_F32 ? 4 : 2; }
 
 /* Row of a dtype or op in the kernel tables, in the order F32, BF16, F16 and
@@ -86,6 +93,22 @@ ZC_ABI_FN int zc_dtype_ok(int t) { return zc_dt_index(t) >= 0; }
 
 #if !defined(__CUDACC_RTC__)
 #include <string.h>
+
+/* Fill out[] with the non-empty optimizer ranges of r[lo, hi), numbering
+ * their blocks from 0; returns the number of descriptors and sets *blocks. */
+static inline int zc_build_odescs(const zero_opt_range* r, int lo, int hi, zc_odesc* out, int64_t* blocks) {
+	int64_t b = 0;
+	int k = 0;
+	for (int m = lo; m < hi; m++) {
+		if (r[m].count <= 0) continue;
+		out[k].r = r[m];
+		out[k].block0 = b;
+		b += (r[m].count + ZC_CHUNK - 1) / ZC_CHUNK;
+		k++;
+	}
+	*blocks = b;
+	return k;
+}
 
 /* Fill out[] with the non-empty segments of segs[lo, hi), numbering their
  * blocks from 0; returns the number of descriptors and sets *blocks. */
@@ -137,6 +160,10 @@ static inline int zc_red_setup(zc_red_arg* a, const uintptr_t* dsts, int nout, c
  *   zc_acc_<s><c><f>(float* acc, zc_segs_arg a, float scale, float* flag)
  *   zc_reduce_<t><o>(zc_red_arg a)        grid (x, nout)
  *   zc_allreduce_<t><o>(zc_red_arg a)
+ *   zc_unflatten_<t>(const char* flat, zc_segs_arg a)   seg.src is the destination
+ *   zc_adamw_<d>(float* p, const float* g, float* m, float* v, float* vmax, char* out,
+ *                const zc_odesc* ranges, int n, float gscale)     d: out's dtype row
+ *   zc_sgd_<d>(float* p, const float* g, float* buf, char* out, const zc_odesc* ranges, int n, float gscale)
  *   zc_sumsq_part(const float* x, int64_t n, double* part)
  *   zc_sumsq_final(const double* part, int nb, double* out)
  *   zc_spin(int64_t ns)

@@ -367,7 +367,10 @@ enum {
 	ZK_ACC = ZK_FLATTEN + 18,     /* 12: [s][c][f] */
 	ZK_REDUCE = ZK_ACC + 12,      /* 9: [t][o] */
 	ZK_ALLREDUCE = ZK_REDUCE + 9, /* 9: [t][o] */
-	ZK_SUMSQ_PART = ZK_ALLREDUCE + 9,
+	ZK_UNFLATTEN = ZK_ALLREDUCE + 9, /* 3: [t] */
+	ZK_ADAMW = ZK_UNFLATTEN + 3,     /* 3: [out dtype] */
+	ZK_SGD = ZK_ADAMW + 3,           /* 3: [out dtype] */
+	ZK_SUMSQ_PART = ZK_SGD + 3,
 	ZK_SUMSQ_FINAL,
 	ZK_SPIN,
 	ZK_N
@@ -380,8 +383,14 @@ static void zk_name(int id, char* buf, size_t n) {
 		snprintf(buf, n, "zc_acc_%d%d%d", (id - ZK_ACC) / 4, (id - ZK_ACC) / 2 % 2, (id - ZK_ACC) % 2);
 	else if (id < ZK_ALLREDUCE)
 		snprintf(buf, n, "zc_reduce_%d%d", (id - ZK_REDUCE) / 3, (id - ZK_REDUCE) % 3);
-	else if (id < ZK_SUMSQ_PART)
+	else if (id < ZK_UNFLATTEN)
 		snprintf(buf, n, "zc_allreduce_%d%d", (id - ZK_ALLREDUCE) / 3, (id - ZK_ALLREDUCE) % 3);
+	else if (id < ZK_ADAMW)
+		snprintf(buf, n, "zc_unflatten_%d", id - ZK_UNFLATTEN);
+	else if (id < ZK_SGD)
+		snprintf(buf, n, "zc_adamw_%d", id - ZK_ADAMW);
+	else if (id < ZK_SUMSQ_PART)
+		snprintf(buf, n, "zc_sgd_%d", id - ZK_SGD);
 	else
 		snprintf(buf, n, "%s", id == ZK_SUMSQ_PART ? "zc_sumsq_part" : id == ZK_SUMSQ_FINAL ? "zc_sumsq_final" : "zc_spin");
 }
@@ -536,7 +545,9 @@ static int zc_launch_batch(int dev, CUstream s, const zc_batch* b, zc_segs_arg* 
 	if (blocks > 0x7fffffffLL) return CUDA_ERROR_INVALID_VALUE;
 	void* flat[] = {(void*)&b->dst, a, (void*)&b->scale};
 	void* acc[] = {(void*)&b->dst, a, (void*)&b->scale, (void*)&b->flag};
-	return zc_launch(dev, b->id, (unsigned)blocks, 1, ZC_THREADS, s, b->id < ZK_ACC ? flat : acc);
+	void* unflat[] = {(void*)&b->dst, a};
+	void** params = b->id < ZK_ACC ? flat : b->id >= ZK_UNFLATTEN ? unflat : acc;
+	return zc_launch(dev, b->id, (unsigned)blocks, 1, ZC_THREADS, s, params);
 }
 
 /* Builds the descriptors of segs (dropping empty ones), places them inline
@@ -601,6 +612,51 @@ int zc_accumulate(int dev, uintptr_t s, uintptr_t acc, const zc_seg* segs, int n
 	ZC_ENTER(dev);
 	zc_batch b = {ZK_ACC + zc_dt_index(src_dtype) * 4 + (scale != 1.0f) * 2 + (first != 0), acc, scale, flag};
 	ZC_LEAVE(zc_run_segs(dev, (CUstream)s, segs, nseg, &b));
+}
+
+int zc_unflatten(int dev, uintptr_t s, uintptr_t flat, int dtype, const zc_seg* segs, int nseg) {
+	if (!zc_dtype_ok(dtype)) return ZC_ERR_BAD_DTYPE;
+	ZC_ENTER(dev);
+	zc_batch b = {ZK_UNFLATTEN + zc_dt_index(dtype), flat, 1.0f, 0};
+	ZC_LEAVE(zc_run_segs(dev, (CUstream)s, segs, nseg, &b));
+}
+
+/* An optimizer pass: the range descriptors go to the device through the
+ * ring (up to half of it per launch), then one launch over their chunks. */
+int zc_optimize(int dev, uintptr_t s, int sgd, uintptr_t p, uintptr_t g, uintptr_t m, uintptr_t v, uintptr_t vmax,
+                uintptr_t out, int out_dtype, const zero_opt_range* ranges, int nr, float gscale) {
+	if (out && !zc_dtype_ok(out_dtype)) return ZC_ERR_BAD_DTYPE;
+	ZC_ENTER(dev);
+	const int max_ring = (int)(ZC_RING_BYTES / 2 / sizeof(zc_odesc));
+	int id = (sgd ? ZK_SGD : ZK_ADAMW) + (out ? zc_dt_index(out_dtype) : 0);
+	pthread_once(&zc_rings_once, zc_rings_init);
+	zc_ring* r = &zc_rings[dev];
+	int err = 0;
+	for (int i = 0; i < nr && !err;) {
+		int j = i + max_ring < nr ? i + max_ring : nr;
+		pthread_mutex_lock(&r->mu);
+		err = zc_ring_setup(r);
+		size_t pos = 0, bytes = (size_t)(j - i) * sizeof(zc_odesc);
+		if (!err) err = zc_ring_reserve(r, bytes, &pos);
+		if (!err) {
+			zc_odesc* h = (zc_odesc*)(r->host + pos);
+			int64_t blocks = 0;
+			int nd = zc_build_odescs(ranges, i, j, h, &blocks);
+			uintptr_t ds = (uintptr_t)(r->dev + pos);
+			err = cu.cuMemcpyAsync(r->dev + pos, (CUdeviceptr)(uintptr_t)h, bytes, (CUstream)s);
+			if (!err && nd > 0 && blocks > 0x7fffffffLL) err = CUDA_ERROR_INVALID_VALUE;
+			if (!err && nd > 0) {
+				void* pa[] = {&p, &g, &m, &v, &vmax, &out, &ds, &nd, &gscale};
+				void* ps[] = {&p, &g, &m, &out, &ds, &nd, &gscale};
+				err = zc_launch(dev, id, (unsigned)blocks, 1, ZC_THREADS, (CUstream)s, sgd ? ps : pa);
+			}
+			int cerr = zc_ring_commit(r, (CUstream)s, pos, bytes);
+			if (!err) err = cerr;
+		}
+		pthread_mutex_unlock(&r->mu);
+		i = j;
+	}
+	ZC_LEAVE(err);
 }
 
 int zc_cast(int dev, uintptr_t s, uintptr_t dst, int dst_dtype, uintptr_t src, int src_dtype, int64_t n,

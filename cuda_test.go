@@ -69,13 +69,6 @@ type gbuf = tbuf
 
 func newGBuf(dt DType, n int) *gbuf { return newTBuf(dt, n) }
 
-func (b *gbuf) t() Tensor {
-	if b.dt == FP32 {
-		return Float32s(b.f)
-	}
-	return Halfs(b.h, b.dt)
-}
-
 func (b *gbuf) isNaN(i int) bool {
 	u := b.bits(i)
 	switch b.dt {

@@ -35,6 +35,21 @@ type Device interface {
 	// and the device's, times scale; the copy is done when s syncs.
 	copyScaled(s Stream, dst, src Tensor, scale float32) error
 	sumSquares(s Stream, x Tensor, out *float64) error
+	// optimize runs one fused optimizer pass over the ranges of the fp32
+	// master shard b.p: AdamW or SGD (elementwise.h), the gradient scaled
+	// by gscale, the new parameters cast into b.out.
+	optimize(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32) error
+	// unflatten copies flat buffer elements into the segments' memory:
+	// seg.Src[i] = flat[seg.Offset+i], in flat's dtype.
+	unflatten(s Stream, flat Tensor, segs []Segment) error
+}
+
+// optTensors are the buffers of an optimizer pass: the fp32 master shard p,
+// its gradient g, the moments (AdamW: m, v and vmax with amsgrad; SGD: m is
+// the momentum buffer, absent without momentum), and out, the model-dtype
+// copy of the new parameters.
+type optTensors struct {
+	p, g, m, v, vmax, out Tensor
 }
 
 // GPUMemory is one GPU's memory as NVML reports it, in bytes (NVML is
@@ -224,6 +239,42 @@ func (h *hostDevice) sumSquares(s Stream, x Tensor, out *float64) error {
 	return h.launch(s, func() error {
 		*out = sumSquaresHost(x.ptr, x.count)
 		keepAlive(x)
+		return nil
+	})
+}
+
+func (h *hostDevice) optimize(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32) error {
+	if len(ranges) == 0 {
+		return nil
+	}
+	bufs := optBuffers{p: b.p.ptr, g: b.g.ptr, m: b.m.ptr, v: b.v.ptr, vmax: b.vmax.ptr, buf: b.m.ptr, out: b.out.ptr, outType: b.out.dtype}
+	rs := append([]optRange(nil), ranges...) // the caller reuses its slice
+	n := b.p.count
+	return h.launch(s, func() error {
+		if kind == optAdamW {
+			adamwHost(bufs, rs, gscale, n)
+		} else {
+			sgdHost(bufs, rs, gscale, n)
+		}
+		keepAlive(b.p, b.g, b.m, b.v, b.vmax, b.out)
+		return nil
+	})
+}
+
+func (h *hostDevice) unflatten(s Stream, flat Tensor, segs []Segment) error {
+	if len(segs) == 0 {
+		return nil
+	}
+	for i, sg := range segs {
+		if sg.Src.dtype != flat.dtype {
+			return errorf(ErrDType, "unflatten: segment %d is %v, the flat buffer %v", i, sg.Src.dtype, flat.dtype)
+		}
+	}
+	cs := segmentsOf(segs)
+	return h.launch(s, func() error {
+		unflattenHost(flat.ptr, flat.dtype, cs)
+		keepAliveSegments(segs)
+		keepAlive(flat)
 		return nil
 	})
 }

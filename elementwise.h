@@ -32,6 +32,7 @@ typedef int int32_t;
 typedef long long int64_t;
 typedef unsigned long long uintptr_t;
 #else
+#include <math.h>
 #include <stdint.h>
 #endif
 
@@ -227,6 +228,58 @@ ZERO_HD float zero_op_combine(int op, float s, float x) {
 ZERO_HD float zero_op_finish(int op, float s, int n) {
 	if (op != ZERO_AVG) return s;
 	return (n & (n - 1)) == 0 ? s * (1.0f / (float)n) : s / (float)n;
+}
+
+/* ---- optimizers ----------------------------------------------------------- */
+/* One step of an optimizer on one element of the fp32 master shard, with
+ * PyTorch's formulas (torch.optim.AdamW, torch.optim.SGD) in the order and
+ * fp32 rounding of their single-tensor loops. The hyperparameters of the
+ * element's parameter come in a range descriptor, already in the form the
+ * formulas use (computed in double on the host, rounded once to fp32). */
+
+#define ZERO_OPT_AMSGRAD 1  /* AdamW: keep the running max of v */
+#define ZERO_OPT_NESTEROV 2 /* SGD: Nesterov momentum */
+#define ZERO_OPT_FIRST 4    /* SGD: the momentum buffer starts as the gradient */
+
+typedef struct {
+	int64_t offset, count; /* elements of the shard */
+	float decay;   /* AdamW: 1 - lr*weight_decay;   SGD: weight_decay */
+	float step;    /* AdamW: lr / (1 - beta1^t);     SGD: lr */
+	float beta1c;  /* AdamW: 1 - beta1;              SGD: momentum */
+	float beta2;   /* AdamW: beta2;                  SGD: 1 - dampening */
+	float beta2c;  /* AdamW: 1 - beta2 */
+	float bc2sqrt; /* AdamW: sqrt(1 - beta2^t) */
+	float eps;     /* AdamW: eps, outside the square root */
+	int32_t flags; /* ZERO_OPT_* */
+} zero_opt_range;
+
+/* AdamW: p.mul_(1 - lr*wd); m.lerp_(g, 1 - b1); v.mul_(b2).addcmul_(g, g, 1 - b2);
+ * vmax = max(vmax, v) with amsgrad; p.addcdiv_(m, sqrt(v)/sqrt(bc2) + eps, -lr/bc1). */
+ZERO_HD void zero_adamw_elem(float* p, float* m, float* v, float* vmax, float g, const zero_opt_range* r) {
+	const float x = *p * r->decay;
+	const float mm = *m + r->beta1c * (g - *m);
+	const float vv = *v * r->beta2 + r->beta2c * (g * g);
+	*m = mm;
+	*v = vv;
+	float d = vv;
+	if (r->flags & ZERO_OPT_AMSGRAD) {
+		d = (*vmax > vv) ? *vmax : vv;
+		*vmax = d;
+	}
+	const float denom = sqrtf(d) / r->bc2sqrt + r->eps;
+	*p = x - r->step * (mm / denom);
+}
+
+/* SGD: g += wd*p; buf = first ? g : buf*momentum + (1 - dampening)*g;
+ * g = nesterov ? g + momentum*buf : buf (with momentum); p -= lr*g. */
+ZERO_HD void zero_sgd_elem(float* p, float* buf, float g, const zero_opt_range* r) {
+	if (r->decay != 0.0f) g = g + r->decay * *p;
+	if (r->beta1c != 0.0f) {
+		const float b = (r->flags & ZERO_OPT_FIRST) ? g : *buf * r->beta1c + r->beta2 * g;
+		*buf = b;
+		g = (r->flags & ZERO_OPT_NESTEROV) ? g + r->beta1c * b : b;
+	}
+	*p = *p - r->step * g;
 }
 
 #endif /* ZERO_ELEMENTWISE_H */

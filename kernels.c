@@ -365,6 +365,41 @@ void zero_cast(void* dst, int dst_dtype, const void* src, int src_dtype, float s
 	            hi - lo)
 }
 
+/* The part [a, b) of range r that lies in [lo, hi); 0 when none. */
+static int zk_clip_range(const zero_opt_range* r, int64_t lo, int64_t hi, int64_t* a, int64_t* b) {
+	*a = r->offset > lo ? r->offset : lo;
+	*b = zk_min(r->offset + r->count, hi);
+	return *a < *b;
+}
+
+void zero_adamw(float* p, float* m, float* v, float* vmax, const float* g, void* out, int out_dtype,
+                const zero_opt_range* ranges, int nr, float gscale, int64_t lo, int64_t hi) {
+	for (int k = 0; k < nr; k++) {
+		int64_t a, b;
+		if (!zk_clip_range(&ranges[k], lo, hi, &a, &b)) continue;
+		ZK_DISPATCH(zk_adamw, p, m, v, vmax, g, out, out_dtype, ranges[k], gscale, a, b)
+	}
+}
+
+void zero_sgd(float* p, float* buf, const float* g, void* out, int out_dtype, const zero_opt_range* ranges, int nr,
+              float gscale, int64_t lo, int64_t hi) {
+	for (int k = 0; k < nr; k++) {
+		int64_t a, b;
+		if (!zk_clip_range(&ranges[k], lo, hi, &a, &b)) continue;
+		ZK_DISPATCH(zk_sgd, p, buf, g, out, out_dtype, ranges[k], gscale, a, b)
+	}
+}
+
+void zero_unflatten(const void* flat, int dtype, const zero_seg* segs, int nseg, int64_t lo, int64_t hi) {
+	for (int s = 0; s < nseg; s++) {
+		int64_t off = segs[s].offset;
+		int64_t a = off > lo ? off : lo;
+		int64_t b = zk_min(off + segs[s].count, hi);
+		if (a >= b) continue;
+		ZK_DISPATCH(zk_conv, ZK_AT(segs[s].ptr, dtype, a - off), dtype, ZK_CAT(flat, dtype, a), dtype, 1.0f, b - a)
+	}
+}
+
 static uint32_t zk_acc_any(float* acc, const void* src, int st, int first, float scale, int64_t n) {
 	ZK_DISPATCH_RET(zk_acc, acc, src, st, first, scale, n)
 }
@@ -758,6 +793,31 @@ ZK_TARGET static void ZK_FN(zk_allreduce)(const uintptr_t* bufs, int n, int dtyp
 			if (d != first) memcpy(d, first, (size_t)(m * zk_size(dtype)));
 		}
 	}
+}
+
+
+/* ---- optimizers: one fused pass per range -------------------------------------- */
+
+/* AdamW over elements [a, b) of the shard with range r's settings; g is
+ * scaled by gscale on the way in; the new parameter, cast to out_dt, goes
+ * to out (may be NULL). */
+ZK_TARGET static void ZK_FN(zk_adamw)(float* restrict p, float* restrict m, float* restrict v, float* restrict vmax,
+                                      const float* restrict g, void* out, int out_dt, const zero_opt_range r0,
+                                      float gscale, int64_t a, int64_t b) {
+	const zero_opt_range r = r0;
+	if (r.flags & ZERO_OPT_AMSGRAD) {
+		for (int64_t i = a; i < b; i++) zero_adamw_elem(&p[i], &m[i], &v[i], &vmax[i], g[i] * gscale, &r);
+	} else {
+		for (int64_t i = a; i < b; i++) zero_adamw_elem(&p[i], &m[i], &v[i], NULL, g[i] * gscale, &r);
+	}
+	if (out) ZK_FN(zk_conv)(ZK_AT(out, out_dt, a), out_dt, p + a, ZERO_F32, 1.0f, b - a);
+}
+
+ZK_TARGET static void ZK_FN(zk_sgd)(float* restrict p, float* restrict buf, const float* restrict g, void* out,
+                                    int out_dt, const zero_opt_range r0, float gscale, int64_t a, int64_t b) {
+	const zero_opt_range r = r0;
+	for (int64_t i = a; i < b; i++) zero_sgd_elem(&p[i], buf ? &buf[i] : NULL, g[i] * gscale, &r);
+	if (out) ZK_FN(zk_conv)(ZK_AT(out, out_dt, a), out_dt, p + a, ZERO_F32, 1.0f, b - a);
 }
 
 #endif /* ZK_TEMPLATE */

@@ -3,6 +3,7 @@ package zero
 /*
 #cgo CFLAGS: -O3 -Wall
 #cgo amd64 CFLAGS: -march=x86-64-v2
+#cgo LDFLAGS: -lm
 // -ffp-contract=off is not on cgo's list of allowed flags; elementwise.h sets
 // it with a pragma instead, for every function after its #include.
 #include "kernels.h"
@@ -26,6 +27,17 @@ static inline double zk_sumsq_u(uintptr_t x, int64_t lo, int64_t hi) {
 }
 static inline void zk_reduce_u(uintptr_t dst, const uintptr_t* srcs, int n, int dt, int op, int64_t lo, int64_t hi) {
 	zero_reduce((void*)dst, srcs, n, dt, op, lo, hi);
+}
+static inline void zk_adamw_u(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t vmax, uintptr_t g, uintptr_t out,
+                              int out_dt, const zero_opt_range* r, int nr, float gscale, int64_t lo, int64_t hi) {
+	zero_adamw((float*)p, (float*)m, (float*)v, (float*)vmax, (const float*)g, (void*)out, out_dt, r, nr, gscale, lo, hi);
+}
+static inline void zk_sgd_u(uintptr_t p, uintptr_t buf, uintptr_t g, uintptr_t out, int out_dt,
+                            const zero_opt_range* r, int nr, float gscale, int64_t lo, int64_t hi) {
+	zero_sgd((float*)p, (float*)buf, (const float*)g, (void*)out, out_dt, r, nr, gscale, lo, hi);
+}
+static inline void zk_unflatten_u(uintptr_t flat, int dt, const zero_seg* segs, int nseg, int64_t lo, int64_t hi) {
+	zero_unflatten((const void*)flat, dt, segs, nseg, lo, hi);
 }
 static inline uint16_t zk_bf16_from(float f) { return zero_f32_to_bf16(f); }
 static inline float zk_bf16_to(uint16_t h) { return zero_bf16_to_f32(h); }
@@ -283,6 +295,64 @@ func allReduceFusedHost(bufs []uintptr, dtype DType, op ReduceOp, lo, hi int) {
 	}
 	C.zero_allreduce_fused((*C.uintptr_t)(unsafe.Pointer(&bufs[0])), C.int(len(bufs)), C.int(dtype), C.int(op),
 		C.int64_t(lo), C.int64_t(hi))
+}
+
+// optRange is one range of an optimizer pass: zero_opt_range of
+// elementwise.h, field for field.
+type optRange struct {
+	offset, count                                    int64
+	decay, step, beta1c, beta2, beta2c, bc2sqrt, eps float32
+	flags                                            int32
+}
+
+// The Go and C layouts of a range must agree.
+var (
+	_ [unsafe.Sizeof(optRange{}) - C.sizeof_zero_opt_range]byte
+	_ [C.sizeof_zero_opt_range - unsafe.Sizeof(optRange{})]byte
+)
+
+// optBuffers are the fp32 shard buffers of an optimizer pass (0: absent)
+// and the model-dtype copy of the new parameters.
+type optBuffers struct {
+	p, g, m, v, vmax, buf, out uintptr
+	outType                    DType
+}
+
+// adamwHost runs AdamW over the ranges of a shard of n elements, on both cores.
+func adamwHost(b optBuffers, ranges []optRange, gscale float32, n int) {
+	if len(ranges) == 0 {
+		return
+	}
+	r := (*C.zero_opt_range)(unsafe.Pointer(&ranges[0]))
+	parallelRange(n, func(lo, hi int) {
+		C.zk_adamw_u(C.uintptr_t(b.p), C.uintptr_t(b.m), C.uintptr_t(b.v), C.uintptr_t(b.vmax), C.uintptr_t(b.g),
+			C.uintptr_t(b.out), C.int(b.outType), r, C.int(len(ranges)), C.float(gscale), C.int64_t(lo), C.int64_t(hi))
+	})
+}
+
+// sgdHost runs SGD over the ranges of a shard of n elements, on both cores.
+func sgdHost(b optBuffers, ranges []optRange, gscale float32, n int) {
+	if len(ranges) == 0 {
+		return
+	}
+	r := (*C.zero_opt_range)(unsafe.Pointer(&ranges[0]))
+	parallelRange(n, func(lo, hi int) {
+		C.zk_sgd_u(C.uintptr_t(b.p), C.uintptr_t(b.buf), C.uintptr_t(b.g), C.uintptr_t(b.out), C.int(b.outType),
+			r, C.int(len(ranges)), C.float(gscale), C.int64_t(lo), C.int64_t(hi))
+	})
+}
+
+// unflattenHost scatters the flat buffer into the segments:
+// seg.ptr[i] = flat[seg.offset+i], one dtype, on both cores.
+func unflattenHost(flat uintptr, dtype DType, segs []segment) {
+	lo, hi := segExtent(segs)
+	if len(segs) == 0 || lo >= hi {
+		return
+	}
+	parallelRange(int(hi-lo), func(a, b int) {
+		C.zk_unflatten_u(C.uintptr_t(flat), C.int(dtype), (*C.zero_seg)(unsafe.Pointer(&segs[0])), C.int(len(segs)),
+			C.int64_t(lo+int64(a)), C.int64_t(lo+int64(b)))
+	})
 }
 
 // kernelLevel returns the ISA level of the host kernels' hot loops: 0 for the

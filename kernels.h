@@ -60,6 +60,22 @@ void zero_reduce(void* dst, const uintptr_t* srcs, int n, int dtype, int op, int
  * every buffer while it is in cache. */
 void zero_allreduce_fused(const uintptr_t* bufs, int n, int dtype, int op, int64_t lo, int64_t hi);
 
+/* AdamW (and SGD) on the fp32 master shard p with its moments m, v (vmax
+ * with amsgrad; buf for SGD momentum, NULL without), for the shard elements
+ * in [lo, hi) that the ranges cover, each range with its parameter's
+ * settings (elementwise.h: zero_adamw_elem, zero_sgd_elem). The gradient g
+ * is multiplied by gscale on the way in (the mean's 1/G, the loss scale's
+ * unscale and the clipping, folded). The new parameter, cast to out_dtype,
+ * is written to out at the same index (out may be NULL). One pass. */
+void zero_adamw(float* p, float* m, float* v, float* vmax, const float* g, void* out, int out_dtype,
+                const zero_opt_range* ranges, int nr, float gscale, int64_t lo, int64_t hi);
+void zero_sgd(float* p, float* buf, const float* g, void* out, int out_dtype, const zero_opt_range* ranges, int nr,
+              float gscale, int64_t lo, int64_t hi);
+
+/* unflatten, the inverse of flatten in one dtype: for every flat element j
+ * in [lo, hi) that a segment covers, seg.ptr[j - seg.offset] = flat[j]. */
+void zero_unflatten(const void* flat, int dtype, const zero_seg* segs, int nseg, int64_t lo, int64_t hi);
+
 /* ISA level of the hot loops: 0 = x86-64-v2 baseline (and every non-x86
  * machine), 1 = AVX2 (x86-64-v3), 2 = AVX-512 (x86-64-v4). By default the
  * widest the CPU supports. All levels give the same bits. */

@@ -259,6 +259,14 @@ func newTBuf(dt DType, n int) *tbuf {
 	return b
 }
 
+// t views the buffer as a tensor.
+func (b *tbuf) t() Tensor {
+	if b.dt == FP32 {
+		return Float32s(b.f)
+	}
+	return Halfs(b.h, b.dt)
+}
+
 func (b *tbuf) len() int {
 	if b.dt == FP32 {
 		return len(b.f)

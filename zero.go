@@ -34,6 +34,24 @@ type Config struct {
 	StagingBuffers int
 	// Align is the shard granularity in elements (default 64).
 	Align int
+
+	// Groups are the optimizer of each parameter group (Param.Group indexes
+	// them), all AdamW or all SGD. With Groups, Step runs the optimizer on
+	// the fp32 master shard and writes the new parameters into their
+	// memory; without, Step only reduces, for callers with their own
+	// optimizer. SetGroup changes a group between steps.
+	Groups []Optimizer
+	// Clip is the largest global gradient norm (0: no clipping): the
+	// gradient is scaled by 1/max(1, norm/Clip).
+	Clip float64
+	// LossScale is the loss scaling (dynamic for fp16 by default).
+	LossScale LossScale
+	// KeepNonFinite steps even when a gradient is inf or NaN with fp32 or
+	// bf16 gradients (by default such a step is skipped; fp16 always skips).
+	KeepNonFinite bool
+	// NoBroadcast keeps each rank's own parameters at New instead of
+	// copying rank 0's to every rank first.
+	NoBroadcast bool
 }
 
 // Reduction says how Step combines the gradients of a window.
@@ -69,6 +87,14 @@ type Param struct {
 	Name  string // for error messages
 	Count int    // elements; 0 is allowed (the parameter gets no bucket)
 	DType DType  // the gradient's dtype: one for all parameters of an engine
+	// Data is the parameter's memory (the framework's tensor, on the
+	// engine's device), read at New and written by each Step that runs an
+	// optimizer. Optional without one.
+	Data Tensor
+	// Group is the parameter's optimizer group, an index into Config.Groups.
+	Group int
+	// Frozen parameters get no gradient, no bucket and no update.
+	Frozen bool
 }
 
 // resolve checks the config and fills in its defaults; model is the
@@ -109,6 +135,9 @@ func (c *Config) resolve(model DType) error {
 	}
 	if c.CommDType != model && c.CommDType != FP32 {
 		return errorf(ErrConfig, "CommDType %v with %v gradients; use the model dtype or FP32", c.CommDType, model)
+	}
+	if !(c.Clip >= 0) || math.IsInf(c.Clip, 0) {
+		return errorf(ErrConfig, "Clip %v; use a finite norm > 0, or 0 for no clipping", c.Clip)
 	}
 	return nil
 }
@@ -157,6 +186,9 @@ type Engine struct {
 	}
 	window Tensor // fp32 pair for Step's check that ranks agree on the window
 
+	opt        *optState // nil without Config.Groups: Step only reduces
+	usedWindow []bool    // per parameter: reported in this window, on this rank
+
 	// backward state
 	inBackward bool
 	boundary   bool
@@ -190,6 +222,9 @@ func New(cfg Config, comm Comm, params []Param) (*Engine, error) {
 		return nil, err
 	}
 	if err := cfg.resolve(model); err != nil {
+		return nil, err
+	}
+	if err := checkGroups(cfg.Groups, params); err != nil {
 		return nil, err
 	}
 	e := &Engine{cfg: cfg, comm: comm, dev: comm.Device(), params: append([]Param(nil), params...), rank: comm.Rank(), world: comm.Size()}
@@ -233,8 +268,20 @@ func (e *Engine) init() error {
 	if e.pl, err = newPipeline(spec, e.plan, e.dev, e.comm, e.reduceStream); err != nil {
 		return err
 	}
-	e.window, err = e.dev.Alloc(2, FP32)
-	return err
+	// Step's first collective carries, after (G, −G), whether each
+	// parameter was reported on any rank (the optimizer skips the others).
+	e.usedWindow = make([]bool, len(e.params))
+	flags := 0
+	if len(e.cfg.Groups) > 0 {
+		flags = len(e.params)
+	}
+	if e.window, err = e.dev.Alloc(2+flags, FP32); err != nil {
+		return err
+	}
+	if len(e.cfg.Groups) > 0 {
+		return e.initOptimizer()
+	}
+	return nil
 }
 
 // checkPlan all-gathers a hash of the plan and of every setting that
@@ -369,6 +416,9 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 	for k, b := range order {
 		e.pl.produced(b, groups[k], params, stream, ev)
 	}
+	for _, p := range params {
+		e.usedWindow[p] = true
+	}
 	if err := e.pl.issueReady(stream, false, e.boundary); err != nil {
 		return nil, e.fail(err)
 	}
@@ -406,6 +456,9 @@ func (e *Engine) checkGrads(params []int, grads []Tensor, stream Stream) (err er
 		}
 		if grad.count != p.Count {
 			return errorf(ErrGradSize, "GradReady(%d %q): gradient has %d elements, parameter has %d; pass the whole gradient", param, p.Name, grad.count, p.Count)
+		}
+		if p.Frozen {
+			return errorf(ErrParam, "GradReady(%d %q): the parameter is frozen; report gradients of trained parameters only", param, p.Name)
 		}
 		if grad.count > 0 && grad.ptr == 0 {
 			return errorf(ErrGradSize, "GradReady(%d %q): gradient has no memory", param, p.Name)
@@ -454,7 +507,7 @@ func (e *Engine) Step() error {
 	if e.inBackward {
 		return errorf(ErrProtocol, "Step inside a backward; call EndBackward first")
 	}
-	g, err := e.agreeOnWindow()
+	g, used, err := e.agreeOnWindow()
 	if err != nil {
 		return err
 	}
@@ -477,6 +530,16 @@ func (e *Engine) Step() error {
 	if err := e.copyStream.Sync(); err != nil {
 		return e.fail(err)
 	}
+	readScale := float32(1)
+	if e.cfg.Reduction == Mean {
+		readScale = float32(1 / float64(g))
+	}
+	res := stepResult{scale: 1}
+	if e.opt != nil {
+		if res, err = e.optimizerStep(readScale, used); err != nil {
+			return e.fail(err)
+		}
+	}
 	reduce, err := e.pl.takeReduceTime()
 	if err != nil {
 		return e.fail(err)
@@ -492,15 +555,19 @@ func (e *Engine) Step() error {
 		ResidentGradBytes: e.pl.mem.cur,
 		PooledGradBytes:   pooled,
 		Overflow:          overflow[0] != 0,
+		Skipped:           res.skipped,
+		GradNorm:          res.norm,
+		LossScale:         res.scale,
+	}
+	if e.opt != nil {
+		e.stats.OptimizerBytes = e.opt.mem.cur
 	}
 	e.pl.sent = CommCounters{}
 	e.pl.mem.peak = e.pl.mem.cur
 	e.stepIndex++
 	e.backwards = 0
-	e.readScale = 1
-	if e.cfg.Reduction == Mean {
-		e.readScale = float32(1 / float64(g))
-	}
+	e.readScale = readScale
+	clear(e.usedWindow)
 	e.pl.newWindow()
 	e.events.recycle() // every producer event was waited on by a synced reduction
 	return nil
@@ -510,33 +577,43 @@ func (e *Engine) Step() error {
 // and smallest number of backwards taken since the last Step, and every
 // rank refuses the same windows: none taken, ranks that differ, or a G
 // other than GradAccumSteps.
-func (e *Engine) agreeOnWindow() (int, error) {
+func (e *Engine) agreeOnWindow() (int, []bool, error) {
 	n := float32(e.backwards)
-	pair := []float32{n, -n}
+	buf := make([]float32, e.window.count)
+	buf[0], buf[1] = n, -n
+	for p, used := range e.usedWindow {
+		if used && 2+p < len(buf) {
+			buf[2+p] = 1
+		}
+	}
 	s := e.reduceStream
-	if err := e.dev.copy(s, e.window, Float32s(pair)); err != nil {
-		return 0, e.fail(err)
+	if err := e.dev.copy(s, e.window, Float32s(buf)); err != nil {
+		return 0, nil, e.fail(err)
 	}
 	if err := e.comm.AllReduce(s, e.window, OpMax); err != nil {
-		return 0, e.fail(err)
+		return 0, nil, e.fail(err)
 	}
 	e.pl.sent.add(KindAllReduce, e.window.Bytes(), e.world)
-	if err := e.dev.copy(s, Float32s(pair), e.window); err != nil {
-		return 0, e.fail(err)
+	if err := e.dev.copy(s, Float32s(buf), e.window); err != nil {
+		return 0, nil, e.fail(err)
 	}
 	if err := s.Sync(); err != nil {
-		return 0, e.fail(err)
+		return 0, nil, e.fail(err)
 	}
-	most, least := int(pair[0]), int(-pair[1])
+	most, least := int(buf[0]), int(-buf[1])
 	switch {
 	case most != least:
-		return 0, errorf(ErrMismatch, "Step: ranks took between %d and %d backwards since the last Step (this rank %d); every rank must take the same number", least, most, e.backwards)
+		return 0, nil, errorf(ErrMismatch, "Step: ranks took between %d and %d backwards since the last Step (this rank %d); every rank must take the same number", least, most, e.backwards)
 	case most == 0:
-		return 0, errorf(ErrProtocol, "Step with no backward since the last Step; report gradients and call EndBackward first")
+		return 0, nil, errorf(ErrProtocol, "Step with no backward since the last Step; report gradients and call EndBackward first")
 	case e.cfg.GradAccumSteps > 0 && most != e.cfg.GradAccumSteps:
-		return 0, errorf(ErrProtocol, "Step after %d backwards with GradAccumSteps %d; take %d backwards per step, or leave GradAccumSteps at 0 to divide by the backwards taken", most, e.cfg.GradAccumSteps, e.cfg.GradAccumSteps)
+		return 0, nil, errorf(ErrProtocol, "Step after %d backwards with GradAccumSteps %d; take %d backwards per step, or leave GradAccumSteps at 0 to divide by the backwards taken", most, e.cfg.GradAccumSteps, e.cfg.GradAccumSteps)
 	}
-	return most, nil
+	used := make([]bool, len(e.params))
+	for p := range used {
+		used[p] = 2+p >= len(buf) || buf[2+p] != 0
+	}
+	return most, used, nil
 }
 
 // Stats describes one step.
@@ -566,6 +643,18 @@ type Stats struct {
 	PooledGradBytes int64
 	// Overflow is set when a reduced gradient on this rank was inf or NaN.
 	Overflow bool
+	// With an optimizer: Skipped is set when every rank skipped the step
+	// (an inf or NaN gradient on any rank, or a non-finite norm), leaving
+	// master weights, optimizer state and parameters as they were;
+	// GradNorm is the global norm of the gradient the step used (before
+	// clipping, after unscaling; NaN or inf when it skipped for it);
+	// LossScale is the scale the window's gradients carried.
+	Skipped   bool
+	GradNorm  float64 // see Skipped
+	LossScale float64 // see Skipped
+	// OptimizerBytes is the optimizer's memory on this rank: the fp32
+	// master shard, the moments and the model-dtype shard.
+	OptimizerBytes int64
 }
 
 // Stats returns the stats of the last Step.
@@ -683,6 +772,9 @@ func (e *Engine) Close() error {
 	var errs []error
 	if e.pl != nil {
 		errs = append(errs, e.pl.close())
+	}
+	if e.opt != nil {
+		errs = append(errs, e.opt.close(e.dev))
 	}
 	for _, s := range []Stream{e.reduceStream, e.gatherStream, e.copyStream} {
 		if s != nil {

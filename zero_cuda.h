@@ -112,6 +112,17 @@ int zc_flatten(int dev, uintptr_t s, uintptr_t dst, int dst_dtype, const zc_seg*
 int zc_accumulate(int dev, uintptr_t s, uintptr_t acc, const zc_seg* segs, int nseg, int src_dtype, int first,
                   float scale, uintptr_t flag);
 
+/* unflatten: seg.ptr[i] = flat[seg.offset + i] for every segment, one dtype,
+ * one launch: the inverse of flatten. */
+int zc_unflatten(int dev, uintptr_t s, uintptr_t flat, int dtype, const zc_seg* segs, int nseg);
+
+/* An optimizer pass (AdamW, or SGD when sgd != 0, elementwise.h) over the
+ * ranges of the fp32 master shard p: gradient g scaled by gscale, moments m
+ * and v (SGD: m is the momentum buffer, 0 without; vmax with amsgrad), the
+ * new parameters cast to out_dtype into out (may be 0). */
+int zc_optimize(int dev, uintptr_t s, int sgd, uintptr_t p, uintptr_t g, uintptr_t m, uintptr_t v, uintptr_t vmax,
+                uintptr_t out, int out_dtype, const zero_opt_range* ranges, int nr, float gscale);
+
 /* cast: dst[i] = dst_dtype(src_dtype(src[i]) * scale), i < n. */
 int zc_cast(int dev, uintptr_t s, uintptr_t dst, int dst_dtype, uintptr_t src, int src_dtype, int64_t n,
             float scale);

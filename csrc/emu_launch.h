@@ -96,4 +96,39 @@ static void emu_reduce(const zc_red_arg& a, int dt, int op, unsigned grid, bool 
 	}
 }
 
+template <int T>
+static void run_unflatten(const char* flat, const zc_dseg* d, int n, int64_t blocks) {
+	for (int64_t b = 0; b < blocks; b++)
+		for (int t = 0; t < ZC_THREADS; t++) zc_unflatten_block<T>(flat, d, n, b, t);
+}
+
+static void emu_unflatten(const char* flat, int dt, const zc_dseg* d, int n, int64_t blocks) {
+	switch (dt) {
+	case ZERO_F32: run_unflatten<ZERO_F32>(flat, d, n, blocks); break;
+	case ZERO_BF16: run_unflatten<ZERO_BF16>(flat, d, n, blocks); break;
+	default: run_unflatten<ZERO_F16>(flat, d, n, blocks); break;
+	}
+}
+
+template <int OUT, bool ADAM>
+static void run_opt(float* p, const float* g, float* m, float* v, float* vmax, char* out, const zc_odesc* ds, int nd,
+                    float gscale, int64_t blocks) {
+	for (int64_t b = 0; b < blocks; b++)
+		for (int t = 0; t < ZC_THREADS; t++) zc_opt_block<OUT, ADAM>(p, g, m, v, vmax, out, ds, nd, gscale, b, t);
+}
+
+/* An AdamW (adam) or SGD launch; out_dt is out's dtype (out may be NULL). */
+static void emu_opt(bool adam, float* p, const float* g, float* m, float* v, float* vmax, char* out, int out_dt,
+                    const zc_odesc* ds, int nd, float gscale, int64_t blocks) {
+#define ZC_EMU_OPT(D)                                                                                      \
+	(adam ? run_opt<D, true>(p, g, m, v, vmax, out, ds, nd, gscale, blocks)                             \
+	      : run_opt<D, false>(p, g, m, v, vmax, out, ds, nd, gscale, blocks))
+	switch (out_dt) {
+	case ZERO_BF16: ZC_EMU_OPT(ZERO_BF16); break;
+	case ZERO_F16: ZC_EMU_OPT(ZERO_F16); break;
+	default: ZC_EMU_OPT(ZERO_F32); break;
+	}
+#undef ZC_EMU_OPT
+}
+
 #endif /* ZERO_EMU_LAUNCH_H */

@@ -402,11 +402,132 @@ static void test_descs() {
 	}
 }
 
+/* The optimizer kernels and unflatten: the CUDA bodies over a launch against
+ * the host C kernels, bit for bit, and against float64 from the same state. */
+static void test_optimizers() {
+	const int n = 20000;
+	std::normal_distribution<float> nd(0.0f, 1.0f);
+	for (int adam = 0; adam <= 1; adam++) {
+		for (int out_dt : dtypes) {
+			std::vector<float> p(n), m(n), v(n), vmax(n), g(n);
+			for (int i = 0; i < n; i++) {
+				p[i] = nd(rng);
+				m[i] = nd(rng) * 0.1f;
+				v[i] = fabsf(nd(rng)) * 0.01f;
+				vmax[i] = v[i] * 1.5f;
+				g[i] = nd(rng) * 0.1f;
+			}
+			/* ranges of varied sizes and settings, a gap at the end */
+			std::vector<zero_opt_range> rs;
+			for (int64_t off = 0; off < n - 300;) {
+				zero_opt_range r;
+				memset(&r, 0, sizeof r);
+				r.offset = off;
+				r.count = 1 + (int64_t)(rng() % 3000);
+				if (r.offset + r.count > n - 300) r.count = n - 300 - r.offset;
+				if (adam) {
+					r.decay = 1 - 1e-3f * 0.01f * (float)(rng() % 3);
+					r.step = 1e-3f / (1 - 0.9f);
+					r.beta1c = 0.1f;
+					r.beta2 = 0.999f;
+					r.beta2c = 0.001f;
+					r.bc2sqrt = sqrtf(0.001f);
+					r.eps = 1e-8f;
+					r.flags = (rng() & 1) ? ZERO_OPT_AMSGRAD : 0;
+				} else {
+					r.decay = (rng() & 1) ? 1e-4f : 0;
+					r.step = 0.05f;
+					r.beta1c = (rng() % 3) ? 0.9f : 0;
+					r.beta2 = 1 - 0.1f * (float)(rng() % 2);
+					r.flags = (rng() & 1) ? ZERO_OPT_FIRST : 0;
+					if (r.beta2 == 1 && (rng() & 1)) r.flags |= ZERO_OPT_NESTEROV;
+				}
+				rs.push_back(r);
+				off += r.count;
+			}
+			hbuf ho(out_dt, n, 0), eo(out_dt, n, 0);
+			std::vector<float> hp = p, hm = m, hv = v, hx = vmax, ep = p, em = m, ev = v, ex = vmax;
+			const float gs = 0.7f;
+			if (adam)
+				zero_adamw(hp.data(), hm.data(), hv.data(), hx.data(), g.data(), ho.p, out_dt, rs.data(), (int)rs.size(), gs, 0, n);
+			else
+				zero_sgd(hp.data(), hm.data(), g.data(), ho.p, out_dt, rs.data(), (int)rs.size(), gs, 0, n);
+			std::vector<zc_odesc> ds(rs.size());
+			int64_t blocks = 0;
+			int nd2 = zc_build_odescs(rs.data(), 0, (int)rs.size(), ds.data(), &blocks);
+			emu_opt(adam, ep.data(), g.data(), em.data(), adam ? ev.data() : nullptr, adam ? ex.data() : nullptr, (char*)eo.p,
+			        out_dt, ds.data(), nd2, gs, blocks);
+			int64_t at = 0;
+			bool ok = memcmp(hp.data(), ep.data(), n * 4) == 0 && memcmp(hm.data(), em.data(), n * 4) == 0 &&
+			          (!adam || (memcmp(hv.data(), ev.data(), n * 4) == 0 && memcmp(hx.data(), ex.data(), n * 4) == 0)) &&
+			          same(eo, ho, &at);
+			check(ok, adam ? "adamw" : "sgd", out_dt, at, 0, 0);
+			/* float64 from the same state */
+			bool good = true;
+			for (const zero_opt_range& r : rs) {
+				for (int64_t i = r.offset; i < r.offset + r.count && good; i++) {
+					double gg = (double)(g[i] * gs), wp = p[i], wm = m[i], wv = v[i], wx = vmax[i];
+					if (adam) {
+						wp *= r.decay;
+						wm += r.beta1c * (gg - wm);
+						wv = wv * r.beta2 + r.beta2c * gg * gg;
+						double d = wv;
+						if (r.flags & ZERO_OPT_AMSGRAD) d = wx = wx > wv ? wx : wv;
+						wp -= r.step * (wm / (sqrt(d) / r.bc2sqrt + r.eps));
+					} else {
+						gg += r.decay * wp;
+						if (r.beta1c != 0) {
+							wm = (r.flags & ZERO_OPT_FIRST) ? gg : wm * r.beta1c + r.beta2 * gg;
+							gg = (r.flags & ZERO_OPT_NESTEROV) ? gg + r.beta1c * wm : wm;
+						}
+						wp -= r.step * gg;
+					}
+					double tol = 16 * ldexp(1.0, -24) * (fabs((double)p[i]) + fabs(wp - p[i]) + r.step * fabs(gg));
+					good = fabs(hp[i] - wp) <= tol;
+					if (!good) at = i;
+				}
+			}
+			check(good, adam ? "adamw vs float64 reference" : "sgd vs float64 reference", out_dt, at, 0, 0);
+			bool gap = true;
+			for (int i = n - 300; i < n; i++) gap = gap && hp[i] == p[i] && ep[i] == p[i];
+			check(gap, "optimizer: elements in no range unchanged", adam, 0, 0, 0);
+		}
+	}
+	/* unflatten: the inverse of flatten, one dtype */
+	for (int dt : dtypes) {
+		layout l = make_layout(dt, 40, 3000, (rng() & 1) != 0);
+		hbuf flat(dt, l.total, 0);
+		flat.fill(true);
+		std::vector<hbuf*> hd, ed;
+		std::vector<zc_seg> hs = l.segs, es = l.segs;
+		for (size_t k = 0; k < l.segs.size(); k++) {
+			hd.push_back(new hbuf(dt, l.segs[k].count, (int)(rng() % 8)));
+			ed.push_back(new hbuf(dt, l.segs[k].count, (int)(rng() % 8)));
+			hs[k].ptr = (uintptr_t)hd[k]->p;
+			es[k].ptr = (uintptr_t)ed[k]->p;
+		}
+		zero_unflatten(flat.p, dt, (const zero_seg*)hs.data(), (int)hs.size(), 0, l.total);
+		std::vector<zc_dseg> d(es.size());
+		int64_t blocks = 0;
+		int nd2 = zc_build_descs(es.data(), 0, (int)es.size(), d.data(), &blocks);
+		emu_unflatten((const char*)flat.p, dt, d.data(), nd2, blocks);
+		bool ok = true;
+		for (size_t k = 0; k < hs.size() && ok; k++)
+			for (int64_t i = 0; i < hs[k].count && ok; i++)
+				ok = hd[k]->bits(i) == flat.bits(hs[k].offset + i) && ed[k]->bits(i) == flat.bits(es[k].offset + i);
+		check(ok, "unflatten", dt, 0, 0, 0);
+		for (auto* b : hd) delete b;
+		for (auto* b : ed) delete b;
+		free_layout(l);
+	}
+}
+
 int main() {
 	test_descs();
 	test_flatten_accumulate();
 	test_reductions();
 	test_sumsq();
+	test_optimizers();
 	check(misaligned == 0, "16-byte accesses on misaligned addresses", misaligned, 0, 0, 0);
 	printf("emu_test: %d passed, %d failed\n", passed, failed);
 	return failed != 0;

@@ -64,6 +64,33 @@ ZC_ACC_S(0)
 ZC_ACC_S(1)
 ZC_ACC_S(2)
 
+/* ---- the parameters' way back: unflatten; the optimizers ------------------ */
+
+#define ZC_UNFLATTEN(t)                                                                                    \
+	extern "C" __global__ void __launch_bounds__(ZC_THREADS)                                           \
+	    zc_unflatten_##t(const char* __restrict__ flat, const __grid_constant__ zc_segs_arg a) {       \
+		zc_unflatten_block<ZC_T##t>(flat, a.ext ? (const zc_dseg*)a.ext : a.inl, a.nseg, blockIdx.x,   \
+		                            threadIdx.x);                                                  \
+	}
+ZC_UNFLATTEN(0)
+ZC_UNFLATTEN(1)
+ZC_UNFLATTEN(2)
+
+#define ZC_OPT(d)                                                                                          \
+	extern "C" __global__ void __launch_bounds__(ZC_THREADS)                                           \
+	    zc_adamw_##d(float* p, const float* g, float* m, float* v, float* vmax, char* out,             \
+	                 const zc_odesc* ds, int nd, float gscale) {                                       \
+		zc_opt_block<ZC_T##d, true>(p, g, m, v, vmax, out, ds, nd, gscale, blockIdx.x, threadIdx.x);   \
+	}                                                                                                  \
+	extern "C" __global__ void __launch_bounds__(ZC_THREADS)                                           \
+	    zc_sgd_##d(float* p, const float* g, float* buf, char* out, const zc_odesc* ds, int nd, float gscale) { \
+		zc_opt_block<ZC_T##d, false>(p, g, buf, (float*)0, (float*)0, out, ds, nd, gscale, blockIdx.x,  \
+		                             threadIdx.x);                                                 \
+	}
+ZC_OPT(0)
+ZC_OPT(1)
+ZC_OPT(2)
+
 /* ---- the in-process reductions of the one-GPU group ---------------------- */
 
 #define ZC_RED(t, o)                                                                                       \

@@ -198,6 +198,64 @@ ZC_DEV void zc_flatten_block(char* ZC_RESTRICT dst, const zc_dseg* segs, int nse
 	}
 }
 
+/* ---- unflatten: one block (flatten's inverse, one dtype) ------------------- */
+
+/* Segment seg's destination is seg.src: its elements come from
+ * flat[seg.offset + i]; a bit copy. */
+template <int T>
+ZC_DEV void zc_unflatten_block(const char* ZC_RESTRICT flat, const zc_dseg* segs, int nseg, int64_t b, int tid) {
+	const zc_dseg sg = zc_find(segs, nseg, b);
+	const int64_t start = (b - sg.block0) * ZC_CHUNK;
+	const int64_t end = sg.count < start + ZC_CHUNK ? sg.count : start + ZC_CHUNK;
+	char* ZC_RESTRICT d = (char*)sg.src;
+	const char* ZC_RESTRICT src = flat + sg.offset * zc_size(T);
+	int64_t tail = start;
+	if ((((uintptr_t)src | (uintptr_t)d) & 15u) == 0) {
+		const int64_t vend = start + (end - start) / ZC_PACK * ZC_PACK;
+#pragma unroll
+		for (int u = 0; u < ZC_UNROLL; u++) {
+			const int64_t i = start + ((int64_t)u * ZC_THREADS + tid) * ZC_PACK;
+			if (i < vend) zc_store_raw<T>(d + i * zc_size(T), zc_load_raw<T>(src + i * zc_size(T)));
+		}
+		tail = vend;
+	}
+	for (int64_t i = tail + tid; i < end; i += ZC_THREADS) zero_copy_elem(d, src, T, i);
+}
+
+/* ---- optimizers: one block of a range --------------------------------------- */
+
+ZC_DEV zc_odesc zc_find_range(const zc_odesc* ds, int n, int64_t b) {
+	int lo = 0, hi = n - 1;
+	while (lo < hi) {
+		int mid = (lo + hi + 1) >> 1;
+		if (ds[mid].block0 <= b)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	return ds[lo];
+}
+
+/* AdamW (SGD when !ADAM: m is the momentum buffer, may be NULL) on block b's
+ * chunk of its range; the new parameter, cast to OUT, goes to out. */
+template <int OUT, bool ADAM>
+ZC_DEV void zc_opt_block(float* ZC_RESTRICT p, const float* ZC_RESTRICT g, float* ZC_RESTRICT m, float* ZC_RESTRICT v,
+                         float* ZC_RESTRICT vmax, char* out, const zc_odesc* ds, int nd, float gscale, int64_t b,
+                         int tid) {
+	const zc_odesc d = zc_find_range(ds, nd, b);
+	const zero_opt_range r = d.r;
+	const int64_t start = (b - d.block0) * ZC_CHUNK;
+	const int64_t end = r.count < start + ZC_CHUNK ? r.count : start + ZC_CHUNK;
+	for (int64_t i = start + tid; i < end; i += ZC_THREADS) {
+		const int64_t j = r.offset + i;
+		if (ADAM)
+			zero_adamw_elem(&p[j], &m[j], &v[j], (r.flags & ZERO_OPT_AMSGRAD) ? &vmax[j] : (float*)0, g[j] * gscale, &r);
+		else
+			zero_sgd_elem(&p[j], m ? &m[j] : (float*)0, g[j] * gscale, &r);
+		if (out) zero_store(out, OUT, j, p[j]);
+	}
+}
+
 /* ---- accumulate: one block; returns nonzero if this thread saw inf/NaN ---- */
 
 template <int ST, bool SCALE, bool FIRST>

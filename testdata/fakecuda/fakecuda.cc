@@ -157,7 +157,7 @@ struct CUevent_st {
 
 /* ---- kernels ----------------------------------------------------------------------- */
 
-enum kind { K_FLATTEN, K_ACC, K_REDUCE, K_ALLREDUCE, K_SUMSQ_PART, K_SUMSQ_FINAL, K_SPIN };
+enum kind { K_FLATTEN, K_ACC, K_REDUCE, K_ALLREDUCE, K_UNFLATTEN, K_ADAMW, K_SGD, K_SUMSQ_PART, K_SUMSQ_FINAL, K_SPIN };
 
 struct CUfunc_st {
 	kind k;
@@ -176,6 +176,9 @@ static CUfunc_st* parse(const char* name) {
 	if (sscanf(name, "zc_acc_%1d%1d%1d", &a, &b, &c) == 3 && a < 3 && b < 2 && c < 2) return new CUfunc_st{K_ACC, a, b, c};
 	if (sscanf(name, "zc_reduce_%1d%1d", &a, &b) == 2 && a < 3 && b < 3) return new CUfunc_st{K_REDUCE, a, b, 0};
 	if (sscanf(name, "zc_allreduce_%1d%1d", &a, &b) == 2 && a < 3 && b < 3) return new CUfunc_st{K_ALLREDUCE, a, b, 0};
+	if (sscanf(name, "zc_unflatten_%1d", &a) == 1 && a < 3) return new CUfunc_st{K_UNFLATTEN, a, 0, 0};
+	if (sscanf(name, "zc_adamw_%1d", &a) == 1 && a < 3) return new CUfunc_st{K_ADAMW, a, 0, 0};
+	if (sscanf(name, "zc_sgd_%1d", &a) == 1 && a < 3) return new CUfunc_st{K_SGD, a, 0, 0};
 	if (!strcmp(name, "zc_sumsq_part")) return new CUfunc_st{K_SUMSQ_PART, 0, 0, 0};
 	if (!strcmp(name, "zc_sumsq_final")) return new CUfunc_st{K_SUMSQ_FINAL, 0, 0, 0};
 	if (!strcmp(name, "zc_spin")) return new CUfunc_st{K_SPIN, 0, 0, 0};
@@ -508,6 +511,30 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned, unsign
 		bool all = f->k == K_ALLREDUCE;
 		if (!all && (int)gy != a.nout) return CUDA_ERROR_INVALID_VALUE;
 		S(s)->push([=] { emu_reduce(a, dt, op, gx, all); });
+		break;
+	}
+	case K_UNFLATTEN: {
+		const char* flat = arg<const char*>(p, 0);
+		zc_segs_arg a = arg<zc_segs_arg>(p, 1);
+		int dt = dts[f->a];
+		S(s)->push([=] { emu_unflatten(flat, dt, a.ext ? (const zc_dseg*)a.ext : a.inl, a.nseg, gx); });
+		break;
+	}
+	case K_ADAMW:
+	case K_SGD: {
+		bool adam = f->k == K_ADAMW;
+		int k = 0;
+		float* pp = arg<float*>(p, k++);
+		const float* g = arg<const float*>(p, k++);
+		float* m = arg<float*>(p, k++);
+		float* v = adam ? arg<float*>(p, k++) : nullptr;
+		float* vmax = adam ? arg<float*>(p, k++) : nullptr;
+		char* out = arg<char*>(p, k++);
+		const zc_odesc* ds = arg<const zc_odesc*>(p, k++);
+		int nd = arg<int>(p, k++);
+		float gscale = arg<float>(p, k++);
+		int dt = dts[f->a];
+		S(s)->push([=] { emu_opt(adam, pp, g, m, v, vmax, out, dt, ds, nd, gscale, gx); });
 		break;
 	}
 	case K_SUMSQ_PART: {

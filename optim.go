@@ -1,0 +1,547 @@
+package zero
+
+import (
+	"errors"
+	"math"
+)
+
+// Optimizer is the optimizer of a parameter group: AdamW or SGD, with
+// PyTorch's formulas. Every group of an engine uses the same kind.
+type Optimizer interface {
+	kind() optKind
+	check(group int) error
+	// ranges fills the settings of one parameter's range for its t-th step.
+	rangeFor(r *optRange, t int)
+}
+
+type optKind int
+
+const (
+	optAdamW optKind = iota + 1
+	optSGD
+)
+
+// AdamW is torch.optim.AdamW: decoupled weight decay, bias correction, eps
+// outside the square root, optionally amsgrad. Zero Beta1, Beta2 and Eps
+// take PyTorch's defaults (0.9, 0.999, 1e-8); zero WeightDecay is none.
+type AdamW struct {
+	LR          float64 // learning rate
+	Beta1       float64 // decay of the first moment (default 0.9)
+	Beta2       float64 // decay of the second moment (default 0.999)
+	Eps         float64 // added to the root of the second moment (default 1e-8)
+	WeightDecay float64 // decoupled: p *= 1 - LR*WeightDecay
+	AMSGrad     bool    // use the running maximum of the second moment
+}
+
+// SGD is torch.optim.SGD: weight decay added to the gradient, momentum
+// with dampening, optionally Nesterov.
+type SGD struct {
+	LR          float64 // learning rate
+	Momentum    float64 // 0: none
+	Dampening   float64 // of the momentum, in [0, 1]
+	WeightDecay float64 // added to the gradient: g += WeightDecay*p
+	Nesterov    bool    // Nesterov momentum (needs Momentum, no Dampening)
+}
+
+func (o AdamW) kind() optKind { return optAdamW }
+func (o SGD) kind() optKind   { return optSGD }
+
+func (o AdamW) withDefaults() AdamW {
+	if o.Beta1 == 0 {
+		o.Beta1 = 0.9
+	}
+	if o.Beta2 == 0 {
+		o.Beta2 = 0.999
+	}
+	if o.Eps == 0 {
+		o.Eps = 1e-8
+	}
+	return o
+}
+
+func (o AdamW) check(g int) error {
+	o = o.withDefaults()
+	switch {
+	case !(o.LR >= 0) || math.IsInf(o.LR, 0):
+		return errorf(ErrConfig, "group %d: AdamW LR %v; use a finite rate ≥ 0", g, o.LR)
+	case !(o.Beta1 >= 0 && o.Beta1 < 1) || !(o.Beta2 >= 0 && o.Beta2 < 1):
+		return errorf(ErrConfig, "group %d: AdamW betas (%v, %v); use values in [0, 1)", g, o.Beta1, o.Beta2)
+	case !(o.Eps > 0) || math.IsInf(o.Eps, 0):
+		return errorf(ErrConfig, "group %d: AdamW Eps %v; use a finite value > 0", g, o.Eps)
+	case !(o.WeightDecay >= 0) || math.IsInf(o.WeightDecay, 0):
+		return errorf(ErrConfig, "group %d: AdamW WeightDecay %v; use a finite value ≥ 0", g, o.WeightDecay)
+	}
+	return nil
+}
+
+func (o SGD) check(g int) error {
+	switch {
+	case !(o.LR >= 0) || math.IsInf(o.LR, 0):
+		return errorf(ErrConfig, "group %d: SGD LR %v; use a finite rate ≥ 0", g, o.LR)
+	case !(o.Momentum >= 0) || math.IsInf(o.Momentum, 0) || !(o.Dampening >= 0 && o.Dampening <= 1):
+		return errorf(ErrConfig, "group %d: SGD momentum %v, dampening %v; use momentum ≥ 0 and dampening in [0, 1]", g, o.Momentum, o.Dampening)
+	case !(o.WeightDecay >= 0) || math.IsInf(o.WeightDecay, 0):
+		return errorf(ErrConfig, "group %d: SGD WeightDecay %v; use a finite value ≥ 0", g, o.WeightDecay)
+	case o.Nesterov && (o.Momentum == 0 || o.Dampening != 0):
+		return errorf(ErrConfig, "group %d: Nesterov needs a momentum and zero dampening", g)
+	}
+	return nil
+}
+
+// rangeFor sets the AdamW settings of step t (from 1) in the form
+// zero_adamw_elem uses, computed in double and rounded once, as PyTorch
+// computes its Python-float scalars.
+func (o AdamW) rangeFor(r *optRange, t int) {
+	o = o.withDefaults()
+	bc1 := 1 - math.Pow(o.Beta1, float64(t))
+	bc2 := 1 - math.Pow(o.Beta2, float64(t))
+	r.decay = float32(1 - o.LR*o.WeightDecay)
+	r.step = float32(o.LR / bc1)
+	r.beta1c = float32(1 - o.Beta1)
+	r.beta2 = float32(o.Beta2)
+	r.beta2c = float32(1 - o.Beta2)
+	r.bc2sqrt = float32(math.Sqrt(bc2))
+	r.eps = float32(o.Eps)
+	if o.AMSGrad {
+		r.flags |= optAMSGrad
+	}
+}
+
+func (o SGD) rangeFor(r *optRange, t int) {
+	r.decay = float32(o.WeightDecay)
+	r.step = float32(o.LR)
+	r.beta1c = float32(o.Momentum)
+	r.beta2 = float32(1 - o.Dampening)
+	if o.Nesterov {
+		r.flags |= optNesterov
+	}
+	if t == 1 {
+		r.flags |= optFirst
+	}
+}
+
+// The flags of elementwise.h's zero_opt_range.
+const (
+	optAMSGrad  = 1
+	optNesterov = 2
+	optFirst    = 4
+)
+
+// LossScale configures loss scaling. With fp16 gradients the scale is
+// dynamic by default, as DeepSpeed's: it starts at Initial (2^16), halves
+// on an overflow once Hysteresis (2) overflows have been absorbed, never
+// goes below Min (1), and doubles after Window (1000) steps without one.
+// Static fixes it (any dtype); with fp32 and bf16 it is 1 by default.
+type LossScale struct {
+	Static     float64 // a fixed scale (0: dynamic for fp16, 1 otherwise)
+	Initial    float64 // dynamic: the first scale (default 2^16)
+	Window     int     // dynamic: steps without overflow before doubling (default 1000)
+	Hysteresis int     // dynamic: overflows absorbed before halving (default 2)
+	Min        float64 // dynamic: the smallest scale (default 1)
+}
+
+// lossScaler is DeepSpeed's DynamicLossScaler, step by step.
+type lossScaler struct {
+	dynamic    bool
+	scale      float64
+	window     int
+	hysteresis int
+	min        float64
+
+	curHysteresis int
+	iter          int
+	lastOverflow  int
+}
+
+func newLossScaler(c LossScale, model DType) (lossScaler, error) {
+	s := lossScaler{scale: 1}
+	switch {
+	case c.Static < 0 || math.IsNaN(c.Static) || math.IsInf(c.Static, 0):
+		return s, errorf(ErrConfig, "LossScale.Static %v; use a finite scale > 0, or 0 for the default", c.Static)
+	case c.Static > 0:
+		s.scale = c.Static
+		return s, nil
+	case model != FP16:
+		return s, nil
+	}
+	s.dynamic = true
+	s.scale, s.window, s.hysteresis, s.min = c.Initial, c.Window, c.Hysteresis, c.Min
+	if s.scale == 0 {
+		s.scale = 1 << 16
+	}
+	if s.window == 0 {
+		s.window = 1000
+	}
+	if s.hysteresis == 0 {
+		s.hysteresis = 2
+	}
+	if s.min == 0 {
+		s.min = 1
+	}
+	if !(s.scale > 0) || math.IsInf(s.scale, 0) || s.window < 1 || s.hysteresis < 1 || !(s.min > 0) {
+		return s, errorf(ErrConfig, "LossScale %+v; use a finite Initial > 0, Window ≥ 1, Hysteresis ≥ 1 and Min > 0", c)
+	}
+	s.curHysteresis, s.lastOverflow = s.hysteresis, -1
+	return s, nil
+}
+
+// update moves the scale after a step that did or did not overflow.
+func (s *lossScaler) update(overflow bool) {
+	if !s.dynamic {
+		return
+	}
+	if overflow {
+		if s.hysteresis == 1 || s.curHysteresis == 1 {
+			s.scale = max(s.scale/2, s.min)
+		} else {
+			s.curHysteresis--
+		}
+		s.lastOverflow = s.iter
+	} else if (s.iter-s.lastOverflow)%s.window == 0 {
+		s.curHysteresis = s.hysteresis
+		s.scale *= 2
+	}
+	s.iter++
+}
+
+// optState is the optimizer's part of an engine: the fp32 master shard, the
+// moments, the model-dtype shard that the parameters are gathered from, and
+// each parameter's step count.
+type optState struct {
+	groups []Optimizer
+	kind   optKind
+	master Tensor // fp32, the plan's shard layout
+	m, v   Tensor // AdamW moments; m is SGD's momentum buffer
+	vmax   Tensor // AdamW amsgrad
+	model  Tensor // model dtype: the new parameters, gathered from here
+	steps  []int  // per parameter: optimizer steps taken
+	scaler lossScaler
+	norm   Tensor // fp32 pair for Step's all-reduce of (overflow, sum of squares)
+	ranges []optRange
+	gather *bufferPool // model-dtype bucket buffers the parameters are gathered in
+	mem    memoryMeter // the optimizer's bytes
+}
+
+// checkGroups validates the groups and the parameters' use of them.
+func checkGroups(groups []Optimizer, params []Param) error {
+	if len(groups) == 0 {
+		for i, p := range params {
+			if p.Group != 0 {
+				return errorf(ErrParam, "parameter %d (%q) is in group %d, but no Groups are configured", i, p.Name, p.Group)
+			}
+		}
+		return nil
+	}
+	for g, o := range groups {
+		if o == nil {
+			return errorf(ErrConfig, "Groups[%d] is nil; give an AdamW or SGD", g)
+		}
+		if o.kind() != groups[0].kind() {
+			return errorf(ErrConfig, "Groups[%d] is %T, Groups[0] %T; every group of an engine uses one optimizer kind", g, o, groups[0])
+		}
+		if err := o.check(g); err != nil {
+			return err
+		}
+	}
+	for i, p := range params {
+		if p.Group < 0 || p.Group >= len(groups) {
+			return errorf(ErrParam, "parameter %d (%q) is in group %d; the groups are 0..%d", i, p.Name, p.Group, len(groups)-1)
+		}
+		if !p.Frozen && p.Count > 0 && p.Data.count != p.Count {
+			return errorf(ErrParam, "parameter %d (%q) has Data of %d elements for a count of %d; with an optimizer every trained parameter needs its memory", i, p.Name, p.Data.count, p.Count)
+		}
+		if p.Data.count > 0 && p.Data.dtype != p.DType {
+			return errorf(ErrDType, "parameter %d (%q): Data is %v, the parameter %v", i, p.Name, p.Data.dtype, p.DType)
+		}
+	}
+	return nil
+}
+
+// SetGroup replaces group g's hyperparameters from the next Step on
+// (learning-rate schedules); the kind must stay the same.
+func (e *Engine) SetGroup(g int, o Optimizer) error {
+	if err := e.usable("SetGroup"); err != nil {
+		return err
+	}
+	if e.opt == nil {
+		return errorf(ErrConfig, "SetGroup on an engine without an optimizer; configure Groups")
+	}
+	if g < 0 || g >= len(e.opt.groups) {
+		return errorf(ErrParam, "SetGroup(%d): the groups are 0..%d", g, len(e.opt.groups)-1)
+	}
+	if o == nil || o.kind() != e.opt.kind {
+		return errorf(ErrConfig, "SetGroup(%d, %T): the engine's groups are %T", g, o, e.opt.groups[0])
+	}
+	if err := o.check(g); err != nil {
+		return err
+	}
+	e.opt.groups[g] = o
+	return nil
+}
+
+// LossScale is the scale the trainer multiplies its loss by for the next
+// backwards (1 unless fp16 or a static scale).
+func (e *Engine) LossScale() float64 {
+	if e.opt == nil {
+		return 1
+	}
+	return e.opt.scaler.scale
+}
+
+// stepResult is what an optimizer step reports.
+type stepResult struct {
+	skipped bool
+	norm    float64
+	scale   float64
+}
+
+// initOptimizer allocates the optimizer's shards and fills the master shard
+// from the parameters, after copying rank 0's to every rank.
+func (e *Engine) initOptimizer() error {
+	o := &optState{groups: append([]Optimizer(nil), e.cfg.Groups...), kind: e.cfg.Groups[0].kind(), steps: make([]int, len(e.params))}
+	var err error
+	if o.scaler, err = newLossScaler(e.cfg.LossScale, e.plan.dtype); err != nil {
+		return err
+	}
+	e.opt = o
+	o.gather = newBufferPool(e.dev, e.plan.dtype, &o.mem)
+	if o.master, err = o.alloc(e.dev, e.plan.ShardElems, FP32); err != nil {
+		return err
+	}
+	if o.model, err = o.alloc(e.dev, e.plan.ShardElems, e.plan.dtype); err != nil {
+		return err
+	}
+	if o.kind == optAdamW {
+		if o.m, err = o.alloc(e.dev, e.plan.ShardElems, FP32); err != nil {
+			return err
+		}
+		if o.v, err = o.alloc(e.dev, e.plan.ShardElems, FP32); err != nil {
+			return err
+		}
+	}
+	if o.norm, err = e.dev.Alloc(2, FP32); err != nil {
+		return err
+	}
+	return e.loadParams()
+}
+
+func (o *optState) alloc(dev Device, n int, dt DType) (Tensor, error) {
+	t, err := dev.Alloc(n, dt)
+	if err == nil {
+		o.mem.add(int64(t.Bytes()))
+	}
+	return t, err
+}
+
+// ensureState allocates the state that only some settings need (SGD's
+// momentum buffer, amsgrad's running max) the first time a step needs it.
+func (o *optState) ensureState(dev Device, n int) error {
+	need := func(t *Tensor, want bool) error {
+		if !want || t.ptr != 0 || n == 0 {
+			return nil
+		}
+		var err error
+		*t, err = o.alloc(dev, n, FP32)
+		return err
+	}
+	momentum, amsgrad := false, false
+	for _, r := range o.ranges {
+		amsgrad = amsgrad || r.flags&optAMSGrad != 0
+		momentum = momentum || (o.kind == optSGD && r.beta1c != 0)
+	}
+	if err := need(&o.m, momentum); err != nil {
+		return err
+	}
+	return need(&o.vmax, amsgrad)
+}
+
+// bucketParams lays out the members of bucket b that have memory, and that
+// are used where used is given, as segments of the bucket's flat layout.
+func (e *Engine) bucketParams(b int, used []bool) []Segment {
+	var segs []Segment
+	for _, p := range e.plan.Buckets[b].Params {
+		if e.params[p].Data.count == 0 || (used != nil && !used[p]) {
+			continue
+		}
+		segs = append(segs, Segment{Src: e.params[p].Data, Offset: e.plan.ParamOffset[p]})
+	}
+	return segs
+}
+
+// loadParams gives every rank rank 0's parameters (unless NoBroadcast) and
+// fills the fp32 master shard from them, bucket by bucket.
+func (e *Engine) loadParams() error {
+	o, s := e.opt, e.reduceStream
+	bcast := !e.cfg.NoBroadcast && e.world > 1
+	for b, bp := range e.plan.Buckets {
+		buf, err := o.gather.get(e.plan.MaxBucket())
+		if err != nil {
+			return err
+		}
+		t := buf.t.slice(0, bp.Padded)
+		segs := e.bucketParams(b, nil)
+		err = s.Wait(buf.free)
+		if err == nil {
+			err = e.dev.zero(s, t)
+		}
+		if err == nil {
+			err = e.dev.flatten(s, t, segs, 1)
+		}
+		if err == nil && bcast {
+			if err = e.comm.Broadcast(s, t, 0); err == nil && e.rank != 0 {
+				err = e.dev.unflatten(s, t, segs)
+			}
+		}
+		if err == nil {
+			err = e.dev.cast(s, o.master.slice(bp.ShardOffset, bp.Shard), t.slice(e.rank*bp.Shard, bp.Shard), 1)
+		}
+		var done Event
+		if err == nil {
+			done, err = s.Record()
+		}
+		o.gather.put(buf, done)
+		if err != nil {
+			return err
+		}
+	}
+	if bcast { // frozen parameters have no bucket: one broadcast each
+		for _, p := range e.params {
+			if p.Frozen && p.Data.count > 0 {
+				if err := e.comm.Broadcast(s, p.Data, 0); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return s.Sync()
+}
+
+// optimizerStep is the optimizer's part of Step, after the reductions: the
+// overflow and the global norm, agreed by every rank in one all-reduce; the
+// decision to skip; the fused optimizer pass over the master shard, with
+// the mean's 1/G, the loss scale and the clipping folded into one gradient
+// factor; then the new parameters, gathered bucket by bucket into their
+// memory. Nothing of the master, the moments, the step counts or the
+// parameters changes before the optimizer pass is enqueued; a skipped step
+// changes only the loss scale.
+func (e *Engine) optimizerStep(readScale float32, used []bool) (stepResult, error) {
+	o, s := e.opt, e.reduceStream
+	res := stepResult{scale: o.scaler.scale}
+	var sumsq float64
+	if err := e.dev.sumSquares(s, e.pl.shard, &sumsq); err != nil {
+		return res, err
+	}
+	if err := s.Sync(); err != nil {
+		return res, err
+	}
+	pair := []float32{0, float32(sumsq)}
+	if err := e.dev.copy(s, o.norm.slice(0, 1), e.pl.flag); err != nil {
+		return res, err
+	}
+	if err := e.dev.copy(s, o.norm.slice(1, 1), Float32s(pair[1:])); err != nil {
+		return res, err
+	}
+	if err := e.comm.AllReduce(s, o.norm, OpSum); err != nil {
+		return res, err
+	}
+	e.pl.sent.add(KindAllReduce, o.norm.Bytes(), e.world)
+	if err := e.dev.copy(s, Float32s(pair), o.norm); err != nil {
+		return res, err
+	}
+	if err := s.Sync(); err != nil {
+		return res, err
+	}
+	overflow := pair[0] != 0
+	res.norm = math.Sqrt(float64(pair[1])) * float64(readScale) / o.scaler.scale
+	finite := !overflow && !math.IsInf(res.norm, 0) && !math.IsNaN(res.norm)
+	if !finite && (e.plan.dtype == FP16 || !e.cfg.KeepNonFinite || e.cfg.Clip > 0) {
+		res.skipped = true
+		o.scaler.update(true)
+		return res, nil
+	}
+	coef := 1.0
+	if e.cfg.Clip > 0 && res.norm > e.cfg.Clip {
+		coef = res.norm / e.cfg.Clip
+	}
+	gscale := float32(float64(readScale) / o.scaler.scale / coef)
+	o.ranges = o.ranges[:0]
+	for p, q := range e.params {
+		if !used[p] || e.plan.ParamBucket[p] < 0 {
+			continue
+		}
+		rg := e.plan.shardRange(p, e.rank)
+		if rg.Count == 0 {
+			continue
+		}
+		r := optRange{offset: int64(rg.ShardOffset), count: int64(rg.Count)}
+		o.groups[q.Group].rangeFor(&r, o.steps[p]+1)
+		o.ranges = append(o.ranges, r)
+	}
+	if err := o.ensureState(e.dev, e.plan.ShardElems); err != nil {
+		return res, err
+	}
+	b := optTensors{p: o.master, g: e.pl.shard, m: o.m, v: o.v, vmax: o.vmax, out: o.model}
+	if err := e.dev.optimize(s, o.kind, b, o.ranges, gscale); err != nil {
+		return res, err
+	}
+	// committed: the pass is enqueued
+	for p := range e.params {
+		if used[p] && e.plan.ParamBucket[p] >= 0 {
+			o.steps[p]++
+		}
+	}
+	o.scaler.update(false)
+	return res, e.gatherParams(used)
+}
+
+// gatherParams all-gathers each bucket that holds a used parameter from the
+// model-dtype shards into a pooled bucket buffer and copies the used
+// parameters into their memory; two buffers ping-pong, so a bucket's copy
+// overlaps the next one's all-gather.
+func (e *Engine) gatherParams(used []bool) error {
+	o, s := e.opt, e.reduceStream
+	for b, bp := range e.plan.Buckets {
+		segs := e.bucketParams(b, used)
+		anyUsed := false
+		for _, p := range bp.Params {
+			anyUsed = anyUsed || used[p]
+		}
+		if !anyUsed { // the same on every rank: used is agreed
+			continue
+		}
+		buf, err := o.gather.get(e.plan.MaxBucket())
+		if err != nil {
+			return err
+		}
+		t := buf.t.slice(0, bp.Padded)
+		err = s.Wait(buf.free)
+		if err == nil {
+			err = e.comm.AllGather(s, o.model.slice(bp.ShardOffset, bp.Shard), t)
+		}
+		if err == nil {
+			e.pl.sent.add(KindAllGather, t.Bytes(), e.world)
+			err = e.dev.unflatten(s, t, segs)
+		}
+		var done Event
+		if err == nil {
+			done, err = s.Record()
+		}
+		o.gather.put(buf, done)
+		if err != nil {
+			return err
+		}
+	}
+	return s.Sync()
+}
+
+// close frees the optimizer's memory.
+func (o *optState) close(dev Device) error {
+	var errs []error
+	errs = append(errs, o.gather.trim(0))
+	for _, t := range []Tensor{o.master, o.model, o.m, o.v, o.vmax, o.norm} {
+		if t.ptr != 0 {
+			errs = append(errs, dev.Free(t))
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,771 @@
+package zero
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand"
+	"slices"
+	"testing"
+	"time"
+	"unsafe"
+)
+
+// ---- training equivalence ---------------------------------------------------
+
+// quadTask is a synthetic regression: sample s of a step has weights a and
+// targets t over every element of the model, and loss
+// ½ Σ_i a_i (θ_i − t_i)²; its gradient is a_i (θ_i − t_i). The targets lie
+// 2-3 away from the start on one side, further than 20 steps of AdamW can
+// move (|update| ≤ LR per step in the sign regime), so every sample's
+// gradient keeps its sign: the regime in which the error bound below holds.
+type quadTask struct {
+	sizes   []int
+	theta0  []float64
+	a, t    [][][]float64 // [step][sample][element]
+	samples int           // per step: W·G
+}
+
+func newQuadTask(rng *rand.Rand, sizes []int, steps, samples int) *quadTask {
+	n := 0
+	for _, s := range sizes {
+		n += s
+	}
+	q := &quadTask{sizes: sizes, theta0: make([]float64, n), samples: samples}
+	side := make([]float64, n)
+	for i := range q.theta0 {
+		q.theta0[i] = rng.Float64()*2 - 1
+		side[i] = float64(1 - 2*rng.Intn(2))
+	}
+	q.a, q.t = make([][][]float64, steps), make([][][]float64, steps)
+	for st := range steps {
+		q.a[st], q.t[st] = make([][]float64, samples), make([][]float64, samples)
+		for s := range samples {
+			q.a[st][s], q.t[st][s] = make([]float64, n), make([]float64, n)
+			for i := range n {
+				q.a[st][s][i] = 0.5 + rng.Float64()
+				q.t[st][s][i] = q.theta0[i] + side[i]*(2+rng.Float64())
+			}
+		}
+	}
+	return q
+}
+
+// loss is the mean loss of step st's samples at θ, in float64.
+func (q *quadTask) loss(st int, theta []float64) float64 {
+	l := 0.0
+	for s := range q.samples {
+		for i, x := range theta {
+			d := x - q.t[st][s][i]
+			l += 0.5 * q.a[st][s][i] * d * d
+		}
+	}
+	return l / float64(q.samples)
+}
+
+// refAdamW is torch.optim.AdamW in float64, on one element.
+type refAdamW struct {
+	lr, b1, b2, eps, wd float64
+}
+
+func (o refAdamW) step(p, m, v *float64, g float64, t int) (update float64) {
+	*p *= 1 - o.lr*o.wd
+	*m += (1 - o.b1) * (g - *m)
+	*v = *v*o.b2 + (1-o.b2)*g*g
+	bc1, bc2 := 1-math.Pow(o.b1, float64(t)), 1-math.Pow(o.b2, float64(t))
+	u := (*m / bc1) / (math.Sqrt(*v/bc2) + o.eps)
+	*p -= o.lr * u
+	return u
+}
+
+// trainRun is one configuration of the equivalence test.
+type trainRun struct {
+	stage, world, backwards int
+	dtype                   DType
+	bucket                  int
+	overlap                 bool
+}
+
+// trainEngine trains q on r.world in-process ranks and returns rank 0's
+// parameters (as float64) and losses after every step, and every rank's
+// final parameter bits.
+func trainEngine(t *testing.T, q *quadTask, r trainRun, opt AdamW) (params [][]float64, final [][]uint32) {
+	t.Helper()
+	steps := len(q.a)
+	comms, _ := NewLocalGroupTimeout(r.world, 20*time.Second)
+	final = make([][]uint32, r.world)
+	params = make([][]float64, steps+1)
+	errs := eachRank(r.world, func(rank int) error {
+		defer comms[rank].Close()
+		data := make([]*tbuf, len(q.sizes))
+		ps := make([]Param, len(q.sizes))
+		off := 0
+		for p, n := range q.sizes {
+			data[p] = newTBuf(r.dtype, n)
+			for i := range n {
+				x := q.theta0[off+i]
+				if rank > 0 {
+					x = 100 // rank 0's values must win the broadcast
+				}
+				data[p].set(i, float32(x))
+			}
+			ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: r.dtype, Data: data[p].t()}
+			off += n
+		}
+		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Groups: []Optimizer{opt}}
+		e, err := New(cfg, comms[rank], ps)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		s0, s1 := NewHostStream(), NewHostStream()
+		defer s0.Close()
+		defer s1.Close()
+		read := func() []float64 {
+			var out []float64
+			for _, b := range data {
+				for i := range b.len() {
+					out = append(out, float64(b.val(i)))
+				}
+			}
+			return out
+		}
+		if rank == 0 {
+			params[0] = read()
+		}
+		for st := range steps {
+			for k := range r.backwards {
+				sample := k*r.world + rank
+				theta := read()
+				off := len(theta)
+				for p := len(q.sizes) - 1; p >= 0; p-- { // backward order, two streams
+					off -= q.sizes[p]
+					g := newTBuf(r.dtype, q.sizes[p])
+					for i := range q.sizes[p] {
+						j := off + i
+						d := float32(theta[j]) - float32(q.t[st][sample][j])
+						g.set(i, float32(q.a[st][sample][j])*d)
+					}
+					if _, err := e.GradReady(p, g.t(), []Stream{s0, s1}[p%2]); err != nil {
+						return err
+					}
+				}
+				if err := e.EndBackward(); err != nil {
+					return err
+				}
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			if st := e.Stats(); st.Skipped {
+				return fmt.Errorf("step skipped: norm %g", st.GradNorm)
+			}
+			if rank == 0 {
+				params[st+1] = read()
+			}
+		}
+		for _, b := range data {
+			for i := range b.len() {
+				final[rank] = append(final[rank], b.bits(i))
+			}
+		}
+		return nil
+	})
+	for rank, err := range errs {
+		if err != nil {
+			t.Fatalf("%+v rank %d: %v", r, rank, err)
+		}
+	}
+	return params, final
+}
+
+// TestTrainingEquivalence: AdamW training across W ranks, stages 1 and 2,
+// fp32 and bf16, 1 and 3 backwards per step, against plain training on the
+// same global batch in float64. The bound is carried along the reference
+// trajectory, element by element, step by step:
+//   - the engine's parameter differs from the reference by dθ (plus one
+//     rounding to the model dtype for the copy the forward reads);
+//   - each sample's gradient, computed in fp32 from that copy and rounded to
+//     the model dtype, differs from the exact one by a·dθ' + 2u32·a(|θ|+|t|)
+//   - u_d·|g|, and the reduction adds (W+G+6)(u_d+u32)·mean|g| (the bound of
+//     checkMean); with every sample's gradient of one sign, that is a
+//     relative error ρ of the mean gradient;
+//   - with every gradient of the window carrying a relative error ≤ ρ (plus
+//     8u32 per step for the fp32 rounding of the moments), m is within
+//     (1±ρ)m and √v within (1±ρ)√v, so the update m̂/(√v̂+ε) is within
+//     2ρ/(1−ρ) of its own size;
+//   - the step's fp32 arithmetic adds u32(4|θ| + 32·lr·|u|);
+//
+// so dθ ← dθ(1 − lr·wd) + lr·|u|·2ρ/(1−ρ) + u32(4|θ| + 32·lr·|u|). The final
+// parameters must be within dθ plus a rounding to the model dtype, and the
+// loss within what that difference can change it by.
+func TestTrainingEquivalence(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	sizes := []int{37, 130, 8, 257}
+	opt := AdamW{LR: 0.01, WeightDecay: 0.01}
+	ref := refAdamW{lr: 0.01, b1: 0.9, b2: 0.999, eps: 1e-8, wd: 0.01}
+	const steps = 20
+	const u32 = 0x1p-24
+	for _, dt := range []DType{FP32, BF16} {
+		ud := unitRoundoff(dt)
+		for _, world := range []int{1, 2, 4} {
+			for _, backwards := range []int{1, 3} {
+				q := newQuadTask(rng, sizes, steps, world*backwards)
+				for i, x := range q.theta0 { // start from values the model dtype holds
+					q.theta0[i] = float64(refDecode(dt, refEncode(dt, float32(x))))
+				}
+				// the reference and the bound, element by element
+				n := len(q.theta0)
+				theta, m, v := slices.Clone(q.theta0), make([]float64, n), make([]float64, n)
+				dtheta, rho := make([]float64, n), make([]float64, n)
+				refParams := [][]float64{slices.Clone(theta)}
+				bounds := [][]float64{make([]float64, n)}
+				for st := range steps {
+					for i := range n {
+						gsum, gabs, esum := 0.0, 0.0, 0.0
+						dd := dtheta[i] + ud*(math.Abs(theta[i])+dtheta[i]) // the copy the forward reads
+						sign := 0.0
+						for s := range q.samples {
+							a, tt := q.a[st][s][i], q.t[st][s][i]
+							g := a * (theta[i] - tt)
+							if sign == 0 {
+								sign = math.Copysign(1, g)
+							} else if math.Copysign(1, g) != sign {
+								t.Fatalf("element %d: sample gradients change sign; the bound needs one sign", i)
+							}
+							gsum += g
+							gabs += math.Abs(g)
+							esum += a*dd + 2*u32*a*(math.Abs(theta[i])+dd+math.Abs(tt)) + ud*math.Abs(g)*(1+ud)
+						}
+						S := float64(q.samples)
+						g, e := gsum/S, esum/S+float64(world+backwards+6)*(ud+u32)*gabs/S
+						rho[i] = max(rho[i], e/math.Abs(g)) + 8*u32
+						if rho[i] >= 0.5 {
+							t.Fatalf("element %d: relative gradient error bound %g; the task leaves the regime", i, rho[i])
+						}
+						u := ref.step(&theta[i], &m[i], &v[i], g, st+1)
+						dtheta[i] = dtheta[i]*(1-ref.lr*ref.wd) + ref.lr*math.Abs(u)*2*rho[i]/(1-rho[i]) + u32*(4*math.Abs(theta[i])+32*ref.lr*math.Abs(u))
+					}
+					refParams = append(refParams, slices.Clone(theta))
+					bounds = append(bounds, slices.Clone(dtheta))
+				}
+				var firstBits [][]uint32
+				for _, stage := range []int{1, 2} {
+					for v, variant := range []struct {
+						bucket  int
+						overlap bool
+					}{{512, true}, {1 << 20, false}, {512, false}} {
+						r := trainRun{stage: stage, world: world, backwards: backwards, dtype: dt, bucket: variant.bucket, overlap: variant.overlap}
+						got, final := trainEngine(t, q, r, opt)
+						for st := range steps + 1 {
+							worstParam, worstLoss := 0.0, 0.0
+							dl := 0.0
+							for i := range n {
+								allowed := bounds[st][i] + ud*(math.Abs(refParams[st][i])+bounds[st][i])
+								d := math.Abs(got[st][i] - refParams[st][i])
+								if !(d <= allowed) {
+									t.Fatalf("%+v step %d: element %d = %.9g, reference %.9g: |diff| %.3g > bound %.3g", r, st, i, got[st][i], refParams[st][i], d, allowed)
+								}
+								worstParam = max(worstParam, d/max(allowed, 1e-30))
+								sq := st
+								if sq == steps {
+									sq = steps - 1
+								}
+								for s := range q.samples {
+									a := q.a[sq][s][i]
+									dl += (a*math.Abs(refParams[st][i]-q.t[sq][s][i])*allowed + 0.5*a*allowed*allowed) / float64(q.samples)
+								}
+							}
+							sq := min(st, steps-1)
+							if d := math.Abs(q.loss(sq, got[st]) - q.loss(sq, refParams[st])); !(d <= dl+1e-12*q.loss(sq, refParams[st])) {
+								t.Fatalf("%+v step %d: loss %.9g, reference %.9g: |diff| %.3g > bound %.3g", r, st, q.loss(sq, got[st]), q.loss(sq, refParams[st]), d, dl)
+							}
+							worstLoss = max(worstLoss, dl)
+							if st == steps && v == 0 && stage == 1 {
+								t.Logf("%v W=%d G=%d: after %d steps the largest difference is %.2f of its bound", dt, world, backwards, steps, worstParam)
+							}
+						}
+						// every rank holds the same parameters, and for this W the
+						// bucket size and overlap change no bit
+						for rank := range final {
+							if !slices.Equal(final[rank], final[0]) {
+								t.Fatalf("%+v: rank %d's parameters differ from rank 0's", r, rank)
+							}
+						}
+						if firstBits == nil {
+							firstBits = final
+						} else if !slices.Equal(final[0], firstBits[0]) {
+							t.Fatalf("%+v: parameters differ in their bits from bucket 512 with overlap", r)
+						}
+					}
+					firstBits = nil // ZeRO-1 and ZeRO-2 round the same sums, but not in the same place
+				}
+			}
+		}
+	}
+}
+
+// ---- the optimizer kernels against float64 ------------------------------------
+
+// refOptStep is one step of AdamW or SGD on one element in float64, from the
+// same fp32 state, with the settings of range r (PyTorch's formulas).
+func refOptStep(adam bool, r optRange, p, m, v, vmax, g float64) (float64, float64, float64, float64) {
+	if adam {
+		p *= float64(r.decay)
+		m += float64(r.beta1c) * (g - m)
+		v = v*float64(r.beta2) + float64(r.beta2c)*g*g
+		d := v
+		if r.flags&optAMSGrad != 0 {
+			vmax = max(vmax, v)
+			d = vmax
+		}
+		p -= float64(r.step) * (m / (math.Sqrt(d)/float64(r.bc2sqrt) + float64(r.eps)))
+		return p, m, v, vmax
+	}
+	g += float64(r.decay) * p
+	if r.beta1c != 0 {
+		if r.flags&optFirst != 0 {
+			m = g
+		} else {
+			m = m*float64(r.beta1c) + float64(r.beta2)*g
+		}
+		if r.flags&optNesterov != 0 {
+			g += float64(r.beta1c) * m
+		} else {
+			g = m
+		}
+	}
+	return p - float64(r.step)*g, m, v, vmax
+}
+
+// TestOptimizerKernels: AdamW (with and without amsgrad) and SGD (plain,
+// momentum, Nesterov, weight decay) at every ISA level, five steps with a
+// learning-rate schedule, two groups with their own settings over
+// interleaved ranges and a gap no range covers, each step against float64
+// from the same fp32 state: within a few fp32 roundings of every quantity,
+// and the gap untouched.
+func TestOptimizerKernels(t *testing.T) { forEachLevel(t, testOptimizerKernels) }
+
+func testOptimizerKernels(t *testing.T) {
+	rng := testRNG(t)
+	const n = 5000
+	const u = 0x1p-24
+	groups := []struct {
+		adam bool
+		opts []Optimizer
+	}{
+		{true, []Optimizer{AdamW{LR: 1e-3, WeightDecay: 0.01}, AdamW{LR: 3e-3, Beta1: 0.8, Beta2: 0.99, AMSGrad: true}}},
+		{false, []Optimizer{SGD{LR: 0.05, Momentum: 0.9, WeightDecay: 1e-4}, SGD{LR: 0.02, Momentum: 0.9, Nesterov: true}}},
+		{false, []Optimizer{SGD{LR: 0.1}, SGD{LR: 0.05, Momentum: 0.5, Dampening: 0.3}}},
+	}
+	for _, gr := range groups {
+		p, m, v, vmax, g := make([]float32, n), make([]float32, n), make([]float32, n), make([]float32, n), make([]float32, n)
+		out := make([]uint16, n)
+		for i := range p {
+			p[i] = float32(rng.NormFloat64())
+		}
+		for step := 1; step <= 5; step++ {
+			for i := range g {
+				g[i] = float32(rng.NormFloat64() * 0.1)
+			}
+			var ranges []optRange
+			for off, k := 0, 0; off < n-100; k++ { // ranges of varied lengths, alternating groups, a gap at the end
+				c := min(1+rng.IntN(700), n-100-off)
+				r := optRange{offset: int64(off), count: int64(c)}
+				o := gr.opts[k%2]
+				switch x := o.(type) { // a schedule: the rate moves every step
+				case AdamW:
+					x.LR *= 1 + 0.1*float64(step)
+					o = x
+				case SGD:
+					x.LR *= 1 + 0.1*float64(step)
+					o = x
+				}
+				o.rangeFor(&r, step)
+				ranges = append(ranges, r)
+				off += c
+			}
+			gscale := float32(0.5)
+			p0, m0, v0, x0 := slices.Clone(p), slices.Clone(m), slices.Clone(v), slices.Clone(vmax)
+			b := optBuffers{p: sliceAddr(p), g: sliceAddr(g), m: sliceAddr(m), v: sliceAddr(v), vmax: sliceAddr(vmax), buf: sliceAddr(m), out: sliceAddr16(out), outType: BF16}
+			if gr.adam {
+				adamwHost(b, ranges, gscale, n)
+			} else {
+				sgdHost(b, ranges, gscale, n)
+			}
+			for _, r := range ranges {
+				for i := r.offset; i < r.offset+r.count; i++ {
+					gg := float64(g[i] * gscale)
+					wp, wm, wv, wx := refOptStep(gr.adam, r, float64(p0[i]), float64(m0[i]), float64(v0[i]), float64(x0[i]), gg)
+					upd := math.Abs(wp - float64(p0[i]))
+					tolP := 16 * u * (math.Abs(float64(p0[i])) + upd + float64(r.step)*math.Abs(gg))
+					tolM := 8 * u * (math.Abs(float64(m0[i])) + math.Abs(gg) + math.Abs(wm))
+					tolV := 8 * u * (float64(v0[i]) + gg*gg)
+					if d := math.Abs(float64(p[i]) - wp); !(d <= tolP) {
+						t.Fatalf("adam=%v step %d element %d: p = %.9g, float64 %.9g (|diff| %.3g > %.3g)", gr.adam, step, i, p[i], wp, d, tolP)
+					}
+					if (gr.adam || r.beta1c != 0) && !(math.Abs(float64(m[i])-wm) <= tolM) {
+						t.Fatalf("adam=%v step %d element %d: m = %.9g, float64 %.9g", gr.adam, step, i, m[i], wm)
+					}
+					if gr.adam && !(math.Abs(float64(v[i])-wv) <= tolV) {
+						t.Fatalf("step %d element %d: v = %.9g, float64 %.9g", step, i, v[i], wv)
+					}
+					if gr.adam && r.flags&optAMSGrad != 0 && !(math.Abs(float64(vmax[i])-wx) <= tolV+8*u*wx) {
+						t.Fatalf("step %d element %d: vmax = %.9g, float64 %.9g", step, i, vmax[i], wx)
+					}
+					if out[i] != bf16FromFloat(p[i]) {
+						t.Fatalf("adam=%v step %d element %d: the bf16 copy %#x is not bf16(p) %#x", gr.adam, step, i, out[i], bf16FromFloat(p[i]))
+					}
+				}
+			}
+			for i := n - 100; i < n; i++ {
+				if p[i] != p0[i] || m[i] != m0[i] || v[i] != v0[i] || out[i] != 0 && step == 1 {
+					t.Fatalf("adam=%v step %d: element %d, in no range, changed", gr.adam, step, i)
+				}
+			}
+		}
+	}
+}
+
+func sliceAddr(x []float32) uintptr  { return uintptr(unsafe.Pointer(&x[0])) }
+func sliceAddr16(x []uint16) uintptr { return uintptr(unsafe.Pointer(&x[0])) }
+
+// ---- the loss scaler ----------------------------------------------------------
+
+// TestLossScaler: DeepSpeed's dynamic loss scaler, trajectories worked out
+// by hand from its rules (window 4, hysteresis 2, min 1, initial 2^16).
+func TestLossScaler(t *testing.T) {
+	for name, tc := range map[string]struct {
+		overflow string // one letter per step: o overflow, . clean
+		want     []float64
+	}{
+		// doubles when (iter − last overflow) % window == 0, the last overflow
+		// at −1 to begin with: after steps 3 and 7
+		"clean": {"........", []float64{1 << 16, 1 << 16, 1 << 16, 1 << 17, 1 << 17, 1 << 17, 1 << 17, 1 << 18}},
+		// the first overflow spends the hysteresis, the next ones halve
+		"every step": {"oooo", []float64{1 << 16, 1 << 15, 1 << 14, 1 << 13}},
+		// hysteresis is given back when the scale doubles, a window after the
+		// last overflow: the overflow at 5 is absorbed again, the one at 8 halves
+		"some": {"o....o..o", []float64{1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 17, 1 << 17, 1 << 17, 1 << 17, 1 << 16}},
+		// without a doubling between them the second overflow halves
+		"twice": {"o...o.o.", []float64{1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 15, 1 << 15, 1 << 14, 1 << 14}},
+	} {
+		s, err := newLossScaler(LossScale{Window: 4}, FP16)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, c := range tc.overflow {
+			s.update(c == 'o')
+			if s.scale != tc.want[i] {
+				t.Fatalf("%s: after step %d (%c) the scale is %v, want %v", name, i, c, s.scale, tc.want[i])
+			}
+		}
+	}
+	s, _ := newLossScaler(LossScale{Initial: 4, Window: 1000, Hysteresis: 1}, FP16)
+	for range 5 {
+		s.update(true)
+	}
+	if s.scale != 1 {
+		t.Errorf("the scale fell to %v, below the minimum of 1", s.scale)
+	}
+	if s, _ := newLossScaler(LossScale{}, BF16); s.scale != 1 || s.dynamic {
+		t.Errorf("bf16: scale %v dynamic %v, want a static 1", s.scale, s.dynamic)
+	}
+	if s, _ := newLossScaler(LossScale{Static: 128}, FP16); s.scale != 128 || s.dynamic {
+		t.Errorf("static 128: scale %v dynamic %v", s.scale, s.dynamic)
+	}
+	if _, err := newLossScaler(LossScale{Static: -1}, FP16); err == nil {
+		t.Error("a negative static scale was accepted")
+	}
+}
+
+// engineState is everything a step may change, bit for bit.
+type engineState struct {
+	master, m, v, params []uint32
+	steps                []int
+	scale                float64
+}
+
+func snapshotState(e *Engine, params []*tbuf) engineState {
+	var st engineState
+	read := func(t Tensor) []uint32 {
+		if t.ptr == 0 {
+			return nil
+		}
+		out := make([]uint32, t.count)
+		for i, f := range t.hostFloats() {
+			out[i] = math.Float32bits(f)
+		}
+		return out
+	}
+	st.master, st.m, st.v = read(e.opt.master), read(e.opt.m), read(e.opt.v)
+	for _, p := range params {
+		for i := range p.len() {
+			st.params = append(st.params, p.bits(i))
+		}
+	}
+	st.steps = slices.Clone(e.opt.steps)
+	st.scale = e.opt.scaler.scale
+	return st
+}
+
+func (a engineState) equal(b engineState) bool {
+	return slices.Equal(a.master, b.master) && slices.Equal(a.m, b.m) && slices.Equal(a.v, b.v) &&
+		slices.Equal(a.params, b.params) && slices.Equal(a.steps, b.steps)
+}
+
+// smallModel is a model of three parameters with memory, one of them never
+// reported when skip is set, and one frozen.
+func smallModel(dt DType, value float32) ([]Param, []*tbuf) {
+	sizes := []int{300, 7, 1000, 50}
+	ps := make([]Param, len(sizes))
+	bufs := make([]*tbuf, len(sizes))
+	for i, n := range sizes {
+		bufs[i] = newTBuf(dt, n)
+		for j := range n {
+			bufs[i].set(j, value+float32(j%7)/8)
+		}
+		ps[i] = Param{Name: fmt.Sprint("p", i), Count: n, DType: dt, Data: bufs[i].t()}
+	}
+	ps[3].Frozen = true
+	return ps, bufs
+}
+
+// TestSkippedStepChangesNothing: an overflow on one rank makes every rank
+// skip; master weights, moments, step counts and parameters are bit for bit
+// as they were, the loss scale moves the same on every rank, and the window
+// is consumed: the next window steps normally.
+func TestSkippedStepChangesNothing(t *testing.T) {
+	for _, stage := range []int{1, 2} {
+		for _, dt := range []DType{FP16, BF16} {
+			comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+			errs := eachRank(2, func(rank int) error {
+				ps, bufs := smallModel(dt, 0.5)
+				e, err := New(Config{Stage: stage, BucketBytes: 512, Groups: []Optimizer{AdamW{LR: 0.01}}, LossScale: LossScale{Initial: 256}}, comms[rank], ps)
+				if err != nil {
+					return err
+				}
+				defer e.Close()
+				s := NewHostStream()
+				defer s.Close()
+				report := func(bad bool) error {
+					for p := 2; p >= 0; p-- {
+						g := newTBuf(dt, ps[p].Count)
+						for i := range g.len() {
+							g.set(i, 0.25)
+						}
+						if bad && rank == 1 && p == 2 {
+							g.set(17, float32(math.Inf(1)))
+						}
+						if _, err := e.GradReady(p, g.t(), s); err != nil {
+							return err
+						}
+					}
+					return e.EndBackward()
+				}
+				if err := report(false); err != nil { // a normal step first, so there is state
+					return err
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				before := snapshotState(e, bufs)
+				if err := report(true); err != nil {
+					return err
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				st := e.Stats()
+				if !st.Skipped {
+					return fmt.Errorf("rank %d: a step with an inf gradient on rank 1 was not skipped", rank)
+				}
+				after := snapshotState(e, bufs)
+				if !before.equal(after) {
+					return fmt.Errorf("rank %d: the skipped step changed the master, moments, steps or parameters", rank)
+				}
+				wantScale := before.scale
+				if dt == FP16 {
+					wantScale = before.scale // the first overflow spends the hysteresis
+				}
+				if after.scale != wantScale {
+					return fmt.Errorf("rank %d: loss scale %v after the skip, want %v", rank, after.scale, wantScale)
+				}
+				if err := report(false); err != nil {
+					return err
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				if e.Stats().Skipped || snapshotState(e, bufs).equal(after) {
+					return fmt.Errorf("rank %d: the window after the skip did not step", rank)
+				}
+				return nil
+			})
+			everyRankIs(t, fmt.Sprintf("stage %d %v", stage, dt), errs, nil)
+		}
+	}
+}
+
+// TestClipping: with SGD the update is linear in the gradient, so the
+// clipped step is known exactly: the mean gradient (over 2 ranks and 3
+// backwards) times 1/max(1, norm/clip), the norm over every element; a
+// non-finite norm skips the step.
+func TestClipping(t *testing.T) {
+	for _, clip := range []float64{0, 0.5, 1e6} {
+		comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+		var norms [2]float64
+		errs := eachRank(2, func(rank int) error {
+			ps, bufs := smallModel(FP32, 0)
+			e, err := New(Config{Stage: 2, BucketBytes: 1024, Clip: clip, Groups: []Optimizer{SGD{LR: 0.5}}}, comms[rank], ps)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			s := NewHostStream()
+			defer s.Close()
+			before := snapshotState(e, bufs)
+			// gradient of element j of parameter p in backward k on rank r:
+			// 0.01·(1 + j%5)·(k+1)·(r+1); mean over 6 = 0.01·(1+j%5)·2·1.5
+			exact := func(p, j int) float64 { return 0.01 * float64(1+j%5) * 2 * 1.5 }
+			sumsq := 0.0
+			for k := range 3 {
+				for p := 2; p >= 0; p-- {
+					g := make([]float32, ps[p].Count)
+					for j := range g {
+						g[j] = float32(0.01 * float64(1+j%5) * float64(k+1) * float64(rank+1))
+						if k == 0 {
+							sumsq += exact(p, j) * exact(p, j)
+						}
+					}
+					if _, err := e.GradReady(p, Float32s(g), s); err != nil {
+						return err
+					}
+				}
+				if err := e.EndBackward(); err != nil {
+					return err
+				}
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			norms[rank] = e.Stats().GradNorm
+			if math.Abs(norms[rank]-math.Sqrt(sumsq)) > 1e-5*math.Sqrt(sumsq) {
+				return fmt.Errorf("norm %v, want %v", norms[rank], math.Sqrt(sumsq))
+			}
+			coef := 1.0
+			if clip > 0 {
+				coef = max(1, math.Sqrt(sumsq)/clip)
+			}
+			off := 0
+			for p := range 3 {
+				for j := range ps[p].Count {
+					want := float64(math.Float32frombits(before.params[off+j])) - 0.5*exact(p, j)/coef
+					if got := float64(bufs[p].val(j)); math.Abs(got-want) > 1e-6*(1+math.Abs(want)) {
+						return fmt.Errorf("clip %v: param %d[%d] = %v, want %v", clip, p, j, got, want)
+					}
+				}
+				off += ps[p].Count
+			}
+			return nil
+		})
+		everyRankIs(t, fmt.Sprintf("clip %v", clip), errs, nil)
+		if norms[0] != norms[1] {
+			t.Errorf("ranks disagree on the norm: %v and %v", norms[0], norms[1])
+		}
+	}
+	// a NaN in bf16 with clipping skips, whatever KeepNonFinite says
+	comms, _ := NewLocalGroup(1)
+	ps, bufs := smallModel(BF16, 0)
+	e, err := New(Config{Stage: 2, BucketBytes: 1024, Clip: 1, KeepNonFinite: true, Groups: []Optimizer{SGD{LR: 0.5}}}, comms[0], ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	s := NewHostStream()
+	defer s.Close()
+	before := snapshotState(e, bufs)
+	for p := 2; p >= 0; p-- {
+		g := newTBuf(BF16, ps[p].Count)
+		if p == 0 {
+			g.set(3, float32(math.NaN()))
+		}
+		if _, err := e.GradReady(p, g.t(), s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := e.EndBackward(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Step(); err != nil {
+		t.Fatal(err)
+	}
+	if !e.Stats().Skipped || !snapshotState(e, bufs).equal(before) {
+		t.Errorf("a NaN gradient with clipping: skipped %v, state unchanged %v", e.Stats().Skipped, snapshotState(e, bufs).equal(before))
+	}
+}
+
+// TestUnusedAndFrozen: a parameter no rank reports in the window keeps its
+// bits and its optimizer state (no decay, no moment update, no step); a
+// frozen one has no bucket, and reporting it is refused.
+func TestUnusedAndFrozen(t *testing.T) {
+	comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+	errs := eachRank(2, func(rank int) error {
+		ps, bufs := smallModel(FP32, 1)
+		e, err := New(Config{Stage: 2, BucketBytes: 512, Groups: []Optimizer{AdamW{LR: 0.1, WeightDecay: 0.5}}}, comms[rank], ps)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		if e.Plan().ParamBucket[3] != -1 {
+			return fmt.Errorf("the frozen parameter has bucket %d", e.Plan().ParamBucket[3])
+		}
+		s := NewHostStream()
+		defer s.Close()
+		if _, err := e.GradReady(3, bufs[3].t(), s); !errors.Is(err, ErrParam) {
+			return fmt.Errorf("reporting a frozen parameter: %v, want ErrParam", err)
+		}
+		for step := range 3 {
+			for _, p := range []int{2, 0} { // parameter 1 never
+				g := make([]float32, ps[p].Count)
+				for j := range g {
+					g[j] = float32(step+1) * 0.1
+				}
+				if _, err := e.GradReady(p, Float32s(g), s); err != nil {
+					return err
+				}
+			}
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+		}
+		if e.opt.steps[1] != 0 || e.opt.steps[0] != 3 {
+			return fmt.Errorf("step counts %v, want 3 for the used parameters and 0 for the unused one", e.opt.steps)
+		}
+		for j := range ps[1].Count {
+			if bufs[1].val(j) != 1+float32(j%7)/8 {
+				return fmt.Errorf("the unused parameter changed at %d: %v", j, bufs[1].val(j))
+			}
+		}
+		for j := range ps[3].Count {
+			if bufs[3].val(j) != 1+float32(j%7)/8 {
+				return fmt.Errorf("the frozen parameter changed at %d", j)
+			}
+		}
+		rg := e.plan.shardRange(1, rank)
+		for i := rg.ShardOffset; i < rg.ShardOffset+rg.Count; i++ {
+			if e.opt.m.hostFloats()[i] != 0 || e.opt.v.hostFloats()[i] != 0 {
+				return fmt.Errorf("the unused parameter's moments changed")
+			}
+		}
+		if bufs[0].val(0) == 1 {
+			return fmt.Errorf("a used parameter did not change")
+		}
+		return nil
+	})
+	everyRankIs(t, "unused and frozen", errs, nil)
+}
