@@ -399,16 +399,23 @@ func (pl *pipeline) endBackward() {
 // reduce reduce-scatters bucket b on stream rs and accumulates this rank's
 // part into the fp32 shard: copy on the first reduction after the window
 // began, add after that.
-func (pl *pipeline) reduce(b int, rs Stream) error {
+func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 	bp, bs := &pl.plan.Buckets[b], &pl.buckets[b]
 	st := bs.stage
 	if st == nil {
-		var err error
 		if st, err = pl.stagingPool.get(pl.plan.MaxBucket()); err != nil {
 			return err
 		}
 	}
 	bs.stage = nil
+	defer func() {
+		if err != nil {
+			// What was enqueued before the failure may still use the
+			// buffers: the pool (trimmed by Close before the shard is
+			// freed) waits for it.
+			pl.stagingPool.put(st, fence(rs))
+		}
+	}()
 	if err := rs.Wait(st.free); err != nil {
 		return err
 	}

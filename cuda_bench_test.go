@@ -58,7 +58,16 @@ func BenchmarkCUDAKernelBandwidth(b *testing.B) {
 	bf := []Tensor{alloc(n, BF16), alloc(n, BF16)}
 	f32 := []Tensor{alloc(n, FP32), alloc(n, FP32)}
 	flag := alloc(1, FP32)
-	copyA, copyB := alloc(3*n, BF16), alloc(3*n, BF16) // room for the largest case's bytes
+	copyA, copyB := alloc(8*n, BF16), alloc(8*n, BF16) // room for the largest case's bytes
+	// the optimizer's shard: p, g, m, v in fp32 (f32[0], f32[1] and two more)
+	// and the bf16 copy of the parameters (bf[0])
+	m, v := alloc(n, FP32), alloc(n, FP32)
+	adamw := optTensors{p: f32[0], g: f32[1], m: m, v: v, out: bf[0]}
+	adamRange := optRange{count: int64(n)}
+	AdamW{LR: 1e-3, WeightDecay: 0.01}.withDefaults().rangeFor(&adamRange, 3)
+	sgdRange := optRange{count: int64(n)}
+	SGD{LR: 1e-2, Momentum: 0.9}.rangeFor(&sgdRange, 3)
+	var sumsq float64
 	segs := func(src Tensor, parts int) []Segment {
 		out := make([]Segment, parts)
 		per := src.count / parts
@@ -81,6 +90,15 @@ func BenchmarkCUDAKernelBandwidth(b *testing.B) {
 		{"accumulate_f32_copy", 8 * n, func() error {
 			return d.accumulate(s, f32[0], []Segment{{Src: f32[1]}}, true, 0.25, flag)
 		}},
+		// AdamW reads p, g, m, v and writes p, m, v and the bf16 copy
+		{"adamw_f32_bf16out", 30 * n, func() error {
+			return d.optimize(s, optAdamW, adamw, []optRange{adamRange}, 0.5)
+		}},
+		// SGD with momentum reads p, g, m and writes p, m and the bf16 copy
+		{"sgd_momentum_f32_bf16out", 22 * n, func() error {
+			return d.optimize(s, optSGD, optTensors{p: f32[0], g: f32[1], m: m, out: bf[0]}, []optRange{sgdRange}, 0.5)
+		}},
+		{"sumsq_f32", 4 * n, func() error { return d.sumSquares(s, f32[1], &sumsq) }},
 		{"allreduce_w2_bf16", 8 * n, func() error {
 			return d.allReduce(s, []uintptr{bf[0].ptr, bf[1].ptr}, BF16, OpSum, n)
 		}},

@@ -86,18 +86,56 @@ type trainRun struct {
 	overlap                 bool
 }
 
+// trainEnv is where trainEngine runs: the group, the streams, and the
+// parameters' and gradients' memory (the host's here, a GPU's in
+// cuda_test.go).
+type trainEnv struct {
+	group  func(world int) ([]Comm, error)
+	stream func() (Stream, error)
+	// place returns memory holding b's elements (written on s) and what
+	// frees it once the engine is done with it.
+	place func(s Stream, b *tbuf) (Tensor, func(), error)
+	// fetch brings x's elements into b, the buffer x was placed from.
+	fetch func(s Stream, x Tensor, b *tbuf) error
+}
+
+var hostTrain = trainEnv{
+	group:  func(world int) ([]Comm, error) { return NewLocalGroupTimeout(world, 20*time.Second) },
+	stream: func() (Stream, error) { return NewHostStream(), nil },
+	place:  func(_ Stream, b *tbuf) (Tensor, func(), error) { return b.t(), func() {}, nil },
+	fetch:  func(Stream, Tensor, *tbuf) error { return nil }, // b is x's memory
+}
+
 // trainEngine trains q on r.world in-process ranks and returns rank 0's
 // parameters (as float64) and losses after every step, and every rank's
 // final parameter bits.
 func trainEngine(t *testing.T, q *quadTask, r trainRun, opt AdamW) (params [][]float64, final [][]uint32) {
+	return trainEngineOn(t, hostTrain, q, r, opt)
+}
+
+func trainEngineOn(t *testing.T, env trainEnv, q *quadTask, r trainRun, opt AdamW) (params [][]float64, final [][]uint32) {
 	t.Helper()
 	steps := len(q.a)
-	comms, _ := NewLocalGroupTimeout(r.world, 20*time.Second)
+	comms, err := env.group(r.world)
+	if err != nil {
+		t.Fatal(err)
+	}
 	final = make([][]uint32, r.world)
 	params = make([][]float64, steps+1)
 	errs := eachRank(r.world, func(rank int) error {
 		defer comms[rank].Close()
+		s0, err := env.stream()
+		if err != nil {
+			return err
+		}
+		defer s0.Close()
+		s1, err := env.stream()
+		if err != nil {
+			return err
+		}
+		defer s1.Close()
 		data := make([]*tbuf, len(q.sizes))
+		mem := make([]Tensor, len(q.sizes))
 		ps := make([]Param, len(q.sizes))
 		off := 0
 		for p, n := range q.sizes {
@@ -109,8 +147,17 @@ func trainEngine(t *testing.T, q *quadTask, r trainRun, opt AdamW) (params [][]f
 				}
 				data[p].set(i, float32(x))
 			}
-			ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: r.dtype, Data: data[p].t()}
+			x, free, err := env.place(s0, data[p])
+			if err != nil {
+				return err
+			}
+			defer free()
+			mem[p] = x
+			ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: r.dtype, Data: x}
 			off += n
+		}
+		if err := s0.Sync(); err != nil {
+			return err
 		}
 		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Groups: []Optimizer{opt}}
 		e, err := New(cfg, comms[rank], ps)
@@ -118,12 +165,12 @@ func trainEngine(t *testing.T, q *quadTask, r trainRun, opt AdamW) (params [][]f
 			return err
 		}
 		defer e.Close()
-		s0, s1 := NewHostStream(), NewHostStream()
-		defer s0.Close()
-		defer s1.Close()
 		read := func() []float64 {
 			var out []float64
-			for _, b := range data {
+			for p, b := range data {
+				if err := env.fetch(s0, mem[p], b); err != nil {
+					t.Error(err)
+				}
 				for i := range b.len() {
 					out = append(out, float64(b.val(i)))
 				}
@@ -133,6 +180,7 @@ func trainEngine(t *testing.T, q *quadTask, r trainRun, opt AdamW) (params [][]f
 		if rank == 0 {
 			params[0] = read()
 		}
+		var frees []func()
 		for st := range steps {
 			for k := range r.backwards {
 				sample := k*r.world + rank
@@ -146,7 +194,13 @@ func trainEngine(t *testing.T, q *quadTask, r trainRun, opt AdamW) (params [][]f
 						d := float32(theta[j]) - float32(q.t[st][sample][j])
 						g.set(i, float32(q.a[st][sample][j])*d)
 					}
-					if _, err := e.GradReady(p, g.t(), []Stream{s0, s1}[p%2]); err != nil {
+					s := []Stream{s0, s1}[p%2]
+					x, free, err := env.place(s, g)
+					if err != nil {
+						return err
+					}
+					frees = append(frees, free)
+					if _, err := e.GradReady(p, x, s); err != nil {
 						return err
 					}
 				}
@@ -157,6 +211,10 @@ func trainEngine(t *testing.T, q *quadTask, r trainRun, opt AdamW) (params [][]f
 			if err := e.Step(); err != nil {
 				return err
 			}
+			for _, free := range frees { // Step has waited for the reductions
+				free()
+			}
+			frees = frees[:0]
 			if st := e.Stats(); st.Skipped {
 				return fmt.Errorf("step skipped: norm %g", st.GradNorm)
 			}
@@ -164,7 +222,10 @@ func trainEngine(t *testing.T, q *quadTask, r trainRun, opt AdamW) (params [][]f
 				params[st+1] = read()
 			}
 		}
-		for _, b := range data {
+		for p, b := range data {
+			if err := env.fetch(s0, mem[p], b); err != nil {
+				return err
+			}
 			for i := range b.len() {
 				final[rank] = append(final[rank], b.bits(i))
 			}
@@ -511,8 +572,21 @@ func snapshotState(e *Engine, params []*tbuf) engineState {
 }
 
 func (a engineState) equal(b engineState) bool {
-	return slices.Equal(a.master, b.master) && slices.Equal(a.m, b.m) && slices.Equal(a.v, b.v) &&
-		slices.Equal(a.params, b.params) && slices.Equal(a.steps, b.steps)
+	return a.optimizerEqual(b) && slices.Equal(a.params, b.params)
+}
+
+// optimizerEqual compares the master, moments and step counts; a buffer
+// not made yet equals one of zeros (SGD's momentum is made by the first
+// step, and the step counts say it holds nothing yet).
+func (a engineState) optimizerEqual(b engineState) bool {
+	same := func(x, y []uint32) bool {
+		if x == nil || y == nil {
+			return !slices.ContainsFunc(x, func(u uint32) bool { return u != 0 }) &&
+				!slices.ContainsFunc(y, func(u uint32) bool { return u != 0 })
+		}
+		return slices.Equal(x, y)
+	}
+	return same(a.master, b.master) && same(a.m, b.m) && same(a.v, b.v) && slices.Equal(a.steps, b.steps)
 }
 
 // smallModel is a model of three parameters with memory, one of them never
@@ -542,7 +616,7 @@ func TestSkippedStepChangesNothing(t *testing.T) {
 			comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
 			errs := eachRank(2, func(rank int) error {
 				ps, bufs := smallModel(dt, 0.5)
-				e, err := New(Config{Stage: stage, BucketBytes: 512, Groups: []Optimizer{AdamW{LR: 0.01}}, LossScale: LossScale{Initial: 256}}, comms[rank], ps)
+				e, err := New(Config{Stage: stage, BucketBytes: 512, Groups: []Optimizer{AdamW{LR: 0.01}}, LossScale: LossScale{Initial: 256, Hysteresis: 1}}, comms[rank], ps)
 				if err != nil {
 					return err
 				}
@@ -585,9 +659,9 @@ func TestSkippedStepChangesNothing(t *testing.T) {
 				if !before.equal(after) {
 					return fmt.Errorf("rank %d: the skipped step changed the master, moments, steps or parameters", rank)
 				}
-				wantScale := before.scale
+				wantScale := before.scale // bf16: no scaler
 				if dt == FP16 {
-					wantScale = before.scale // the first overflow spends the hysteresis
+					wantScale = before.scale / 2 // hysteresis 1: every overflow halves
 				}
 				if after.scale != wantScale {
 					return fmt.Errorf("rank %d: loss scale %v after the skip, want %v", rank, after.scale, wantScale)
@@ -768,4 +842,321 @@ func TestUnusedAndFrozen(t *testing.T) {
 		return nil
 	})
 	everyRankIs(t, "unused and frozen", errs, nil)
+}
+
+var errInjected = errors.New("injected device failure")
+
+// failingDevice is the host device whose n-th call (allocations and
+// kernels, counted from arm on) fails with errInjected, before it does
+// anything. It notes which call was the optimizer pass: the step's commit
+// point.
+type failingDevice struct {
+	Device
+	armed                     bool
+	calls, failAt, optimizeAt int
+	used                      []Tensor // the operands of the armed calls that ran
+}
+
+func (d *failingDevice) hit(operands ...Tensor) error {
+	if !d.armed {
+		return nil
+	}
+	d.calls++
+	if d.calls == d.failAt {
+		return errInjected
+	}
+	d.used = append(d.used, operands...)
+	return nil
+}
+
+// uses reports whether x overlaps an operand of an armed call.
+func (d *failingDevice) uses(x Tensor) bool {
+	for _, u := range d.used {
+		if u.ptr < x.ptr+uintptr(x.Bytes()) && x.ptr < u.ptr+uintptr(u.Bytes()) {
+			return true
+		}
+	}
+	return false
+}
+
+func (d *failingDevice) NewStream() (Stream, error) {
+	if err := d.hit(); err != nil {
+		return nil, err
+	}
+	return d.Device.NewStream()
+}
+
+func (d *failingDevice) Alloc(n int, dt DType) (Tensor, error) {
+	if err := d.hit(); err != nil {
+		return Tensor{}, err
+	}
+	return d.Device.Alloc(n, dt)
+}
+
+func (d *failingDevice) zero(s Stream, t Tensor) error {
+	if err := d.hit(t); err != nil {
+		return err
+	}
+	return d.Device.zero(s, t)
+}
+
+func (d *failingDevice) copy(s Stream, dst, src Tensor) error {
+	if err := d.hit(dst, src); err != nil {
+		return err
+	}
+	return d.Device.copy(s, dst, src)
+}
+
+func (d *failingDevice) flatten(s Stream, dst Tensor, segs []Segment, scale float32) error {
+	if err := d.hit(dst); err != nil {
+		return err
+	}
+	return d.Device.flatten(s, dst, segs, scale)
+}
+
+func (d *failingDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool, scale float32, flag Tensor) error {
+	if err := d.hit(acc); err != nil {
+		return err
+	}
+	return d.Device.accumulate(s, acc, segs, first, scale, flag)
+}
+
+func (d *failingDevice) cast(s Stream, dst, src Tensor, scale float32) error {
+	if err := d.hit(dst, src); err != nil {
+		return err
+	}
+	return d.Device.cast(s, dst, src, scale)
+}
+
+func (d *failingDevice) copyScaled(s Stream, dst, src Tensor, scale float32) error {
+	if err := d.hit(dst, src); err != nil {
+		return err
+	}
+	return d.Device.copyScaled(s, dst, src, scale)
+}
+
+func (d *failingDevice) sumSquares(s Stream, x Tensor, out *float64) error {
+	if err := d.hit(x); err != nil {
+		return err
+	}
+	return d.Device.sumSquares(s, x, out)
+}
+
+func (d *failingDevice) optimize(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32) error {
+	if err := d.hit(b.p, b.g, b.m, b.v, b.vmax, b.out); err != nil {
+		return err
+	}
+	if d.armed {
+		d.optimizeAt = d.calls
+	}
+	return d.Device.optimize(s, kind, b, ranges, gscale)
+}
+
+func (d *failingDevice) unflatten(s Stream, flat Tensor, segs []Segment) error {
+	if err := d.hit(flat); err != nil {
+		return err
+	}
+	return d.Device.unflatten(s, flat, segs)
+}
+
+// failureRun trains smallModel on two ranks for steps steps, the last one
+// on a device armed to fail its failAt-th call (0: never), and returns each
+// rank's error from that step, the state before and after it, the device
+// and the bucket of every parameter element.
+type failureRun struct {
+	errs          []error
+	before, after [2]engineState
+	devs          [2]*failingDevice
+	elemBucket    []int
+	next          [2]error // a Step after the failure
+	leaked        [2]int   // bytes still allocated after Close
+}
+
+func runFailure(stage int, dt DType, opt Optimizer, steps, failAt int) failureRun {
+	var r failureRun
+	comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+	r.errs = eachRank(2, func(rank int) error {
+		counting := newCountingDevice()
+		defer func() { r.leaked[rank] = counting.liveBytes(); counting.release() }()
+		dev := &failingDevice{Device: counting, failAt: failAt}
+		r.devs[rank] = dev
+		ps, bufs := smallModel(dt, 0.5)
+		// a window of 1: every clean step doubles the fp16 loss scale
+		e, err := New(Config{Stage: stage, BucketBytes: 512, Groups: []Optimizer{opt}, LossScale: LossScale{Window: 1}}, onDevice{comms[rank], dev}, ps)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		if rank == 0 {
+			for p := range 3 {
+				for range ps[p].Count {
+					r.elemBucket = append(r.elemBucket, e.plan.ParamBucket[p])
+				}
+			}
+		}
+		s := NewHostStream()
+		defer s.Close()
+		for step := range steps {
+			for p := 2; p >= 0; p-- {
+				g := newTBuf(dt, ps[p].Count)
+				for j := range g.len() {
+					g.set(j, float32(j%11-5)*float32(step+1+rank)/16)
+				}
+				if _, err := e.GradReady(p, g.t(), s); err != nil {
+					return err
+				}
+			}
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+			if step == steps-1 {
+				r.before[rank] = snapshotState(e, bufs)
+				dev.armed = true
+			}
+			err := e.Step()
+			if step == steps-1 {
+				dev.armed = false
+				r.after[rank] = snapshotState(e, bufs)
+				if err != nil {
+					r.next[rank] = e.Step()
+				}
+			}
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	return r
+}
+
+// TestFailedStepChangesNothing: a device that fails its n-th call during
+// Step, for every n, makes Step return that error on every rank. Up to the
+// commit point (the optimizer pass enqueued) the master, moments, step
+// counts, loss scale and parameters are bit for bit as before the step.
+// Past it the master and moments hold the step, exactly as a step without
+// a failure leaves them, and each bucket's parameters are either all old
+// or all new. Either way the engine refuses to go on.
+func TestFailedStepChangesNothing(t *testing.T) {
+	for _, stage := range []int{1, 2} {
+		// SGD's momentum buffer is made by the first step, AdamW's moments by New
+		for _, tc := range []struct {
+			dt    DType
+			opt   Optimizer
+			steps int
+		}{{FP32, SGD{LR: 0.1, Momentum: 0.9}, 1}, {FP16, AdamW{LR: 0.01, WeightDecay: 0.1}, 2}} {
+			ref := runFailure(stage, tc.dt, tc.opt, tc.steps, 0)
+			everyRankIs(t, "reference", ref.errs, nil)
+			calls, commit := ref.devs[0].calls, ref.devs[0].optimizeAt
+			if commit == 0 {
+				t.Fatalf("stage %d %T: the optimizer pass never ran", stage, tc.opt)
+			}
+			for n := 1; n <= calls; n++ {
+				where := fmt.Sprintf("stage %d %v %T: failing call %d of %d (commit at %d)", stage, tc.dt, tc.opt, n, calls, commit)
+				r := runFailure(stage, tc.dt, tc.opt, tc.steps, n)
+				for rank := range 2 {
+					if !errors.Is(r.errs[rank], errInjected) {
+						t.Fatalf("%s: rank %d: Step returned %v, want the injected error", where, rank, r.errs[rank])
+					}
+					if r.leaked[rank] != 0 {
+						t.Errorf("%s: rank %d: Close left %d bytes allocated", where, rank, r.leaked[rank])
+					}
+					if !errors.Is(r.next[rank], ErrCollective) {
+						t.Errorf("%s: rank %d: the Step after the failure returned %v, want ErrCollective", where, rank, r.next[rank])
+					}
+					before, after, want := r.before[rank], r.after[rank], ref.after[rank]
+					if n <= commit {
+						if !after.equal(before) || after.scale != before.scale {
+							t.Errorf("%s: rank %d: the failed step changed the state", where, rank)
+						}
+						continue
+					}
+					if !after.optimizerEqual(want) {
+						t.Errorf("%s: rank %d: past the commit point the optimizer state is not the step's", where, rank)
+					}
+					old := map[int]bool{}
+					for i, b := range ref.elemBucket {
+						switch {
+						case after.params[i] == before.params[i] && after.params[i] == want.params[i]:
+						case after.params[i] == before.params[i]:
+							old[b] = true
+						case after.params[i] == want.params[i]:
+							if old[b] {
+								t.Errorf("%s: rank %d: bucket %d holds old and new parameters", where, rank, b)
+							}
+						default:
+							t.Fatalf("%s: rank %d: parameter element %d is neither old nor new", where, rank, i)
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// leavingComm counts its all-reduces from arm on; at the leaveAt-th it
+// closes the communicator instead (the rank leaves the group).
+type leavingComm struct {
+	Comm
+	armed          bool
+	calls, leaveAt int
+}
+
+func (c *leavingComm) AllReduce(s Stream, t Tensor, op ReduceOp) error {
+	if c.armed {
+		c.calls++
+		if c.calls == c.leaveAt {
+			c.Comm.Close()
+			return errorf(ErrPeerFailed, "the test made this rank leave")
+		}
+	}
+	return c.Comm.AllReduce(s, t, op)
+}
+
+// TestPeerLeavesDuringTheNorm: rank 1 leaves at the norm's all-reduce (the
+// step's second, after the window's); rank 0's Step fails with
+// ErrPeerFailed from that all-reduce, its state bit for bit as before.
+func TestPeerLeavesDuringTheNorm(t *testing.T) {
+	for _, stage := range []int{1, 2} {
+		comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+		var before, after [2]engineState
+		var calls [2]int
+		errs := eachRank(2, func(rank int) error {
+			c := &leavingComm{Comm: comms[rank]}
+			if rank == 1 {
+				c.leaveAt = 2
+			}
+			ps, bufs := smallModel(FP32, 0.5)
+			e, err := New(Config{Stage: stage, BucketBytes: 512, Groups: []Optimizer{AdamW{LR: 0.01}}}, c, ps)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			s := NewHostStream()
+			defer s.Close()
+			for p := 2; p >= 0; p-- {
+				if _, err := e.GradReady(p, constGrads(ps, 0.5)[p], s); err != nil {
+					return err
+				}
+			}
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+			before[rank] = snapshotState(e, bufs)
+			c.armed = true
+			err = e.Step()
+			c.armed = false
+			calls[rank] = c.calls
+			after[rank] = snapshotState(e, bufs)
+			return err
+		})
+		if !errors.Is(errs[0], ErrPeerFailed) || calls[0] != 2 {
+			t.Errorf("stage %d: rank 0's Step returned %v in all-reduce %d, want ErrPeerFailed in the second", stage, errs[0], calls[0])
+		}
+		for rank := range 2 {
+			if !after[rank].equal(before[rank]) || after[rank].scale != before[rank].scale {
+				t.Errorf("stage %d: rank %d: the failed step changed the state", stage, rank)
+			}
+		}
+	}
 }

@@ -798,3 +798,67 @@ func TestAbortedReductionFailsStep(t *testing.T) {
 		}
 	}
 }
+
+// TestCloseAfterAFailedReduction: a reduction that fails part-way on the
+// framework's stream (no overlap), at every device call it makes, leaves
+// work queued there that uses the engine's buffers; Close waits for that
+// work before freeing them, and frees everything.
+func TestCloseAfterAFailedReduction(t *testing.T) {
+	params := []Param{{Count: 100, DType: FP32}, {Count: 100, DType: FP32}, {Count: 1000, DType: FP32}}
+	calls := -1 // the reference run counts the calls
+	for n := 0; n <= calls || calls < 0; n++ {
+		counting := newCountingDevice()
+		dev := &failingDevice{Device: counting, failAt: n}
+		comms, _ := NewLocalGroup(1)
+		e, err := New(Config{Stage: 2, BucketBytes: 1024}, onDevice{comms[0], dev}, params)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, open := gateStream()
+		base, err := s.Record()
+		if err != nil {
+			t.Fatal(err)
+		}
+		dev.armed = true
+		_, err = e.GradReady(2, constGrads(params, 1)[2], s) // fills bucket 0: its reduction runs on s
+		dev.armed = false
+		if n == 0 {
+			calls = dev.calls
+			if err != nil {
+				t.Fatal(err)
+			}
+		} else if !errors.Is(err, errInjected) {
+			t.Fatalf("call %d of %d failing: GradReady returned %v", n, calls, err)
+		}
+		pending, err := s.Record()
+		if err != nil {
+			t.Fatal(err)
+		}
+		// only what the engine enqueued (between the two records) counts
+		enqueued := pending.(*hostEvent).seq > base.(*hostEvent).seq+1
+		var early atomic.Bool
+		counting.onFree = func(x Tensor) {
+			if enqueued && dev.uses(x) && !pending.Done() {
+				early.Store(true)
+			}
+		}
+		closed := make(chan error)
+		frees := counting.frees.Load()
+		go func() { closed <- e.Close() }()
+		// Open the gate once Close waits for the gated work, or once it has
+		// freed something without waiting.
+		for !s.waitedOn() && counting.frees.Load() == frees {
+			time.Sleep(50 * time.Microsecond)
+		}
+		open()
+		<-closed
+		if early.Load() {
+			t.Errorf("call %d of %d failing: Close freed a buffer before the work queued on the stream had run", n, calls)
+		}
+		if b := counting.liveBytes(); b != 0 {
+			t.Errorf("call %d of %d failing: %d bytes still allocated after Close", n, calls, b)
+		}
+		s.Close()
+		counting.release()
+	}
+}

@@ -344,3 +344,15 @@ func (e *hostEvent) elapsedSince(start Event) (time.Duration, error) {
 	}
 	return e.at.Sub(se.at), nil
 }
+
+// fence returns an event after the work enqueued on s so far, for buffers
+// that a failed operation leaves in use; where s cannot record one it
+// waits for s instead and returns nil.
+func fence(s Stream) Event {
+	ev, err := s.Record()
+	if err != nil {
+		s.Sync() // its error went to the caller that failed
+		return nil
+	}
+	return ev
+}

@@ -342,11 +342,25 @@ func (e *Engine) usable(op string) error {
 	return nil
 }
 
+// fail makes the engine refuse every later call with err. It waits for the
+// engine's own streams, so no work of the failed call still writes the
+// caller's memory once it returns.
 func (e *Engine) fail(err error) error {
 	if e.failed == nil {
 		e.failed = err
+		e.drain()
 	}
 	return err
+}
+
+// drain waits for the work on the engine's streams; their errors went to
+// the call that enqueued it.
+func (e *Engine) drain() {
+	for _, s := range []Stream{e.reduceStream, e.gatherStream, e.copyStream} {
+		if s != nil {
+			s.Sync()
+		}
+	}
 }
 
 // SetBoundary(true) before the last backward of a step lets its deferred
@@ -769,6 +783,7 @@ func (e *Engine) Close() error {
 		return nil
 	}
 	e.closed = true
+	e.drain()
 	var errs []error
 	if e.pl != nil {
 		errs = append(errs, e.pl.close())

@@ -914,6 +914,13 @@ func gateStream() (s *HostStream, open func()) {
 	return s, func() { once.Do(func() { close(gate) }) }
 }
 
+// waitedOn reports whether a Sync waits on s's work now.
+func (s *HostStream) waitedOn() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.syncers > 0
+}
+
 // TestReductionsOfABucketInOrder: two backwards report one bucket from two
 // streams, the first while its stream is still held by earlier work. The
 // second reduction (add) must not run before the first (copy), whatever
