@@ -3,6 +3,7 @@ package zero
 import (
 	"errors"
 	"math"
+	"time"
 )
 
 // Optimizer is the optimizer of a parameter group: AdamW or SGD, with
@@ -293,6 +294,8 @@ type stepResult struct {
 	skipped bool
 	norm    float64
 	scale   float64
+	// device time of the optimizer pass and of the parameters' all-gather
+	optimizeTime, gatherTime time.Duration
 }
 
 // initOptimizer allocates the optimizer's shards and fills the master shard
@@ -481,6 +484,10 @@ func (e *Engine) optimizerStep(readScale float32, used []bool) (stepResult, erro
 		return res, err
 	}
 	b := optTensors{p: o.master, g: e.pl.shard, m: o.m, v: o.v, vmax: o.vmax, out: o.model}
+	t0, err := s.Record()
+	if err != nil {
+		return res, err
+	}
 	if err := e.dev.optimize(s, o.kind, b, o.ranges, gscale); err != nil {
 		return res, err
 	}
@@ -491,7 +498,24 @@ func (e *Engine) optimizerStep(readScale float32, used []bool) (stepResult, erro
 		}
 	}
 	o.scaler.update(false)
-	return res, e.gatherParams(used)
+	t1, err := s.Record()
+	if err == nil {
+		err = e.gatherParams(used)
+	}
+	var t2 Event
+	if err == nil {
+		t2, err = s.Record()
+	}
+	if err == nil {
+		err = t2.Sync()
+	}
+	if err == nil {
+		res.optimizeTime, err = Elapsed(t0, t1)
+	}
+	if err == nil {
+		res.gatherTime, err = Elapsed(t1, t2)
+	}
+	return res, err
 }
 
 // gatherParams all-gathers each bucket that holds a used parameter from the

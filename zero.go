@@ -572,6 +572,8 @@ func (e *Engine) Step() error {
 		Skipped:           res.skipped,
 		GradNorm:          res.norm,
 		LossScale:         res.scale,
+		OptimizerTime:     res.optimizeTime,
+		ParamGatherTime:   res.gatherTime,
 	}
 	if e.opt != nil {
 		e.stats.OptimizerBytes = e.opt.mem.cur
@@ -669,6 +671,11 @@ type Stats struct {
 	// OptimizerBytes is the optimizer's memory on this rank: the fp32
 	// master shard, the moments and the model-dtype shard.
 	OptimizerBytes int64
+	// OptimizerTime is the device time of the fused optimizer pass, and
+	// ParamGatherTime that of the all-gather of the new parameters into
+	// their memory (zero when the step skipped).
+	OptimizerTime   time.Duration
+	ParamGatherTime time.Duration // see OptimizerTime
 }
 
 // Stats returns the stats of the last Step.

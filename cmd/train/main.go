@@ -1,0 +1,435 @@
+// Command train trains a small MLP on a synthetic regression task across W
+// in-process ranks with zero: forward and backward written by hand, each
+// layer's gradients handed to the engine as backward produces them, on two
+// streams, and the sharded AdamW step updating the parameters in place. It
+// prints the loss per step.
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"math/rand"
+	"os"
+	"sync"
+	"time"
+
+	"zero"
+)
+
+func main() {
+	c := defaultConfig()
+	flag.IntVar(&c.world, "world", c.world, "ranks in the in-process group")
+	flag.IntVar(&c.stage, "stage", c.stage, "ZeRO stage (1 or 2)")
+	flag.IntVar(&c.steps, "steps", c.steps, "optimizer steps")
+	flag.IntVar(&c.batch, "batch", c.batch, "global batch (samples per step, over every rank)")
+	flag.IntVar(&c.accum, "accum", c.accum, "backwards per step (micro-batches per rank)")
+	flag.IntVar(&c.in, "in", c.in, "inputs per sample")
+	flag.IntVar(&c.hidden, "hidden", c.hidden, "hidden units")
+	flag.Float64Var(&c.lr, "lr", c.lr, "AdamW learning rate")
+	flag.Float64Var(&c.weightDecay, "wd", c.weightDecay, "AdamW weight decay of the weights (biases get none)")
+	bf16 := flag.Bool("bf16", false, "bf16 parameters and gradients (fp32 master and moments)")
+	flag.Int64Var(&c.seed, "seed", c.seed, "seed of the data and the initial parameters")
+	flag.Parse()
+	if *bf16 {
+		c.dtype = zero.BF16
+	}
+	if _, err := run(os.Stdout, c); err != nil {
+		fmt.Fprintln(os.Stderr, "train:", err)
+		os.Exit(1)
+	}
+}
+
+// config is one training run.
+type config struct {
+	world, stage, steps, batch, accum int
+	in, hidden                        int
+	lr, weightDecay                   float64
+	dtype                             zero.DType
+	bucketBytes                       int
+	seed                              int64
+}
+
+func defaultConfig() config {
+	return config{world: 2, stage: 2, steps: 10, batch: 24, accum: 1, in: 4, hidden: 16,
+		lr: 0.01, weightDecay: 0.01, dtype: zero.FP32, bucketBytes: 256, seed: 1}
+}
+
+func (c config) check() error {
+	if c.world < 1 || c.accum < 1 || c.steps < 1 || c.in < 1 || c.hidden < 1 {
+		return errors.New("world, accum, steps, in and hidden must be at least 1")
+	}
+	if c.batch%(c.world*c.accum) != 0 {
+		return fmt.Errorf("batch %d does not split into %d ranks × %d micro-batches; use a multiple of %d", c.batch, c.world, c.accum, c.world*c.accum)
+	}
+	return nil
+}
+
+// ---- the model ----------------------------------------------------------------
+
+// mlp is ŷ = W2·σ(W1·x + b1) + b2 with one output and the logistic σ; its
+// tensors, in registration order, are W1 (hidden×in), b1, W2 and b2.
+type mlp struct{ in, hidden int }
+
+func (m mlp) sizes() []int { return []int{m.hidden * m.in, m.hidden, m.hidden, 1} }
+
+// names and groups of the tensors: the weights decay (group 0), the biases
+// do not (group 1), the usual split.
+var tensorNames = []string{"W1", "b1", "W2", "b2"}
+var tensorGroups = []int{0, 1, 0, 1}
+
+// initial draws the parameters: W2 positive, so that with positive inputs
+// and targets above every output the start can reach, each gradient element
+// keeps its sign over the run (the regime of the test's error bound).
+func (m mlp) initial(rng *rand.Rand) [][]float64 {
+	th := make([][]float64, 4)
+	for i, n := range m.sizes() {
+		th[i] = make([]float64, n)
+	}
+	for i := range th[0] {
+		th[0][i] = rng.Float64() - 0.5
+	}
+	for i := range th[2] {
+		th[2][i] = 0.1 + 0.5*rng.Float64()
+	}
+	return th
+}
+
+// forward returns the hidden activations and the output for x.
+func (m mlp) forward(th [][]float64, x []float64) (h []float64, y float64) {
+	h = make([]float64, m.hidden)
+	y = th[3][0]
+	for j := range h {
+		z := th[1][j]
+		for k, xk := range x {
+			z += th[0][j*m.in+k] * xk
+		}
+		h[j] = 1 / (1 + math.Exp(-z))
+		y += th[2][j] * h[j]
+	}
+	return h, y
+}
+
+// batchState is a micro-batch after forward: inputs, activations and the
+// loss's derivative by the output, per sample.
+type batchState struct {
+	x, h [][]float64
+	d    []float64
+}
+
+// forwardBatch runs forward on samples and returns the state backward needs
+// and the mean loss ½(ŷ − y)².
+func (m mlp) forwardBatch(th [][]float64, xs [][]float64, ys []float64) (batchState, float64) {
+	b := batchState{x: xs, h: make([][]float64, len(xs)), d: make([]float64, len(xs))}
+	loss := 0.0
+	for s, x := range xs {
+		var y float64
+		b.h[s], y = m.forward(th, x)
+		b.d[s] = y - ys[s]
+		loss += 0.5 * b.d[s] * b.d[s]
+	}
+	return b, loss / float64(len(xs))
+}
+
+// backwardOutput is the output layer's part of backward: the mean gradients
+// of W2 and b2.
+func (m mlp) backwardOutput(b batchState, gW2, gb2 []float64) {
+	clear(gW2)
+	gb2[0] = 0
+	for s, d := range b.d {
+		for j, hj := range b.h[s] {
+			gW2[j] += d * hj
+		}
+		gb2[0] += d
+	}
+	scaleBy(gW2, 1/float64(len(b.d)))
+	gb2[0] /= float64(len(b.d))
+}
+
+// backwardHidden is the hidden layer's part: the mean gradients of W1 and
+// b1, through W2 as forward read it.
+func (m mlp) backwardHidden(th [][]float64, b batchState, gW1, gb1 []float64) {
+	clear(gW1)
+	clear(gb1)
+	for s, d := range b.d {
+		for j, hj := range b.h[s] {
+			dz := d * th[2][j] * hj * (1 - hj)
+			gb1[j] += dz
+			for k, xk := range b.x[s] {
+				gW1[j*m.in+k] += dz * xk
+			}
+		}
+	}
+	scaleBy(gW1, 1/float64(len(b.d)))
+	scaleBy(gb1, 1/float64(len(b.d)))
+}
+
+func scaleBy(x []float64, f float64) {
+	for i := range x {
+		x[i] *= f
+	}
+}
+
+// ---- the data -------------------------------------------------------------------
+
+// dataset is steps × batch samples: inputs in [0.5, 1.5) and targets
+// 20 + 3·sin(Σx), far above what the start can output.
+type dataset struct {
+	x [][][]float64 // [step][sample][input]
+	y [][]float64   // [step][sample]
+}
+
+func makeData(c config) dataset {
+	rng := rand.New(rand.NewSource(c.seed))
+	var d dataset
+	for range c.steps {
+		xs, ys := make([][]float64, c.batch), make([]float64, c.batch)
+		for s := range xs {
+			xs[s] = make([]float64, c.in)
+			sum := 0.0
+			for k := range xs[s] {
+				xs[s][k] = 0.5 + rng.Float64()
+				sum += xs[s][k]
+			}
+			ys[s] = 20 + 3*math.Sin(sum)
+		}
+		d.x, d.y = append(d.x, xs), append(d.y, ys)
+	}
+	return d
+}
+
+// microBatch is the samples of rank r's k-th micro-batch: the global batch
+// split into ranks, each rank's part into micro-batches.
+func (c config) microBatch(r, k int) (from, to int) {
+	per := c.batch / c.world / c.accum
+	from = (r*c.accum + k) * per
+	return from, from + per
+}
+
+// ---- training -------------------------------------------------------------------
+
+// result is what a run returns: rank 0's parameters before the first step
+// and after each (as float64), the mean loss of each step's global batch
+// (at the parameters before it), and each step's stats on rank 0.
+type result struct {
+	params [][][]float64
+	loss   []float64
+	stats  []zero.Stats
+	wall   []time.Duration
+}
+
+// run trains c.steps steps on c.world in-process ranks and prints the loss
+// per step to out (nil: prints nothing).
+func run(out io.Writer, c config) (result, error) {
+	if err := c.check(); err != nil {
+		return result{}, err
+	}
+	comms, err := zero.NewLocalGroupTimeout(c.world, time.Minute)
+	if err != nil {
+		return result{}, err
+	}
+	data := makeData(c)
+	if out != nil {
+		fmt.Fprintf(out, "MLP %d→%d→1 on %d ranks, ZeRO-%d, AdamW lr %g, global batch %d in %d backward(s) per step\n",
+			c.in, c.hidden, c.world, c.stage, c.lr, c.batch, c.accum)
+	}
+	var res result
+	errs := make([]error, c.world)
+	var wg sync.WaitGroup
+	for r := range c.world {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer comms[r].Close()
+			var rec *result
+			if r == 0 {
+				rec = &res
+			}
+			errs[r] = trainRank(c, comms[r], data, rec)
+			if errs[r] != nil {
+				comms[r].Close() // the peers' collectives fail instead of waiting
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return res, err
+	}
+	if out != nil {
+		for st, l := range res.loss {
+			fmt.Fprintf(out, "step %2d  loss %.4f\n", st+1, l)
+		}
+	}
+	return res, nil
+}
+
+// tensorMem is one parameter's or gradient's memory in the model dtype.
+type tensorMem struct {
+	f32 []float32
+	h   []uint16
+	dt  zero.DType
+}
+
+func newTensorMem(n int, dt zero.DType) *tensorMem {
+	if dt == zero.FP32 {
+		return &tensorMem{f32: make([]float32, n), dt: dt}
+	}
+	return &tensorMem{h: make([]uint16, n), dt: dt}
+}
+
+func (t *tensorMem) tensor() zero.Tensor {
+	if t.dt == zero.FP32 {
+		return zero.Float32s(t.f32)
+	}
+	return zero.Halfs(t.h, t.dt)
+}
+
+func (t *tensorMem) set(x []float64) {
+	for i, v := range x {
+		if t.dt == zero.FP32 {
+			t.f32[i] = float32(v)
+		} else {
+			t.h[i] = bf16(float32(v))
+		}
+	}
+}
+
+func (t *tensorMem) get(x []float64) {
+	for i := range x {
+		if t.dt == zero.FP32 {
+			x[i] = float64(t.f32[i])
+		} else {
+			x[i] = float64(math.Float32frombits(uint32(t.h[i]) << 16))
+		}
+	}
+}
+
+// bf16 rounds to the nearest bfloat16, ties to even (inputs are finite).
+func bf16(f float32) uint16 {
+	u := math.Float32bits(f)
+	return uint16((u + 0x7fff + (u>>16)&1) >> 16)
+}
+
+// trainRank is one rank's training loop. rec, on rank 0, records the run.
+func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
+	m := mlp{c.in, c.hidden}
+	// Each rank draws its own start; the broadcast at New makes rank 0's win.
+	theta := m.initial(rand.New(rand.NewSource(c.seed + 1 + int64(comm.Rank()))))
+	params := make([]zero.Param, 4)
+	mem, grads := make([]*tensorMem, 4), make([]*tensorMem, 4)
+	for p, n := range m.sizes() {
+		mem[p], grads[p] = newTensorMem(n, c.dtype), newTensorMem(n, c.dtype)
+		mem[p].set(theta[p])
+		params[p] = zero.Param{Name: tensorNames[p], Count: n, DType: c.dtype, Data: mem[p].tensor(), Group: tensorGroups[p]}
+	}
+	e, err := zero.New(zero.Config{
+		Stage:       c.stage,
+		BucketBytes: c.bucketBytes,
+		Align:       1, // a tiny model: let every bucket split over the ranks
+		Groups: []zero.Optimizer{
+			zero.AdamW{LR: c.lr, WeightDecay: c.weightDecay},
+			zero.AdamW{LR: c.lr},
+		},
+	}, comm, params)
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	// Backward runs the output layer's part on one stream and the hidden
+	// layer's on another, as a framework's autograd may.
+	outStream, hiddenStream := zero.NewHostStream(), zero.NewHostStream()
+	defer outStream.Close()
+	defer hiddenStream.Close()
+	read := func() {
+		for p := range theta {
+			mem[p].get(theta[p])
+		}
+	}
+	record := func() {
+		snap := make([][]float64, 4)
+		for p := range theta {
+			snap[p] = append([]float64(nil), theta[p]...)
+		}
+		rec.params = append(rec.params, snap)
+	}
+	read() // rank 0's values, after the broadcast
+	if rec != nil {
+		record()
+	}
+	g64 := make([][]float64, 4)
+	for p, n := range m.sizes() {
+		g64[p] = make([]float64, n)
+	}
+	lossBuf := make([]float32, 1)
+	for st := range c.steps {
+		t0 := time.Now()
+		loss := 0.0
+		var reused [4]zero.Event // when the engine is done with each gradient buffer
+		for k := range c.accum {
+			from, to := c.microBatch(comm.Rank(), k)
+			b, l := m.forwardBatch(theta, data.x[st][from:to], data.y[st][from:to])
+			loss += l / float64(c.accum)
+			// report computes layers' gradients on s, after the engine's
+			// reads of the previous micro-batch's, and hands them over.
+			report := func(s *zero.HostStream, compute func(), ps ...int) error {
+				for _, p := range ps {
+					if reused[p] != nil {
+						if err := s.Wait(reused[p]); err != nil {
+							return err
+						}
+					}
+				}
+				if err := s.Launch(func() error {
+					compute()
+					for _, p := range ps {
+						grads[p].set(g64[p])
+					}
+					return nil
+				}); err != nil {
+					return err
+				}
+				for _, p := range ps {
+					if reused[p], err = e.GradReady(p, grads[p].tensor(), s); err != nil {
+						return err
+					}
+				}
+				return nil
+			}
+			if err := report(outStream, func() { m.backwardOutput(b, g64[2], g64[3]) }, 3, 2); err != nil {
+				return err
+			}
+			if err := report(hiddenStream, func() { m.backwardHidden(theta, b, g64[0], g64[1]) }, 1, 0); err != nil {
+				return err
+			}
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+		}
+		if err := e.Step(); err != nil {
+			return err
+		}
+		stats := e.Stats()
+		if stats.Skipped {
+			return fmt.Errorf("step %d skipped: gradient norm %g", st+1, stats.GradNorm)
+		}
+		wall := time.Since(t0)
+		// the global batch's mean loss: the mean of the ranks' means
+		lossBuf[0] = float32(loss)
+		if err := comm.AllReduce(outStream, zero.Float32s(lossBuf), zero.OpAvg); err != nil {
+			return err
+		}
+		if err := outStream.Sync(); err != nil {
+			return err
+		}
+		read()
+		if rec != nil {
+			record()
+			rec.loss = append(rec.loss, float64(lossBuf[0]))
+			rec.stats = append(rec.stats, stats)
+			rec.wall = append(rec.wall, wall)
+		}
+	}
+	return nil
+}
