@@ -371,3 +371,44 @@ func BenchmarkKernelFusedFlatten(b *testing.B) {
 		runtime.KeepAlive([]any{src, dst, tmp1, tmp2})
 	})
 }
+
+// optBenchElems is the shard of the optimizer benchmark: 64 Mi elements
+// (1 GiB of fp32 state: p, g, m, v).
+const optBenchElems = 64 << 20
+
+// The fused AdamW step over a 64 Mi-element shard, with the bf16 copy of
+// the new parameters: reads p, g, m, v and writes p, m, v (4 B each) and
+// the copy (2 B), 30 B per element, beside a loop that moves the same bytes
+// in place (yardOptPass).
+func BenchmarkKernelAdamW(b *testing.B) {
+	// p, g, m, v in one allocation, staggered by 4 KiB + 64 B: the
+	// yardstick's interleaved streams would otherwise share their page
+	// offsets (4K aliasing) and run at a tenth of the bandwidth.
+	const stagger = 1040
+	all := make([]float32, 4*(optBenchElems+stagger))
+	state := make([][]float32, 4)
+	for k := range state {
+		state[k] = all[k*(optBenchElems+stagger):][:optBenchElems]
+		rng := rand.New(rand.NewPCG(uint64(k), 3))
+		for i := range state[k] {
+			state[k][i] = float32(rng.NormFloat64() * 0.1)
+		}
+	}
+	for i := range state[3] {
+		state[3][i] *= state[3][i] // v ≥ 0
+	}
+	out := make([]uint16, optBenchElems)
+	r := optRange{count: optBenchElems}
+	AdamW{LR: 1e-3, WeightDecay: 0.01}.withDefaults().rangeFor(&r, 3)
+	bufs := optBuffers{p: addrF32(state[0]), g: addrF32(state[1]), m: addrF32(state[2]), v: addrF32(state[3]),
+		buf: addrF32(state[2]), out: addrU16(out), outType: BF16}
+	benchLevels(b, func(b *testing.B) {
+		vsYardstick(b, 30*optBenchElems,
+			func() { adamwHost(bufs, []optRange{r}, 0.5, optBenchElems) },
+			func() {
+				parallelRange(optBenchElems, func(lo, hi int) {
+					yardstick(yardOptPass, bufs.out, bufs.p, bufs.g, bufs.m, bufs.v, lo, hi)
+				})
+			}, all, out)
+	})
+}

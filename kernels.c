@@ -488,6 +488,17 @@ ZK_YARD void zero_yard_inc32(float* restrict x, int64_t lo, int64_t hi) {
 	for (int64_t i = lo; i < hi; i++) x[i] += 1.0f;
 }
 
+ZK_YARD void zero_yard_optpass(uint16_t* restrict out, float* restrict p, const float* restrict g, float* restrict m,
+                               float* restrict v, int64_t lo, int64_t hi) {
+	for (int64_t i = lo; i < hi; i++) {
+		float x = p[i] + g[i];
+		p[i] = x;
+		m[i] += g[i];
+		v[i] += g[i];
+		out[i] = (uint16_t)(zero_f2u(x) >> 16);
+	}
+}
+
 ZK_YARD void zero_yard_allsum4_32(float* restrict a, float* restrict b, float* restrict c, float* restrict d, int64_t lo,
                           int64_t hi) {
 	for (int64_t i = lo; i < hi; i++) {
@@ -798,6 +809,26 @@ ZK_TARGET static void ZK_FN(zk_allreduce)(const uintptr_t* bufs, int n, int dtyp
 
 /* ---- optimizers: one fused pass per range -------------------------------------- */
 
+#ifndef ZK_OPT_BLOCK
+#define ZK_OPT_BLOCK 1024 /* elements per block: 4 KiB of each buffer */
+#endif
+
+/* In-place square roots of x[0, n), in vector registers: IEEE square roots
+ * round correctly, so these are sqrtf's bits. */
+ZK_TARGET static void ZK_FN(zk_sqrt_block)(float* restrict x, int64_t n) {
+	int64_t i = 0;
+#if ZK_F16C >= 2
+	for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, _mm512_sqrt_ps(_mm512_loadu_ps(x + i)));
+#endif
+#if ZK_F16C >= 1
+	for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_sqrt_ps(_mm256_loadu_ps(x + i)));
+#endif
+#if ZK_MULTI
+	for (; i + 4 <= n; i += 4) _mm_storeu_ps(x + i, _mm_sqrt_ps(_mm_loadu_ps(x + i)));
+#endif
+	for (; i < n; i++) x[i] = sqrtf(x[i]);
+}
+
 /* AdamW over elements [a, b) of the shard with range r's settings; g is
  * scaled by gscale on the way in; the new parameter, cast to out_dt, goes
  * to out (may be NULL). */
@@ -805,19 +836,51 @@ ZK_TARGET static void ZK_FN(zk_adamw)(float* restrict p, float* restrict m, floa
                                       const float* restrict g, void* out, int out_dt, const zero_opt_range r0,
                                       float gscale, int64_t a, int64_t b) {
 	const zero_opt_range r = r0;
-	if (r.flags & ZERO_OPT_AMSGRAD) {
-		for (int64_t i = a; i < b; i++) zero_adamw_elem(&p[i], &m[i], &v[i], &vmax[i], g[i] * gscale, &r);
-	} else {
-		for (int64_t i = a; i < b; i++) zero_adamw_elem(&p[i], &m[i], &v[i], NULL, g[i] * gscale, &r);
+	const int ams = (r.flags & ZERO_OPT_AMSGRAD) != 0;
+	float root[ZK_OPT_BLOCK];
+	/* In blocks that stay in L1: the moments, then the square roots, then
+	 * the parameters and their cast. zero_adamw_elem's arithmetic, op for
+	 * op, split so each pass vectorizes (sqrtf in a loop does not: it may
+	 * set errno, and cgo refuses -fno-math-errno). */
+	for (int64_t c = a; c < b; c += ZK_OPT_BLOCK) {
+		const int64_t n = zk_min(ZK_OPT_BLOCK, b - c);
+		float *pc = p + c, *mc = m + c, *vc = v + c;
+		const float* gc = g + c;
+		for (int64_t i = 0; i < n; i++) {
+			const float gi = gc[i] * gscale;
+			mc[i] = mc[i] + r.beta1c * (gi - mc[i]);
+			vc[i] = vc[i] * r.beta2 + r.beta2c * (gi * gi);
+			root[i] = vc[i];
+		}
+		if (ams) {
+			float* xc = vmax + c;
+			for (int64_t i = 0; i < n; i++) {
+				const float d = (xc[i] > root[i]) ? xc[i] : root[i];
+				xc[i] = d;
+				root[i] = d;
+			}
+		}
+		ZK_FN(zk_sqrt_block)(root, n);
+		for (int64_t i = 0; i < n; i++) {
+			const float denom = root[i] / r.bc2sqrt + r.eps;
+			pc[i] = pc[i] * r.decay - r.step * (mc[i] / denom);
+		}
+		if (out) ZK_FN(zk_conv)(ZK_AT(out, out_dt, c), out_dt, pc, ZERO_F32, 1.0f, n);
 	}
-	if (out) ZK_FN(zk_conv)(ZK_AT(out, out_dt, a), out_dt, p + a, ZERO_F32, 1.0f, b - a);
 }
 
 ZK_TARGET static void ZK_FN(zk_sgd)(float* restrict p, float* restrict buf, const float* restrict g, void* out,
                                     int out_dt, const zero_opt_range r0, float gscale, int64_t a, int64_t b) {
 	const zero_opt_range r = r0;
-	for (int64_t i = a; i < b; i++) zero_sgd_elem(&p[i], buf ? &buf[i] : NULL, g[i] * gscale, &r);
-	if (out) ZK_FN(zk_conv)(ZK_AT(out, out_dt, a), out_dt, p + a, ZERO_F32, 1.0f, b - a);
+	for (int64_t c = a; c < b; c += ZK_OPT_BLOCK) {
+		const int64_t e = zk_min(c + ZK_OPT_BLOCK, b);
+		if (buf) {
+			for (int64_t i = c; i < e; i++) zero_sgd_elem(&p[i], &buf[i], g[i] * gscale, &r);
+		} else {
+			for (int64_t i = c; i < e; i++) zero_sgd_elem(&p[i], NULL, g[i] * gscale, &r);
+		}
+		if (out) ZK_FN(zk_conv)(ZK_AT(out, out_dt, c), out_dt, p + c, ZERO_F32, 1.0f, e - c);
+	}
 }
 
 #endif /* ZK_TEMPLATE */

@@ -61,6 +61,7 @@ static inline uint32_t zk_yard_u(int kind, uintptr_t d, uintptr_t a, uintptr_t b
 	case 8: zero_yard_sum4_16((uint16_t*)d, (const uint16_t*)a, (const uint16_t*)b, (const uint16_t*)c, (const uint16_t*)e, lo, hi); break;
 	case 9: zero_yard_allsum4_32((float*)a, (float*)b, (float*)c, (float*)e, lo, hi); break;
 	case 10: zero_yard_inc32((float*)d, lo, hi); break;
+	case 11: zero_yard_optpass((uint16_t*)d, (float*)a, (const float*)b, (float*)c, (float*)e, lo, hi); break;
 	}
 	return 0;
 }
@@ -421,6 +422,7 @@ const (
 	yardSum4x16                    // d[i] = a[i]+b[i]+c[i]+e[i], uint16
 	yardAllSum4x32                 // a[i] = b[i] = c[i] = e[i] = a[i]+b[i]+c[i]+e[i], fp32
 	yardInc32                      // d[i] += 1, fp32 in place
+	yardOptPass                    // a (p), c (m), e (v) += b (g), d = a's high 16 bits: an optimizer's bytes
 )
 
 // copyStream copies n bytes from src to dst with non-temporal stores.

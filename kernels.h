@@ -106,6 +106,7 @@ void zero_yard_sum4_16(uint16_t* dst, const uint16_t* a, const uint16_t* b, cons
                        const uint16_t* d, int64_t lo, int64_t hi);
 void zero_yard_allsum4_32(float* a, float* b, float* c, float* d, int64_t lo, int64_t hi);
 void zero_yard_inc32(float* x, int64_t lo, int64_t hi);
+void zero_yard_optpass(uint16_t* out, float* p, const float* g, float* m, float* v, int64_t lo, int64_t hi);
 
 /* Copies bytes with non-temporal stores (no read-for-ownership of dst). */
 void zero_copy_stream(void* dst, const void* src, int64_t bytes);
