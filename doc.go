@@ -1,7 +1,8 @@
-// Package zero reduces the gradients of data-parallel training the way
-// DeepSpeed's ZeRO does, for Go training stacks: each of W ranks keeps only
-// its shard of the reduced gradient, and gradients are reduce-scattered in
-// buckets while backward is still running.
+// Package zero partitions the gradients and optimizer state of
+// data-parallel training the way DeepSpeed's ZeRO does, for Go training
+// stacks: each of W ranks keeps only its shard of the reduced gradient and
+// of the optimizer state, and gradients are reduce-scattered in buckets
+// while backward is still running.
 //
 // What it does today:
 //
@@ -18,11 +19,16 @@
 //     shard holds the mean over ranks and backwards (or the sum, with
 //     Reduction Sum); GradShard, FullGrads and per-parameter views
 //     (GradView) read it.
+//   - With Config.Groups, Step also runs the optimizer on this rank's fp32
+//     master shard: the global norm and clipping, the fp16 loss scaler, a
+//     skip on inf or NaN agreed by every rank, one fused AdamW or SGD pass
+//     for every parameter group, and (stages 1 and 2) an all-gather of the
+//     new parameters into the memory registered with them (Param.Data).
 //   - Without a GPU, the kernels are host C and N ranks run in one process
 //     (NewLocalGroup). With -tags cuda they are CUDA C, and ranks talk over
 //     NCCL (NewNCCL) or share one GPU (NewCUDALocalGroup).
 //
-// Not yet: the partitioned optimizer step, ZeRO-3's parameter sharding
+// Not yet: ZeRO-3's parameter sharding
 // (stage 3 reduces gradients as stage 2 does), coalesced windows and CPU
 // offload. DESIGN.md in the repository says how each will work.
 //

@@ -1160,3 +1160,95 @@ func TestPeerLeavesDuringTheNorm(t *testing.T) {
 		}
 	}
 }
+
+// ---- memory -------------------------------------------------------------------
+
+// memoryRun trains one AdamW step of a model of layers × (hidden² weight +
+// hidden bias) in bf16 on world ranks and returns rank 0's stats and plan.
+func memoryRun(t testing.TB, stage, world, layers, hidden, bucket int) (Stats, *Plan) {
+	var params []Param
+	for l := range layers {
+		w, bias := newTBuf(BF16, hidden*hidden), newTBuf(BF16, hidden)
+		params = append(params, Param{Name: fmt.Sprint("w", l), Count: hidden * hidden, DType: BF16, Data: w.t()},
+			Param{Name: fmt.Sprint("b", l), Count: hidden, DType: BF16, Data: bias.t()})
+	}
+	comms, _ := NewLocalGroupTimeout(world, 20*time.Second)
+	var stats Stats
+	var plan *Plan
+	errs := eachRank(world, func(rank int) error {
+		defer comms[rank].Close()
+		e, err := New(Config{Stage: stage, BucketBytes: bucket, Groups: []Optimizer{AdamW{LR: 1e-3}}}, comms[rank], params)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		s := NewHostStream()
+		defer s.Close()
+		for p := len(params) - 1; p >= 0; p-- {
+			g := newTBuf(BF16, params[p].Count)
+			for i := range g.len() {
+				g.set(i, 0.01)
+			}
+			if _, err := e.GradReady(p, g.t(), s); err != nil {
+				return err
+			}
+			if err := s.Sync(); err != nil { // g is reused by nobody, but keep it alive
+				return err
+			}
+		}
+		if err := e.EndBackward(); err != nil {
+			return err
+		}
+		if err := e.Step(); err != nil {
+			return err
+		}
+		if rank == 0 {
+			stats, plan = e.Stats(), e.Plan()
+		}
+		return nil
+	})
+	for _, err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	return stats, plan
+}
+
+// memoryFormula is the engine's memory per rank from the plan, in bytes:
+// gradients (the fp32 shard, ZeRO-1's fp32 local sums of every bucket, the
+// bf16 staging buffers) and the optimizer (fp32 master, m and v shards, the
+// bf16 shard of the new parameters and the bf16 buffers they are gathered
+// in).
+func memoryFormula(stage int, p *Plan, staging, gathers int) (grad, opt int64) {
+	s, maxB := int64(p.ShardElems), int64(p.MaxBucket())
+	grad = 4*s + int64(staging)*maxB*2
+	if stage == 1 {
+		for _, b := range p.Buckets {
+			grad += 4 * int64(b.Elems)
+		}
+	}
+	opt = 12*s + 2*s + int64(gathers)*maxB*2
+	return grad, opt
+}
+
+// TestMemoryFormula: the stats' gradient and optimizer bytes after a step
+// equal the formula from the plan, for ZeRO-1 and ZeRO-2, one bucket or
+// several, W 1 to 4.
+func TestMemoryFormula(t *testing.T) {
+	for _, stage := range []int{1, 2} {
+		for _, world := range []int{1, 2, 3, 4} {
+			for _, bucket := range []int{1 << 20, 64 << 10} {
+				st, plan := memoryRun(t, stage, world, 3, 200, bucket)
+				// The gather buffers ping-pong: one is reused when the
+				// previous bucket's copy has finished, so 1 or 2 are held.
+				grad, opt := memoryFormula(stage, plan, st.StagingBuffers, 1)
+				_, opt2 := memoryFormula(stage, plan, st.StagingBuffers, min(2, len(plan.Buckets)))
+				if st.PeakGradBytes != grad || st.OptimizerBytes != opt && st.OptimizerBytes != opt2 {
+					t.Errorf("ZeRO-%d W=%d bucket %d (%d buckets): stats grad %d opt %d bytes, formula %d and %d",
+						stage, world, bucket, len(plan.Buckets), st.PeakGradBytes, st.OptimizerBytes, grad, opt2)
+				}
+			}
+		}
+	}
+}

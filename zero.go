@@ -669,7 +669,8 @@ type Stats struct {
 	GradNorm  float64 // see Skipped
 	LossScale float64 // see Skipped
 	// OptimizerBytes is the optimizer's memory on this rank: the fp32
-	// master shard, the moments and the model-dtype shard.
+	// master shard, the moments, the model-dtype shard and the buffers the
+	// new parameters are gathered in.
 	OptimizerBytes int64
 	// OptimizerTime is the device time of the fused optimizer pass, and
 	// ParamGatherTime that of the all-gather of the new parameters into
