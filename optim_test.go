@@ -835,6 +835,12 @@ func TestUnusedAndFrozen(t *testing.T) {
 			if e.opt.m.hostFloats()[i] != 0 || e.opt.v.hostFloats()[i] != 0 {
 				return fmt.Errorf("the unused parameter's moments changed")
 			}
+			// the master too: a decayed master would surface as a jump the
+			// next time the parameter is used
+			j := rg.ParamOffset + i - rg.ShardOffset
+			if e.opt.master.hostFloats()[i] != 1+float32(j%7)/8 {
+				return fmt.Errorf("the unused parameter's master changed at %d: %v", j, e.opt.master.hostFloats()[i])
+			}
 		}
 		if bufs[0].val(0) == 1 {
 			return fmt.Errorf("a used parameter did not change")
