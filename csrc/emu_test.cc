@@ -405,7 +405,7 @@ static void test_descs() {
 /* The optimizer kernels and unflatten: the CUDA bodies over a launch against
  * the host C kernels, bit for bit, and against float64 from the same state. */
 static void test_optimizers() {
-	const int n = 20000;
+	const int n = 40000;
 	std::normal_distribution<float> nd(0.0f, 1.0f);
 	for (int adam = 0; adam <= 1; adam++) {
 		for (int out_dt : dtypes) {
@@ -424,6 +424,10 @@ static void test_optimizers() {
 				memset(&r, 0, sizeof r);
 				r.offset = off;
 				r.count = 1 + (int64_t)(rng() % 3000);
+				/* ranges of several blocks, and whole packs so that the next
+				 * range starts aligned too: the kernels' pack path */
+				if (rng() % 4 == 0) r.count *= 4;
+				if (rng() & 1) r.count = (r.count + 7) & ~(int64_t)7;
 				if (r.offset + r.count > n - 300) r.count = n - 300 - r.offset;
 				if (adam) {
 					r.decay = 1 - 1e-3f * 0.01f * (float)(rng() % 3);

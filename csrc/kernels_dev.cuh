@@ -19,11 +19,16 @@
 #define ZC_HD __host__ __device__ __forceinline__
 #define ZC_RESTRICT __restrict__
 #define ZC_ALIGNED16(p) ((void)0)
+#define ZC_ALIGNED8(p) ((void)0)
 #else
 /* A 16-byte access to a misaligned address faults on a GPU but not on x86:
  * the emulator defines this to catch the vector paths that would. */
 #ifndef ZC_ALIGNED16
 #define ZC_ALIGNED16(p) ((void)0)
+#endif
+/* an 8-byte access: p is 8-aligned when p less its bit 3 is 16-aligned */
+#ifndef ZC_ALIGNED8
+#define ZC_ALIGNED8(p) ZC_ALIGNED16((const char*)(p) - ((uintptr_t)(p) & 8u))
 #endif
 /* host emulation: the few CUDA types and intrinsics the bodies use */
 #define ZC_DEV static inline
@@ -32,6 +37,13 @@
 struct uint4 {
 	uint32_t x, y, z, w;
 };
+struct uint2 {
+	uint32_t x, y;
+};
+static inline uint2 make_uint2(uint32_t x, uint32_t y) {
+	uint2 r = {x, y};
+	return r;
+}
 static inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
 	uint4 r = {x, y, z, w};
 	return r;
@@ -64,30 +76,91 @@ ZC_DEV uint32_t zc_narrow(float v) {
 	return T == ZERO_BF16 ? (uint32_t)zero_f32_to_bf16(v) : (uint32_t)zero_f32_to_f16(v);
 }
 
-/* 16 or 32 bytes of raw data: 8 elements of T. */
+/* 16 or 32 bytes of raw data: 8 elements of T, two quads of 4: elements
+ * 0-3 in a (fp32) or a.x, a.y (16-bit), 4-7 in b or a.z, a.w. */
 struct zc_raw {
 	uint4 a, b;
 };
 
-/* Read-only (non-coherent cache) load, for sources the kernel never writes. */
-template <int T>
-ZC_DEV zc_raw zc_load_raw(const char* p) {
-	ZC_ALIGNED16(p);
+/* ---- where a thread's pack lies -------------------------------------------- */
+
+#define ZC_WARP 32
+#define ZC_SPAN (ZC_WARP * ZC_PACK) /* elements of a warp's 32 packs */
+
+/* Pack s is its two quads. Contiguous, pack s is elements [8s, 8s+8); with
+ * fp32 a warp's 16-byte accesses then fall at a 32-byte stride, half of
+ * every sector per store instruction, which costs DRAM write bandwidth. So
+ * kernels that touch fp32 split: a warp's span of 256 elements is cut in
+ * halves and lane l takes quad l of each, [4l, 4l+4) and [128+4l, 132+4l),
+ * so each access of the warp is one run of 512 bytes (fp32) or 256 (16-bit).
+ * Every kernel uses one mapping for all its arrays, so elements stay paired.
+ * zc_quad0 is the first quad's element offset, ZC_QUAD1 the second's from it. */
+template <bool SPLIT>
+ZC_HD int64_t zc_quad0(int64_t s) {
+	return SPLIT ? (s & ~(int64_t)(ZC_WARP - 1)) * ZC_PACK + (s & (ZC_WARP - 1)) * 4 : s * ZC_PACK;
+}
+#define ZC_QUAD1(SPLIT) ((SPLIT) ? ZC_SPAN / 2 : 4)
+
+/* How many of n elements the packs cover: whole spans when split, so a
+ * warp's packs are all in or all out. */
+template <bool SPLIT>
+ZC_HD int64_t zc_vec_count(int64_t n) {
+	return SPLIT ? n / ZC_SPAN * ZC_SPAN : n / ZC_PACK * ZC_PACK;
+}
+
+/* A 16- or 8-byte load; RO: through the read-only (non-coherent) cache, for
+ * sources the kernel never writes; else plain, for buffers it writes. */
+template <class V, bool RO>
+ZC_DEV V zc_ld(const char* p) {
+	if (sizeof(V) == 16)
+		ZC_ALIGNED16(p);
+	else
+		ZC_ALIGNED8(p);
+	return RO ? __ldg((const V*)p) : *(const V*)p;
+}
+
+template <class V>
+ZC_DEV void zc_st(char* p, const V& x) {
+	if (sizeof(V) == 16)
+		ZC_ALIGNED16(p);
+	else
+		ZC_ALIGNED8(p);
+	*(V*)p = x;
+}
+
+/* The pack whose first quad is element q of base (16-byte aligned). */
+template <int T, bool SPLIT, bool RO>
+ZC_DEV zc_raw zc_load_pack(const char* base, int64_t q) {
+	const char* p0 = base + q * zc_size(T);
+	const char* p1 = p0 + ZC_QUAD1(SPLIT) * zc_size(T);
 	zc_raw r;
-	r.a = __ldg((const uint4*)p);
-	r.b = T == ZERO_F32 ? __ldg((const uint4*)p + 1) : r.a;
+	if (T == ZERO_F32) {
+		r.a = zc_ld<uint4, RO>(p0);
+		r.b = zc_ld<uint4, RO>(p1);
+	} else if (!SPLIT) {
+		r.a = zc_ld<uint4, RO>(p0);
+		r.b = r.a;
+	} else {
+		const uint2 lo = zc_ld<uint2, RO>(p0), hi = zc_ld<uint2, RO>(p1);
+		r.a = make_uint4(lo.x, lo.y, hi.x, hi.y);
+		r.b = r.a;
+	}
 	return r;
 }
 
-/* Plain load, for buffers the same kernel writes (accumulators, in-place
- * reductions). */
-template <int T>
-ZC_DEV zc_raw zc_load_raw_rw(const char* p) {
-	ZC_ALIGNED16(p);
-	zc_raw r;
-	r.a = *(const uint4*)p;
-	r.b = T == ZERO_F32 ? *((const uint4*)p + 1) : r.a;
-	return r;
+template <int T, bool SPLIT>
+ZC_DEV void zc_store_pack(char* base, int64_t q, const zc_raw& r) {
+	char* p0 = base + q * zc_size(T);
+	char* p1 = p0 + ZC_QUAD1(SPLIT) * zc_size(T);
+	if (T == ZERO_F32) {
+		zc_st(p0, r.a);
+		zc_st(p1, r.b);
+	} else if (!SPLIT) {
+		zc_st(p0, r.a);
+	} else {
+		zc_st(p0, make_uint2(r.a.x, r.a.y));
+		zc_st(p1, make_uint2(r.a.z, r.a.w));
+	}
 }
 
 template <int T>
@@ -128,13 +201,6 @@ ZC_DEV zc_raw zc_pack(const float v[ZC_PACK]) {
 	return r;
 }
 
-template <int T>
-ZC_DEV void zc_store_raw(char* p, const zc_raw& r) {
-	ZC_ALIGNED16(p);
-	*(uint4*)p = r.a;
-	if (T == ZERO_F32) *((uint4*)p + 1) = r.b;
-}
-
 /* ---- segment lookup ------------------------------------------------------ */
 
 /* The segment block b works on: the last one whose block0 <= b. */
@@ -159,21 +225,23 @@ ZC_DEV void zc_flatten_block(char* ZC_RESTRICT dst, const zc_dseg* segs, int nse
 	const int64_t end = sg.count < start + ZC_CHUNK ? sg.count : start + ZC_CHUNK;
 	const char* ZC_RESTRICT src = (const char*)sg.src;
 	char* ZC_RESTRICT d = dst + sg.offset * zc_size(DT);
+	const bool SPLIT = DT == ZERO_F32 || ST == ZERO_F32;
 	int64_t tail = start;
 	if (((sg.src | (uintptr_t)d) & 15u) == 0) {
-		const int64_t vend = start + (end - start) / ZC_PACK * ZC_PACK;
+		const int64_t vend = start + zc_vec_count<SPLIT>(end - start);
 		zc_raw in[ZC_UNROLL];
 #pragma unroll
 		for (int u = 0; u < ZC_UNROLL; u++) {
-			const int64_t i = start + ((int64_t)u * ZC_THREADS + tid) * ZC_PACK;
-			if (i < vend) in[u] = zc_load_raw<ST>(src + i * zc_size(ST));
+			const int64_t s = (int64_t)u * ZC_THREADS + tid;
+			if (start + s * ZC_PACK < vend) in[u] = zc_load_pack<ST, SPLIT, true>(src, start + zc_quad0<SPLIT>(s));
 		}
 #pragma unroll
 		for (int u = 0; u < ZC_UNROLL; u++) {
-			const int64_t i = start + ((int64_t)u * ZC_THREADS + tid) * ZC_PACK;
-			if (i < vend) {
+			const int64_t s = (int64_t)u * ZC_THREADS + tid;
+			if (start + s * ZC_PACK < vend) {
+				const int64_t q = start + zc_quad0<SPLIT>(s);
 				if (DT == ST && !SCALE) { /* a bit copy, as on the host */
-					zc_store_raw<DT>(d + i * zc_size(DT), in[u]);
+					zc_store_pack<DT, SPLIT>(d, q, in[u]);
 					continue;
 				}
 				float v[ZC_PACK];
@@ -182,7 +250,7 @@ ZC_DEV void zc_flatten_block(char* ZC_RESTRICT dst, const zc_dseg* segs, int nse
 #pragma unroll
 					for (int k = 0; k < ZC_PACK; k++) v[k] = v[k] * scale;
 				}
-				zc_store_raw<DT>(d + i * zc_size(DT), zc_pack<DT>(v));
+				zc_store_pack<DT, SPLIT>(d, q, zc_pack<DT>(v));
 			}
 		}
 		tail = vend;
@@ -209,13 +277,15 @@ ZC_DEV void zc_unflatten_block(const char* ZC_RESTRICT flat, const zc_dseg* segs
 	const int64_t end = sg.count < start + ZC_CHUNK ? sg.count : start + ZC_CHUNK;
 	char* ZC_RESTRICT d = (char*)sg.src;
 	const char* ZC_RESTRICT src = flat + sg.offset * zc_size(T);
+	const bool SPLIT = T == ZERO_F32;
 	int64_t tail = start;
 	if ((((uintptr_t)src | (uintptr_t)d) & 15u) == 0) {
-		const int64_t vend = start + (end - start) / ZC_PACK * ZC_PACK;
+		const int64_t vend = start + zc_vec_count<SPLIT>(end - start);
 #pragma unroll
 		for (int u = 0; u < ZC_UNROLL; u++) {
-			const int64_t i = start + ((int64_t)u * ZC_THREADS + tid) * ZC_PACK;
-			if (i < vend) zc_store_raw<T>(d + i * zc_size(T), zc_load_raw<T>(src + i * zc_size(T)));
+			const int64_t s = (int64_t)u * ZC_THREADS + tid;
+			const int64_t q = start + zc_quad0<SPLIT>(s);
+			if (start + s * ZC_PACK < vend) zc_store_pack<T, SPLIT>(d, q, zc_load_pack<T, SPLIT, true>(src, q));
 		}
 		tail = vend;
 	}
@@ -237,7 +307,10 @@ ZC_DEV zc_odesc zc_find_range(const zc_odesc* ds, int n, int64_t b) {
 }
 
 /* AdamW (SGD when !ADAM: m is the momentum buffer, may be NULL) on block b's
- * chunk of its range; the new parameter, cast to OUT, goes to out. */
+ * chunk of its range; the new parameter, cast to OUT, goes to out. Split
+ * packs where every array the range touches is 16-byte aligned at its first
+ * element (one 4-byte element a thread kept too few loads in flight), one
+ * element a thread for the rest; the same zero_*_elem either way. */
 template <int OUT, bool ADAM>
 ZC_DEV void zc_opt_block(float* ZC_RESTRICT p, const float* ZC_RESTRICT g, float* ZC_RESTRICT m, float* ZC_RESTRICT v,
                          float* ZC_RESTRICT vmax, char* out, const zc_odesc* ds, int nd, float gscale, int64_t b,
@@ -246,7 +319,44 @@ ZC_DEV void zc_opt_block(float* ZC_RESTRICT p, const float* ZC_RESTRICT g, float
 	const zero_opt_range r = d.r;
 	const int64_t start = (b - d.block0) * ZC_CHUNK;
 	const int64_t end = r.count < start + ZC_CHUNK ? r.count : start + ZC_CHUNK;
-	for (int64_t i = start + tid; i < end; i += ZC_THREADS) {
+	const bool ams = ADAM && (r.flags & ZERO_OPT_AMSGRAD);
+	const bool mwrite = m && (ADAM || r.beta1c != 0.0f);
+	const bool mread = mwrite && (ADAM || !(r.flags & ZERO_OPT_FIRST));
+	const int64_t o = r.offset;
+	uintptr_t addr = (uintptr_t)(p + o) | (uintptr_t)(g + o);
+	if (mwrite) addr |= (uintptr_t)(m + o);
+	if (ADAM) addr |= (uintptr_t)(v + o);
+	if (ams) addr |= (uintptr_t)(vmax + o);
+	if (out) addr |= (uintptr_t)(out + o * zc_size(OUT));
+	int64_t tail = start;
+	if ((addr & 15u) == 0) {
+		const int64_t vend = start + zc_vec_count<true>(end - start);
+		for (int u = 0; u < ZC_UNROLL; u++) {
+			const int64_t s = (int64_t)u * ZC_THREADS + tid;
+			if (start + s * ZC_PACK >= vend) break;
+			const int64_t j = o + start + zc_quad0<true>(s);
+			float x[ZC_PACK], gg[ZC_PACK], mm[ZC_PACK] = {0}, vv[ZC_PACK] = {0}, vx[ZC_PACK] = {0};
+			zc_unpack<ZERO_F32>(zc_load_pack<ZERO_F32, true, false>((const char*)p, j), x);
+			zc_unpack<ZERO_F32>(zc_load_pack<ZERO_F32, true, true>((const char*)g, j), gg);
+			if (mread) zc_unpack<ZERO_F32>(zc_load_pack<ZERO_F32, true, false>((const char*)m, j), mm);
+			if (ADAM) zc_unpack<ZERO_F32>(zc_load_pack<ZERO_F32, true, false>((const char*)v, j), vv);
+			if (ams) zc_unpack<ZERO_F32>(zc_load_pack<ZERO_F32, true, false>((const char*)vmax, j), vx);
+#pragma unroll
+			for (int k = 0; k < ZC_PACK; k++) {
+				if (ADAM)
+					zero_adamw_elem(&x[k], &mm[k], &vv[k], ams ? &vx[k] : (float*)0, gg[k] * gscale, &r);
+				else
+					zero_sgd_elem(&x[k], m ? &mm[k] : (float*)0, gg[k] * gscale, &r);
+			}
+			zc_store_pack<ZERO_F32, true>((char*)p, j, zc_pack<ZERO_F32>(x));
+			if (mwrite) zc_store_pack<ZERO_F32, true>((char*)m, j, zc_pack<ZERO_F32>(mm));
+			if (ADAM) zc_store_pack<ZERO_F32, true>((char*)v, j, zc_pack<ZERO_F32>(vv));
+			if (ams) zc_store_pack<ZERO_F32, true>((char*)vmax, j, zc_pack<ZERO_F32>(vx));
+			if (out) zc_store_pack<OUT, true>(out, j, zc_pack<OUT>(x));
+		}
+		tail = vend;
+	}
+	for (int64_t i = tail + tid; i < end; i += ZC_THREADS) {
 		const int64_t j = r.offset + i;
 		if (ADAM)
 			zero_adamw_elem(&p[j], &m[j], &v[j], (r.flags & ZERO_OPT_AMSGRAD) ? &vmax[j] : (float*)0, g[j] * gscale, &r);
@@ -269,20 +379,22 @@ ZC_DEV uint32_t zc_accumulate_block(float* ZC_RESTRICT acc, const zc_dseg* segs,
 	uint32_t bad = 0;
 	int64_t tail = start;
 	if (((sg.src | (uintptr_t)d) & 15u) == 0) {
-		const int64_t vend = start + (end - start) / ZC_PACK * ZC_PACK;
+		/* the accumulator is fp32: split packs */
+		const int64_t vend = start + zc_vec_count<true>(end - start);
 		zc_raw in[ZC_UNROLL], old[ZC_UNROLL];
 #pragma unroll
 		for (int u = 0; u < ZC_UNROLL; u++) {
-			const int64_t i = start + ((int64_t)u * ZC_THREADS + tid) * ZC_PACK;
-			if (i < vend) {
-				in[u] = zc_load_raw<ST>(src + i * zc_size(ST));
-				if (!FIRST) old[u] = zc_load_raw_rw<ZERO_F32>((const char*)(d + i));
+			const int64_t s = (int64_t)u * ZC_THREADS + tid;
+			const int64_t q = start + zc_quad0<true>(s);
+			if (start + s * ZC_PACK < vend) {
+				in[u] = zc_load_pack<ST, true, true>(src, q);
+				if (!FIRST) old[u] = zc_load_pack<ZERO_F32, true, false>((const char*)d, q);
 			}
 		}
 #pragma unroll
 		for (int u = 0; u < ZC_UNROLL; u++) {
-			const int64_t i = start + ((int64_t)u * ZC_THREADS + tid) * ZC_PACK;
-			if (i < vend) {
+			const int64_t s = (int64_t)u * ZC_THREADS + tid;
+			if (start + s * ZC_PACK < vend) {
 				float v[ZC_PACK], o[ZC_PACK];
 				zc_unpack<ST>(in[u], v);
 				if (!FIRST) zc_unpack<ZERO_F32>(old[u], o);
@@ -293,7 +405,7 @@ ZC_DEV uint32_t zc_accumulate_block(float* ZC_RESTRICT acc, const zc_dseg* segs,
 					v[k] = r;
 					bad |= (uint32_t)!zero_isfinite(r);
 				}
-				zc_store_raw<ZERO_F32>((char*)(d + i), zc_pack<ZERO_F32>(v));
+				zc_store_pack<ZERO_F32, true>((char*)d, start + zc_quad0<true>(s), zc_pack<ZERO_F32>(v));
 			}
 		}
 		tail = vend;
@@ -313,15 +425,17 @@ ZC_DEV uint32_t zc_accumulate_block(float* ZC_RESTRICT acc, const zc_dseg* segs,
 /* Packs p0, p0+stride, ... (ZC_UNROLL of them, those below packs) of
  * output j: every rank's packs are loaded before any is combined, so each
  * thread keeps ZC_UNROLL 16-byte loads in flight instead of one. Elements
- * still combine in rank order. */
+ * still combine in rank order. fp32 packs are split (zc_quad0): a warp's
+ * lanes have consecutive p, the first a multiple of ZC_WARP. */
 template <int T, int OP>
 ZC_DEV void zc_reduce_packs(const zc_red_arg& a, int64_t base, int64_t p0, int64_t stride, int64_t packs,
                             float t[ZC_UNROLL][ZC_PACK]) {
+	const bool SPLIT = T == ZERO_F32;
 	zc_raw r[ZC_UNROLL];
 #pragma unroll
 	for (int u = 0; u < ZC_UNROLL; u++) {
 		const int64_t p = p0 + u * stride;
-		if (p < packs) r[u] = zc_load_raw_rw<T>((const char*)a.src[0] + (base + p * ZC_PACK) * zc_size(T));
+		if (p < packs) r[u] = zc_load_pack<T, SPLIT, false>((const char*)a.src[0] + base * zc_size(T), zc_quad0<SPLIT>(p));
 	}
 #pragma unroll
 	for (int u = 0; u < ZC_UNROLL; u++)
@@ -330,7 +444,7 @@ ZC_DEV void zc_reduce_packs(const zc_red_arg& a, int64_t base, int64_t p0, int64
 #pragma unroll
 		for (int u = 0; u < ZC_UNROLL; u++) {
 			const int64_t p = p0 + u * stride;
-			if (p < packs) r[u] = zc_load_raw_rw<T>((const char*)a.src[k] + (base + p * ZC_PACK) * zc_size(T));
+			if (p < packs) r[u] = zc_load_pack<T, SPLIT, false>((const char*)a.src[k] + base * zc_size(T), zc_quad0<SPLIT>(p));
 		}
 #pragma unroll
 		for (int u = 0; u < ZC_UNROLL; u++) {
@@ -353,16 +467,17 @@ template <int T, int OP>
 ZC_DEV void zc_reduce_thread(const zc_red_arg& a, int j, int64_t gtid, int64_t stride) {
 	const int64_t base = (int64_t)j * a.count; /* element offset into every src */
 	char* d = (char*)a.dst[j];
+	const bool SPLIT = T == ZERO_F32;
 	int64_t tail = 0;
 	if (a.vec) {
-		const int64_t packs = a.count / ZC_PACK;
+		const int64_t packs = zc_vec_count<SPLIT>(a.count) / ZC_PACK;
 		for (int64_t p0 = gtid; p0 < packs; p0 += stride * ZC_UNROLL) {
 			float t[ZC_UNROLL][ZC_PACK];
 			zc_reduce_packs<T, OP>(a, base, p0, stride, packs, t);
 #pragma unroll
 			for (int u = 0; u < ZC_UNROLL; u++) {
 				const int64_t p = p0 + u * stride;
-				if (p < packs) zc_store_raw<T>(d + p * ZC_PACK * zc_size(T), zc_pack<T>(t[u]));
+				if (p < packs) zc_store_pack<T, SPLIT>(d, zc_quad0<SPLIT>(p), zc_pack<T>(t[u]));
 			}
 		}
 		tail = packs * ZC_PACK;
@@ -378,9 +493,10 @@ ZC_DEV void zc_reduce_thread(const zc_red_arg& a, int j, int64_t gtid, int64_t s
  * every buffer. */
 template <int T, int OP>
 ZC_DEV void zc_allreduce_thread(const zc_red_arg& a, int64_t gtid, int64_t stride) {
+	const bool SPLIT = T == ZERO_F32;
 	int64_t tail = 0;
 	if (a.vec) {
-		const int64_t packs = a.count / ZC_PACK;
+		const int64_t packs = zc_vec_count<SPLIT>(a.count) / ZC_PACK;
 		for (int64_t p0 = gtid; p0 < packs; p0 += stride * ZC_UNROLL) {
 			float t[ZC_UNROLL][ZC_PACK];
 			zc_reduce_packs<T, OP>(a, 0, p0, stride, packs, t);
@@ -389,7 +505,7 @@ ZC_DEV void zc_allreduce_thread(const zc_red_arg& a, int64_t gtid, int64_t strid
 				const int64_t p = p0 + u * stride;
 				if (p >= packs) continue;
 				const zc_raw r = zc_pack<T>(t[u]);
-				for (int k = 0; k < a.nsrc; k++) zc_store_raw<T>((char*)a.src[k] + p * ZC_PACK * zc_size(T), r);
+				for (int k = 0; k < a.nsrc; k++) zc_store_pack<T, SPLIT>((char*)a.src[k], zc_quad0<SPLIT>(p), r);
 			}
 		}
 		tail = packs * ZC_PACK;
@@ -411,9 +527,34 @@ ZC_DEV void zc_allreduce_thread(const zc_red_arg& a, int64_t gtid, int64_t strid
 
 /* ---- sum of squares: a thread's partial sum -------------------------------- */
 
+/* ZC_UNROLL 16-byte loads in flight before any is summed, for a grid capped
+ * at ZC_SUMSQ_MAX_BLOCKS blocks (on an H200 a few percent over one 4-byte
+ * load at a time). The order of the sum depends only on n, the grid and
+ * x's alignment, so it is the same run to run. */
 ZC_DEV double zc_sumsq_thread(const float* ZC_RESTRICT x, int64_t n, int64_t gtid, int64_t stride) {
 	double acc = 0.0;
-	for (int64_t i = gtid; i < n; i += stride) {
+	int64_t tail = 0;
+	if (((uintptr_t)x & 15u) == 0) {
+		const int64_t nq = n / 4; /* quads of 4 elements */
+		for (int64_t q0 = gtid; q0 < nq; q0 += stride * ZC_UNROLL) {
+			uint4 r[ZC_UNROLL];
+#pragma unroll
+			for (int u = 0; u < ZC_UNROLL; u++)
+				if (q0 + u * stride < nq) r[u] = zc_ld<uint4, true>((const char*)(x + 4 * (q0 + u * stride)));
+#pragma unroll
+			for (int u = 0; u < ZC_UNROLL; u++) {
+				if (q0 + u * stride >= nq) continue;
+				const uint32_t w[4] = {r[u].x, r[u].y, r[u].z, r[u].w};
+#pragma unroll
+				for (int k = 0; k < 4; k++) {
+					const double d = (double)__uint_as_float(w[k]);
+					acc = acc + d * d;
+				}
+			}
+		}
+		tail = nq * 4;
+	}
+	for (int64_t i = tail + gtid; i < n; i += stride) {
 		const double d = (double)x[i];
 		acc = acc + d * d;
 	}
