@@ -215,12 +215,14 @@ type optState struct {
 	m, v   Tensor // AdamW moments; m is SGD's momentum buffer
 	vmax   Tensor // AdamW amsgrad
 	model  Tensor // model dtype: the new parameters, gathered from here
-	steps  []int  // per parameter: optimizer steps taken
-	scaler lossScaler
-	norm   Tensor // fp32 pair for Step's all-reduce of (overflow, sum of squares)
-	ranges []optRange
-	gather *bufferPool // model-dtype bucket buffers the parameters are gathered in
-	mem    memoryMeter // the optimizer's bytes
+	// sharedModel: model is the stage-3 parameter shard, not the optimizer's
+	sharedModel bool
+	steps       []int // per parameter: optimizer steps taken
+	scaler      lossScaler
+	norm        Tensor // fp32 pair for Step's all-reduce of (overflow, sum of squares)
+	ranges      []optRange
+	gather      *bufferPool // model-dtype bucket buffers the parameters are gathered in
+	mem         memoryMeter // the optimizer's bytes
 }
 
 // checkGroups validates the groups and the parameters' use of them.
@@ -247,12 +249,6 @@ func checkGroups(groups []Optimizer, params []Param) error {
 	for i, p := range params {
 		if p.Group < 0 || p.Group >= len(groups) {
 			return errorf(ErrParam, "parameter %d (%q) is in group %d; the groups are 0..%d", i, p.Name, p.Group, len(groups)-1)
-		}
-		if !p.Frozen && p.Count > 0 && p.Data.count != p.Count {
-			return errorf(ErrParam, "parameter %d (%q) has Data of %d elements for a count of %d; with an optimizer every trained parameter needs its memory", i, p.Name, p.Data.count, p.Count)
-		}
-		if p.Data.count > 0 && p.Data.dtype != p.DType {
-			return errorf(ErrDType, "parameter %d (%q): Data is %v, the parameter %v", i, p.Name, p.Data.dtype, p.DType)
 		}
 	}
 	return nil
@@ -311,7 +307,9 @@ func (e *Engine) initOptimizer() error {
 	if o.master, err = o.alloc(e.dev, e.plan.ShardElems, FP32); err != nil {
 		return err
 	}
-	if o.model, err = o.alloc(e.dev, e.plan.ShardElems, e.plan.dtype); err != nil {
+	if e.ps != nil {
+		o.model, o.sharedModel = e.ps.shard, true // stage 3: the pass writes the parameter shard
+	} else if o.model, err = o.alloc(e.dev, e.plan.ShardElems, e.plan.dtype); err != nil {
 		return err
 	}
 	if o.kind == optAdamW {
@@ -325,7 +323,13 @@ func (e *Engine) initOptimizer() error {
 	if o.norm, err = e.dev.Alloc(2, FP32); err != nil {
 		return err
 	}
-	return e.loadParams()
+	if e.ps != nil { // the parameter shard is filled: the master from it
+		if err := e.dev.cast(e.reduceStream, o.master, e.ps.shard, 1); err != nil {
+			return err
+		}
+		return e.reduceStream.Sync()
+	}
+	return e.loadParams(o.gather, o.master)
 }
 
 func (o *optState) alloc(dev Device, n int, dt DType) (Tensor, error) {
@@ -372,12 +376,13 @@ func (e *Engine) bucketParams(b int, used []bool) []Segment {
 }
 
 // loadParams gives every rank rank 0's parameters (unless NoBroadcast) and
-// fills the fp32 master shard from them, bucket by bucket.
-func (e *Engine) loadParams() error {
-	o, s := e.opt, e.reduceStream
+// fills a shard from them, bucket by bucket: the fp32 master shard, or at
+// stage 3 the model-dtype parameter shard. pool lends the bucket buffers.
+func (e *Engine) loadParams(pool *bufferPool, into Tensor) error {
+	s := e.reduceStream
 	bcast := !e.cfg.NoBroadcast && e.world > 1
 	for b, bp := range e.plan.Buckets {
-		buf, err := o.gather.get(e.plan.MaxBucket())
+		buf, err := pool.get(e.plan.MaxBucket())
 		if err != nil {
 			return err
 		}
@@ -396,13 +401,13 @@ func (e *Engine) loadParams() error {
 			}
 		}
 		if err == nil {
-			err = e.dev.cast(s, o.master.slice(bp.ShardOffset, bp.Shard), t.slice(e.rank*bp.Shard, bp.Shard), 1)
+			err = e.dev.cast(s, into.slice(bp.ShardOffset, bp.Shard), t.slice(e.rank*bp.Shard, bp.Shard), 1)
 		}
 		var done Event
 		if err == nil {
 			done, err = s.Record()
 		}
-		o.gather.put(buf, done)
+		pool.put(buf, done)
 		if err != nil {
 			return err
 		}
@@ -499,7 +504,7 @@ func (e *Engine) optimizerStep(readScale float32, used []bool) (stepResult, erro
 	}
 	o.scaler.update(false)
 	t1, err := s.Record()
-	if err == nil {
+	if err == nil && e.ps == nil { // stage 3 keeps its shard: the next gathers read it
 		err = e.gatherParams(used)
 	}
 	var t2 Event
@@ -562,7 +567,11 @@ func (e *Engine) gatherParams(used []bool) error {
 func (o *optState) close(dev Device) error {
 	var errs []error
 	errs = append(errs, o.gather.trim(0))
-	for _, t := range []Tensor{o.master, o.model, o.m, o.v, o.vmax, o.norm} {
+	model := o.model
+	if o.sharedModel {
+		model = Tensor{} // the parameter shard's: freed with it
+	}
+	for _, t := range []Tensor{o.master, model, o.m, o.v, o.vmax, o.norm} {
 		if t.ptr != 0 {
 			errs = append(errs, dev.Free(t))
 		}

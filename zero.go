@@ -52,6 +52,14 @@ type Config struct {
 	// NoBroadcast keeps each rank's own parameters at New instead of
 	// copying rank 0's to every rank first.
 	NoBroadcast bool
+
+	// Stage 3: PrefetchBytes is how far ahead of the framework's gathers the
+	// engine gathers, in the order of the last window (default BucketBytes;
+	// negative: no prefetch). LiveParamBytes caps the gathered bytes that
+	// prefetching may reach (0: no cap); gathers the framework asks for
+	// always run.
+	PrefetchBytes  int
+	LiveParamBytes int // see PrefetchBytes
 }
 
 // Reduction says how Step combines the gradients of a window.
@@ -95,6 +103,12 @@ type Param struct {
 	Group int
 	// Frozen parameters get no gradient, no bucket and no update.
 	Frozen bool
+	// Init builds a stage-3 model sharded (instead of Data): New calls it
+	// for this rank's part of the parameter only, to fill dst with elements
+	// [offset, offset+len(dst)), so the full parameter never exists on any
+	// rank. It must give every rank the same values for an element (seed by
+	// position, not by rank).
+	Init func(dst []float32, offset int) error
 }
 
 // resolve checks the config and fills in its defaults; model is the
@@ -129,6 +143,12 @@ func (c *Config) resolve(model DType) error {
 	}
 	if c.Align < 0 {
 		return errorf(ErrConfig, "Align %d; set a positive element count", c.Align)
+	}
+	if c.PrefetchBytes == 0 {
+		c.PrefetchBytes = c.BucketBytes
+	}
+	if c.LiveParamBytes < 0 {
+		return errorf(ErrConfig, "LiveParamBytes %d; set a byte budget for gathered parameters, or 0 for none", c.LiveParamBytes)
 	}
 	if c.CommDType == 0 {
 		c.CommDType = model
@@ -186,8 +206,10 @@ type Engine struct {
 	}
 	window Tensor // fp32 pair for Step's check that ranks agree on the window
 
-	opt        *optState // nil without Config.Groups: Step only reduces
-	usedWindow []bool    // per parameter: reported in this window, on this rank
+	opt        *optState   // nil without Config.Groups: Step only reduces
+	ps         *paramState // stage 3 with parameter memory: the parameter shards
+	windowBase int         // where the used flags start in Step's first all-reduce
+	usedWindow []bool      // per parameter: reported in this window, on this rank
 
 	// backward state
 	inBackward bool
@@ -225,6 +247,9 @@ func New(cfg Config, comm Comm, params []Param) (*Engine, error) {
 		return nil, err
 	}
 	if err := checkGroups(cfg.Groups, params); err != nil {
+		return nil, err
+	}
+	if err := checkParamMemory(params, cfg.Stage, len(cfg.Groups) > 0); err != nil {
 		return nil, err
 	}
 	e := &Engine{cfg: cfg, comm: comm, dev: comm.Device(), params: append([]Param(nil), params...), rank: comm.Rank(), world: comm.Size()}
@@ -275,8 +300,19 @@ func (e *Engine) init() error {
 	if len(e.cfg.Groups) > 0 {
 		flags = len(e.params)
 	}
-	if e.window, err = e.dev.Alloc(2+flags, FP32); err != nil {
+	// (G, −G), then at stage 3 with parameter shards the references still
+	// gathered, then the used flags.
+	e.windowBase = 2
+	if e.cfg.Stage == 3 && hasParamMemory(e.params) {
+		e.windowBase = 3
+	}
+	if e.window, err = e.dev.Alloc(e.windowBase+flags, FP32); err != nil {
 		return err
+	}
+	if e.cfg.Stage == 3 && hasParamMemory(e.params) {
+		if err := e.initParamShards(); err != nil {
+			return err
+		}
 	}
 	if len(e.cfg.Groups) > 0 {
 		return e.initOptimizer()
@@ -544,6 +580,11 @@ func (e *Engine) Step() error {
 	if err := e.copyStream.Sync(); err != nil {
 		return e.fail(err)
 	}
+	if e.ps != nil {
+		if err := e.endParamWindow(); err != nil {
+			return e.fail(err)
+		}
+	}
 	readScale := float32(1)
 	if e.cfg.Reduction == Mean {
 		readScale = float32(1 / float64(g))
@@ -578,6 +619,12 @@ func (e *Engine) Step() error {
 	if e.opt != nil {
 		e.stats.OptimizerBytes = e.opt.mem.cur
 	}
+	if st := e.ps; st != nil {
+		e.stats.ParamShardBytes, e.stats.PeakParamBytes, e.stats.GatherBuffers = int64(st.shard.Bytes()), st.mem.peak, st.pool.held
+		e.stats.PrefetchHits, e.stats.PrefetchMisses, e.stats.PrefetchWasted = st.hits, st.misses, st.wasted
+		st.hits, st.misses, st.wasted = 0, 0, 0
+		st.mem.peak = st.mem.cur
+	}
 	e.pl.sent = CommCounters{}
 	e.pl.mem.peak = e.pl.mem.cur
 	e.stepIndex++
@@ -586,6 +633,19 @@ func (e *Engine) Step() error {
 	clear(e.usedWindow)
 	e.pl.newWindow()
 	e.events.recycle() // every producer event was waited on by a synced reduction
+	if e.ps != nil {
+		// the next window's first buckets, from the updated shard
+		ev, err := e.reduceStream.Record()
+		if err == nil {
+			err = e.gatherStream.Wait(ev)
+		}
+		if err == nil {
+			err = e.prefetch()
+		}
+		if err != nil {
+			return e.fail(err)
+		}
+	}
 	return nil
 }
 
@@ -597,9 +657,12 @@ func (e *Engine) agreeOnWindow() (int, []bool, error) {
 	n := float32(e.backwards)
 	buf := make([]float32, e.window.count)
 	buf[0], buf[1] = n, -n
+	if e.windowBase > 2 {
+		buf[2] = float32(e.stillGathered())
+	}
 	for p, used := range e.usedWindow {
-		if used && 2+p < len(buf) {
-			buf[2+p] = 1
+		if used && e.windowBase+p < len(buf) {
+			buf[e.windowBase+p] = 1
 		}
 	}
 	s := e.reduceStream
@@ -618,6 +681,8 @@ func (e *Engine) agreeOnWindow() (int, []bool, error) {
 	}
 	most, least := int(buf[0]), int(-buf[1])
 	switch {
+	case e.windowBase > 2 && buf[2] > 0:
+		return 0, nil, errorf(ErrProtocol, "Step with parameters still gathered (%d references on some rank, %d here); Release what Gather returned first", int(buf[2]), e.stillGathered())
 	case most != least:
 		return 0, nil, errorf(ErrMismatch, "Step: ranks took between %d and %d backwards since the last Step (this rank %d); every rank must take the same number", least, most, e.backwards)
 	case most == 0:
@@ -627,7 +692,7 @@ func (e *Engine) agreeOnWindow() (int, []bool, error) {
 	}
 	used := make([]bool, len(e.params))
 	for p := range used {
-		used[p] = 2+p >= len(buf) || buf[2+p] != 0
+		used[p] = e.windowBase+p >= len(buf) || buf[e.windowBase+p] != 0
 	}
 	return most, used, nil
 }
@@ -677,6 +742,19 @@ type Stats struct {
 	// their memory (zero when the step skipped).
 	OptimizerTime   time.Duration
 	ParamGatherTime time.Duration // see OptimizerTime
+
+	// Stage 3 with parameter shards: the parameter memory (the shard, and
+	// the peak of shard plus gather buffers over the window; ParamMemory
+	// tells it at any moment), the gather buffers allocated, and the
+	// window's buckets asked for that a prefetch had gathered (hits), that
+	// were gathered on demand while a last order existed (misses), and that
+	// were prefetched but never asked for (wasted).
+	ParamShardBytes int64
+	PeakParamBytes  int64 // see ParamShardBytes
+	GatherBuffers   int   // see ParamShardBytes
+	PrefetchHits    int   // see ParamShardBytes
+	PrefetchMisses  int   // see ParamShardBytes
+	PrefetchWasted  int   // see ParamShardBytes
 }
 
 // Stats returns the stats of the last Step.
@@ -798,6 +876,9 @@ func (e *Engine) Close() error {
 	}
 	if e.opt != nil {
 		errs = append(errs, e.opt.close(e.dev))
+	}
+	if e.ps != nil {
+		errs = append(errs, e.ps.close(e.dev))
 	}
 	for _, s := range []Stream{e.reduceStream, e.gatherStream, e.copyStream} {
 		if s != nil {

@@ -1,0 +1,499 @@
+package zero
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand"
+	"slices"
+	"testing"
+	"time"
+)
+
+// z3Run is one configuration of the stage-3 trainer.
+type z3Run struct {
+	stage, world int
+	dtype        DType
+	bucket       int
+	prefetch     int  // Config.PrefetchBytes
+	live         int  // Config.LiveParamBytes
+	sharded      bool // build with Param.Init instead of Data
+	steps        int
+	// order gives the layers' forward order in a step (nil: 0, 1, 2, …)
+	order func(step int) []int
+	// check, if set, sees the parameter memory after every Gather and
+	// Release on rank 0.
+	check func(e *Engine, what string) error
+}
+
+// z3Result is what a run leaves: every rank's final parameters (bits, read
+// through Gather at stage 3 and from their memory below it) and rank 0's
+// stats after each step.
+type z3Result struct {
+	final [][]uint32
+	stats []Stats
+}
+
+// trainZ3 trains q with AdamW as TestTrainingEquivalence does, reading the
+// parameters layer by layer: at stage 3 each layer is gathered for its
+// forward and released after it, and gathered again in backward (in reverse)
+// while its gradient is computed; below stage 3 they are read from their
+// memory.
+func trainZ3(t *testing.T, q *quadTask, r z3Run) z3Result {
+	t.Helper()
+	comms, _ := NewLocalGroupTimeout(r.world, 20*time.Second)
+	res := z3Result{final: make([][]uint32, r.world)}
+	errs := eachRank(r.world, func(rank int) error {
+		defer comms[rank].Close()
+		n := len(q.sizes)
+		data := make([]*tbuf, n)
+		ps := make([]Param, n)
+		offs := make([]int, n)
+		off := 0
+		for p, size := range q.sizes {
+			offs[p] = off
+			ps[p] = Param{Name: fmt.Sprint("w", p), Count: size, DType: r.dtype}
+			if r.sharded {
+				base := off
+				ps[p].Init = func(dst []float32, at int) error {
+					for i := range dst {
+						dst[i] = float32(q.theta0[base+at+i])
+					}
+					return nil
+				}
+			} else {
+				data[p] = newTBuf(r.dtype, size)
+				for i := range size {
+					x := q.theta0[off+i]
+					if rank > 0 {
+						x = 100 // rank 0's values must win the broadcast
+					}
+					data[p].set(i, float32(x))
+				}
+				ps[p].Data = data[p].t()
+			}
+			off += size
+		}
+		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Groups: []Optimizer{AdamW{LR: 0.01, WeightDecay: 0.01}},
+			PrefetchBytes: r.prefetch, LiveParamBytes: r.live}
+		e, err := New(cfg, comms[rank], ps)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		if r.stage == 3 && !r.sharded {
+			for _, b := range data { // the framework may free them: the engine must not read them again
+				for i := range b.len() {
+					b.set(i, float32(math.NaN()))
+				}
+			}
+		}
+		s := NewHostStream()
+		defer s.Close()
+		check := func(what string) error {
+			if rank == 0 && r.check != nil {
+				return r.check(e, what)
+			}
+			return nil
+		}
+		// read returns layer p's values as the forward sees them.
+		read := func(p int) ([]float64, error) {
+			out := make([]float64, q.sizes[p])
+			if r.stage < 3 {
+				for i := range out {
+					out[i] = float64(data[p].val(i))
+				}
+				return out, nil
+			}
+			views, err := e.Gather(s, p)
+			if err != nil {
+				return nil, err
+			}
+			if err := check(fmt.Sprintf("gather %d", p)); err != nil {
+				return nil, err
+			}
+			if err := s.Sync(); err != nil { // the host reads the view now
+				return nil, err
+			}
+			v := &tbuf{dt: r.dtype}
+			if r.dtype == FP32 {
+				v.f = views[0].hostFloats()
+			} else {
+				v.h = unsafeHalfs(views[0])
+			}
+			for i := range out {
+				out[i] = float64(v.val(i))
+			}
+			if err := e.Release(s, p); err != nil {
+				return nil, err
+			}
+			return out, check(fmt.Sprintf("release %d", p))
+		}
+		for st := range r.steps {
+			order := make([]int, n)
+			for i := range order {
+				order[i] = i
+			}
+			if r.order != nil {
+				order = r.order(st)
+			}
+			for p := range order { // forward
+				if _, err := read(order[p]); err != nil {
+					return err
+				}
+			}
+			sample := rank
+			for k := len(order) - 1; k >= 0; k-- { // backward
+				p := order[k]
+				theta, err := read(p)
+				if err != nil {
+					return err
+				}
+				g := newTBuf(r.dtype, q.sizes[p])
+				for i := range q.sizes[p] {
+					j := offs[p] + i
+					d := float32(theta[i]) - float32(q.t[st][sample][j])
+					g.set(i, float32(q.a[st][sample][j])*d)
+				}
+				if _, err := e.GradReady(p, g.t(), s); err != nil {
+					return err
+				}
+			}
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			if rank == 0 {
+				res.stats = append(res.stats, e.Stats())
+			}
+		}
+		for p := range n {
+			theta, err := read(p)
+			if err != nil {
+				return err
+			}
+			for _, x := range theta {
+				res.final[rank] = append(res.final[rank], refEncodeBits(r.dtype, float32(x)))
+			}
+		}
+		return nil
+	})
+	for rank, err := range errs {
+		if err != nil {
+			t.Fatalf("%+v rank %d: %v", r, rank, err)
+		}
+	}
+	return res
+}
+
+// refEncodeBits is x's bits in dtype d.
+func refEncodeBits(d DType, x float32) uint32 {
+	if d == FP32 {
+		return math.Float32bits(x)
+	}
+	return uint32(refEncode(d, x))
+}
+
+// TestStage3EqualsStage2: training at stage 3, with each layer gathered for
+// its forward and again for its backward, gives stage 2's bits for the same
+// W, bucket size and inputs (the same reductions and optimizer; parameters
+// gathered from the same shard): W 1, 2, 3, 4 and 8 with sizes that do not
+// divide by W, fp32 and bf16, prefetch on and off, a build from the
+// parameters' memory (overwritten with NaN after New) and a sharded build.
+func TestStage3EqualsStage2(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	sizes := []int{37, 130, 8, 257, 61}
+	const steps = 4
+	for _, dt := range []DType{FP32, BF16} {
+		for _, world := range []int{1, 2, 3, 4, 8} {
+			q := newQuadTask(rng, sizes, steps, world)
+			for i, x := range q.theta0 {
+				q.theta0[i] = float64(refDecode(dt, refEncode(dt, float32(x))))
+			}
+			base := z3Run{stage: 2, world: world, dtype: dt, bucket: 512, steps: steps}
+			want := trainZ3(t, q, base)
+			for _, v := range []struct {
+				name     string
+				prefetch int
+				sharded  bool
+			}{{"prefetch", 1024, false}, {"no prefetch", -1, false}, {"sharded build", 1024, true}} {
+				r := base
+				r.stage, r.prefetch, r.sharded = 3, v.prefetch, v.sharded
+				got := trainZ3(t, q, r)
+				for rank := range got.final {
+					if !slices.Equal(got.final[rank], want.final[rank]) {
+						t.Fatalf("%v W=%d %s: rank %d's parameters differ from stage 2's", dt, world, v.name, rank)
+					}
+				}
+				if v.prefetch > 0 && world > 1 {
+					if h := got.stats[steps-1].PrefetchHits; h == 0 {
+						t.Errorf("%v W=%d: no prefetch hit in the last step", dt, world)
+					}
+				}
+			}
+		}
+	}
+}
+
+func unsafeHalfs(t Tensor) []uint16 {
+	b := t.hostBytes()
+	out := make([]uint16, t.count)
+	for i := range out {
+		out[i] = uint16(b[2*i]) | uint16(b[2*i+1])<<8
+	}
+	return out
+}
+
+// TestStage3MemoryAndPrefetch: in a traced run, after every Gather and
+// Release the parameter memory is the shard plus the gather buffers
+// (gathered or pooled), the gathered bytes are those of the buckets gathered
+// now, and they stay within the live budget (the framework holds one layer
+// at a time here, so only prefetching could pass it). With the layers in
+// another order in one step the result keeps stage 2's bits; the stats
+// count the prefetches that order wasted or missed.
+func TestStage3MemoryAndPrefetch(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	sizes := []int{100, 100, 100, 100, 100, 100}
+	const steps = 4
+	q := newQuadTask(rng, sizes, steps, 2)
+	shuffled := func(st int) []int {
+		if st == 2 {
+			return []int{0, 3, 1, 5, 2, 4}
+		}
+		return []int{0, 1, 2, 3, 4, 5}
+	}
+	want := trainZ3(t, q, z3Run{stage: 2, world: 2, dtype: FP32, bucket: 400, steps: steps, order: shuffled})
+	for _, live := range []int{0, 2 * 512, 3 * 512} {
+		checks := 0
+		r := z3Run{stage: 3, world: 2, dtype: FP32, bucket: 400, steps: steps, order: shuffled,
+			prefetch: 4 * 512, live: live,
+			check: func(e *Engine, what string) error {
+				checks++
+				m := e.ParamMemory()
+				buf := int64(e.Plan().MaxBucket() * 4)
+				if m.ShardBytes != int64(e.Plan().ShardElems*4) {
+					return fmt.Errorf("%s: shard %d bytes, want %d", what, m.ShardBytes, e.Plan().ShardElems*4)
+				}
+				if m.GatheredBytes != int64(m.GatheredBuckets)*buf {
+					return fmt.Errorf("%s: %d gathered bytes for %d buckets of %d", what, m.GatheredBytes, m.GatheredBuckets, buf)
+				}
+				if m.GatheredBytes+m.PooledBytes != int64(m.Buffers)*buf {
+					return fmt.Errorf("%s: gathered %d + pooled %d bytes, %d buffers of %d", what, m.GatheredBytes, m.PooledBytes, m.Buffers, buf)
+				}
+				if total := m.ShardBytes + m.GatheredBytes + m.PooledBytes; total > m.PeakBytes {
+					return fmt.Errorf("%s: %d bytes now, above the peak %d", what, total, m.PeakBytes)
+				}
+				if live > 0 && m.GatheredBytes > max(int64(live), buf) {
+					return fmt.Errorf("%s: %d bytes gathered, over the live budget %d", what, m.GatheredBytes, live)
+				}
+				return nil
+			}}
+		got := trainZ3(t, q, r)
+		for rank := range got.final {
+			if !slices.Equal(got.final[rank], want.final[rank]) {
+				t.Fatalf("live %d: rank %d's parameters differ from stage 2's", live, rank)
+			}
+		}
+		s1, s2 := got.stats[1], got.stats[2]
+		t.Logf("live %d: %d checks; step 2 hits %d misses %d wasted %d; step 3 (shuffled) hits %d misses %d wasted %d; peak %d bytes",
+			live, checks, s1.PrefetchHits, s1.PrefetchMisses, s1.PrefetchWasted, s2.PrefetchHits, s2.PrefetchMisses, s2.PrefetchWasted, s1.PeakParamBytes)
+		if s1.PrefetchHits == 0 || s1.PrefetchMisses != 0 || s1.PrefetchWasted != 0 {
+			t.Errorf("live %d: step 2 repeats step 1's order: hits %d misses %d wasted %d, want every gather but the first a hit", live, s1.PrefetchHits, s1.PrefetchMisses, s1.PrefetchWasted)
+		}
+		if s2.PrefetchMisses+s2.PrefetchWasted == 0 {
+			t.Errorf("live %d: the shuffled step wasted and missed nothing", live)
+		}
+	}
+}
+
+// TestStage3Errors: the gathers' misuse gets typed errors that change
+// nothing: Gather or Release below stage 3 or of a frozen parameter,
+// Release of what is not gathered (or twice), Step with a release missing
+// (on every rank, keeping the window), Init below stage 3, Data with Init.
+func TestStage3Errors(t *testing.T) {
+	mk := func() []Param {
+		return []Param{{Name: "a", Count: 10, DType: FP32, Data: Float32s(make([]float32, 10))},
+			{Name: "f", Count: 4, DType: FP32, Data: Float32s(make([]float32, 4)), Frozen: true}}
+	}
+	comms, _ := NewLocalGroup(1)
+	init := func([]float32, int) error { return nil }
+	bad := mk()
+	bad[0].Init = init
+	if _, err := New(Config{Stage: 3, BucketBytes: 1024}, comms[0], bad); !errors.Is(err, ErrParam) {
+		t.Errorf("Data and Init: %v, want ErrParam", err)
+	}
+	bad = mk()
+	bad[0].Data, bad[0].Init = Tensor{}, init
+	if _, err := New(Config{Stage: 2, BucketBytes: 1024}, comms[0], bad); !errors.Is(err, ErrParam) {
+		t.Errorf("Init at stage 2: %v, want ErrParam", err)
+	}
+	e2, err := New(Config{Stage: 2, BucketBytes: 1024}, comms[0], mk())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := NewHostStream()
+	defer s.Close()
+	if _, err := e2.Gather(s, 0); !errors.Is(err, ErrProtocol) {
+		t.Errorf("Gather at stage 2: %v, want ErrProtocol", err)
+	}
+	e2.Close()
+
+	comms, _ = NewLocalGroupTimeout(2, 10*time.Second)
+	errs := eachRank(2, func(rank int) error {
+		defer comms[rank].Close()
+		s := NewHostStream() // each rank its own: a shared stream would serialize the ranks' collectives
+		defer s.Close()
+		e, err := New(Config{Stage: 3, BucketBytes: 1024, Groups: []Optimizer{SGD{LR: 0.1}}}, comms[rank], mk())
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		if _, err := e.Gather(s, 1); !errors.Is(err, ErrParam) {
+			return fmt.Errorf("Gather of a frozen parameter: %v, want ErrParam", err)
+		}
+		if err := e.Release(s, 0); !errors.Is(err, ErrProtocol) {
+			return fmt.Errorf("Release of what is not gathered: %v, want ErrProtocol", err)
+		}
+		if _, err := e.Gather(s, 0); err != nil {
+			return err
+		}
+		if err := e.Release(s, 0, 0); !errors.Is(err, ErrProtocol) {
+			return fmt.Errorf("Release twice of one Gather: %v, want ErrProtocol", err)
+		}
+		if _, err := e.GradReady(0, Float32s(make([]float32, 10)), s); err != nil {
+			return err
+		}
+		if err := e.EndBackward(); err != nil {
+			return err
+		}
+		if rank == 1 { // only rank 1 keeps its reference
+			if err := e.Step(); !errors.Is(err, ErrProtocol) {
+				return fmt.Errorf("Step with a release missing: %v, want ErrProtocol", err)
+			}
+			if err := e.Release(s, 0); err != nil {
+				return err
+			}
+		} else {
+			if err := e.Release(s, 0); err != nil {
+				return err
+			}
+			if err := e.Step(); !errors.Is(err, ErrProtocol) {
+				return fmt.Errorf("Step while rank 1 holds a reference: %v, want ErrProtocol", err)
+			}
+		}
+		if err := e.Step(); err != nil { // the window was kept
+			return fmt.Errorf("Step after the release: %v", err)
+		}
+		if st := e.Stats(); st.Backwards != 1 {
+			return fmt.Errorf("the step saw %d backwards, want the kept window's 1", st.Backwards)
+		}
+		return nil
+	})
+	everyRankIs(t, "stage 3 errors", errs, nil)
+}
+
+// TestStage3CloseFreesEverything: Close with a bucket still gathered and
+// another prefetched frees every byte.
+func TestStage3CloseFreesEverything(t *testing.T) {
+	dev := newCountingDevice()
+	defer dev.release()
+	comms, _ := NewLocalGroup(1)
+	ps := []Param{{Count: 300, DType: FP32, Data: Float32s(make([]float32, 300))}, {Count: 300, DType: FP32, Data: Float32s(make([]float32, 300))}}
+	e, err := New(Config{Stage: 3, BucketBytes: 1024, Groups: []Optimizer{AdamW{LR: 0.1}}}, onDevice{comms[0], dev}, ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := NewHostStream()
+	defer s.Close()
+	for range 2 { // a first window records the order, the second prefetches
+		for _, p := range []int{0, 1} {
+			if _, err := e.Gather(s, p); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.Release(s, p); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, p := range []int{1, 0} {
+			if _, err := e.GradReady(p, Float32s(make([]float32, 300)), s); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := e.EndBackward(); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Step(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := e.Gather(s, 0); err != nil { // gathers bucket 0 and prefetches bucket 1
+		t.Fatal(err)
+	}
+	if m := e.ParamMemory(); m.GatheredBuckets != 2 {
+		t.Fatalf("%d buckets gathered, want 2 (one asked for, one prefetched)", m.GatheredBuckets)
+	}
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if b := dev.liveBytes(); b != 0 {
+		t.Fatalf("%d bytes still allocated after Close", b)
+	}
+}
+
+// TestStage3ReleaseWaitsForTheUser: a bucket released by a stream whose
+// work has not run yet keeps its buffer until that work has: the next
+// gather into the same pooled buffer waits for it.
+func TestStage3ReleaseWaitsForTheUser(t *testing.T) {
+	comms, _ := NewLocalGroup(1)
+	ones, twos := make([]float32, 256), make([]float32, 256)
+	for i := range ones {
+		ones[i], twos[i] = 1, 2
+	}
+	ps := []Param{{Name: "a", Count: 256, DType: FP32, Data: Float32s(ones)}, {Name: "b", Count: 256, DType: FP32, Data: Float32s(twos)}}
+	e, err := New(Config{Stage: 3, BucketBytes: 1024, PrefetchBytes: -1}, comms[0], ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	if len(e.Plan().Buckets) != 2 {
+		t.Fatalf("%d buckets, want one per parameter", len(e.Plan().Buckets))
+	}
+	a, open := gateStream()
+	defer a.Close()
+	b := NewHostStream()
+	defer b.Close()
+	views, err := e.Gather(a, 1) // bucket 0 holds parameter 1 (backward order)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := make([]float32, 256)
+	a.Launch(func() error { copy(seen, views[0].hostFloats()); return nil })
+	if err := e.Release(a, 1); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Gather(b, 0); err != nil { // the pool's one buffer again
+		t.Fatal(err)
+	}
+	if m := e.ParamMemory(); m.Buffers != 1 {
+		t.Fatalf("%d gather buffers, want the one reused", m.Buffers)
+	}
+	open()
+	if err := a.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	for i, x := range seen {
+		if x != 2 {
+			t.Fatalf("the released view read %v at %d, want 2: the next gather overwrote it before its user ran", x, i)
+		}
+	}
+	if err := e.Release(b, 0); err != nil {
+		t.Fatal(err)
+	}
+}
