@@ -87,6 +87,25 @@ func (t Tensor) DType() DType { return t.dtype }
 // Bytes is the size in bytes.
 func (t Tensor) Bytes() int { return t.count * t.dtype.Size() }
 
+// HostFloat32s views fp32 elements in host memory (a Go slice, the CPU
+// device's buffers, a stage-3 view on the CPU device) as a Go slice, nil for
+// another dtype. Device memory cannot be viewed so: copy it out instead.
+func (t Tensor) HostFloat32s() []float32 {
+	if t.dtype != FP32 {
+		return nil
+	}
+	return t.hostFloats()
+}
+
+// HostHalfs views bf16 or fp16 elements in host memory as their 16-bit
+// patterns, nil for fp32; as HostFloat32s, for host memory only.
+func (t Tensor) HostHalfs() []uint16 {
+	if t.dtype == FP32 || t.count == 0 {
+		return nil
+	}
+	return unsafe.Slice((*uint16)(t.hostPtr()), t.count)
+}
+
 // slice returns elements [lo, lo+n) of t.
 func (t Tensor) slice(lo, n int) Tensor {
 	return Tensor{ptr: t.ptr + uintptr(lo*t.dtype.Size()), count: n, dtype: t.dtype, keep: t.keep}

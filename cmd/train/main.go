@@ -22,7 +22,7 @@ import (
 func main() {
 	c := defaultConfig()
 	flag.IntVar(&c.world, "world", c.world, "ranks in the in-process group")
-	flag.IntVar(&c.stage, "stage", c.stage, "ZeRO stage (1 or 2)")
+	flag.IntVar(&c.stage, "stage", c.stage, "ZeRO stage (1, 2 or 3: parameters sharded, gathered layer by layer)")
 	flag.IntVar(&c.steps, "steps", c.steps, "optimizer steps")
 	flag.IntVar(&c.batch, "batch", c.batch, "global batch (samples per step, over every rank)")
 	flag.IntVar(&c.accum, "accum", c.accum, "backwards per step (micro-batches per rank)")
@@ -97,19 +97,26 @@ func (m mlp) initial(rng *rand.Rand) [][]float64 {
 	return th
 }
 
-// forward returns the hidden activations and the output for x.
-func (m mlp) forward(th [][]float64, x []float64) (h []float64, y float64) {
-	h = make([]float64, m.hidden)
-	y = th[3][0]
+// hiddenLayer returns σ(W1·x + b1).
+func (m mlp) hiddenLayer(w1, b1, x []float64) []float64 {
+	h := make([]float64, m.hidden)
 	for j := range h {
-		z := th[1][j]
+		z := b1[j]
 		for k, xk := range x {
-			z += th[0][j*m.in+k] * xk
+			z += w1[j*m.in+k] * xk
 		}
 		h[j] = 1 / (1 + math.Exp(-z))
-		y += th[2][j] * h[j]
 	}
-	return h, y
+	return h
+}
+
+// outputLayer returns W2·h + b2.
+func (m mlp) outputLayer(w2, b2, h []float64) float64 {
+	y := b2[0]
+	for j, hj := range h {
+		y += w2[j] * hj
+	}
+	return y
 }
 
 // batchState is a micro-batch after forward: inputs, activations and the
@@ -119,18 +126,27 @@ type batchState struct {
 	d    []float64
 }
 
-// forwardBatch runs forward on samples and returns the state backward needs
-// and the mean loss ½(ŷ − y)².
-func (m mlp) forwardBatch(th [][]float64, xs [][]float64, ys []float64) (batchState, float64) {
+// forwardBatch runs forward on samples, layer by layer, and returns the
+// state backward needs and the mean loss ½(ŷ − y)². layer(l) gives layer
+// l's (weight, bias) and is done with them when the next call comes.
+func (m mlp) forwardBatch(layer func(l int) ([]float64, []float64), xs [][]float64, ys []float64) (batchState, float64) {
 	b := batchState{x: xs, h: make([][]float64, len(xs)), d: make([]float64, len(xs))}
-	loss := 0.0
+	w1, b1 := layer(0)
 	for s, x := range xs {
-		var y float64
-		b.h[s], y = m.forward(th, x)
-		b.d[s] = y - ys[s]
+		b.h[s] = m.hiddenLayer(w1, b1, x)
+	}
+	w2, b2 := layer(1)
+	loss := 0.0
+	for s := range xs {
+		b.d[s] = m.outputLayer(w2, b2, b.h[s]) - ys[s]
 		loss += 0.5 * b.d[s] * b.d[s]
 	}
 	return b, loss / float64(len(xs))
+}
+
+// layersOf serves forwardBatch from parameters held whole.
+func layersOf(th [][]float64) func(l int) ([]float64, []float64) {
+	return func(l int) ([]float64, []float64) { return th[2*l], th[2*l+1] }
 }
 
 // backwardOutput is the output layer's part of backward: the mean gradients
@@ -150,12 +166,12 @@ func (m mlp) backwardOutput(b batchState, gW2, gb2 []float64) {
 
 // backwardHidden is the hidden layer's part: the mean gradients of W1 and
 // b1, through W2 as forward read it.
-func (m mlp) backwardHidden(th [][]float64, b batchState, gW1, gb1 []float64) {
+func (m mlp) backwardHidden(w2 []float64, b batchState, gW1, gb1 []float64) {
 	clear(gW1)
 	clear(gb1)
 	for s, d := range b.d {
 		for j, hj := range b.h[s] {
-			dz := d * th[2][j] * hj * (1 - hj)
+			dz := d * w2[j] * hj * (1 - hj)
 			gb1[j] += dz
 			for k, xk := range b.x[s] {
 				gW1[j*m.in+k] += dz * xk
@@ -337,16 +353,44 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		return err
 	}
 	defer e.Close()
+	if c.stage == 3 {
+		mem = nil // the engine holds this rank's shard: the full parameters can go
+	}
 	// Backward runs the output layer's part on one stream and the hidden
 	// layer's on another, as a framework's autograd may.
 	outStream, hiddenStream := zero.NewHostStream(), zero.NewHostStream()
 	defer outStream.Close()
 	defer hiddenStream.Close()
-	read := func() {
-		for p := range theta {
-			mem[p].get(theta[p])
+	// gather reads tensors ps into theta: from their memory, or at stage 3
+	// through a gather whose views are read on s and released at once.
+	gather := func(s *zero.HostStream, ps ...int) error {
+		if mem != nil {
+			for _, p := range ps {
+				mem[p].get(theta[p])
+			}
+			return nil
 		}
+		views, err := e.Gather(s, ps...)
+		if err != nil {
+			return err
+		}
+		if err := s.Sync(); err != nil { // this host code reads the views now
+			return err
+		}
+		for i, p := range ps {
+			(&tensorMem{f32: views[i].HostFloat32s(), h: views[i].HostHalfs(), dt: c.dtype}).get(theta[p])
+		}
+		return e.Release(s, ps...)
 	}
+	var gatherErr error
+	// layer serves the forward one layer at a time
+	layer := func(l int) ([]float64, []float64) {
+		if err := gather(outStream, 2*l, 2*l+1); err != nil && gatherErr == nil {
+			gatherErr = err
+		}
+		return theta[2*l], theta[2*l+1]
+	}
+	read := func() error { return gather(outStream, 0, 1, 2, 3) }
 	record := func() {
 		snap := make([][]float64, 4)
 		for p := range theta {
@@ -354,7 +398,9 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		}
 		rec.params = append(rec.params, snap)
 	}
-	read() // rank 0's values, after the broadcast
+	if err := read(); err != nil { // rank 0's values, after the broadcast
+		return err
+	}
 	if rec != nil {
 		record()
 	}
@@ -369,7 +415,15 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		var reused [4]zero.Event // when the engine is done with each gradient buffer
 		for k := range c.accum {
 			from, to := c.microBatch(comm.Rank(), k)
-			b, l := m.forwardBatch(theta, data.x[st][from:to], data.y[st][from:to])
+			b, l := m.forwardBatch(layer, data.x[st][from:to], data.y[st][from:to])
+			if gatherErr != nil {
+				return gatherErr
+			}
+			// the hidden layer's backward reads W2 again: gathered again
+			if err := gather(hiddenStream, 2); err != nil {
+				return err
+			}
+			w2 := append([]float64(nil), theta[2]...)
 			loss += l / float64(c.accum)
 			// report computes layers' gradients on s, after the engine's
 			// reads of the previous micro-batch's, and hands them over.
@@ -400,7 +454,7 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 			if err := report(outStream, func() { m.backwardOutput(b, g64[2], g64[3]) }, 3, 2); err != nil {
 				return err
 			}
-			if err := report(hiddenStream, func() { m.backwardHidden(theta, b, g64[0], g64[1]) }, 1, 0); err != nil {
+			if err := report(hiddenStream, func() { m.backwardHidden(w2, b, g64[0], g64[1]) }, 1, 0); err != nil {
 				return err
 			}
 			if err := e.EndBackward(); err != nil {
@@ -423,7 +477,9 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		if err := outStream.Sync(); err != nil {
 			return err
 		}
-		read()
+		if err := read(); err != nil { // every rank: at stage 3 it gathers
+			return err
+		}
 		if rec != nil {
 			record()
 			rec.loss = append(rec.loss, float64(lossBuf[0]))

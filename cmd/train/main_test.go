@@ -53,21 +53,21 @@ func TestBackwardMatchesFiniteDifferences(t *testing.T) {
 	th := m.initial(rand.New(rand.NewSource(seed)))
 	d := makeData(c)
 	xs, ys := d.x[0][:5], d.y[0][:5]
-	b, _ := m.forwardBatch(th, xs, ys)
+	b, _ := m.forwardBatch(layersOf(th), xs, ys)
 	g := make([][]float64, 4)
 	for p, n := range m.sizes() {
 		g[p] = make([]float64, n)
 	}
 	m.backwardOutput(b, g[2], g[3])
-	m.backwardHidden(th, b, g[0], g[1])
+	m.backwardHidden(th[2], b, g[0], g[1])
 	const h = 1e-6
 	for p := range th {
 		for i := range th[p] {
 			x := th[p][i]
 			th[p][i] = x + h
-			_, lp := m.forwardBatch(th, xs, ys)
+			_, lp := m.forwardBatch(layersOf(th), xs, ys)
 			th[p][i] = x - h
-			_, lm := m.forwardBatch(th, xs, ys)
+			_, lm := m.forwardBatch(layersOf(th), xs, ys)
 			th[p][i] = x
 			fd := (lp - lm) / (2 * h)
 			if math.Abs(fd-g[p][i]) > 1e-5*(1+math.Abs(fd)) {
@@ -108,13 +108,13 @@ func (r *reference) grads(th [][]float64, d dataset, st int) [][][]float64 {
 	for rank := range r.c.world {
 		for k := range r.c.accum {
 			from, to := r.c.microBatch(rank, k)
-			b, _ := r.m.forwardBatch(th, d.x[st][from:to], d.y[st][from:to])
+			b, _ := r.m.forwardBatch(layersOf(th), d.x[st][from:to], d.y[st][from:to])
 			g := make([][]float64, 4)
 			for p, n := range r.m.sizes() {
 				g[p] = make([]float64, n)
 			}
 			r.m.backwardOutput(b, g[2], g[3])
-			r.m.backwardHidden(th, b, g[0], g[1])
+			r.m.backwardHidden(th[2], b, g[0], g[1])
 			out = append(out, g)
 		}
 	}
@@ -156,7 +156,7 @@ func (r *reference) step(g [][]float64, t int) {
 }
 
 // TestMatchesSingleRankTraining: the example on W ranks against the float64
-// reference on the same global batch, for stages 1 and 2, W 1, 2 and 4, 1
+// reference on the same global batch, for stages 1, 2 and 3, W 1, 2 and 4, 1
 // and 3 backwards per step, fp32 and bf16, 20 steps. The bound is that of
 // TestTrainingEquivalence in the zero package, carried element by element
 // along the reference trajectory:
@@ -186,7 +186,7 @@ func TestMatchesSingleRankTraining(t *testing.T) {
 		if dt == zero.BF16 {
 			ud = 0x1p-8
 		}
-		for _, stage := range []int{1, 2} {
+		for _, stage := range []int{1, 2, 3} {
 			for _, world := range []int{1, 2, 4} {
 				for _, accum := range []int{1, 3} {
 					c := defaultConfig()
@@ -247,6 +247,41 @@ func TestMatchesSingleRankTraining(t *testing.T) {
 					}
 					t.Logf("%s: after %d steps the largest parameter difference is %.2f of its bound", name, c.steps, worst)
 				}
+			}
+		}
+	}
+}
+
+// TestStage3MatchesStage2: the example at stage 3 (parameters sharded,
+// gathered layer by layer in forward and again for the backward) gives
+// stage 2's bits after every step.
+func TestStage3MatchesStage2(t *testing.T) {
+	seed := testSeed(t)
+	for _, dt := range []zero.DType{zero.FP32, zero.BF16} {
+		for _, world := range []int{1, 2, 4} {
+			c := defaultConfig()
+			c.seed, c.world, c.dtype, c.steps, c.accum = seed, world, dt, 8, 2
+			c.stage = 2
+			want, err := run(nil, c)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.stage = 3
+			got, err := run(nil, c)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for st := range want.params {
+				for p := range want.params[st] {
+					for i, x := range want.params[st][p] {
+						if y := got.params[st][p][i]; math.Float64bits(x) != math.Float64bits(y) {
+							t.Fatalf("%v W=%d step %d: %s[%d] = %v at stage 3, %v at stage 2", dt, world, st, tensorNames[p], i, y, x)
+						}
+					}
+				}
+			}
+			if h := got.stats[len(got.stats)-1].PrefetchHits; h == 0 {
+				t.Errorf("%v W=%d: no prefetch hit in the last step", dt, world)
 			}
 		}
 	}
