@@ -280,3 +280,83 @@ func BenchmarkStepMemory(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkGather: the stage-3 Gather of one 8 MiB bf16 bucket (and its
+// Release) on N in-process ranks, beside the group's own all-gather of the
+// same bytes on the same streams in the same run, out of place as the
+// engine's is (the shard persists apart from the gathered buffer, so each
+// rank copies its own chunk too); algGB/s counts the bucket's bytes, as
+// nccl-tests' algorithm bandwidth.
+func BenchmarkGather(b *testing.B) {
+	const elems = 4 << 20 // 8 MiB of bf16
+	for _, n := range []int{2, 4} {
+		b.Run(fmt.Sprintf("N=%d", n), func(b *testing.B) {
+			comms, _ := NewLocalGroup(n)
+			engines := make([]*Engine, n)
+			streams := make([]*HostStream, n)
+			raw := make([]Tensor, n)
+			errs := eachRank(n, func(r int) error {
+				data := make([]uint16, elems)
+				var err error
+				engines[r], err = New(Config{Stage: 3, BucketBytes: elems * 2, PrefetchBytes: -1},
+					comms[r], []Param{{Count: elems, DType: BF16, Data: Halfs(data, BF16)}})
+				streams[r] = NewHostStream()
+				if err == nil {
+					raw[r], err = CPU().Alloc(elems+elems/n, BF16) // the gathered bucket, then a shard
+				}
+				return err
+			})
+			for _, err := range errs {
+				if err != nil {
+					b.Fatal(err)
+				}
+			}
+			defer func() {
+				for r := range n {
+					engines[r].Close()
+					streams[r].Close()
+					CPU().Free(raw[r])
+				}
+			}()
+			gather := func(r int) error {
+				if _, err := engines[r].Gather(streams[r], 0); err != nil {
+					return err
+				}
+				if err := streams[r].Sync(); err != nil {
+					return err
+				}
+				return engines[r].Release(streams[r], 0)
+			}
+			direct := func(r int) error {
+				if err := comms[r].AllGather(streams[r], raw[r].slice(elems, elems/n), raw[r].slice(0, elems)); err != nil {
+					return err
+				}
+				return streams[r].Sync()
+			}
+			onAll := func(fn func(r int) error) time.Duration {
+				t0 := time.Now()
+				for _, err := range eachRank(n, fn) {
+					if err != nil {
+						b.Fatal(err)
+					}
+				}
+				return time.Since(t0)
+			}
+			onAll(gather) // first touch
+			onAll(direct)
+			var tg, td time.Duration
+			b.SetBytes(elems * 2)
+			b.ResetTimer()
+			for range b.N {
+				tg += onAll(gather)
+				b.StopTimer()
+				td += onAll(direct)
+				b.StartTimer()
+			}
+			payload := float64(elems*2) * float64(b.N)
+			b.ReportMetric(payload/tg.Seconds()/1e9, "algGB/s")
+			b.ReportMetric(payload/td.Seconds()/1e9, "allgather-algGB/s")
+			b.ReportMetric(td.Seconds()/tg.Seconds(), "x-allgather")
+		})
+	}
+}

@@ -1,6 +1,9 @@
 package zero
 
-import "errors"
+import (
+	"errors"
+	"time"
+)
 
 // ZeRO-3 parameters. Each rank keeps its shard of every bucket's parameters
 // in the model dtype (the plan's shard layout, the optimizer's output).
@@ -38,6 +41,22 @@ type paramState struct {
 	wasted      int // prefetched buckets never asked for before Step
 
 	prefetchBytes, liveBytes int64 // 0: no limit on the live bytes
+
+	times [][2]Event // each gather's start and end, for the stats
+}
+
+// takeGatherTime sums the time the window's gathers ran.
+func (st *paramState) takeGatherTime() (time.Duration, error) {
+	var d time.Duration
+	for _, ev := range st.times {
+		t, err := Elapsed(ev[0], ev[1])
+		if err != nil {
+			return 0, err
+		}
+		d += t
+	}
+	st.times = st.times[:0]
+	return d, nil
 }
 
 // ParamMemory is a stage-3 engine's parameter memory on this rank, in bytes.
@@ -301,7 +320,11 @@ func (e *Engine) gatherBucket(b int) error {
 		return err
 	}
 	g := &st.buckets[b]
+	var start Event
 	err = s.Wait(buf.free)
+	if err == nil {
+		start, err = s.Record()
+	}
 	if err == nil {
 		err = e.comm.AllGather(s, st.shard.slice(bp.ShardOffset, bp.Shard), buf.t.slice(0, bp.Padded))
 	}
@@ -315,6 +338,7 @@ func (e *Engine) gatherBucket(b int) error {
 		return err
 	}
 	g.buf, g.ready, g.users = buf, ready, g.users[:0]
+	st.times = append(st.times, [2]Event{start, ready})
 	st.gatheredBytes += int64(buf.t.Bytes())
 	return nil
 }

@@ -624,6 +624,9 @@ func (e *Engine) Step() error {
 		e.stats.PrefetchHits, e.stats.PrefetchMisses, e.stats.PrefetchWasted = st.hits, st.misses, st.wasted
 		st.hits, st.misses, st.wasted = 0, 0, 0
 		st.mem.peak = st.mem.cur
+		if e.stats.ParamGatherTime, err = st.takeGatherTime(); err != nil {
+			return e.fail(err)
+		}
 	}
 	e.pl.sent = CommCounters{}
 	e.pl.mem.peak = e.pl.mem.cur
@@ -739,7 +742,8 @@ type Stats struct {
 	OptimizerBytes int64
 	// OptimizerTime is the device time of the fused optimizer pass, and
 	// ParamGatherTime that of the all-gather of the new parameters into
-	// their memory (zero when the step skipped).
+	// their memory (zero when the step skipped); at stage 3, that of the
+	// window's gathers.
 	OptimizerTime   time.Duration
 	ParamGatherTime time.Duration // see OptimizerTime
 

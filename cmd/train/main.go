@@ -49,6 +49,7 @@ type config struct {
 	lr, weightDecay                   float64
 	dtype                             zero.DType
 	bucketBytes                       int
+	prefetchBytes                     int // stage 3: Config.PrefetchBytes
 	seed                              int64
 }
 
@@ -234,6 +235,9 @@ type result struct {
 	loss   []float64
 	stats  []zero.Stats
 	wall   []time.Duration
+	// waited is the time each step's forward and backward waited for
+	// gathers (stage 3): the part of ParamGatherTime not hidden.
+	waited []time.Duration
 }
 
 // run trains c.steps steps on c.world in-process ranks and prints the loss
@@ -341,9 +345,10 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		params[p] = zero.Param{Name: tensorNames[p], Count: n, DType: c.dtype, Data: mem[p].tensor(), Group: tensorGroups[p]}
 	}
 	e, err := zero.New(zero.Config{
-		Stage:       c.stage,
-		BucketBytes: c.bucketBytes,
-		Align:       1, // a tiny model: let every bucket split over the ranks
+		Stage:         c.stage,
+		BucketBytes:   c.bucketBytes,
+		Align:         1, // a tiny model: let every bucket split over the ranks
+		PrefetchBytes: c.prefetchBytes,
 		Groups: []zero.Optimizer{
 			zero.AdamW{LR: c.lr, WeightDecay: c.weightDecay},
 			zero.AdamW{LR: c.lr},
@@ -363,6 +368,7 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 	defer hiddenStream.Close()
 	// gather reads tensors ps into theta: from their memory, or at stage 3
 	// through a gather whose views are read on s and released at once.
+	var waited time.Duration
 	gather := func(s *zero.HostStream, ps ...int) error {
 		if mem != nil {
 			for _, p := range ps {
@@ -374,9 +380,11 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		if err != nil {
 			return err
 		}
+		t0 := time.Now()
 		if err := s.Sync(); err != nil { // this host code reads the views now
 			return err
 		}
+		waited += time.Since(t0)
 		for i, p := range ps {
 			(&tensorMem{f32: views[i].HostFloat32s(), h: views[i].HostHalfs(), dt: c.dtype}).get(theta[p])
 		}
@@ -411,6 +419,7 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 	lossBuf := make([]float32, 1)
 	for st := range c.steps {
 		t0 := time.Now()
+		waited = 0
 		loss := 0.0
 		var reused [4]zero.Event // when the engine is done with each gradient buffer
 		for k := range c.accum {
@@ -468,7 +477,7 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		if stats.Skipped {
 			return fmt.Errorf("step %d skipped: gradient norm %g", st+1, stats.GradNorm)
 		}
-		wall := time.Since(t0)
+		wall, stepWaited := time.Since(t0), waited
 		// the global batch's mean loss: the mean of the ranks' means
 		lossBuf[0] = float32(loss)
 		if err := comm.AllReduce(outStream, zero.Float32s(lossBuf), zero.OpAvg); err != nil {
@@ -485,6 +494,7 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 			rec.loss = append(rec.loss, float64(lossBuf[0]))
 			rec.stats = append(rec.stats, stats)
 			rec.wall = append(rec.wall, wall)
+			rec.waited = append(rec.waited, stepWaited)
 		}
 	}
 	return nil

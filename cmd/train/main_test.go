@@ -288,30 +288,39 @@ func TestStage3MatchesStage2(t *testing.T) {
 }
 
 // BenchmarkTrainStep: one training step of a wider MLP (32→4096→1, 2 ranks,
-// ZeRO-2, global batch 16) and the share of it that the optimizer pass and
-// the parameters' all-gather take, from the engine's stats.
+// global batch 16, 64 KiB buckets) at stage 2 and at stage 3 with and
+// without prefetch, and the share of it that the optimizer pass and the
+// parameters' gathers take, from the engine's stats. At stage 3, hidden is
+// the share of the gathers' time the forward and backward did not wait for.
 func BenchmarkTrainStep(b *testing.B) {
-	c := defaultConfig()
-	c.in, c.hidden, c.batch, c.steps, c.bucketBytes = 32, 4096, 16, b.N+1, 1<<20
-	res, err := run(nil, c)
-	if err != nil {
-		b.Fatal(err)
+	for _, v := range []struct {
+		name            string
+		stage, prefetch int
+	}{{"zero2", 2, 0}, {"zero3/prefetch", 3, 0}, {"zero3/no-prefetch", 3, -1}} {
+		b.Run(v.name, func(b *testing.B) {
+			c := defaultConfig()
+			c.in, c.hidden, c.batch, c.steps, c.bucketBytes = 32, 4096, 16, b.N+1, 64<<10
+			c.stage, c.prefetchBytes = v.stage, v.prefetch
+			res, err := run(nil, c)
+			if err != nil {
+				b.Fatal(err)
+			}
+			var wall, opt, gather, waited time.Duration
+			for st := 1; st < len(res.wall); st++ { // the first step allocates the moments
+				wall += res.wall[st]
+				opt += res.stats[st].OptimizerTime
+				gather += res.stats[st].ParamGatherTime
+				waited += res.waited[st]
+			}
+			n := float64(len(res.wall) - 1)
+			b.ReportMetric(wall.Seconds()*1e3/n, "step_ms")
+			b.ReportMetric(opt.Seconds()*1e3/n, "optimizer_ms")
+			b.ReportMetric(gather.Seconds()*1e3/n, "gather_ms")
+			b.ReportMetric(float64(opt)/float64(wall), "optimizer_share")
+			if v.stage == 3 {
+				b.ReportMetric(waited.Seconds()*1e3/n, "waited_ms")
+				b.ReportMetric(1-float64(waited)/float64(gather), "hidden")
+			}
+		})
 	}
-	var wall, opt, gather time.Duration
-	for st := 1; st < len(res.wall); st++ { // the first step allocates the moments
-		wall += res.wall[st]
-		opt += res.stats[st].OptimizerTime
-		gather += res.stats[st].ParamGatherTime
-	}
-	n := float64(len(res.wall) - 1)
-	params := 0
-	for _, s := range (mlp{c.in, c.hidden}).sizes() {
-		params += s
-	}
-	b.ReportMetric(float64(params), "params")
-	b.ReportMetric(wall.Seconds()*1e3/n, "step_ms")
-	b.ReportMetric(opt.Seconds()*1e3/n, "optimizer_ms")
-	b.ReportMetric(gather.Seconds()*1e3/n, "gather_ms")
-	b.ReportMetric(float64(opt)/float64(wall), "optimizer_share")
-	b.ReportMetric(float64(opt+gather)/float64(wall), "opt+gather_share")
 }
