@@ -28,9 +28,13 @@
 //     (NewLocalGroup). With -tags cuda they are CUDA C, and ranks talk over
 //     NCCL (NewNCCL) or share one GPU (NewCUDALocalGroup).
 //
-// Not yet: ZeRO-3's parameter sharding
-// (stage 3 reduces gradients as stage 2 does), coalesced windows and CPU
-// offload. DESIGN.md in the repository says how each will work.
+//   - At stage 3 each rank keeps only its shard of the parameters (from
+//     Param.Data, or built sharded with Param.Init); Gather all-gathers the
+//     buckets the framework asks for, with prefetch in the last window's
+//     order, and Release hands them back.
+//
+// Not yet: coalesced windows and CPU offload. DESIGN.md in the repository
+// says how each will work.
 //
 // Each rank's Engine is driven from one goroutine. Errors are typed
 // (errors.Is with ErrProtocol, ErrMismatch, …) and say what to change.
