@@ -302,7 +302,7 @@ func TestStage3MemoryAndPrefetch(t *testing.T) {
 		t.Logf("live %d: %d checks; step 2 hits %d misses %d wasted %d; step 3 (shuffled) hits %d misses %d wasted %d; peak %d bytes",
 			live, checks, s1.PrefetchHits, s1.PrefetchMisses, s1.PrefetchWasted, s2.PrefetchHits, s2.PrefetchMisses, s2.PrefetchWasted, s1.PeakParamBytes)
 		if s1.PrefetchHits == 0 || s1.PrefetchMisses != 0 || s1.PrefetchWasted != 0 {
-			t.Errorf("live %d: step 2 repeats step 1's order: hits %d misses %d wasted %d, want every gather but the first a hit", live, s1.PrefetchHits, s1.PrefetchMisses, s1.PrefetchWasted)
+			t.Errorf("live %d: step 2 repeats step 1's order: hits %d misses %d wasted %d, want every gather a hit (the first prefetched at Step)", live, s1.PrefetchHits, s1.PrefetchMisses, s1.PrefetchWasted)
 		}
 		if s2.PrefetchMisses+s2.PrefetchWasted == 0 {
 			t.Errorf("live %d: the shuffled step wasted and missed nothing", live)
