@@ -387,6 +387,26 @@ func (pl *pipeline) issueReady(caller Stream, all, flush bool) error {
 	return nil
 }
 
+// flushLocal reduces every local bucket, in bucket order, between
+// backwards (at Step, at the end of a coalesced window); the streamed ones
+// were reduced by their backwards.
+func (pl *pipeline) flushLocal(caller Stream) error {
+	rs := caller
+	if pl.spec.overlap {
+		rs = pl.stream
+	}
+	for b := range pl.buckets {
+		if pl.buckets[b].mode != local {
+			continue
+		}
+		if err := pl.reduce(b, rs); err != nil {
+			return err
+		}
+	}
+	pl.unflushed = false
+	return nil
+}
+
 // endBackward resets what counts a backward's reports.
 func (pl *pipeline) endBackward() {
 	clear(pl.reported)

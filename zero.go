@@ -60,6 +60,12 @@ type Config struct {
 	// always run.
 	PrefetchBytes  int
 	LiveParamBytes int // see PrefetchBytes
+
+	// CoalesceBudgetBytes caps the local fp32 accumulators of a coalesced
+	// window or NoSync (0: every bucket is local): only the buckets that
+	// backward produces last are local, as many as fit; the others are
+	// reduced every backward as usual.
+	CoalesceBudgetBytes int
 }
 
 // Reduction says how Step combines the gradients of a window.
@@ -147,6 +153,9 @@ func (c *Config) resolve(model DType) error {
 	if c.PrefetchBytes == 0 {
 		c.PrefetchBytes = c.BucketBytes
 	}
+	if c.CoalesceBudgetBytes < 0 {
+		return errorf(ErrConfig, "CoalesceBudgetBytes %d; set a byte budget for a window's local sums, or 0 for none", c.CoalesceBudgetBytes)
+	}
 	if c.LiveParamBytes < 0 {
 		return errorf(ErrConfig, "LiveParamBytes %d; set a byte budget for gathered parameters, or 0 for none", c.LiveParamBytes)
 	}
@@ -208,8 +217,9 @@ type Engine struct {
 
 	opt        *optState   // nil without Config.Groups: Step only reduces
 	ps         *paramState // stage 3 with parameter memory: the parameter shards
-	windowBase int         // where the used flags start in Step's first all-reduce
-	usedWindow []bool      // per parameter: reported in this window, on this rank
+	co         coalesceState
+	windowBase int    // where the used flags start in Step's first all-reduce
+	usedWindow []bool // per parameter: reported in this window, on this rank
 
 	// backward state
 	inBackward bool
@@ -429,6 +439,9 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 	if err := e.checkGrads(params, grads, stream); err != nil {
 		return nil, err
 	}
+	if !e.inBackward && e.co.flushNext {
+		e.boundary = true // the backward after NoSync reduces as it goes
+	}
 	e.inBackward = true
 	e.lastStream = stream
 	// Group by bucket, in order of first appearance (a batch spans few
@@ -533,10 +546,16 @@ func (e *Engine) EndBackward() error {
 	if s == nil {
 		s = e.reduceStream
 	}
+	if e.co.flushNext {
+		e.co.resident = e.pl.mem.cur
+	}
 	if err := e.pl.issueReady(s, true, e.boundary); err != nil {
 		return e.fail(err)
 	}
 	e.pl.endBackward()
+	if e.boundary {
+		e.afterFlush()
+	}
 	e.inBackward = false
 	e.boundary = false
 	e.lastStream = nil
@@ -557,16 +576,22 @@ func (e *Engine) Step() error {
 	if e.inBackward {
 		return errorf(ErrProtocol, "Step inside a backward; call EndBackward first")
 	}
+	if e.co.active || e.co.noSync {
+		return errorf(ErrProtocol, "Step inside a Coalesce window or NoSync; end it first")
+	}
 	g, used, err := e.agreeOnWindow()
 	if err != nil {
 		return err
 	}
 	if e.pl.unflushed {
-		if err := e.pl.issueReady(e.reduceStream, true, true); err != nil {
+		if e.co.flushNext {
+			e.co.resident = e.pl.mem.cur
+		}
+		if err := e.pl.flushLocal(e.reduceStream); err != nil {
 			return e.fail(err)
 		}
-		e.pl.endBackward()
 	}
+	e.afterFlush()
 	if err := e.pl.sync(); err != nil {
 		return e.fail(err)
 	}
@@ -601,20 +626,21 @@ func (e *Engine) Step() error {
 	}
 	pooled := e.pl.stagingPool.bytes + e.pl.localPool.bytes
 	e.stats = Stats{
-		Step:              e.stepIndex,
-		Backwards:         g,
-		Collectives:       e.pl.sent,
-		ReduceTime:        reduce,
-		StagingBuffers:    e.pl.stagingPool.held,
-		PeakGradBytes:     e.pl.mem.peak,
-		ResidentGradBytes: e.pl.mem.cur,
-		PooledGradBytes:   pooled,
-		Overflow:          overflow[0] != 0,
-		Skipped:           res.skipped,
-		GradNorm:          res.norm,
-		LossScale:         res.scale,
-		OptimizerTime:     res.optimizeTime,
-		ParamGatherTime:   res.gatherTime,
+		Step:                e.stepIndex,
+		Backwards:           g,
+		Collectives:         e.pl.sent,
+		ReduceTime:          reduce,
+		StagingBuffers:      e.pl.stagingPool.held,
+		PeakGradBytes:       e.pl.mem.peak,
+		ResidentGradBytes:   e.pl.mem.cur,
+		PooledGradBytes:     pooled,
+		Overflow:            overflow[0] != 0,
+		Skipped:             res.skipped,
+		GradNorm:            res.norm,
+		LossScale:           res.scale,
+		WindowResidentBytes: e.co.resident,
+		OptimizerTime:       res.optimizeTime,
+		ParamGatherTime:     res.gatherTime,
 	}
 	if e.opt != nil {
 		e.stats.OptimizerBytes = e.opt.mem.cur
@@ -628,6 +654,7 @@ func (e *Engine) Step() error {
 			return e.fail(err)
 		}
 	}
+	e.co.resident = 0
 	e.pl.sent = CommCounters{}
 	e.pl.mem.peak = e.pl.mem.cur
 	e.stepIndex++
@@ -721,6 +748,10 @@ type Stats struct {
 	// again from the resident bytes at Step.
 	PeakGradBytes     int64
 	ResidentGradBytes int64 // see PeakGradBytes
+	// WindowResidentBytes is the gradient memory held at the end of a
+	// coalesced window's (or NoSync's) last backward, before its flush: the
+	// shard, the local sums and the staging buffers (0 without a window).
+	WindowResidentBytes int64
 	// PooledGradBytes is the part of ResidentGradBytes that the pools hold
 	// idle at the end of the step, kept for the next window; TrimPools frees
 	// what is beyond the configured staging buffers.

@@ -79,6 +79,12 @@ type runSpec struct {
 	boundary  bool // SetBoundary(true) before the last backward of a step
 	boundAll  bool // SetBoundary(true) before every backward
 	batch     bool // hand gradients over in random batches (GradsReady)
+	// window is "coalesce" (every backward of a step in a window) or
+	// "nosync" (all but the last backward in NoSync); windowEvery puts
+	// the window in every step, otherwise in the even steps only.
+	window      string
+	windowEvery bool
+	budget      int // Config.CoalesceBudgetBytes
 }
 
 func (r runSpec) String() string {
@@ -128,7 +134,8 @@ func runEngine(t testing.TB, r runSpec, params []Param, data workload, seed int6
 // runRanks runs run on every rank with r's config and fails t on an error.
 func runRanks(t testing.TB, r runSpec, run func(cfg Config, rank int, out *rankResult) error) []rankResult {
 	t.Helper()
-	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, CommDType: r.comm, PredivideFactor: r.predivide, GradAccumSteps: r.accum, Reduction: r.reduction}
+	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, CommDType: r.comm, PredivideFactor: r.predivide, GradAccumSteps: r.accum, Reduction: r.reduction,
+		CoalesceBudgetBytes: r.budget}
 	results := make([]rankResult, r.world)
 	for rank, err := range eachRank(r.world, func(rank int) error { return run(cfg, rank, &results[rank]) }) {
 		if err != nil {
@@ -182,7 +189,23 @@ func rankLoop(cfg Config, comm Comm, dev Device, r runSpec, params []Param, grad
 	rng := rand.New(rand.NewSource(seed + int64(e.Rank())))
 	order := make([]int, nparams)
 	for step := range r.steps {
+		window := r.window != "" && (r.windowEvery || step%2 == 0)
+		if window && r.window == "coalesce" {
+			if err := e.BeginCoalesce(); err != nil {
+				return err
+			}
+		}
+		if window && r.window == "nosync" && r.backwards > 1 {
+			if err := e.BeginNoSync(); err != nil {
+				return err
+			}
+		}
 		for k := range r.backwards {
+			if window && r.window == "nosync" && r.backwards > 1 && k == r.backwards-1 {
+				if err := e.EndNoSync(); err != nil {
+					return err
+				}
+			}
 			for i := range order {
 				order[i] = nparams - 1 - i
 			}
@@ -208,6 +231,11 @@ func rankLoop(cfg Config, comm Comm, dev Device, r runSpec, params []Param, grad
 				i += n
 			}
 			if err := e.EndBackward(); err != nil {
+				return err
+			}
+		}
+		if window && r.window == "coalesce" {
+			if err := e.EndCoalesce(); err != nil {
 				return err
 			}
 		}

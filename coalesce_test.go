@@ -1,0 +1,210 @@
+package zero
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	mrand "math/rand"
+	"testing"
+)
+
+// sameShards reports the first step, rank and element where two runs'
+// shards differ in their bits.
+func sameShards(a, b []rankResult) error {
+	for rank := range a {
+		for st := range a[rank].shard {
+			for i, x := range a[rank].shard[st] {
+				if y := b[rank].shard[st][i]; math.Float32bits(x) != math.Float32bits(y) {
+					return fmt.Errorf("rank %d step %d: shard[%d] = %x, want %x", rank, st, i, math.Float32bits(y), math.Float32bits(x))
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// TestCoalesceEqualsZeRO1: a coalesced window gives ZeRO-1's bits on the
+// same inputs (the same arithmetic: a local fp32 sum, then one reduction),
+// at stages 1, 2 and 3, with and without Overlap, tiny and default
+// buckets, every dtype, windows in every step or in every other; NoSync
+// at stages 2 and 3 equals the window bit for bit. Per-backward reduction
+// (no window) agrees within checkMean's bound.
+func TestCoalesceEqualsZeRO1(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewPCG(uint64(seed), 7))
+	for _, dt := range allDTypes {
+		params := testParams(dt)
+		for _, bucket := range []int{64, 32 << 20} {
+			for _, every := range []bool{true, false} {
+				base := runSpec{stage: 1, world: 3, dtype: dt, bucket: bucket, backwards: 3, steps: 3, streams: 2, predivide: 1, windowEvery: every}
+				data := makeWorkload(mrand.New(mrand.NewSource(rng.Int64())), base, params)
+				want := runEngine(t, base, params, data, seed)
+				for _, stage := range []int{1, 2, 3} {
+					for _, overlap := range []bool{false, true} {
+						r := base
+						r.stage, r.overlap, r.window = stage, overlap, "coalesce"
+						got := runEngine(t, r, params, data, seed)
+						if every || stage == 1 {
+							if err := sameShards(want, got); err != nil {
+								t.Fatalf("%v coalesce every=%v: %v", r, every, err)
+							}
+						} else {
+							checkMean(t, r, params, data, got) // windows in some steps only
+						}
+						if stage > 1 {
+							r.window = "nosync"
+							ns := runEngine(t, r, params, data, seed)
+							if err := sameShards(got, ns); err != nil {
+								t.Fatalf("%v nosync: %v", r, err)
+							}
+						}
+						r.window = ""
+						checkMean(t, r, params, data, runEngine(t, r, params, data, seed))
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestCoalesceCollectiveCounts: N = 4 backwards in a window make exactly
+// one reduce-scatter per bucket, where ZeRO-2 and ZeRO-3 make N; with a
+// budget, (local buckets) + N × (streamed buckets), the same on every rank
+// whatever the arrival order, and within checkMean's bound of the
+// unbudgeted window.
+func TestCoalesceCollectiveCounts(t *testing.T) {
+	seed := testSeed(t)
+	params := testParams(BF16)
+	const n = 4
+	base := runSpec{stage: 2, world: 2, dtype: BF16, bucket: 512, backwards: n, steps: 2, streams: 2, predivide: 1, windowEvery: true, shuffle: true}
+	data := makeWorkload(mrand.New(mrand.NewSource(seed)), base, params)
+	for _, stage := range []int{2, 3} {
+		r := base
+		r.stage = stage
+		plain := runEngine(t, r, params, data, seed)
+		buckets := int64(len(plain[0].plan.Buckets))
+		if got := plain[0].stats[1].Collectives[KindReduceScatter].Calls; got != n*buckets {
+			t.Errorf("stage %d without a window: %d reduce-scatters, want %d × %d buckets", stage, got, n, buckets)
+		}
+		r.window = "coalesce"
+		whole := runEngine(t, r, params, data, seed)
+		if got := whole[0].stats[1].Collectives[KindReduceScatter].Calls; got != buckets {
+			t.Errorf("stage %d window: %d reduce-scatters, want one per bucket (%d)", stage, got, buckets)
+		}
+		// a budget of about half the accumulators
+		plan := whole[0].plan
+		total := 0
+		for _, b := range plan.Buckets {
+			total += 4 * b.Elems
+		}
+		r.budget = total / 2
+		budgeted := runEngine(t, r, params, data, seed)
+		local := 0
+		used := 0
+		for b := len(plan.Buckets) - 1; b >= 0 && used+4*plan.Buckets[b].Elems <= r.budget; b-- {
+			used += 4 * plan.Buckets[b].Elems
+			local++
+		}
+		if local == 0 || local == len(plan.Buckets) {
+			t.Fatalf("budget %d makes %d of %d buckets local; the test wants some of each", r.budget, local, len(plan.Buckets))
+		}
+		want := int64(local + n*(len(plan.Buckets)-local))
+		for rank := range budgeted {
+			if got := budgeted[rank].stats[1].Collectives[KindReduceScatter].Calls; got != want {
+				t.Errorf("stage %d budget %d rank %d: %d reduce-scatters, want %d local + %d × %d streamed", stage, r.budget, rank, got, local, n, len(plan.Buckets)-local)
+			}
+			if st := budgeted[rank].stats[1]; st.WindowResidentBytes-int64(plan.ShardElems*4) > int64(r.budget)+int64(st.StagingBuffers*plan.MaxBucket()*2) {
+				t.Errorf("stage %d rank %d: %d bytes resident in the window, over shard + budget %d + staging", stage, rank, st.WindowResidentBytes, r.budget)
+			}
+		}
+		checkMean(t, r, params, data, budgeted)
+	}
+}
+
+// TestCoalesceErrors: Step inside a window, a window inside a window,
+// NoSync inside Coalesce and Coalesce inside NoSync are ErrProtocol and
+// change nothing: the window goes on and the step's result is the one
+// without the refused calls.
+func TestCoalesceErrors(t *testing.T) {
+	params := []Param{{Count: 100, DType: FP32}, {Count: 50, DType: FP32}}
+	comms, _ := NewLocalGroup(1)
+	e, err := New(Config{Stage: 2, BucketBytes: 256}, comms[0], params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	s := NewHostStream()
+	defer s.Close()
+	backward := func() {
+		for p := 1; p >= 0; p-- {
+			if _, err := e.GradReady(p, constGrads(params, 2)[p], s); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := e.EndBackward(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := e.EndCoalesce(); !errors.Is(err, ErrProtocol) {
+		t.Errorf("EndCoalesce without a window: %v", err)
+	}
+	if err := e.BeginCoalesce(); err != nil {
+		t.Fatal(err)
+	}
+	backward()
+	for name, call := range map[string]func() error{
+		"Step":          e.Step,
+		"BeginCoalesce": e.BeginCoalesce,
+		"BeginNoSync":   e.BeginNoSync,
+		"EndNoSync":     e.EndNoSync,
+	} {
+		if err := call(); !errors.Is(err, ErrProtocol) {
+			t.Errorf("%s inside a window: %v, want ErrProtocol", name, err)
+		}
+	}
+	backward()
+	if err := e.EndCoalesce(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Step(); err != nil {
+		t.Fatal(err)
+	}
+	if st := e.Stats(); st.Backwards != 2 || st.Collectives[KindReduceScatter].Calls != int64(len(e.Plan().Buckets)) {
+		t.Errorf("after the refused calls: %d backwards and %d reduce-scatters, want 2 and one per bucket", st.Backwards, st.Collectives[KindReduceScatter].Calls)
+	}
+	checkFull(t, e, 2)
+	if err := e.BeginNoSync(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.BeginCoalesce(); !errors.Is(err, ErrProtocol) {
+		t.Errorf("Coalesce inside NoSync: %v", err)
+	}
+	if err := e.Step(); !errors.Is(err, ErrProtocol) {
+		t.Errorf("Step inside NoSync: %v", err)
+	}
+	backward()
+	if err := e.EndNoSync(); err != nil {
+		t.Fatal(err)
+	}
+	backward() // reduces both
+	if err := e.Step(); err != nil {
+		t.Fatal(err)
+	}
+	if st := e.Stats(); st.Collectives[KindReduceScatter].Calls != int64(len(e.Plan().Buckets)) {
+		t.Errorf("NoSync then a backward: %d reduce-scatters, want one per bucket", st.Collectives[KindReduceScatter].Calls)
+	}
+	checkFull(t, e, 2)
+}
+
+// checkFull wants every element of the mean gradient to be want.
+func checkFull(t *testing.T, e *Engine, want float32) {
+	t.Helper()
+	full, err := e.FullGrads()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := wantAll(full, want); err != nil {
+		t.Error(err)
+	}
+}
