@@ -4,8 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"math/rand/v2"
 	mrand "math/rand"
+	"math/rand/v2"
 	"testing"
 )
 

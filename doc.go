@@ -9,21 +9,25 @@
 //   - New cuts the registered parameters into buckets (in backward order,
 //     each padded to split evenly into W shards) and checks that every rank
 //     built the same plan.
+//
 //   - The framework hands over each gradient as backward produces it, on the
 //     stream that wrote it (GradReady, or GradsReady for several at once).
 //     The engine flattens it into its bucket, waits for every stream that
 //     wrote into the bucket, reduce-scatters the bucket and accumulates this
 //     rank's part into an fp32 shard: every backward at stages 2 and 3, once
 //     per step at stage 1 (which sums locally in fp32 until then).
+//
 //   - Step closes the window of backwards since the last Step. After it, the
 //     shard holds the mean over ranks and backwards (or the sum, with
 //     Reduction Sum); GradShard, FullGrads and per-parameter views
 //     (GradView) read it.
+//
 //   - With Config.Groups, Step also runs the optimizer on this rank's fp32
 //     master shard: the global norm and clipping, the fp16 loss scaler, a
 //     skip on inf or NaN agreed by every rank, one fused AdamW or SGD pass
 //     for every parameter group, and (stages 1 and 2) an all-gather of the
 //     new parameters into the memory registered with them (Param.Data).
+//
 //   - Without a GPU, the kernels are host C and N ranks run in one process
 //     (NewLocalGroup). With -tags cuda they are CUDA C, and ranks talk over
 //     NCCL (NewNCCL) or share one GPU (NewCUDALocalGroup).
