@@ -37,8 +37,11 @@
 //     buckets the framework asks for, with prefetch in the last window's
 //     order, and Release hands them back.
 //
-// Not yet: coalesced windows and CPU offload. DESIGN.md in the repository
-// says how each will work.
+//   - BeginCoalesce/EndCoalesce (and NoSync, at every stage) let several
+//     backwards share one reduction per bucket, within an optional budget
+//     of local memory.
+//
+// Not yet: CPU offload. DESIGN.md in the repository says how it will work.
 //
 // Each rank's Engine is driven from one goroutine. Errors are typed
 // (errors.Is with ErrProtocol, ErrMismatch, …) and say what to change.
