@@ -198,6 +198,7 @@ type pipelineSpec struct {
 	overlap     bool     // reduce on the pipeline's own stream
 	staging     int      // staging buffers to start with and to trim to
 	modes       []bucketMode
+	windowDType DType // the local sums of buckets a window makes local
 }
 
 // pipeline moves gradients from the framework's tensors into buckets, and
@@ -214,6 +215,7 @@ type pipeline struct {
 
 	stagingPool *bufferPool // comm dtype, MaxBucket elements each
 	localPool   *bufferPool // fp32, one bucket's elements each
+	windowPool  *bufferPool // windowDType, when it is 16-bit: a window's local sums
 	buckets     []bucketState
 
 	reported  []bool        // per parameter: in this backward
@@ -252,6 +254,7 @@ func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream St
 	pl := &pipeline{spec: spec, plan: plan, dev: dev, comm: comm, stream: stream, reducing: map[Stream]Event{}}
 	pl.stagingPool = newBufferPool(dev, spec.commDType, &pl.mem)
 	pl.localPool = newBufferPool(dev, FP32, &pl.mem)
+	pl.windowPool = newBufferPool(dev, spec.windowDType, &pl.mem)
 	var err error
 	if pl.shard, err = dev.Alloc(plan.ShardElems, FP32); err != nil {
 		return pl, err
@@ -307,7 +310,11 @@ func (pl *pipeline) take(b int, idx []int, params []int, grads []Tensor, stream 
 func (pl *pipeline) addLocal(b int, idx []int, params []int, grads []Tensor, stream Stream) error {
 	bs := &pl.buckets[b]
 	if bs.local == nil {
-		acc, err := pl.localPool.get(pl.plan.Buckets[b].Elems)
+		pool := pl.localPool
+		if pl.spec.modes[b] != local && pl.spec.windowDType != FP32 {
+			pool = pl.windowPool // a window's bucket, summed in the model dtype
+		}
+		acc, err := pool.get(pl.plan.Buckets[b].Elems)
 		if err != nil {
 			return err
 		}
@@ -336,10 +343,49 @@ func (pl *pipeline) addLocal(b int, idx []int, params []int, grads []Tensor, str
 		pl.dirty[p] = true
 	}
 	pl.unflushed = true
+	if bs.local.t.dtype != FP32 {
+		return pl.addLocal16(b, first, add, stream)
+	}
 	if err := pl.dev.accumulate(stream, bs.local.t, first, true, 1, Tensor{}); err != nil {
 		return err
 	}
 	return pl.dev.accumulate(stream, bs.local.t, add, false, 1, Tensor{})
+}
+
+// addLocal16 sums into a 16-bit local accumulator as a framework's .grad
+// does: each backward's sum rounded to the model dtype. The first
+// gradients are cast in; the others go through an fp32 scratch bucket:
+// widen the sums, add, narrow back.
+func (pl *pipeline) addLocal16(b int, first, add []Segment, stream Stream) error {
+	acc := pl.buckets[b].local.t
+	if err := pl.dev.flatten(stream, acc, first, 1); err != nil {
+		return err
+	}
+	if len(add) == 0 {
+		return nil
+	}
+	tmp, err := pl.localPool.get(pl.plan.MaxBucket()) // one size: every bucket shares one scratch
+	if err != nil {
+		return err
+	}
+	err = stream.Wait(tmp.free)
+	for _, sg := range add {
+		if err == nil {
+			n := sg.Src.count
+			err = pl.dev.cast(stream, tmp.t.slice(sg.Offset, n), acc.slice(sg.Offset, n), 1)
+		}
+	}
+	if err == nil {
+		err = pl.dev.accumulate(stream, tmp.t, add, false, 1, Tensor{})
+	}
+	for _, sg := range add {
+		if err == nil {
+			n := sg.Src.count
+			err = pl.dev.cast(stream, acc.slice(sg.Offset, n), tmp.t.slice(sg.Offset, n), 1)
+		}
+	}
+	pl.localPool.put(tmp, fence(stream))
+	return err
 }
 
 // produced records ev, recorded on stream after take, as the bucket's
@@ -485,12 +531,20 @@ func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 	bs.last = nil
 	pl.stagingPool.put(st, done)
 	if bs.local != nil {
-		pl.localPool.put(bs.local, done)
+		pl.localPoolOf(bs.local).put(bs.local, done)
 		bs.local = nil
 	}
 	pl.reducing[rs] = done
 	pl.reduceTimes = append(pl.reduceTimes, [2]Event{start, done})
 	return nil
+}
+
+// localPoolOf is the pool a local accumulator came from.
+func (pl *pipeline) localPoolOf(b *buffer) *bufferPool {
+	if b.t.dtype != FP32 {
+		return pl.windowPool
+	}
+	return pl.localPool
 }
 
 // flattenLocal casts bucket b's local fp32 sums into its staging buffer
@@ -585,7 +639,7 @@ func (pl *pipeline) takeReduceTime() (time.Duration, error) {
 
 // trim frees pooled buffers beyond the initial staging buffers.
 func (pl *pipeline) trim() error {
-	return errors.Join(pl.stagingPool.trim(pl.spec.staging), pl.localPool.trim(0))
+	return errors.Join(pl.stagingPool.trim(pl.spec.staging), pl.localPool.trim(0), pl.windowPool.trim(0))
 }
 
 // close waits for the work that still reads or writes the pipeline's
@@ -603,14 +657,14 @@ func (pl *pipeline) close() error {
 			bs.stage = nil
 		}
 		if bs.local != nil {
-			pl.localPool.put(bs.local, nil)
+			pl.localPoolOf(bs.local).put(bs.local, nil)
 			bs.local = nil
 		}
 	}
 	for _, done := range pl.reducing {
 		errs = append(errs, done.Sync())
 	}
-	errs = append(errs, pl.stagingPool.trim(0), pl.localPool.trim(0))
+	errs = append(errs, pl.stagingPool.trim(0), pl.localPool.trim(0), pl.windowPool.trim(0))
 	for _, t := range []Tensor{pl.shard, pl.flag} {
 		if t.ptr != 0 {
 			errs = append(errs, pl.dev.Free(t))

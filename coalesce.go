@@ -18,22 +18,25 @@ type coalesceState struct {
 }
 
 // localInWindow picks the buckets a window makes local: from the last
-// produced (the highest index) down, while their fp32 accumulators fit
-// the budget (0: every bucket). The plan is the same on every rank, so
+// produced (the highest index) down, while their accumulators (WindowDType)
+// fit the budget (0: every bucket). The plan is the same on every rank, so
 // the choice is too.
 func (e *Engine) localInWindow() []bool {
-	local := make([]bool, len(e.plan.Buckets))
+	inWindow := make([]bool, len(e.plan.Buckets))
 	budget := int64(e.cfg.CoalesceBudgetBytes)
 	used := int64(0)
-	for b := len(local) - 1; b >= 0; b-- {
+	for b := len(inWindow) - 1; b >= 0; b-- {
 		size := int64(e.plan.Buckets[b].Elems) * 4
+		if e.pl.spec.modes[b] != local {
+			size = int64(e.plan.Buckets[b].Elems * e.cfg.WindowDType.Size())
+		}
 		if budget > 0 && used+size > budget {
 			break
 		}
 		used += size
-		local[b] = true
+		inWindow[b] = true
 	}
-	return local
+	return inWindow
 }
 
 // setWindowModes makes the window's buckets local, or (on) restores every

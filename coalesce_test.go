@@ -208,3 +208,38 @@ func checkFull(t *testing.T, e *Engine, want float32) {
 		t.Error(err)
 	}
 }
+
+// TestCoalesceWindowDType: a window whose local sums are in the model dtype
+// (bf16, fp16) rounds each backward's sum as a framework's .grad does: the
+// result is within checkMean's bound (which counts a rounding to the model
+// dtype per backward), at stages 2 and 3 with and without Overlap, and the
+// window holds half the accumulator bytes of an fp32 window.
+func TestCoalesceWindowDType(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewPCG(uint64(seed), 9))
+	for _, dt := range []DType{BF16, FP16} {
+		params := testParams(dt)
+		base := runSpec{stage: 2, world: 2, dtype: dt, bucket: 512, backwards: 4, steps: 2, streams: 2, predivide: 1,
+			window: "coalesce", windowEvery: true}
+		data := makeWorkload(mrand.New(mrand.NewSource(rng.Int64())), base, params)
+		for _, stage := range []int{2, 3} {
+			for _, overlap := range []bool{false, true} {
+				r := base
+				r.stage, r.overlap = stage, overlap
+				wide := runEngine(t, r, params, data, seed)
+				r.windowDType = dt
+				narrow := runEngine(t, r, params, data, seed)
+				checkMean(t, r, params, data, narrow)
+				accum := int64(0)
+				for _, b := range narrow[0].plan.Buckets {
+					accum += int64(b.Elems)
+				}
+				w, n := wide[0].stats[1].WindowResidentBytes, narrow[0].stats[1].WindowResidentBytes
+				// the narrow window also holds one fp32 scratch bucket
+				if saved := w - n; saved < 2*accum-int64(4*narrow[0].plan.MaxBucket()) || saved > 2*accum {
+					t.Errorf("%v: the window holds %d bytes in %v, %d in fp32; want about 2 bytes × %d elements less", r, n, dt, w, accum)
+				}
+			}
+		}
+	}
+}

@@ -66,6 +66,11 @@ type Config struct {
 	// backward produces last are local, as many as fit; the others are
 	// reduced every backward as usual.
 	CoalesceBudgetBytes int
+	// WindowDType is the dtype of a window's local sums: FP32 (default) or
+	// the model dtype, half the memory for bf16 and fp16, each backward's
+	// sum rounded to it as a framework's .grad is (DeepSpeed's choice).
+	// ZeRO-1's own local sums stay fp32.
+	WindowDType DType
 }
 
 // Reduction says how Step combines the gradients of a window.
@@ -152,6 +157,12 @@ func (c *Config) resolve(model DType) error {
 	}
 	if c.PrefetchBytes == 0 {
 		c.PrefetchBytes = c.BucketBytes
+	}
+	if c.WindowDType == 0 {
+		c.WindowDType = FP32
+	}
+	if c.WindowDType != FP32 && c.WindowDType != model {
+		return errorf(ErrConfig, "WindowDType %v; use FP32 or the model dtype %v", c.WindowDType, model)
 	}
 	if c.CoalesceBudgetBytes < 0 {
 		return errorf(ErrConfig, "CoalesceBudgetBytes %d; set a byte budget for a window's local sums, or 0 for none", c.CoalesceBudgetBytes)
@@ -283,7 +294,7 @@ func (e *Engine) init() error {
 	}
 	spec := pipelineSpec{
 		rank: e.rank, world: e.world, commDType: e.cfg.CommDType, overlap: e.cfg.Overlap,
-		staging: e.cfg.StagingBuffers, modes: make([]bucketMode, len(e.plan.Buckets)),
+		staging: e.cfg.StagingBuffers, modes: make([]bucketMode, len(e.plan.Buckets)), windowDType: e.cfg.WindowDType,
 		prescale: float32(1 / e.cfg.PredivideFactor), reduceOp: OpSum, postscale: float32(e.cfg.PredivideFactor),
 	}
 	for b := range spec.modes {
@@ -624,7 +635,7 @@ func (e *Engine) Step() error {
 	if err != nil {
 		return e.fail(err)
 	}
-	pooled := e.pl.stagingPool.bytes + e.pl.localPool.bytes
+	pooled := e.pl.stagingPool.bytes + e.pl.localPool.bytes + e.pl.windowPool.bytes
 	e.stats = Stats{
 		Step:                e.stepIndex,
 		Backwards:           g,

@@ -84,7 +84,8 @@ type runSpec struct {
 	// the window in every step, otherwise in the even steps only.
 	window      string
 	windowEvery bool
-	budget      int // Config.CoalesceBudgetBytes
+	budget      int   // Config.CoalesceBudgetBytes
+	windowDType DType // Config.WindowDType
 }
 
 func (r runSpec) String() string {
@@ -135,7 +136,7 @@ func runEngine(t testing.TB, r runSpec, params []Param, data workload, seed int6
 func runRanks(t testing.TB, r runSpec, run func(cfg Config, rank int, out *rankResult) error) []rankResult {
 	t.Helper()
 	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, CommDType: r.comm, PredivideFactor: r.predivide, GradAccumSteps: r.accum, Reduction: r.reduction,
-		CoalesceBudgetBytes: r.budget}
+		CoalesceBudgetBytes: r.budget, WindowDType: r.windowDType}
 	results := make([]rankResult, r.world)
 	for rank, err := range eachRank(r.world, func(rank int) error { return run(cfg, rank, &results[rank]) }) {
 		if err != nil {
