@@ -212,8 +212,9 @@ func checkFull(t *testing.T, e *Engine, want float32) {
 // TestCoalesceWindowDType: a window whose local sums are in the model dtype
 // (bf16, fp16) rounds each backward's sum as a framework's .grad does: the
 // result is within checkMean's bound (which counts a rounding to the model
-// dtype per backward), at stages 2 and 3 with and without Overlap, and the
-// window holds half the accumulator bytes of an fp32 window.
+// dtype per backward), at stages 2 and 3 with and without Overlap, tiny and
+// default buckets, and the window holds half the accumulator bytes of an
+// fp32 window; at stage 1, whose own sums stay fp32, nothing changes.
 func TestCoalesceWindowDType(t *testing.T) {
 	seed := testSeed(t)
 	rng := rand.New(rand.NewPCG(uint64(seed), 9))
@@ -222,14 +223,26 @@ func TestCoalesceWindowDType(t *testing.T) {
 		base := runSpec{stage: 2, world: 2, dtype: dt, bucket: 512, backwards: 4, steps: 2, streams: 2, predivide: 1,
 			window: "coalesce", windowEvery: true}
 		data := makeWorkload(mrand.New(mrand.NewSource(rng.Int64())), base, params)
-		for _, stage := range []int{2, 3} {
-			for _, overlap := range []bool{false, true} {
+		for _, stage := range []int{1, 2, 3} {
+			for _, v := range []struct {
+				overlap bool
+				bucket  int
+			}{{false, 512}, {true, 512}, {true, 64}, {false, 32 << 20}} {
+				if stage == 1 && v.bucket != 512 {
+					continue
+				}
 				r := base
-				r.stage, r.overlap = stage, overlap
+				r.stage, r.overlap, r.bucket = stage, v.overlap, v.bucket
 				wide := runEngine(t, r, params, data, seed)
 				r.windowDType = dt
 				narrow := runEngine(t, r, params, data, seed)
 				checkMean(t, r, params, data, narrow)
+				if stage == 1 { // ZeRO-1's own local sums stay fp32: the same bits
+					if err := sameShards(wide, narrow); err != nil {
+						t.Fatalf("%v: %v", r, err)
+					}
+					continue
+				}
 				accum := int64(0)
 				for _, b := range narrow[0].plan.Buckets {
 					accum += int64(b.Elems)

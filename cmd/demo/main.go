@@ -1,15 +1,21 @@
-// Command demo runs ZeRO gradient reduction across in-process ranks on the
-// CPU and prints, per stage, what one step moved, held and cost, checked
-// against a float64 reference.
+// Command demo prints the table of DeepSpeed PR #7992 (seed 000) for zero:
+// per ZeRO stage, N backwards per step taken as plain backwards, as
+// no_sync, in a coalesced window and in a coalesced window with a budget of
+// half a gradient, across in-process ranks on the CPU. Each row gives the
+// gradient memory, the step's wall time, its collectives and the largest
+// error against a float64 mean.
 package main
 
 import (
+	"bufio"
+	"encoding/json"
 	"flag"
 	"fmt"
+	"io"
 	"math"
-	"math/rand"
 	"os"
-	"sort"
+	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -18,162 +24,557 @@ import (
 	"zero"
 )
 
-func main() {
-	world := flag.Int("world", 4, "ranks in the in-process group")
-	layers := flag.Int("layers", 8, "layers of the MLP")
-	hidden := flag.Int("hidden", 1024, "hidden size (each layer: hidden×hidden weight + bias)")
-	backwards := flag.Int("backwards", 4, "backwards per step")
-	bucketMiB := flag.Int("bucket", 8, "bucket size in MiB")
-	steps := flag.Int("steps", 3, "timed steps per row (the median is shown)")
-	stages := flag.String("stages", "1,2,3", "stages to run")
-	flag.Parse()
+// The modes of a step's N backwards.
+const (
+	baseline       = "baseline"        // N plain backwards, then Step
+	noSync         = "no_sync"         // N−1 inside NoSync, one after it, Step
+	coalesce       = "coalesce"        // N inside BeginCoalesce/EndCoalesce, Step
+	coalesceBudget = "coalesce_budget" // coalesce within half a gradient of fp32 sums
+)
 
-	params := mlp(*layers, *hidden)
-	n := 0
-	for _, p := range params {
-		n += p.Count
+var allModes = []string{baseline, noSync, coalesce, coalesceBudget}
+
+type options struct {
+	world, layers, hidden int
+	ns, stages            []int
+	modes                 []string
+	steps                 int  // timed steps per row, after one warm-up step
+	bucketBytes           int  // 0: one layer per bucket
+	rounds                int  // hash rounds per gradient element: the backward's compute
+	overlap               bool // Config.Overlap
+}
+
+// Row is one line of the table (and one JSON object).
+type Row struct {
+	Stage int    `json:"stage"`
+	Mode  string `json:"mode"`
+	N     int    `json:"n"`
+	// Gradient memory per rank, in bytes: PeakGradBytes, the bytes held at
+	// the end of the last backward before the flush (measured:
+	// WindowResidentBytes; baseline: ResidentGradBytes, see the footnote),
+	// ResidentGradBytes at Step, and the idle pooled part of it.
+	PeakBytes              int64 `json:"peak_window_bytes"`
+	WindowResidentBytes    int64 `json:"window_resident_bytes"`
+	WindowResidentMeasured bool  `json:"window_resident_measured"`
+	FlushResidentBytes     int64 `json:"flush_resident_bytes"`
+	PooledBytes            int64 `json:"pooled_bytes"`
+	// Timing of rank 0: the median step wall time, every timed step's, and
+	// the last step's ReduceTime.
+	WallMs   float64   `json:"wall_ms"`
+	WallsMs  []float64 `json:"walls_ms"`
+	ReduceMs float64   `json:"reduce_ms"`
+	// Collectives of the last step on rank 0, by kind.
+	ReduceScatters int64 `json:"reduce_scatters"`
+	AllReduces     int64 `json:"all_reduces"`
+	AllGathers     int64 `json:"all_gathers"`
+	// Gradient traffic (reduce-scatters and all-reduces) and stage 3's
+	// parameter all-gathers, per rank.
+	GradPayloadBytes   int64 `json:"grad_payload_bytes"`
+	GradWireBytes      int64 `json:"grad_wire_bytes"`
+	GatherPayloadBytes int64 `json:"gather_payload_bytes"`
+	GatherWireBytes    int64 `json:"gather_wire_bytes"`
+	// The plan: buckets, and those a window makes local (all but the budget's).
+	Buckets      int `json:"buckets"`
+	LocalBuckets int `json:"local_buckets"`
+	// MaxErr is the largest error of the reduced gradient against the
+	// float64 mean on a sample, relative to the mean of |g|.
+	MaxErr float64 `json:"max_err"`
+	// The setup, so JSON rows stand alone.
+	World  int   `json:"world"`
+	Params int64 `json:"params"`
+	Steps  int   `json:"steps"`
+}
+
+func main() {
+	o := options{}
+	flag.IntVar(&o.world, "world", 2, "ranks in the in-process group")
+	flag.IntVar(&o.layers, "layers", 8, "layers of the MLP (each a hidden×hidden weight and a bias)")
+	flag.IntVar(&o.hidden, "hidden", 1024, "hidden size")
+	seed := flag.Bool("seed000", false, "seed 000's model, overriding -layers and -hidden: 8 layers × hidden 4096, bf16, 134M parameters (slow on a CPU)")
+	ns := flag.String("n", "2,4,8", "backwards per step")
+	stages := flag.String("stages", "1,2,3", "ZeRO stages")
+	modes := flag.String("modes", strings.Join(allModes, ","), "modes")
+	flag.IntVar(&o.steps, "steps", 3, "timed steps per row, after one warm-up step (the median is shown)")
+	bucketMiB := flag.Float64("bucket", 0, "bucket size in MiB (0: one layer per bucket)")
+	flag.IntVar(&o.rounds, "rounds", 1, "hash rounds per gradient element: the synthetic backward's compute (about 2 µs per KiB at 1)")
+	flag.BoolVar(&o.overlap, "overlap", true, "reduce on the engine's own stream (Config.Overlap)")
+	asJSON := flag.Bool("json", false, "print one JSON object per row instead of the table")
+	quiet := flag.Bool("q", false, "no progress on stderr")
+	flag.Parse()
+	if *seed {
+		o.layers, o.hidden = 8, 4096
 	}
-	fmt.Printf("zero demo: %d ranks in one process, MLP %d×%d (%.1fM params, %.0f MiB of bf16 gradient per rank), %d backwards per step, %d MiB buckets\n\n",
-		*world, *layers, *hidden, float64(n)/1e6, float64(2*n)/(1<<20), *backwards, *bucketMiB)
-	data := makeData(params, *world, *backwards)
-	fmt.Printf("%-6s %-8s %12s %12s %12s %10s %10s %10s %10s %10s\n", "stage", "overlap", "collectives", "payload MiB", "wire MiB", "peak MiB", "resid MiB", "wall ms", "reduce ms", "max err")
-	for _, s := range strings.Split(*stages, ",") {
-		stage, err := strconv.Atoi(strings.TrimSpace(s))
-		if err != nil {
-			fail(err)
+	o.bucketBytes = int(*bucketMiB * (1 << 20))
+	var err error
+	if o.ns, err = ints(*ns); err != nil {
+		fail(err)
+	}
+	if o.stages, err = ints(*stages); err != nil {
+		fail(err)
+	}
+	for _, m := range strings.Split(*modes, ",") {
+		if m = strings.TrimSpace(m); !slices.Contains(allModes, m) {
+			fail(fmt.Errorf("unknown mode %q (want %s)", m, strings.Join(allModes, ", ")))
 		}
-		for _, overlap := range []bool{true, false} {
-			cfg := zero.Config{Stage: stage, BucketBytes: *bucketMiB << 20, Overlap: overlap}
-			row, err := run(cfg, params, data, *steps)
-			if err != nil {
+		o.modes = append(o.modes, m)
+	}
+	for _, n := range o.ns {
+		if n < 1 || (n < 2 && slices.Contains(o.modes, noSync)) {
+			fail(fmt.Errorf("N = %d: no_sync needs N ≥ 2, every mode N ≥ 1", n))
+		}
+	}
+	if o.steps < 1 || o.world < 1 || o.layers < 1 || o.hidden < 1 {
+		fail(fmt.Errorf("steps, world, layers and hidden must be positive"))
+	}
+	progress := io.Writer(os.Stderr)
+	if *quiet {
+		progress = io.Discard
+	}
+	m := newModel(o.layers, o.hidden)
+	start := time.Now()
+	rows, err := runTable(o, m, progress)
+	if err != nil {
+		fail(err)
+	}
+	fmt.Fprintf(progress, "demo: %d rows in %.1f s\n", len(rows), time.Since(start).Seconds())
+	w := bufio.NewWriter(os.Stdout)
+	defer w.Flush()
+	if *asJSON {
+		enc := json.NewEncoder(w)
+		for _, r := range rows {
+			if err := enc.Encode(r); err != nil {
 				fail(err)
 			}
-			c := row.stats.Collectives.Total()
-			fmt.Printf("ZeRO-%-1d  %-8v %12d %12.1f %12.1f %10.1f %10.1f %10.1f %10.1f %10.1e\n", stage, overlap, c.Calls,
-				mib(c.PayloadBytes), mib(c.WireBytes), mib(row.stats.PeakGradBytes), mib(row.stats.ResidentGradBytes),
-				ms(row.wall), ms(row.stats.ReduceTime), row.maxErr)
+		}
+		return
+	}
+	printTable(w, o, m, rows)
+}
+
+// model is the synthetic MLP: parameter 2l is layer l's weight, 2l+1 its
+// bias. Its bf16 values are shared read-only by every rank.
+type model struct {
+	layers, hidden int
+	params         []zero.Param
+	weights        [][]uint16
+	count          int64
+}
+
+func newModel(layers, hidden int) *model {
+	m := &model{layers: layers, hidden: hidden}
+	for l := range layers {
+		for j, n := range []int{hidden * hidden, hidden} {
+			p := 2*l + j
+			m.params = append(m.params, zero.Param{Name: fmt.Sprintf("l%d.%c", l, "wb"[j]), Count: n, DType: zero.BF16})
+			w := make([]uint16, n)
+			key := mix(uint64(p) + 1<<60)
+			for i := range w {
+				w[i] = toBF16(0.1 * noise(key, i, 1))
+			}
+			m.weights = append(m.weights, w)
+			m.count += int64(n)
 		}
 	}
-	fmt.Println("\nper rank; collectives, payload and wire are per step (wire: ring model; collectives include Step's")
-	fmt.Println("8-byte window check); memory is gradient memory (fp32 shard, ZeRO-1's fp32 local sums, bucket staging);")
-	fmt.Println("max err: relative to Σ|g|, against a float64 mean")
+	return m
 }
 
-func mlp(layers, hidden int) []zero.Param {
-	var ps []zero.Param
-	for l := range layers {
-		ps = append(ps, zero.Param{Name: fmt.Sprintf("l%d.w", l), Count: hidden * hidden, DType: zero.BF16},
-			zero.Param{Name: fmt.Sprintf("l%d.b", l), Count: hidden, DType: zero.BF16})
-	}
-	return ps
-}
+// layerBytes is one layer's bf16 gradient with its bias, as the plan lays
+// it out: a bucket of this size holds exactly one layer.
+func (m *model) layerBytes() int { return 2 * (m.hidden*m.hidden + (m.hidden+7)/8*8) }
 
-// data[rank][backward][param] holds bf16 gradient bits.
-func makeData(params []zero.Param, world, backwards int) [][][][]uint16 {
-	d := make([][][][]uint16, world)
-	for r := range d {
-		rng := rand.New(rand.NewSource(int64(r + 1)))
-		d[r] = make([][][]uint16, backwards)
-		for k := range d[r] {
-			d[r][k] = make([][]uint16, len(params))
-			for p, q := range params {
-				g := make([]uint16, q.Count)
-				for i := range g {
-					g[i] = uint16(math.Float32bits(float32(rng.NormFloat64())) >> 16) // truncation is fine for data
+func runTable(o options, m *model, progress io.Writer) ([]Row, error) {
+	var rows []Row
+	total := len(o.stages) * len(o.modes) * len(o.ns)
+	for _, stage := range o.stages {
+		for _, mode := range o.modes {
+			for _, n := range o.ns {
+				runtime.GC() // the last row's garbage, collected outside the timed steps
+				t0 := time.Now()
+				r, err := runRow(o, m, stage, mode, n)
+				if err != nil {
+					return nil, fmt.Errorf("stage %d %s N=%d: %w", stage, mode, n, err)
 				}
-				d[r][k][p] = g
+				rows = append(rows, r)
+				fmt.Fprintf(progress, "demo: [%d/%d] ZeRO-%d %-15s N=%d  %8.1f ms/step  (%.1f s)\n",
+					len(rows), total, stage, mode, n, r.WallMs, time.Since(t0).Seconds())
 			}
 		}
 	}
-	return d
+	return rows, nil
 }
 
-type row struct {
-	stats  zero.Stats
-	wall   time.Duration
-	maxErr float64
+// rankOut is what one rank leaves.
+type rankOut struct {
+	stats zero.Stats
+	walls []time.Duration
+	plan  *zero.Plan
+	full  [][]float32
 }
 
-func run(cfg zero.Config, params []zero.Param, data [][][][]uint16, steps int) (row, error) {
-	world := len(data)
-	comms, err := zero.NewLocalGroup(world)
-	if err != nil {
-		return row{}, err
+func runRow(o options, m *model, stage int, mode string, n int) (Row, error) {
+	cfg := zero.Config{Stage: stage, BucketBytes: o.bucketBytes, Overlap: o.overlap}
+	if cfg.BucketBytes == 0 {
+		cfg.BucketBytes = m.layerBytes()
 	}
-	rows := make([]row, world)
-	errs := make([]error, world)
+	if mode == coalesceBudget {
+		cfg.CoalesceBudgetBytes = int(2 * m.count) // half the fp32 gradient
+	}
+	comms, err := zero.NewLocalGroup(o.world)
+	if err != nil {
+		return Row{}, err
+	}
+	outs := make([]rankOut, o.world)
+	errs := make([]error, o.world)
 	var wg sync.WaitGroup
-	for r := range world {
+	for r := range o.world {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			rows[r], errs[r] = runRank(cfg, comms[r], params, data, steps)
+			errs[r] = runRank(o, m, cfg, comms[r], mode, n, &outs[r])
 		}()
 	}
 	wg.Wait()
-	for _, err := range errs {
+	for r, err := range errs {
 		if err != nil {
-			return row{}, err
+			return Row{}, fmt.Errorf("rank %d: %w", r, err)
 		}
 	}
-	return rows[0], nil
+	st, c := outs[0].stats, outs[0].stats.Collectives
+	var walls []float64
+	for _, d := range outs[0].walls {
+		walls = append(walls, ms(d))
+	}
+	row := Row{
+		Stage: stage, Mode: mode, N: n,
+		PeakBytes: st.PeakGradBytes, WindowResidentBytes: st.WindowResidentBytes, WindowResidentMeasured: st.WindowResidentBytes > 0,
+		FlushResidentBytes: st.ResidentGradBytes, PooledBytes: st.PooledGradBytes,
+		WallMs: median(walls), WallsMs: walls, ReduceMs: ms(st.ReduceTime),
+		ReduceScatters: c[zero.KindReduceScatter].Calls, AllReduces: c[zero.KindAllReduce].Calls, AllGathers: c[zero.KindAllGather].Calls,
+		GradPayloadBytes:   c[zero.KindReduceScatter].PayloadBytes + c[zero.KindAllReduce].PayloadBytes,
+		GradWireBytes:      c[zero.KindReduceScatter].WireBytes + c[zero.KindAllReduce].WireBytes,
+		GatherPayloadBytes: c[zero.KindAllGather].PayloadBytes, GatherWireBytes: c[zero.KindAllGather].WireBytes,
+		Buckets: len(outs[0].plan.Buckets), LocalBuckets: localBuckets(outs[0].plan, cfg.CoalesceBudgetBytes),
+		MaxErr: maxError(m, outs[0].full, o.world, n, o.rounds),
+		World:  o.world, Params: m.count, Steps: o.steps,
+	}
+	if !row.WindowResidentMeasured {
+		// No window: memory only grows into the pools, and Step allocates
+		// nothing after the warm-up, so Step's resident bytes are those of
+		// the last backward's end.
+		row.WindowResidentBytes = st.ResidentGradBytes
+	}
+	return row, nil
 }
 
-func runRank(cfg zero.Config, comm zero.Comm, params []zero.Param, data [][][][]uint16, steps int) (row, error) {
+// localBuckets counts the buckets a window makes local: the engine's rule,
+// from the last produced down while their fp32 sums fit the budget.
+func localBuckets(p *zero.Plan, budget int) int {
+	used, n := 0, 0
+	for b := len(p.Buckets) - 1; b >= 0; b-- {
+		size := 4 * p.Buckets[b].Elems
+		if budget > 0 && used+size > budget {
+			break
+		}
+		used += size
+		n++
+	}
+	return n
+}
+
+func runRank(o options, m *model, cfg zero.Config, comm zero.Comm, mode string, n int, out *rankOut) (err error) {
 	defer comm.Close()
+	rank := comm.Rank()
+	params := slices.Clone(m.params)
+	if cfg.Stage == 3 {
+		// Real stage 3: the engine shards the parameters and the layers
+		// are gathered. Every rank has the same values, and skipping the
+		// broadcast keeps the shared memory read-only.
+		for i := range params {
+			params[i].Data = zero.Halfs(m.weights[i], zero.BF16)
+		}
+		cfg.NoBroadcast = true
+	}
 	e, err := zero.New(cfg, comm, params)
 	if err != nil {
-		return row{}, err
+		return err
 	}
-	defer e.Close()
-	s := zero.NewHostStream()
-	defer s.Close()
-	var walls []time.Duration
-	for range steps + 1 { // the first step warms up
-		t0 := time.Now()
-		for k := range data[0] {
-			for p := len(params) - 1; p >= 0; p-- {
-				if _, err := e.GradReady(p, zero.Halfs(data[comm.Rank()][k][p], zero.BF16), s); err != nil {
-					return row{}, err
+	defer func() {
+		if cerr := e.Close(); err == nil {
+			err = cerr
+		}
+	}()
+	// Two producer streams, as two CUDA streams of a framework's backward;
+	// each has one gradient buffer per parameter of a layer.
+	var streams [2]*zero.HostStream
+	var bufs [2][2][]uint16
+	var ready [2]zero.Event // the engine's read of each stream's buffers
+	for i := range streams {
+		streams[i] = zero.NewHostStream()
+		defer streams[i].Close()
+		bufs[i] = [2][]uint16{make([]uint16, m.hidden*m.hidden), make([]uint16, m.hidden)}
+	}
+	// layer returns layer l's weight and bias as the compute sees them:
+	// gathered at stage 3 for work on s, the shared memory below it.
+	layer := func(s zero.Stream, l int) ([2][]uint16, error) {
+		if cfg.Stage != 3 {
+			return [2][]uint16{m.weights[2*l], m.weights[2*l+1]}, nil
+		}
+		views, err := e.Gather(s, 2*l, 2*l+1)
+		if err != nil {
+			return [2][]uint16{}, err
+		}
+		return [2][]uint16{views[0].HostHalfs(), views[1].HostHalfs()}, nil
+	}
+	release := func(s zero.Stream, l int) error {
+		if cfg.Stage != 3 {
+			return nil
+		}
+		return e.Release(s, 2*l, 2*l+1)
+	}
+	var sink float32 // the forward's result, written on stream 0 only
+	forward := func() error {
+		s := streams[0]
+		for l := range m.layers {
+			w, err := layer(s, l)
+			if err != nil {
+				return err
+			}
+			if err := s.Launch(func() error { sink += touch(w[0]) + touch(w[1]); return nil }); err != nil {
+				return err
+			}
+			if err := release(s, l); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	backward := func(k int) error {
+		if err := forward(); err != nil {
+			return err
+		}
+		for l := m.layers - 1; l >= 0; l-- {
+			si := l % 2
+			s := streams[si]
+			w, err := layer(s, l)
+			if err != nil {
+				return err
+			}
+			if err := s.Wait(ready[si]); err != nil { // the buffers' last read
+				return err
+			}
+			g := bufs[si]
+			if err := s.Launch(func() error {
+				for j := range g {
+					fill(g[j], w[j], gradKey(rank, k, 2*l+j), o.rounds)
 				}
+				return nil
+			}); err != nil {
+				return err
 			}
-			if err := e.EndBackward(); err != nil {
-				return row{}, err
+			ev, err := e.GradsReady([]int{2*l + 1, 2 * l}, []zero.Tensor{zero.Halfs(g[1], zero.BF16), zero.Halfs(g[0], zero.BF16)}, s)
+			if err != nil {
+				return err
+			}
+			ready[si] = ev
+			if err := release(s, l); err != nil {
+				return err
 			}
 		}
-		if err := e.Step(); err != nil {
-			return row{}, err
+		return e.EndBackward()
+	}
+	for range o.steps + 1 { // the first step warms up the pools
+		t0 := time.Now()
+		if err := step(e, mode, n, backward); err != nil {
+			return err
 		}
-		walls = append(walls, time.Since(t0))
+		out.walls = append(out.walls, time.Since(t0))
+		ready = [2]zero.Event{} // Step synced every read; it reuses the events
 	}
-	full, err := e.FullGrads()
-	if err != nil {
-		return row{}, err
-	}
-	walls = walls[1:]
-	sort.Slice(walls, func(i, j int) bool { return walls[i] < walls[j] })
-	return row{stats: e.Stats(), wall: walls[len(walls)/2], maxErr: maxError(full, data)}, nil
+	out.walls = out.walls[1:]
+	out.stats, out.plan = e.Stats(), e.Plan()
+	out.full, err = e.FullGrads()
+	return err
 }
 
-// maxError compares a sample of the averaged gradient with the float64 mean.
-func maxError(full [][]float32, data [][][][]uint16) float64 {
+// step takes one step of n backwards in mode.
+func step(e *zero.Engine, mode string, n int, backward func(k int) error) error {
+	run := func(from, to int) error {
+		for k := from; k < to; k++ {
+			if err := backward(k); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	var err error
+	switch mode {
+	case baseline:
+		err = run(0, n)
+	case noSync:
+		err = e.NoSync(func() error { return run(0, n-1) })
+		if err == nil {
+			err = run(n-1, n) // DDP's rule: this backward reduces everything
+		}
+	case coalesce, coalesceBudget:
+		err = e.Coalesce(func() error { return run(0, n) })
+	}
+	if err != nil {
+		return err
+	}
+	return e.Step()
+}
+
+// The synthetic gradient of parameter p at rank and backward k, element i:
+// hashed noise in [−1, 1) plus half the weight, rounded to bf16. It reads
+// the (gathered) weight so stage 3's gathers matter, and the hash rounds
+// give the backward some compute for the reductions to hide behind.
+func gradKey(rank, k, p int) uint64 { return mix(uint64(rank)<<40 | uint64(k)<<20 | uint64(p)) }
+
+func fill(g, w []uint16, key uint64, rounds int) {
+	for i := range g {
+		g[i] = gradElem(key, i, w[i], rounds)
+	}
+}
+
+func gradElem(key uint64, i int, w uint16, rounds int) uint16 {
+	return toBF16(noise(key, i, rounds) + 0.5*fromBF16(w))
+}
+
+func noise(key uint64, i, rounds int) float32 {
+	h := key ^ uint64(i)
+	for range rounds {
+		h = mix(h)
+	}
+	return float32(int32(h>>32)) * 0x1p-31
+}
+
+// mix is splitmix64's finalizer.
+func mix(h uint64) uint64 {
+	h += 0x9e3779b97f4a7c15
+	h = (h ^ h>>30) * 0xbf58476d1ce4e5b9
+	h = (h ^ h>>27) * 0x94d049bb133111eb
+	return h ^ h>>31
+}
+
+// touch reads every 16th element: a forward that depends on the gather.
+func touch(w []uint16) float32 {
+	s := float32(0)
+	for i := 0; i < len(w); i += 16 {
+		s += fromBF16(w[i])
+	}
+	return s
+}
+
+func fromBF16(b uint16) float32 { return math.Float32frombits(uint32(b) << 16) }
+
+// toBF16 rounds to nearest even (the values here are finite).
+func toBF16(f float32) uint16 {
+	b := math.Float32bits(f)
+	return uint16((b + 0x7fff + (b >> 16 & 1)) >> 16)
+}
+
+// maxError compares a sample of the reduced gradient with the float64 mean
+// of the gradients every rank produced, recomputed here.
+func maxError(m *model, full [][]float32, world, n, rounds int) float64 {
 	worst := 0.0
-	world, backwards := len(data), len(data[0])
 	for p := range full {
 		for i := 0; i < len(full[p]); i += 97 {
 			sum, mag := 0.0, 0.0
 			for r := range world {
-				for k := range backwards {
-					v := float64(math.Float32frombits(uint32(data[r][k][p][i]) << 16))
-					sum += v
-					mag += math.Abs(v)
+				for k := range n {
+					g := float64(fromBF16(gradElem(gradKey(r, k, p), i, m.weights[p][i], rounds)))
+					sum += g
+					mag += math.Abs(g)
 				}
 			}
-			n := float64(world * backwards)
-			worst = math.Max(worst, math.Abs(float64(full[p][i])-sum/n)/(mag/n))
+			cnt := float64(world * n)
+			worst = math.Max(worst, math.Abs(float64(full[p][i])-sum/cnt)/(mag/cnt))
 		}
 	}
 	return worst
+}
+
+func printTable(w io.Writer, o options, m *model, rows []Row) {
+	bucket := "one layer per bucket"
+	if o.bucketBytes > 0 {
+		bucket = fmt.Sprintf("%.1f MiB buckets", mib(int64(o.bucketBytes)))
+	}
+	fmt.Fprintf(w, "zero demo: %d ranks in one process, MLP %d×%d (%.1fM params, %.1f MiB of bf16 gradient per backward), %s (%d), overlap %v; %s\n\n",
+		o.world, m.layers, m.hidden, float64(m.count)/1e6, mib(2*m.count), bucket, rows[0].Buckets, o.overlap, host())
+	fmt.Fprintln(w, "| stage | mode | N | peak window MiB | window resident MiB | flush resident MiB | pooled MiB | wall ms | collectives | payload MiB | wire MiB | gather MiB | max err |")
+	fmt.Fprintln(w, "|---|---|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|")
+	for _, r := range rows {
+		resident := fmt.Sprintf("%.1f", mib(r.WindowResidentBytes))
+		if !r.WindowResidentMeasured {
+			resident += "¹"
+		}
+		gather := "–"
+		if r.AllGathers > 0 {
+			gather = fmt.Sprintf("%.1f", mib(r.GatherPayloadBytes))
+		}
+		fmt.Fprintf(w, "| ZeRO-%d | %s | %d | %.1f | %s | %.1f | %.1f | %.1f | %s | %.1f | %.1f | %s | %.1e |\n",
+			r.Stage, r.Mode, r.N, mib(r.PeakBytes), resident, mib(r.FlushResidentBytes), mib(r.PooledBytes), r.WallMs,
+			collectives(r), mib(r.GradPayloadBytes), mib(r.GradWireBytes), gather, r.MaxErr)
+	}
+	fmt.Fprintf(w, `
+Per rank, for one step of N backwards; wall ms is rank 0's median of %d steps after a warm-up step. Memory is
+the engine's gradient memory (the fp32 shard, fp32 local sums, bf16 bucket staging), peak over the window.
+Window resident: held at the end of the last backward, before the flush (Stats.WindowResidentBytes).
+¹ Baseline has no window: Step's resident bytes stand in; the pools only grow and Step allocates nothing
+after the warm-up, so they equal the last backward's end. Flush resident: at Step, after the flush;
+pooled is its idle part (local sums and staging kept for the next window; TrimPools frees them).
+Collectives: RS reduce-scatter, AR all-reduce (one: Step's 8- or 12-byte check that every rank took N
+backwards), AG stage 3's parameter all-gathers (forward and backward gather each layer; a layer released
+just before its next use stays gathered). Payload and wire (ring model) are the RS and AR; gather MiB is
+the AG payload. coalesce_budget: CoalesceBudgetBytes = half the fp32 gradient; the buckets backward
+produces last are local, the others reduce every backward (no effect at stage 1, whose buckets are all
+local). Max err: against the float64 mean on a sample, relative to mean |g|.
+`, o.steps)
+}
+
+// collectives writes a row's counts as "8 RS + 1 AR + 32 AG".
+func collectives(r Row) string {
+	var parts []string
+	for _, c := range []struct {
+		n    int64
+		kind string
+	}{{r.ReduceScatters, "RS"}, {r.AllReduces, "AR"}, {r.AllGathers, "AG"}} {
+		if c.n > 0 {
+			parts = append(parts, fmt.Sprintf("%d %s", c.n, c.kind))
+		}
+	}
+	return strings.Join(parts, " + ")
+}
+
+// host names the CPU, from /proc/cpuinfo where there is one.
+func host() string {
+	name := runtime.GOARCH
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		for _, line := range strings.Split(string(b), "\n") {
+			if k, v, ok := strings.Cut(line, ":"); ok && strings.TrimSpace(k) == "model name" {
+				name = strings.TrimSpace(v)
+				break
+			}
+		}
+	}
+	return fmt.Sprintf("%s, %d CPUs", name, runtime.NumCPU())
+}
+
+func ints(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		v, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+func median(x []float64) float64 {
+	s := slices.Sorted(slices.Values(x))
+	return (s[(len(s)-1)/2] + s[len(s)/2]) / 2
 }
 
 func mib(b int64) float64        { return float64(b) / (1 << 20) }
