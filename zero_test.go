@@ -527,7 +527,7 @@ func TestProducerStreamRule(t *testing.T) {
 		}
 		_, err := e.GradReady(p, Float32s(g), s)
 		return func() {
-			settle(t, e.reduceStream)
+			settleBehind(t, e.reduceStream.(*HostStream), hs)
 			close(gate)
 		}, err
 	})
@@ -931,6 +931,29 @@ func settle(t testing.TB, streams ...Stream) {
 			}
 			time.Sleep(50 * time.Microsecond)
 		}
+	}
+}
+
+// settleBehind waits until s has run everything it can before gated opens:
+// until it is idle, or waits on an event of gated. (Blocked on any other
+// stream's event it may still have work to run: that stream will fire.)
+func settleBehind(t testing.TB, s, gated *HostStream) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		if w := s.blockedOn.Load(); w != nil && w.s == gated && w.s.done.Load() < w.seq {
+			return
+		}
+		s.mu.Lock()
+		idle := len(s.queue) == 0 && s.idle
+		s.mu.Unlock()
+		if idle {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a stream did not settle within 20 s")
+		}
+		time.Sleep(50 * time.Microsecond)
 	}
 }
 
