@@ -5,7 +5,6 @@ import (
 	"errors"
 	"hash"
 	"hash/fnv"
-	"time"
 )
 
 // Plan is the partition plan: which bucket holds each parameter, where, and
@@ -226,7 +225,7 @@ type pipeline struct {
 
 	reducing    map[Stream]Event // the last reduction issued on each stream since the last sync
 	sent        CommCounters     // the collectives issued since the last takeStats
-	reduceTimes [][2]Event
+	reduceTimes spans            // the reductions since the last Step
 }
 
 type streamEvent struct {
@@ -355,7 +354,7 @@ func (pl *pipeline) addLocal(b int, idx []int, params []int, grads []Tensor, str
 // addLocal16 sums into a 16-bit local accumulator as a framework's .grad
 // does: each backward's sum rounded to the model dtype. The first
 // gradients are cast in; the others go through an fp32 scratch bucket:
-// widen the sums, add, narrow back.
+// widen the sums, add, narrow back, one kernel call each for all of them.
 func (pl *pipeline) addLocal16(b int, first, add []Segment, stream Stream) error {
 	acc := pl.buckets[b].local.t
 	if err := pl.dev.flatten(stream, acc, first, 1); err != nil {
@@ -368,21 +367,23 @@ func (pl *pipeline) addLocal16(b int, first, add []Segment, stream Stream) error
 	if err != nil {
 		return err
 	}
-	err = stream.Wait(tmp.free)
-	for _, sg := range add {
-		if err == nil {
-			n := sg.Src.count
-			err = pl.dev.cast(stream, tmp.t.slice(sg.Offset, n), acc.slice(sg.Offset, n), 1)
+	// the members' ranges of one buffer, as segments of the other
+	ranges := func(of Tensor) []Segment {
+		out := make([]Segment, len(add))
+		for i, sg := range add {
+			out[i] = Segment{Src: of.slice(sg.Offset, sg.Src.count), Offset: sg.Offset}
 		}
+		return out
+	}
+	err = stream.Wait(tmp.free)
+	if err == nil {
+		err = pl.dev.flatten(stream, tmp.t, ranges(acc), 1)
 	}
 	if err == nil {
 		err = pl.dev.accumulate(stream, tmp.t, add, false, 1, Tensor{})
 	}
-	for _, sg := range add {
-		if err == nil {
-			n := sg.Src.count
-			err = pl.dev.cast(stream, acc.slice(sg.Offset, n), tmp.t.slice(sg.Offset, n), 1)
-		}
+	if err == nil {
+		err = pl.dev.flatten(stream, acc, ranges(tmp.t), 1)
 	}
 	pl.localPool.put(tmp, fence(stream))
 	return err
@@ -621,20 +622,6 @@ func (pl *pipeline) newWindow() {
 		pl.buckets[i].reduced = nil
 	}
 	clear(pl.writer) // their writes were flushed
-}
-
-// takeReduceTime sums the time the reductions since the last call ran.
-func (pl *pipeline) takeReduceTime() (time.Duration, error) {
-	var d time.Duration
-	for _, ev := range pl.reduceTimes {
-		t, err := Elapsed(ev[0], ev[1])
-		if err != nil {
-			return 0, err
-		}
-		d += t
-	}
-	pl.reduceTimes = pl.reduceTimes[:0]
-	return d, nil
 }
 
 // trim frees pooled buffers beyond the initial staging buffers.

@@ -72,6 +72,20 @@ func (e *Engine) checkWindowStart(op string) error {
 	return nil
 }
 
+// checkWindowEnd refuses op where its window is not open or a backward is.
+func (e *Engine) checkWindowEnd(op string, open bool, begin string) error {
+	if err := e.usable(op); err != nil {
+		return err
+	}
+	switch {
+	case !open:
+		return errorf(ErrProtocol, "%s without %s", op, begin)
+	case e.inBackward:
+		return errorf(ErrProtocol, "%s inside a backward; call EndBackward first", op)
+	}
+	return nil
+}
+
 // BeginCoalesce opens a coalesced window: the backwards until EndCoalesce
 // sum their gradients locally, and EndCoalesce reduces each bucket once.
 // It works at every stage; at stage 1, whose buckets are local anyway, it
@@ -89,14 +103,8 @@ func (e *Engine) BeginCoalesce() error {
 // into the shard, on the engine's stream, and the modes return to the
 // stage's. It acts as a boundary: Step may follow at once.
 func (e *Engine) EndCoalesce() error {
-	if err := e.usable("EndCoalesce"); err != nil {
+	if err := e.checkWindowEnd("EndCoalesce", e.co.active, "BeginCoalesce"); err != nil {
 		return err
-	}
-	switch {
-	case !e.co.active:
-		return errorf(ErrProtocol, "EndCoalesce without BeginCoalesce")
-	case e.inBackward:
-		return errorf(ErrProtocol, "EndCoalesce inside a backward; call EndBackward first")
 	}
 	e.co.resident = e.pl.mem.cur
 	if err := e.pl.flushLocal(e.reduceStream); err != nil {
@@ -110,13 +118,18 @@ func (e *Engine) EndCoalesce() error {
 // Coalesce runs fn, which takes several backwards, inside a coalesced
 // window; fn's error, or the window's, is returned.
 func (e *Engine) Coalesce(fn func() error) error {
-	if err := e.BeginCoalesce(); err != nil {
+	return within(e.BeginCoalesce, fn, e.EndCoalesce)
+}
+
+// within runs fn between begin and end; fn's error skips end.
+func within(begin, fn, end func() error) error {
+	if err := begin(); err != nil {
 		return err
 	}
 	if err := fn(); err != nil {
 		return err
 	}
-	return e.EndCoalesce()
+	return end()
 }
 
 // BeginNoSync starts backwards that only accumulate, as DDP's no_sync: at
@@ -135,14 +148,8 @@ func (e *Engine) BeginNoSync() error {
 
 // EndNoSync ends the backwards that only accumulate.
 func (e *Engine) EndNoSync() error {
-	if err := e.usable("EndNoSync"); err != nil {
+	if err := e.checkWindowEnd("EndNoSync", e.co.noSync, "BeginNoSync"); err != nil {
 		return err
-	}
-	switch {
-	case !e.co.noSync:
-		return errorf(ErrProtocol, "EndNoSync without BeginNoSync")
-	case e.inBackward:
-		return errorf(ErrProtocol, "EndNoSync inside a backward; call EndBackward first")
 	}
 	e.co.noSync = false
 	e.co.flushNext = true
@@ -152,13 +159,7 @@ func (e *Engine) EndNoSync() error {
 // NoSync runs fn's backwards without reducing them, as BeginNoSync and
 // EndNoSync around it.
 func (e *Engine) NoSync(fn func() error) error {
-	if err := e.BeginNoSync(); err != nil {
-		return err
-	}
-	if err := fn(); err != nil {
-		return err
-	}
-	return e.EndNoSync()
+	return within(e.BeginNoSync, fn, e.EndNoSync)
 }
 
 // afterFlush ends a NoSync's reduction: the modes return to the stage's.

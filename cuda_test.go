@@ -1279,10 +1279,9 @@ func TestCUDAKernelsOptimizerMatchHost(t *testing.T) {
 							t.Fatalf("n=%d %v out %v step %d: %s[%d] = %#x on the GPU, %#x on the host", n, gr.opts, outType, step, name, i, got.bits(i), host[name].bits(i))
 						}
 					}
-					if got := download(t, d, s, dout); true {
-						if i, ok := got.sameAs(out); !ok {
-							t.Fatalf("n=%d %v out %v step %d: out[%d] = %#x on the GPU, %#x on the host", n, gr.opts, outType, step, i, got.bits(i), out.bits(i))
-						}
+					got := download(t, d, s, dout)
+					if i, ok := got.sameAs(out); !ok {
+						t.Fatalf("n=%d %v out %v step %d: out[%d] = %#x on the GPU, %#x on the host", n, gr.opts, outType, step, i, got.bits(i), out.bits(i))
 					}
 				}
 			}

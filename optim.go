@@ -511,7 +511,7 @@ func (e *Engine) optimizerStep(readScale float32, used []bool) (stepResult, erro
 	if err == nil {
 		t2, err = s.Record()
 	}
-	if err == nil {
+	if err == nil { // the parameters are written before Step returns
 		err = t2.Sync()
 	}
 	if err == nil {
@@ -560,7 +560,7 @@ func (e *Engine) gatherParams(used []bool) error {
 			return err
 		}
 	}
-	return s.Sync()
+	return nil // the step waits for its last event
 }
 
 // close frees the optimizer's memory.

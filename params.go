@@ -1,9 +1,6 @@
 package zero
 
-import (
-	"errors"
-	"time"
-)
+import "errors"
 
 // ZeRO-3 parameters. Each rank keeps its shard of every bucket's parameters
 // in the model dtype (the plan's shard layout, the optimizer's output).
@@ -42,21 +39,7 @@ type paramState struct {
 
 	prefetchBytes, liveBytes int64 // 0: no limit on the live bytes
 
-	times [][2]Event // each gather's start and end, for the stats
-}
-
-// takeGatherTime sums the time the window's gathers ran.
-func (st *paramState) takeGatherTime() (time.Duration, error) {
-	var d time.Duration
-	for _, ev := range st.times {
-		t, err := Elapsed(ev[0], ev[1])
-		if err != nil {
-			return 0, err
-		}
-		d += t
-	}
-	st.times = st.times[:0]
-	return d, nil
+	times spans // the window's gathers, for the stats
 }
 
 // ParamMemory is a stage-3 engine's parameter memory on this rank, in bytes.
@@ -184,31 +167,8 @@ func (e *Engine) Gather(s Stream, ps ...int) ([]Tensor, error) {
 		return nil, err
 	}
 	st := e.ps
-	asked := map[int]bool{}
-	for _, p := range ps {
-		b := e.plan.ParamBucket[p]
-		if b < 0 || asked[b] {
-			continue
-		}
-		asked[b] = true
-		g := &st.buckets[b]
-		if g.refs == 0 {
-			e.followOrder(b)
-		}
-		switch {
-		case g.prefetched:
-			st.hits++
-			g.prefetched = false
-		case g.buf == nil:
-			if st.last != nil {
-				st.misses++
-			}
-			if err := e.gatherBucket(b); err != nil {
-				return nil, e.fail(err)
-			}
-		}
-	}
 	views := make([]Tensor, len(ps))
+	waited := -1 // the bucket s last waited for: members of a bucket come together
 	for i, p := range ps {
 		b := e.plan.ParamBucket[p]
 		if b < 0 {
@@ -216,8 +176,26 @@ func (e *Engine) Gather(s Stream, ps ...int) ([]Tensor, error) {
 			continue
 		}
 		g := &st.buckets[b]
-		if err := s.Wait(g.ready); err != nil {
-			return nil, e.fail(err)
+		if g.refs == 0 { // asked for anew (a prefetched bucket has no reference yet)
+			e.followOrder(b)
+			switch {
+			case g.prefetched:
+				st.hits++
+				g.prefetched = false
+			case g.buf == nil:
+				if st.last != nil {
+					st.misses++
+				}
+				if err := e.gatherBucket(b); err != nil {
+					return nil, e.fail(err)
+				}
+			}
+		}
+		if b != waited {
+			if err := s.Wait(g.ready); err != nil {
+				return nil, e.fail(err)
+			}
+			waited = b
 		}
 		g.refs++
 		st.refs[p]++
@@ -238,10 +216,14 @@ func (e *Engine) Release(s Stream, ps ...int) error {
 		return err
 	}
 	st := e.ps
-	want := map[int]int{}
-	for _, p := range ps {
-		want[p]++
-		if e.plan.ParamBucket[p] >= 0 && st.refs[p] < want[p] {
+	for i, p := range ps {
+		want := 1 // references ps hands back for p, up to this one
+		for _, q := range ps[:i] {
+			if q == p {
+				want++
+			}
+		}
+		if e.plan.ParamBucket[p] >= 0 && st.refs[p] < want {
 			return errorf(ErrProtocol, "Release of parameter %d (%q), which is not gathered (or released already); release what Gather returned, once", p, e.params[p].Name)
 		}
 	}

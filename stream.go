@@ -345,6 +345,23 @@ func (e *hostEvent) elapsedSince(start Event) (time.Duration, error) {
 	return e.at.Sub(se.at), nil
 }
 
+// spans are (start, end) event pairs of work whose time the stats sum.
+type spans [][2]Event
+
+// take sums the spans' times and empties them.
+func (sp *spans) take() (time.Duration, error) {
+	var d time.Duration
+	for _, ev := range *sp {
+		t, err := Elapsed(ev[0], ev[1])
+		if err != nil {
+			return 0, err
+		}
+		d += t
+	}
+	*sp = (*sp)[:0]
+	return d, nil
+}
+
 // fence returns an event after the work enqueued on s so far, for buffers
 // that a failed operation leaves in use; where s cannot record one it
 // waits for s instead and returns nil.

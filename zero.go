@@ -631,7 +631,7 @@ func (e *Engine) Step() error {
 			return e.fail(err)
 		}
 	}
-	reduce, err := e.pl.takeReduceTime()
+	reduce, err := e.pl.reduceTimes.take()
 	if err != nil {
 		return e.fail(err)
 	}
@@ -661,7 +661,7 @@ func (e *Engine) Step() error {
 		e.stats.PrefetchHits, e.stats.PrefetchMisses, e.stats.PrefetchWasted = st.hits, st.misses, st.wasted
 		st.hits, st.misses, st.wasted = 0, 0, 0
 		st.mem.peak = st.mem.cur
-		if e.stats.ParamGatherTime, err = st.takeGatherTime(); err != nil {
+		if e.stats.ParamGatherTime, err = st.times.take(); err != nil {
 			return e.fail(err)
 		}
 	}
