@@ -210,7 +210,10 @@ type pipeline struct {
 	stream Stream // the reduction stream
 	shard  Tensor // fp32: the concatenation of this rank's bucket shards
 	flag   Tensor // fp32: raised by accumulate on inf or NaN
-	mem    memoryMeter
+	mem    memoryMeter // device bytes
+	// off, with Offload, takes each reduced shard to the host: shard and
+	// flag are then host memory, from off.mem.
+	off *offloadPath
 
 	stagingPool *bufferPool // comm dtype, MaxBucket elements each
 	localPool   *bufferPool // fp32, one bucket's elements each
@@ -249,17 +252,19 @@ type bucketState struct {
 // bug of seed 002. Only the test that shows the rule is needed sets it.
 var waitOnlyLastProducer = false
 
-func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream Stream) (*pipeline, error) {
-	pl := &pipeline{spec: spec, plan: plan, dev: dev, comm: comm, stream: stream, reducing: map[Stream]Event{}}
+func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream Stream, off *offloadPath) (*pipeline, error) {
+	pl := &pipeline{spec: spec, plan: plan, dev: dev, comm: comm, stream: stream, reducing: map[Stream]Event{}, off: off}
 	pl.stagingPool = newBufferPool(dev, spec.commDType, &pl.mem)
 	pl.localPool = newBufferPool(dev, FP32, &pl.mem)
 	pl.windowPool = newBufferPool(dev, spec.windowDType, &pl.mem)
 	var err error
-	if pl.shard, err = dev.Alloc(plan.ShardElems, FP32); err != nil {
+	if pl.shard, err = pl.shardMemory().Alloc(plan.ShardElems, FP32); err != nil {
 		return pl, err
 	}
-	pl.mem.add(int64(pl.shard.Bytes()))
-	if pl.flag, err = dev.Alloc(1, FP32); err != nil {
+	if off == nil {
+		pl.mem.add(int64(pl.shard.Bytes()))
+	}
+	if pl.flag, err = pl.shardMemory().Alloc(1, FP32); err != nil {
 		return pl, err
 	}
 	if err := pl.stagingPool.grow(plan.MaxBucket(), spec.staging); err != nil {
@@ -272,6 +277,14 @@ func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream St
 	n := len(plan.counts)
 	pl.reported, pl.dirty, pl.writer = make([]bool, n), make([]bool, n), make([]streamEvent, n)
 	return pl, nil
+}
+
+// shardMemory is where the shard and the flag live.
+func (pl *pipeline) shardMemory() allocator {
+	if pl.off != nil {
+		return pl.off.mem
+	}
+	return pl.dev
 }
 
 // take enqueues on stream the reads of gradients grads[idx] of bucket b
@@ -480,6 +493,10 @@ func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 			// What was enqueued before the failure may still use the
 			// buffers: the pool (trimmed by Close before the shard is
 			// freed) waits for it.
+			if pl.off != nil {
+				pl.off.copy.Wait(fence(rs))
+				rs = pl.off.copy
+			}
 			pl.stagingPool.put(st, fence(rs))
 		}
 	}()
@@ -519,10 +536,25 @@ func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 		return err
 	}
 	pl.sent.add(KindReduceScatter, buf.Bytes(), pl.spec.world)
-	if err := pl.dev.accumulate(rs, pl.shard, []Segment{{Src: mine, Offset: bp.ShardOffset}}, bs.copyFirst, pl.spec.postscale, pl.flag); err != nil {
-		return err
+	// done: the reduction has finished with the staging buffer and the
+	// local sums; read: and so has whatever reads the reduced part.
+	var done, read Event
+	if pl.off == nil {
+		err = pl.dev.accumulate(rs, pl.shard, []Segment{{Src: mine, Offset: bp.ShardOffset}}, bs.copyFirst, pl.spec.postscale, pl.flag)
+		if err == nil {
+			done, err = rs.Record()
+		}
+		read = done
+	} else {
+		var added Event
+		done, err = rs.Record()
+		if err == nil {
+			read, added, err = pl.off.land(mine, done, pl.shard, bp.ShardOffset, bs.copyFirst, pl.spec.postscale, pl.flag)
+		}
+		if err == nil {
+			pl.reducing[pl.off.copy], pl.reducing[pl.off.stream] = read, added
+		}
 	}
-	done, err := rs.Record()
 	if err != nil {
 		return err
 	}
@@ -530,7 +562,7 @@ func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 	bs.reduced = done
 	clear(bs.producers)
 	bs.last = nil
-	pl.stagingPool.put(st, done)
+	pl.stagingPool.put(st, read)
 	if bs.local != nil {
 		pl.localPoolOf(bs.local).put(bs.local, done)
 		bs.local = nil
@@ -626,7 +658,11 @@ func (pl *pipeline) newWindow() {
 
 // trim frees pooled buffers beyond the initial staging buffers.
 func (pl *pipeline) trim() error {
-	return errors.Join(pl.stagingPool.trim(pl.spec.staging), pl.localPool.trim(0), pl.windowPool.trim(0))
+	errs := []error{pl.stagingPool.trim(pl.spec.staging), pl.localPool.trim(0), pl.windowPool.trim(0)}
+	if pl.off != nil {
+		errs = append(errs, pl.off.landing.trim(pl.off.keep))
+	}
+	return errors.Join(errs...)
 }
 
 // close waits for the work that still reads or writes the pipeline's
@@ -654,9 +690,11 @@ func (pl *pipeline) close() error {
 	errs = append(errs, pl.stagingPool.trim(0), pl.localPool.trim(0), pl.windowPool.trim(0))
 	for _, t := range []Tensor{pl.shard, pl.flag} {
 		if t.ptr != 0 {
-			errs = append(errs, pl.dev.Free(t))
+			errs = append(errs, pl.shardMemory().Free(t))
 		}
 	}
-	pl.mem.add(-int64(pl.shard.Bytes()))
+	if pl.off == nil {
+		pl.mem.add(-int64(pl.shard.Bytes()))
+	}
 	return errors.Join(errs...)
 }

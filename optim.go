@@ -1,8 +1,10 @@
 package zero
 
 import (
+	"cmp"
 	"errors"
 	"math"
+	"slices"
 	"time"
 )
 
@@ -215,6 +217,12 @@ type optState struct {
 	m, v   Tensor // AdamW moments; m is SGD's momentum buffer
 	vmax   Tensor // AdamW amsgrad
 	model  Tensor // model dtype: the new parameters, gathered from here
+	// state is where master and the moments live: the device, or the
+	// host's page-locked memory with Offload; there, host is the host's
+	// copy of model, which the host optimizer writes and which goes to
+	// model bucket by bucket.
+	state allocator
+	host  Tensor
 	// sharedModel: model is the stage-3 parameter shard, not the optimizer's
 	sharedModel bool
 	steps       []int // per parameter: optimizer steps taken
@@ -222,7 +230,7 @@ type optState struct {
 	norm        Tensor // fp32 pair for Step's all-reduce of (overflow, sum of squares)
 	ranges      []optRange
 	gather      *bufferPool // model-dtype bucket buffers the parameters are gathered in
-	mem         memoryMeter // the optimizer's bytes
+	mem         memoryMeter // the optimizer's device bytes
 }
 
 // checkGroups validates the groups and the parameters' use of them.
@@ -303,8 +311,15 @@ func (e *Engine) initOptimizer() error {
 		return err
 	}
 	e.opt = o
+	o.state = e.dev
+	if e.off != nil {
+		o.state = e.off.mem
+		if o.host, err = e.off.mem.Alloc(e.plan.ShardElems, e.plan.dtype); err != nil {
+			return err
+		}
+	}
 	o.gather = newBufferPool(e.dev, e.plan.dtype, &o.mem)
-	if o.master, err = o.alloc(e.dev, e.plan.ShardElems, FP32); err != nil {
+	if o.master, err = o.alloc(o.state, e.plan.ShardElems, FP32); err != nil {
 		return err
 	}
 	if e.ps != nil {
@@ -313,42 +328,75 @@ func (e *Engine) initOptimizer() error {
 		return err
 	}
 	if o.kind == optAdamW {
-		if o.m, err = o.alloc(e.dev, e.plan.ShardElems, FP32); err != nil {
+		if o.m, err = o.alloc(o.state, e.plan.ShardElems, FP32); err != nil {
 			return err
 		}
-		if o.v, err = o.alloc(e.dev, e.plan.ShardElems, FP32); err != nil {
+		if o.v, err = o.alloc(o.state, e.plan.ShardElems, FP32); err != nil {
 			return err
 		}
 	}
 	if o.norm, err = e.dev.Alloc(2, FP32); err != nil {
 		return err
 	}
-	if e.ps != nil { // the parameter shard is filled: the master from it
-		if err := e.dev.cast(e.reduceStream, o.master, e.ps.shard, 1); err != nil {
+	switch {
+	case e.ps != nil: // the parameter shard is filled: the master from it
+	case e.off != nil: // the model-dtype shard first: the host's copy mirrors it
+		if err := e.loadParams(o.gather, o.model); err != nil {
 			return err
 		}
-		return e.reduceStream.Sync()
+	default:
+		return e.loadParams(o.gather, o.master)
 	}
-	return e.loadParams(o.gather, o.master)
+	return e.masterFrom(o.model)
 }
 
-func (o *optState) alloc(dev Device, n int, dt DType) (Tensor, error) {
-	t, err := dev.Alloc(n, dt)
+// masterFrom fills the fp32 master shard from the model-dtype shard src on
+// the device; with Offload through the host's copy of it, which then
+// mirrors src.
+func (e *Engine) masterFrom(src Tensor) error {
+	o, s := e.opt, e.reduceStream
+	if e.off == nil {
+		if err := e.dev.cast(s, o.master, src, 1); err != nil {
+			return err
+		}
+		return s.Sync()
+	}
+	ev, err := s.Record()
 	if err == nil {
-		o.mem.add(int64(t.Bytes()))
+		ev, err = e.off.transfer(o.host, src, ev, false)
+	}
+	if err == nil {
+		err = e.off.stream.Wait(ev)
+	}
+	if err == nil {
+		err = hostDev.cast(e.off.stream, o.master, o.host, 1)
+	}
+	if err == nil {
+		err = e.off.stream.Sync()
+	}
+	return err
+}
+
+// alloc allocates from mem, counting device bytes in the optimizer's.
+func (o *optState) alloc(mem allocator, n int, dt DType) (Tensor, error) {
+	t, err := mem.Alloc(n, dt)
+	if err == nil {
+		if _, device := mem.(Device); device {
+			o.mem.add(int64(t.Bytes()))
+		}
 	}
 	return t, err
 }
 
 // ensureState allocates the state that only some settings need (SGD's
 // momentum buffer, amsgrad's running max) the first time a step needs it.
-func (o *optState) ensureState(dev Device, n int) error {
+func (o *optState) ensureState(n int) error {
 	need := func(t *Tensor, want bool) error {
 		if !want || t.ptr != 0 || n == 0 {
 			return nil
 		}
 		var err error
-		*t, err = o.alloc(dev, n, FP32)
+		*t, err = o.alloc(o.state, n, FP32)
 		return err
 	}
 	momentum, amsgrad := false, false
@@ -432,21 +480,19 @@ func (e *Engine) loadParams(pool *bufferPool, into Tensor) error {
 // memory. Nothing of the master, the moments, the step counts or the
 // parameters changes before the optimizer pass is enqueued; a skipped step
 // changes only the loss scale.
-func (e *Engine) optimizerStep(readScale float32, used []bool) (stepResult, error) {
+func (e *Engine) optimizerStep(readScale float32, used []bool, overflowFlag float32) (stepResult, error) {
 	o, s := e.opt, e.reduceStream
+	sd, ss := e.shardSide(s)
 	res := stepResult{scale: o.scaler.scale}
 	var sumsq float64
-	if err := e.dev.sumSquares(s, e.pl.shard, &sumsq); err != nil {
+	if err := sd.sumSquares(ss, e.pl.shard, &sumsq); err != nil {
 		return res, err
 	}
-	if err := s.Sync(); err != nil {
+	if err := ss.Sync(); err != nil {
 		return res, err
 	}
-	pair := []float32{0, float32(sumsq)}
-	if err := e.dev.copy(s, o.norm.slice(0, 1), e.pl.flag); err != nil {
-		return res, err
-	}
-	if err := e.dev.copy(s, o.norm.slice(1, 1), Float32s(pair[1:])); err != nil {
+	pair := []float32{overflowFlag, float32(sumsq)}
+	if err := e.dev.copy(s, o.norm, Float32s(pair)); err != nil {
 		return res, err
 	}
 	if err := e.comm.AllReduce(s, o.norm, OpSum); err != nil {
@@ -485,15 +531,22 @@ func (e *Engine) optimizerStep(readScale float32, used []bool) (stepResult, erro
 		o.groups[q.Group].rangeFor(&r, o.steps[p]+1)
 		o.ranges = append(o.ranges, r)
 	}
-	if err := o.ensureState(e.dev, e.plan.ShardElems); err != nil {
+	if err := o.ensureState(e.plan.ShardElems); err != nil {
 		return res, err
 	}
 	b := optTensors{p: o.master, g: e.pl.shard, m: o.m, v: o.v, vmax: o.vmax, out: o.model}
-	t0, err := s.Record()
+	t0, err := ss.Record()
 	if err != nil {
 		return res, err
 	}
-	if err := e.dev.optimize(s, o.kind, b, o.ranges, gscale); err != nil {
+	var ready []Event // with Offload, per bucket: its new parameters are on the device
+	if e.off == nil {
+		err = sd.optimize(ss, o.kind, b, o.ranges, gscale)
+	} else {
+		b.out = o.host
+		ready, err = e.optimizeOnHost(b, gscale)
+	}
+	if err != nil {
 		return res, err
 	}
 	// committed: the pass is enqueued
@@ -503,9 +556,16 @@ func (e *Engine) optimizerStep(readScale float32, used []bool) (stepResult, erro
 		}
 	}
 	o.scaler.update(false)
-	t1, err := s.Record()
+	t1, err := ss.Record()
+	var g0 Event
+	if err == nil {
+		g0, err = s.Record()
+	}
 	if err == nil && e.ps == nil { // stage 3 keeps its shard: the next gathers read it
-		err = e.gatherParams(used)
+		err = e.gatherParams(used, ready)
+	}
+	for b := 0; err == nil && e.ps != nil && b < len(ready); b++ {
+		err = s.Wait(ready[b])
 	}
 	var t2 Event
 	if err == nil {
@@ -518,16 +578,55 @@ func (e *Engine) optimizerStep(readScale float32, used []bool) (stepResult, erro
 		res.optimizeTime, err = Elapsed(t0, t1)
 	}
 	if err == nil {
-		res.gatherTime, err = Elapsed(t1, t2)
+		res.gatherTime, err = Elapsed(g0, t2)
 	}
 	return res, err
+}
+
+// optimizeOnHost runs the optimizer pass on the host shard bucket by
+// bucket, each bucket's new parameters copied to the device's model shard
+// as soon as they are written, while the host works on the next bucket. It
+// returns, per bucket, the event of that copy (nil where this rank updated
+// nothing in the bucket).
+func (e *Engine) optimizeOnHost(b optTensors, gscale float32) ([]Event, error) {
+	o, hs := e.opt, e.off.stream
+	slices.SortFunc(o.ranges, func(x, y optRange) int { return cmp.Compare(x.offset, y.offset) })
+	ready := make([]Event, len(e.plan.Buckets))
+	rs := o.ranges
+	var part []optRange
+	for bi, bp := range e.plan.Buckets {
+		lo, hi := int64(bp.ShardOffset), int64(bp.ShardOffset+bp.Shard)
+		part = part[:0]
+		for len(rs) > 0 && rs[0].offset < hi {
+			r := rs[0]
+			r.offset -= lo
+			part = append(part, r)
+			rs = rs[1:]
+		}
+		if len(part) == 0 {
+			continue
+		}
+		first, last := part[0].offset, part[len(part)-1].offset+part[len(part)-1].count
+		if err := hostDev.optimize(hs, o.kind, b.slice(bp.ShardOffset, bp.Shard), part, gscale); err != nil {
+			return nil, err
+		}
+		written, err := hs.recordUntimed(nil)
+		if err != nil {
+			return nil, err
+		}
+		at, n := bp.ShardOffset+int(first), int(last-first)
+		if ready[bi], err = e.off.transfer(o.model.slice(at, n), o.host.slice(at, n), written, true); err != nil {
+			return nil, err
+		}
+	}
+	return ready, nil
 }
 
 // gatherParams all-gathers each bucket that holds a used parameter from the
 // model-dtype shards into a pooled bucket buffer and copies the used
 // parameters into their memory; two buffers ping-pong, so a bucket's copy
 // overlaps the next one's all-gather.
-func (e *Engine) gatherParams(used []bool) error {
+func (e *Engine) gatherParams(used []bool, ready []Event) error {
 	o, s := e.opt, e.reduceStream
 	for b, bp := range e.plan.Buckets {
 		segs := e.bucketParams(b, used)
@@ -544,6 +643,9 @@ func (e *Engine) gatherParams(used []bool) error {
 		}
 		t := buf.t.slice(0, bp.Padded)
 		err = s.Wait(buf.free)
+		if err == nil && ready != nil {
+			err = s.Wait(ready[b])
+		}
 		if err == nil {
 			err = e.comm.AllGather(s, o.model.slice(bp.ShardOffset, bp.Shard), t)
 		}
@@ -571,9 +673,14 @@ func (o *optState) close(dev Device) error {
 	if o.sharedModel {
 		model = Tensor{} // the parameter shard's: freed with it
 	}
-	for _, t := range []Tensor{o.master, model, o.m, o.v, o.vmax, o.norm} {
+	for _, t := range []Tensor{model, o.norm} {
 		if t.ptr != 0 {
 			errs = append(errs, dev.Free(t))
+		}
+	}
+	for _, t := range []Tensor{o.master, o.m, o.v, o.vmax, o.host} {
+		if t.ptr != 0 {
+			errs = append(errs, o.state.Free(t))
 		}
 	}
 	return errors.Join(errs...)

@@ -24,6 +24,7 @@ type z3Run struct {
 	overlap      bool
 	clip         float64
 	lossScale    LossScale
+	offload      bool
 	// order gives the layers' forward order in a step (nil: 0, 1, 2, …)
 	order func(step int) []int
 	// check, if set, sees the parameter memory after every Gather and
@@ -80,7 +81,7 @@ func trainZ3(t *testing.T, q *quadTask, r z3Run) z3Result {
 			off += size
 		}
 		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Groups: []Optimizer{AdamW{LR: 0.01, WeightDecay: 0.01}},
-			PrefetchBytes: r.prefetch, LiveParamBytes: r.live, Overlap: r.overlap, Clip: r.clip, LossScale: r.lossScale}
+			PrefetchBytes: r.prefetch, LiveParamBytes: r.live, Overlap: r.overlap, Clip: r.clip, LossScale: r.lossScale, Offload: r.offload}
 		e, err := New(cfg, comms[rank], ps)
 		if err != nil {
 			return err

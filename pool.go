@@ -1,5 +1,12 @@
 package zero
 
+// allocator is where a pool's buffers come from: a Device, or the host's
+// page-locked memory of an offloading engine.
+type allocator interface {
+	Alloc(count int, d DType) (Tensor, error)
+	Free(t Tensor) error
+}
+
 // buffer is a pooled device buffer. free fires when the last work that
 // read or wrote it has finished; whoever takes it next waits on that.
 type buffer struct {
@@ -12,7 +19,7 @@ type buffer struct {
 // first-freed-first: two staging buffers ping-pong, the next bucket filling
 // one while the other is reduced.
 type bufferPool struct {
-	dev   Device
+	dev   allocator
 	dtype DType
 	mem   *memoryMeter
 	idle  map[int][]*buffer // by element count
@@ -20,7 +27,7 @@ type bufferPool struct {
 	bytes int64             // bytes of the idle buffers
 }
 
-func newBufferPool(dev Device, dtype DType, mem *memoryMeter) *bufferPool {
+func newBufferPool(dev allocator, dtype DType, mem *memoryMeter) *bufferPool {
 	return &bufferPool{dev: dev, dtype: dtype, mem: mem, idle: map[int][]*buffer{}}
 }
 

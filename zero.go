@@ -71,6 +71,13 @@ type Config struct {
 	// sum rounded to it as a framework's .grad is (DeepSpeed's choice).
 	// ZeRO-1's own local sums stay fp32.
 	WindowDType DType
+
+	// Offload keeps the fp32 gradient shard, the fp32 master weights and
+	// the optimizer state in page-locked host memory: each reduced shard is
+	// copied to the host as its reduction finishes and summed there, the
+	// optimizer runs on the host, and the new parameters are copied back.
+	// On the CPU device the same buffers and copies run in RAM.
+	Offload bool
 }
 
 // Reduction says how Step combines the gradients of a window.
@@ -226,7 +233,8 @@ type Engine struct {
 	}
 	window Tensor // fp32 pair for Step's check that ranks agree on the window
 
-	opt        *optState   // nil without Config.Groups: Step only reduces
+	opt        *optState    // nil without Config.Groups: Step only reduces
+	off        *offloadPath // nil without Config.Offload
 	ps         *paramState // stage 3 with parameter memory: the parameter shards
 	co         coalesceState
 	windowBase int    // where the used flags start in Step's first all-reduce
@@ -292,6 +300,16 @@ func (e *Engine) init() error {
 	if err := e.checkPlan(); err != nil {
 		return err
 	}
+	if e.cfg.Offload {
+		maxShard := 0
+		for _, b := range e.plan.Buckets {
+			maxShard = max(maxShard, b.Shard)
+		}
+		var err error
+		if e.off, err = newOffloadPath(e.dev, e.copyStream, e.cfg.CommDType, maxShard, e.cfg.StagingBuffers); err != nil {
+			return err
+		}
+	}
 	spec := pipelineSpec{
 		rank: e.rank, world: e.world, commDType: e.cfg.CommDType, overlap: e.cfg.Overlap,
 		staging: e.cfg.StagingBuffers, modes: make([]bucketMode, len(e.plan.Buckets)), windowDType: e.cfg.WindowDType,
@@ -311,7 +329,7 @@ func (e *Engine) init() error {
 		}
 	}
 	var err error
-	if e.pl, err = newPipeline(spec, e.plan, e.dev, e.comm, e.reduceStream); err != nil {
+	if e.pl, err = newPipeline(spec, e.plan, e.dev, e.comm, e.reduceStream, e.off); err != nil {
 		return err
 	}
 	// Step's first collective carries, after (G, −G), whether each
@@ -417,6 +435,9 @@ func (e *Engine) drain() {
 		if s != nil {
 			s.Sync()
 		}
+	}
+	if e.off != nil {
+		e.off.stream.Sync()
 	}
 }
 
@@ -607,13 +628,14 @@ func (e *Engine) Step() error {
 		return e.fail(err)
 	}
 	overflow := []float32{0}
-	if err := e.dev.copy(e.copyStream, Float32s(overflow), e.pl.flag); err != nil {
+	sd, ss := e.shardSide(e.copyStream)
+	if err := sd.copy(ss, Float32s(overflow), e.pl.flag); err != nil {
 		return e.fail(err)
 	}
-	if err := e.dev.zero(e.copyStream, e.pl.flag); err != nil {
+	if err := sd.zero(ss, e.pl.flag); err != nil {
 		return e.fail(err)
 	}
-	if err := e.copyStream.Sync(); err != nil {
+	if err := ss.Sync(); err != nil {
 		return e.fail(err)
 	}
 	if e.ps != nil {
@@ -627,7 +649,7 @@ func (e *Engine) Step() error {
 	}
 	res := stepResult{scale: 1}
 	if e.opt != nil {
-		if res, err = e.optimizerStep(readScale, used); err != nil {
+		if res, err = e.optimizerStep(readScale, used, overflow[0]); err != nil {
 			return e.fail(err)
 		}
 	}
@@ -655,6 +677,9 @@ func (e *Engine) Step() error {
 	}
 	if e.opt != nil {
 		e.stats.OptimizerBytes = e.opt.mem.cur
+	}
+	if err := e.offloadStats(&e.stats); err != nil {
+		return e.fail(err)
 	}
 	if st := e.ps; st != nil {
 		e.stats.ParamShardBytes, e.stats.PeakParamBytes, e.stats.GatherBuffers = int64(st.shard.Bytes()), st.mem.peak, st.pool.held
@@ -754,8 +779,9 @@ type Stats struct {
 	// Config.StagingBuffers only when buckets complete out of order.
 	StagingBuffers int
 	// PeakGradBytes and ResidentGradBytes count the gradient memory the
-	// engine holds: the fp32 shard, the staging buffers and local
-	// accumulators, in use or pooled. The peak is over the window; it starts
+	// engine holds on the device: the fp32 shard (on the host with
+	// Offload), the staging buffers and local accumulators, in use or
+	// pooled. The peak is over the window; it starts
 	// again from the resident bytes at Step.
 	PeakGradBytes     int64
 	ResidentGradBytes int64 // see PeakGradBytes
@@ -778,9 +804,9 @@ type Stats struct {
 	Skipped   bool
 	GradNorm  float64 // see Skipped
 	LossScale float64 // see Skipped
-	// OptimizerBytes is the optimizer's memory on this rank: the fp32
-	// master shard, the moments, the model-dtype shard and the buffers the
-	// new parameters are gathered in.
+	// OptimizerBytes is the optimizer's device memory on this rank: the
+	// fp32 master shard and the moments (on the host with Offload), the
+	// model-dtype shard and the buffers the new parameters are gathered in.
 	OptimizerBytes int64
 	// OptimizerTime is the device time of the fused optimizer pass, and
 	// ParamGatherTime that of the all-gather of the new parameters into
@@ -801,6 +827,23 @@ type Stats struct {
 	PrefetchHits    int   // see ParamShardBytes
 	PrefetchMisses  int   // see ParamShardBytes
 	PrefetchWasted  int   // see ParamShardBytes
+
+	// With Offload: HostBytes is the engine's host memory (the fp32
+	// gradient shard, the master weights, the optimizer state, the
+	// model-dtype copy of the new parameters and the buffers reduced shards
+	// land in), HostPinnedBytes the part of it that is page-locked (all of
+	// it on a GPU; on the CPU device, what mlock accepted), HostGradBytes
+	// the part that holds gradients (the shard and the landing buffers,
+	// whatever the number of backwards), DeviceBytesSaved the device memory
+	// the same engine holds without Offload and this one does not (the
+	// gradient shard, the master weights and the optimizer state), and
+	// OffloadCopyTime the copy stream's time for the window's gradient
+	// copies to the host and the step's parameter copies back.
+	HostBytes        int64
+	HostPinnedBytes  int64         // see HostBytes
+	HostGradBytes    int64         // see HostBytes
+	DeviceBytesSaved int64         // see HostBytes
+	OffloadCopyTime  time.Duration // see HostBytes
 }
 
 // Stats returns the stats of the last Step.
@@ -836,23 +879,27 @@ func (e *Engine) GradShard() ([]float32, error) {
 		return nil, err
 	}
 	out := make([]float32, e.plan.ShardElems)
-	if err := e.copyScaled(Float32s(out), e.pl.shard, e.readScale); err != nil {
+	if err := e.copyScaled(e.shardSide, Float32s(out), e.pl.shard, e.readScale); err != nil {
 		return nil, err
 	}
 	return out, nil
 }
 
-// copyScaled copies between host memory and the device, times scale, on
-// the engine's copy stream, and waits for it.
-func (e *Engine) copyScaled(dst, src Tensor, scale float32) error {
-	if err := e.dev.copyScaled(e.copyStream, dst, src, scale); err != nil {
+// copyScaled copies between host memory and the device (or the shard's
+// side), times scale, on the engine's copy stream, and waits for it.
+func (e *Engine) copyScaled(side func(Stream) (Device, Stream), dst, src Tensor, scale float32) error {
+	d, s := side(e.copyStream)
+	if err := d.copyScaled(s, dst, src, scale); err != nil {
 		return e.fail(err)
 	}
-	if err := e.copyStream.Sync(); err != nil {
+	if err := s.Sync(); err != nil {
 		return e.fail(err)
 	}
 	return nil
 }
+
+// deviceSide is the device and stream s, for copyScaled.
+func (e *Engine) deviceSide(s Stream) (Device, Stream) { return e.dev, s }
 
 // FullGrads all-gathers the shards and returns the full reduced gradient
 // of every parameter, in registration order. It is a collective: every
@@ -866,7 +913,18 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 		return nil, err
 	}
 	defer e.dev.Free(all)
-	if err := e.comm.AllGather(e.gatherStream, e.pl.shard, all); err != nil {
+	send := e.pl.shard
+	if e.off != nil { // the collective needs the shard in device memory
+		send = all.slice(e.rank*e.plan.ShardElems, e.plan.ShardElems)
+		copied, err := e.off.transfer(send, e.pl.shard, nil, false) // the shard is synced: readable
+		if err == nil {
+			err = e.gatherStream.Wait(copied)
+		}
+		if err != nil {
+			return nil, e.fail(err)
+		}
+	}
+	if err := e.comm.AllGather(e.gatherStream, send, all); err != nil {
 		return nil, e.fail(err)
 	}
 	gathered, err := e.gatherStream.Record()
@@ -877,7 +935,7 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 		return nil, e.fail(err)
 	}
 	host := make([]float32, all.count)
-	if err := e.copyScaled(Float32s(host), all, e.readScale); err != nil {
+	if err := e.copyScaled(e.deviceSide, Float32s(host), all, e.readScale); err != nil {
 		return nil, err
 	}
 	out := make([][]float32, len(e.params))
@@ -925,6 +983,9 @@ func (e *Engine) Close() error {
 	}
 	if e.ps != nil {
 		errs = append(errs, e.ps.close(e.dev))
+	}
+	if e.off != nil {
+		errs = append(errs, e.off.close())
 	}
 	for _, s := range []Stream{e.reduceStream, e.gatherStream, e.copyStream} {
 		if s != nil {

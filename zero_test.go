@@ -86,6 +86,10 @@ type runSpec struct {
 	windowEvery bool
 	budget      int   // Config.CoalesceBudgetBytes
 	windowDType DType // Config.WindowDType
+	offload     bool  // Config.Offload
+	// poison writes junk into every view of the shard after each step's
+	// reads: the next window's first reductions must copy over it.
+	poison bool
 }
 
 func (r runSpec) String() string {
@@ -136,7 +140,7 @@ func runEngine(t testing.TB, r runSpec, params []Param, data workload, seed int6
 func runRanks(t testing.TB, r runSpec, run func(cfg Config, rank int, out *rankResult) error) []rankResult {
 	t.Helper()
 	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, CommDType: r.comm, PredivideFactor: r.predivide, GradAccumSteps: r.accum, Reduction: r.reduction,
-		CoalesceBudgetBytes: r.budget, WindowDType: r.windowDType}
+		CoalesceBudgetBytes: r.budget, WindowDType: r.windowDType, Offload: r.offload}
 	results := make([]rankResult, r.world)
 	for rank, err := range eachRank(r.world, func(rank int) error { return run(cfg, rank, &results[rank]) }) {
 		if err != nil {
@@ -254,6 +258,21 @@ func rankLoop(cfg Config, comm Comm, dev Device, r runSpec, params []Param, grad
 		out.shard = append(out.shard, shard)
 		out.full = append(out.full, full)
 		out.stats = append(out.stats, e.Stats())
+		if r.poison {
+			for p := range params {
+				v, err := e.GradView(p)
+				if err != nil {
+					return err
+				}
+				junk := make([]float32, v.Count)
+				for i := range junk {
+					junk[i] = 1e30
+				}
+				if err := v.Write(junk); err != nil {
+					return err
+				}
+			}
+		}
 	}
 	return nil
 }

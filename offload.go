@@ -1,0 +1,208 @@
+package zero
+
+import (
+	"errors"
+
+	"golang.org/x/sys/unix"
+)
+
+// CPU offload (Config.Offload): the fp32 gradient shard, the fp32 master
+// weights and the optimizer state live in page-locked host memory. Each
+// reduced shard is copied to the host on the copy stream, once its
+// reduction's event fires, and a host kernel on the engine's host stream
+// adds it into the host shard (copies it on the window's first reduction of
+// the bucket). The optimizer runs on the host and the new model-dtype
+// parameters go back to the device for the all-gather. On the CPU device the
+// "device" buffers and the host ones are distinct mappings copied on the
+// same streams, so this path runs, and is tested, on every machine.
+
+// mlockHost page-locks host memory. Tests replace it to refuse, as a low
+// RLIMIT_MEMLOCK does.
+var mlockHost = unix.Mlock
+
+// hostMemory allocates an offloading engine's host memory, page-locked
+// where it can: cuMemHostAlloc for a GPU; mmap and mlock on the CPU device,
+// falling back to unlocked memory where mlock is refused. It counts the
+// bytes it holds and how many of them are locked.
+type hostMemory struct {
+	dev    Device
+	bytes  int64           // held
+	locked int64           // of which page-locked
+	pinned map[uintptr]int // locked bytes of each allocation
+}
+
+func newHostMemory(dev Device) (*hostMemory, error) {
+	switch dev.(type) {
+	case *hostDevice, pinnedAllocator:
+		return &hostMemory{dev: dev, pinned: map[uintptr]int{}}, nil
+	}
+	return nil, errorf(ErrDevice, "Offload on device %s, which has no page-locked host memory; use zero.CPU() or a device from zero.CUDA, or leave Offload off", dev.Name())
+}
+
+func (m *hostMemory) Alloc(count int, d DType) (Tensor, error) {
+	var t Tensor
+	var err error
+	locked := false
+	switch x := m.dev.(type) {
+	case *hostDevice:
+		if t, err = x.Alloc(count, d); err == nil && t.ptr != 0 {
+			locked = mlockHost(t.hostBytes()) == nil
+		}
+	case pinnedAllocator:
+		t, err = x.allocPinned(count, d)
+		locked = true
+	}
+	if err != nil || t.ptr == 0 {
+		return t, err
+	}
+	m.bytes += int64(t.Bytes())
+	if locked {
+		m.pinned[t.ptr] = t.Bytes()
+		m.locked += int64(t.Bytes())
+	}
+	return t, nil
+}
+
+func (m *hostMemory) Free(t Tensor) error {
+	if t.ptr == 0 {
+		return nil
+	}
+	m.bytes -= int64(t.Bytes())
+	m.locked -= int64(m.pinned[t.ptr])
+	delete(m.pinned, t.ptr)
+	switch x := m.dev.(type) {
+	case *hostDevice:
+		return x.Free(t) // munmap unlocks
+	case pinnedAllocator:
+		return x.freePinned(t)
+	}
+	return nil
+}
+
+// offloadPath moves reduced shards from the device to the host shard.
+type offloadPath struct {
+	dev     Device      // the engine's device: the copies run on its copy stream
+	mem     *hostMemory // the host shard, master weights, optimizer state, landing buffers
+	copy    Stream      // the engine's copy stream
+	stream  *HostStream // host kernels: the adds into the host shard, the optimizer
+	landing *bufferPool // comm dtype, the largest bucket shard: where a reduced shard lands
+	maxLand int         // elements of a landing buffer
+	keep    int         // landing buffers to start with and to trim to
+	copies  spans       // the copies of the window and its step, on the copy stream
+	meter   memoryMeter // the landing pool's (hostMemory counts every host byte)
+}
+
+func newOffloadPath(dev Device, copyStream Stream, commDType DType, maxShard, keep int) (*offloadPath, error) {
+	mem, err := newHostMemory(dev)
+	if err != nil {
+		return nil, err
+	}
+	o := &offloadPath{dev: dev, mem: mem, copy: copyStream, stream: NewHostStream(), maxLand: maxShard, keep: keep}
+	o.landing = newBufferPool(mem, commDType, &o.meter)
+	return o, o.landing.grow(maxShard, keep)
+}
+
+// land copies mine, this rank's reduced part of a bucket, to the host once
+// reduced fires, and accumulates it into shard at offset on the host stream:
+// copy when first, add after, times scale, raising flag on inf or NaN (the
+// device accumulate's arithmetic, on the host). copied fires when the copy
+// has read mine; added when the host shard holds the sum.
+func (o *offloadPath) land(mine Tensor, reduced Event, shard Tensor, offset int, first bool, scale float32, flag Tensor) (copied, added Event, err error) {
+	pin, err := o.landing.get(o.maxLand)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer func() {
+		if err != nil { // the pool waits for what was enqueued
+			o.stream.Wait(fence(o.copy))
+			o.landing.put(pin, fence(o.stream))
+		}
+	}()
+	dst := pin.t.slice(0, mine.count)
+	if err = o.copy.Wait(pin.free); err != nil {
+		return nil, nil, err
+	}
+	if err = o.copy.Wait(reduced); err != nil {
+		return nil, nil, err
+	}
+	start, err := o.copy.Record()
+	if err != nil {
+		return nil, nil, err
+	}
+	if err = o.dev.copy(o.copy, dst, mine); err != nil {
+		return nil, nil, err
+	}
+	if copied, err = o.copy.Record(); err != nil {
+		return nil, nil, err
+	}
+	o.copies = append(o.copies, [2]Event{start, copied})
+	if err = o.stream.Wait(copied); err != nil {
+		return nil, nil, err
+	}
+	if err = hostDev.accumulate(o.stream, shard, []Segment{{Src: dst, Offset: offset}}, first, scale, flag); err != nil {
+		return nil, nil, err
+	}
+	if added, err = o.stream.recordUntimed(nil); err != nil {
+		return nil, nil, err
+	}
+	o.landing.put(pin, added)
+	return copied, added, nil
+}
+
+// transfer copies src to dst (host to device or back) on the copy stream
+// once after fires, and returns the copy's event; timed copies count in the
+// step's OffloadCopyTime.
+func (o *offloadPath) transfer(dst, src Tensor, after Event, timed bool) (Event, error) {
+	if err := o.copy.Wait(after); err != nil {
+		return nil, err
+	}
+	var start Event
+	var err error
+	if timed {
+		if start, err = o.copy.Record(); err != nil {
+			return nil, err
+		}
+	}
+	if err := o.dev.copy(o.copy, dst, src); err != nil {
+		return nil, err
+	}
+	done, err := o.copy.Record()
+	if err == nil && timed {
+		o.copies = append(o.copies, [2]Event{start, done})
+	}
+	return done, err
+}
+
+// close frees the landing buffers and stops the host stream; the caller
+// has waited for the work that used them.
+func (o *offloadPath) close() error {
+	return errors.Join(o.landing.trim(0), o.stream.Close())
+}
+
+// shardSide is where the fp32 gradient shard and the optimizer's fp32 state
+// live and are worked on: the device, on stream s; with Offload, the host,
+// on the engine's host stream.
+func (e *Engine) shardSide(s Stream) (Device, Stream) {
+	if e.off != nil {
+		return hostDev, e.off.stream
+	}
+	return e.dev, s
+}
+
+// offloadStats fills the stats' host memory figures.
+func (e *Engine) offloadStats(st *Stats) error {
+	if e.off == nil {
+		return nil
+	}
+	st.HostBytes, st.HostPinnedBytes = e.off.mem.bytes, e.off.mem.locked
+	st.HostGradBytes = int64(e.pl.shard.Bytes()) + int64(e.off.landing.held*e.off.maxLand*e.cfg.CommDType.Size())
+	st.DeviceBytesSaved = int64(e.pl.shard.Bytes())
+	if o := e.opt; o != nil {
+		for _, t := range []Tensor{o.master, o.m, o.v, o.vmax} {
+			st.DeviceBytesSaved += int64(t.Bytes())
+		}
+	}
+	var err error
+	st.OffloadCopyTime, err = e.off.copies.take()
+	return err
+}

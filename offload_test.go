@@ -1,0 +1,459 @@
+package zero
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// sameRunBits fails t where two runs' shards or full gradients differ in a bit.
+func sameRunBits(t *testing.T, what string, got, want []rankResult) {
+	t.Helper()
+	for rank := range want {
+		for st := range want[rank].shard {
+			if !slices.Equal(f32bits(got[rank].shard[st]), f32bits(want[rank].shard[st])) {
+				t.Fatalf("%s: step %d rank %d: the shard differs from the run without offload", what, st, rank)
+			}
+			for p := range want[rank].full[st] {
+				if !slices.Equal(f32bits(got[rank].full[st][p]), f32bits(want[rank].full[st][p])) {
+					t.Fatalf("%s: step %d rank %d: the full gradient of param %d differs from the run without offload", what, st, rank, p)
+				}
+			}
+		}
+	}
+}
+
+func f32bits(x []float32) []uint32 {
+	out := make([]uint32, len(x))
+	for i, v := range x {
+		out[i] = math.Float32bits(v)
+	}
+	return out
+}
+
+// maxShardOf is the largest bucket shard of a plan, in elements.
+func maxShardOf(p *Plan) int {
+	m := 0
+	for _, b := range p.Buckets {
+		m = max(m, b.Shard)
+	}
+	return m
+}
+
+// TestOffloadEqualsDevice: gradients reduced into the host shard (copied
+// from the device on the copy stream, summed by the host) have the bits of
+// the device shard's, for stages 1-3, W 1, 2 and 4, fp32, bf16 and fp16, one
+// and three backwards per step, with Overlap on and off, GradAccumSteps set
+// or counted, and in coalesced windows and NoSync. The stats show the
+// gradient shard on the host and no host accumulator beyond it: the same
+// host gradient bytes whatever the number of backwards.
+func TestOffloadEqualsDevice(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	n := 0
+	for _, stage := range []int{1, 2, 3} {
+		for _, world := range []int{1, 2, 4} {
+			for _, d := range []DType{FP32, BF16, FP16} {
+				params := testParams(d)
+				for _, backwards := range []int{1, 3} {
+					r := runSpec{stage: stage, world: world, dtype: d, backwards: backwards, steps: 3, streams: 2, predivide: 1,
+						overlap: rng.Intn(2) == 0, bucket: []int{256, 2000, 32 << 20}[rng.Intn(3)], shuffle: true}
+					if backwards > 1 && rng.Intn(2) == 0 {
+						r.accum = backwards
+					}
+					if backwards > 1 {
+						r.window = []string{"", "coalesce", "nosync"}[rng.Intn(3)]
+					}
+					data := makeWorkload(rng, r, params)
+					want := runEngine(t, r, params, data, seed)
+					r.offload = true
+					got := runEngine(t, r, params, data, seed)
+					what := fmt.Sprintf("%v accum=%d window=%q", r, r.accum, r.window)
+					sameRunBits(t, what, got, want)
+					for rank := range got {
+						plan := got[rank].plan
+						shard := int64(plan.ShardElems * 4)
+						landing := int64(2 * maxShardOf(plan) * d.Size())
+						for st, s := range got[rank].stats {
+							w := want[rank].stats[st]
+							switch {
+							case s.HostGradBytes != shard+landing:
+								t.Fatalf("%s: step %d: HostGradBytes %d, want the shard %d + 2 landing buffers %d", what, st, s.HostGradBytes, shard, landing)
+							case s.HostBytes != shard+landing+4: // and the overflow flag
+								t.Fatalf("%s: step %d: HostBytes %d, want %d", what, st, s.HostBytes, shard+landing+4)
+							case s.DeviceBytesSaved != shard:
+								t.Fatalf("%s: step %d: DeviceBytesSaved %d, want the shard's %d", what, st, s.DeviceBytesSaved, shard)
+							case s.ResidentGradBytes != w.ResidentGradBytes-shard || s.PeakGradBytes != w.PeakGradBytes-shard:
+								t.Fatalf("%s: step %d: device gradient bytes %d (peak %d), want %d (%d) without offload less the shard %d",
+									what, st, s.ResidentGradBytes, s.PeakGradBytes, w.ResidentGradBytes, w.PeakGradBytes, shard)
+							case s.HostPinnedBytes > s.HostBytes || s.HostPinnedBytes < 0:
+								t.Fatalf("%s: step %d: HostPinnedBytes %d of %d", what, st, s.HostPinnedBytes, s.HostBytes)
+							case w.HostBytes != 0 || w.DeviceBytesSaved != 0:
+								t.Fatalf("%s: without offload the stats show host bytes %d, saved %d", what, w.HostBytes, w.DeviceBytesSaved)
+							case s.OffloadCopyTime <= 0:
+								t.Fatalf("%s: step %d: no copy time", what, st)
+							}
+						}
+					}
+					n++
+				}
+			}
+		}
+	}
+	t.Logf("%d configurations, each with and without offload", n)
+}
+
+// TestOffloadStepsDoNotLeak: 3 steps of 3 backwards, with junk written into
+// the host shard (through the views) after every step: each step's shard is
+// its own window's mean, so the window's first reduction of every bucket
+// copies and the later ones add.
+func TestOffloadStepsDoNotLeak(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	for _, stage := range []int{1, 2, 3} {
+		for _, d := range []DType{FP32, BF16} {
+			params := testParams(d)
+			r := runSpec{stage: stage, world: 2, dtype: d, backwards: 3, steps: 3, streams: 2, predivide: 1, overlap: true, bucket: 512,
+				offload: true, poison: true}
+			data := makeWorkload(rng, r, params)
+			checkMean(t, r, params, data, runEngine(t, r, params, data, seed))
+		}
+	}
+}
+
+// TestOffloadHostNormAfterEveryBackward: with streamed buckets (ZeRO-2 and
+// ZeRO-3), the host shard's norm grows after every backward of a window of
+// gradients of one sign: each backward's reductions reach the host sum, none
+// replaces it (DeepSpeed PR #7967 and seed 003 lost all but one).
+func TestOffloadHostNormAfterEveryBackward(t *testing.T) {
+	seed := testSeed(t)
+	params := testParams(FP32)
+	for _, stage := range []int{2, 3} {
+		for _, overlap := range []bool{false, true} {
+			errs := onEngines(2, 20*time.Second, Config{Stage: stage, BucketBytes: 512, Overlap: overlap, Offload: true}, params, func(e *Engine, s *HostStream) error {
+				rng := rand.New(rand.NewSource(seed + int64(e.Rank())))
+				last := 0.0
+				for k := range 4 {
+					grads := make([]Tensor, len(params))
+					for p, q := range params {
+						x := make([]float32, q.Count)
+						for i := range x {
+							x[i] = float32(0.5 + rng.Float64())
+						}
+						grads[p] = Float32s(x)
+					}
+					if err := backward(e, s, grads); err != nil {
+						return err
+					}
+					if err := e.pl.sync(); err != nil {
+						return err
+					}
+					norm := 0.0
+					for _, x := range e.pl.shard.HostFloat32s() {
+						norm += float64(x) * float64(x)
+					}
+					norm = math.Sqrt(norm)
+					if !(norm > last) {
+						return fmt.Errorf("stage %d overlap=%v: host shard norm %g after backward %d, %g before", stage, overlap, norm, k+1, last)
+					}
+					last = norm
+				}
+				return e.Step()
+			})
+			everyRankIs(t, fmt.Sprintf("stage %d overlap=%v", stage, overlap), errs, nil)
+		}
+	}
+}
+
+// TestOffloadTraining: 20 AdamW steps of 3 backwards with offload give the
+// bits of the same training without it, at stages 1, 2 and 3, with and
+// without a coalesced window, in fp32, bf16 and fp16 with a dynamic loss
+// scale that starts too high (the first steps overflow and are skipped),
+// with clipping: the same parameters on every rank, the same norms, skips
+// and loss scales step by step.
+func TestOffloadTraining(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	sizes := []int{37, 130, 8, 257}
+	const steps, backwards, world = 20, 3, 2
+	for _, dt := range []DType{FP32, BF16, FP16} {
+		q := newQuadTask(rng, sizes, steps, world*backwards)
+		for i, x := range q.theta0 {
+			q.theta0[i] = float64(refDecode(dt, refEncode(dt, float32(x))))
+		}
+		for _, stage := range []int{1, 2, 3} {
+			for _, window := range []bool{false, true} {
+				r := z3Run{stage: stage, world: world, dtype: dt, bucket: 512, steps: steps, backwards: backwards, window: window, clip: 0.5,
+					overlap: rng.Intn(2) == 0}
+				if dt == FP16 {
+					r.lossScale = LossScale{Initial: 1 << 22, Hysteresis: 1}
+				}
+				want := trainZ3(t, q, r)
+				r.offload = true
+				got := trainZ3(t, q, r)
+				what := fmt.Sprintf("%v stage %d window=%v overlap=%v", dt, stage, window, r.overlap)
+				for rank := range got.final {
+					if !slices.Equal(got.final[rank], want.final[rank]) {
+						t.Fatalf("%s: rank %d's parameters differ from training without offload", what, rank)
+					}
+				}
+				skipped := 0
+				for st, s := range got.stats {
+					w := want.stats[st]
+					if s.Skipped != w.Skipped || s.LossScale != w.LossScale || math.Float64bits(s.GradNorm) != math.Float64bits(w.GradNorm) {
+						t.Fatalf("%s: step %d: skipped %v, scale %g, norm %g; without offload %v, %g, %g", what, st, s.Skipped, s.LossScale, s.GradNorm, w.Skipped, w.LossScale, w.GradNorm)
+					}
+					if s.Skipped {
+						skipped++
+					}
+				}
+				if dt == FP16 && skipped == 0 || skipped == steps {
+					t.Fatalf("%s: %d of %d steps skipped; the fp16 runs must skip some, and no run all", what, skipped, steps)
+				}
+			}
+		}
+	}
+}
+
+// TestOffloadHostMemory: with an optimizer the host holds the gradient
+// shard, the fp32 master weights, both AdamW moments and the model-dtype
+// copy of the new parameters, and the device holds that much less than
+// without offload; page-locked where mlock allows it, and correct where it
+// does not; every host byte is freed at Close.
+func TestOffloadHostMemory(t *testing.T) {
+	sizes := []int{3000, 700, 5000}
+	run := func(stage int, d DType, offload bool) (Stats, *hostMemory, [][]float32) {
+		params := make([]Param, len(sizes))
+		mem := make([][]float32, len(sizes))
+		for i, n := range sizes {
+			mem[i] = make([]float32, n)
+			for j := range mem[i] {
+				mem[i][j] = float32(j%7) / 8
+			}
+			params[i] = Param{Count: n, DType: FP32, Data: Float32s(mem[i])}
+		}
+		var st Stats
+		var host *hostMemory
+		errs := onEngines(2, 20*time.Second, Config{Stage: stage, BucketBytes: 8 << 10, Offload: offload, Groups: []Optimizer{AdamW{LR: 0.1}}}, params,
+			func(e *Engine, s *HostStream) error {
+				for range 2 {
+					if err := backward(e, s, constGrads(params, 1)); err != nil {
+						return err
+					}
+					if err := e.Step(); err != nil {
+						return err
+					}
+				}
+				if e.Rank() == 0 {
+					st = e.Stats()
+					if e.off != nil {
+						host = e.off.mem
+					}
+				}
+				return nil
+			})
+		everyRankIs(t, fmt.Sprintf("stage %d offload=%v", stage, offload), errs, nil)
+		return st, host, mem
+	}
+	for _, stage := range []int{1, 2, 3} {
+		dev, _, wantParams := run(stage, FP32, false)
+		got, host, gotParams := run(stage, FP32, true)
+		shardElems := 0
+		for _, n := range sizes { // 8 KiB buckets: one parameter each, split in 2 × 64-element multiples
+			shardElems += (n + 127) / 128 * 64
+		}
+		shard := int64(4 * shardElems)
+		wantHost := 4*shard + 4*int64(shardElems) + 2*int64(4*maxShard(sizes)) + 4 // grad, master, m, v; model copy; landing; flag
+		if got.HostBytes != wantHost {
+			t.Errorf("stage %d: HostBytes %d, want %d", stage, got.HostBytes, wantHost)
+		}
+		if got.DeviceBytesSaved != 4*shard {
+			t.Errorf("stage %d: DeviceBytesSaved %d, want %d (gradient shard, master, m, v)", stage, got.DeviceBytesSaved, 4*shard)
+		}
+		if dev.OptimizerBytes-got.OptimizerBytes != 3*shard || dev.ResidentGradBytes-got.ResidentGradBytes != shard {
+			t.Errorf("stage %d: device bytes: optimizer %d → %d, gradients %d → %d; want 3 and 1 shards (%d bytes each) less",
+				stage, dev.OptimizerBytes, got.OptimizerBytes, dev.ResidentGradBytes, got.ResidentGradBytes, shard)
+		}
+		if host.bytes != 0 || host.locked != 0 || len(host.pinned) != 0 {
+			t.Errorf("stage %d: after Close the host memory holds %d bytes (%d locked)", stage, host.bytes, host.locked)
+		}
+		for p := range wantParams {
+			if !slices.Equal(f32bits(gotParams[p]), f32bits(wantParams[p])) {
+				t.Errorf("stage %d: parameter %d differs from the run without offload", stage, p)
+			}
+		}
+		t.Logf("stage %d: %d host bytes, %d page-locked, %d device bytes saved", stage, got.HostBytes, got.HostPinnedBytes, got.DeviceBytesSaved)
+	}
+	// mlock refused, as under a low RLIMIT_MEMLOCK: the same, unlocked
+	refused := 0
+	mlockHost = func([]byte) error { refused++; return unix.EPERM }
+	defer func() { mlockHost = unix.Mlock }()
+	got, _, gotParams := run(2, FP32, true)
+	_, _, wantParams := run(2, FP32, false)
+	if refused == 0 || got.HostPinnedBytes != 0 || got.HostBytes == 0 {
+		t.Errorf("mlock refused %d times: HostPinnedBytes %d of %d, want none locked", refused, got.HostPinnedBytes, got.HostBytes)
+	}
+	for p := range wantParams {
+		if !slices.Equal(f32bits(gotParams[p]), f32bits(wantParams[p])) {
+			t.Errorf("unlocked: parameter %d differs from the run without offload", p)
+		}
+	}
+	mlockHost = func(b []byte) error { // locked: all of it
+		refused = -1
+		return nil
+	}
+	if got, _, _ := run(2, FP32, true); got.HostPinnedBytes != got.HostBytes {
+		t.Errorf("mlock accepted: HostPinnedBytes %d of %d", got.HostPinnedBytes, got.HostBytes)
+	}
+}
+
+func maxShard(sizes []int) int {
+	m := 0
+	for _, n := range sizes {
+		m = max(m, (n+127)/128*64)
+	}
+	return m
+}
+
+// TestOffloadCopyOrder holds one stream of the offload path in turn with a
+// gate and checks the others wait for it where they must: the copy to the
+// host waits for the reduction's event (which waits for the producer: held,
+// the copy must not read the staging buffer before the gradients are in
+// it); a staging buffer goes back to the
+// pool only once the copy has read it (the next bucket must not overwrite
+// it first); a landing buffer only once the host has added it. One staging
+// and one landing buffer, four buckets a backward, two backwards: every
+// buffer is reused while its last reader is held.
+func TestOffloadCopyOrder(t *testing.T) {
+	params := []Param{{Count: 64, DType: FP32}, {Count: 64, DType: FP32}, {Count: 64, DType: FP32}, {Count: 64, DType: FP32}}
+	for _, heldName := range []string{"producer", "reduction", "copy", "host"} {
+		for _, stage := range []int{2, 3} {
+			comms, _ := NewLocalGroup(1)
+			e, err := New(Config{Stage: stage, BucketBytes: 256, Overlap: true, StagingBuffers: 1, Offload: true}, comms[0], params)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := NewHostStream()
+			held := map[string]*HostStream{"producer": s, "reduction": e.reduceStream.(*HostStream), "copy": e.copyStream.(*HostStream), "host": e.off.stream}[heldName]
+			gate := make(chan struct{})
+			var once sync.Once
+			open := func() { once.Do(func() { close(gate) }) }
+			held.Launch(func() error { <-gate; return nil })
+			for k := range 2 {
+				grads := make([]Tensor, len(params))
+				for p := range params {
+					x := make([]float32, 64)
+					for i := range x {
+						x[i] = float32(1 + p + 10*k)
+					}
+					grads[p] = Float32s(x)
+				}
+				if err := backward(e, s, grads); err != nil {
+					t.Fatal(err)
+				}
+			}
+			streams := []Stream{s, e.reduceStream, e.copyStream, e.off.stream}
+			var others []Stream
+			for _, x := range streams {
+				if x != Stream(held) {
+					others = append(others, x)
+				}
+			}
+			settle(t, others...)
+			for _, x := range e.pl.shard.HostFloat32s() {
+				if x != 0 {
+					t.Fatalf("stage %d, %s held: the host shard changed while the work before it was held", stage, heldName)
+				}
+			}
+			open()
+			if err := e.Step(); err != nil {
+				t.Fatal(err)
+			}
+			full, err := e.FullGrads()
+			if err != nil {
+				t.Fatal(err)
+			}
+			for p := range params {
+				want := float32(2+2*p+10) / 2 // the mean of 1+p and 11+p
+				for i, x := range full[p] {
+					if x != want {
+						t.Fatalf("stage %d, %s held: param %d[%d] = %g, want %g", stage, heldName, p, i, x, want)
+					}
+				}
+			}
+			s.Close()
+			e.Close()
+			comms[0].Close()
+		}
+	}
+}
+
+// TestOffloadErrors: offload needs a device with page-locked host memory;
+// a failed reduction reaches Step as without offload; Close in the middle of
+// a backward frees every host byte.
+func TestOffloadErrors(t *testing.T) {
+	params := testParams(FP32)
+	comms, _ := NewLocalGroup(1)
+	dev := &failingDevice{Device: CPU()}
+	if _, err := New(Config{Stage: 2, BucketBytes: 1024, Offload: true}, onDevice{comms[0], dev}, params); !errors.Is(err, ErrDevice) {
+		t.Errorf("offload on a device without page-locked memory: %v, want ErrDevice", err)
+	}
+	comms[0].Close()
+	boom := errors.New("reduction failed")
+	for _, stage := range []int{1, 2, 3} {
+		comms, _ := NewLocalGroup(1)
+		e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: true, Offload: true}, faultyComm{comms[0], boom}, params)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := NewHostStream()
+		if err := backward(e, s, constGrads(params, 1)); err != nil && !errors.Is(err, boom) {
+			t.Fatal(err)
+		}
+		if err := e.Step(); !errors.Is(err, boom) {
+			t.Errorf("stage %d: Step after a failed reduction: %v, want it", stage, err)
+		}
+		host := e.off.mem
+		e.Close()
+		s.Close()
+		if host.bytes != 0 {
+			t.Errorf("stage %d: %d host bytes left after Close", stage, host.bytes)
+		}
+	}
+	// Close with the copies held: it waits for them, then frees everything.
+	comms, _ = NewLocalGroup(1)
+	e, err := New(Config{Stage: 2, BucketBytes: 1024, Overlap: true, Offload: true}, comms[0], params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gate := make(chan struct{})
+	e.copyStream.(*HostStream).Launch(func() error { <-gate; return nil })
+	s := NewHostStream()
+	if err := backward(e, s, constGrads(params, 1)); err != nil {
+		t.Fatal(err)
+	}
+	host := e.off.mem
+	closed := make(chan error)
+	go func() { closed <- e.Close() }()
+	select {
+	case err := <-closed:
+		t.Fatalf("Close returned (%v) while the copies were held", err)
+	case <-time.After(20 * time.Millisecond):
+	}
+	close(gate)
+	if err := <-closed; err != nil {
+		t.Fatal(err)
+	}
+	if host.bytes != 0 {
+		t.Errorf("%d host bytes left after Close", host.bytes)
+	}
+	s.Close()
+	comms[0].Close()
+}
