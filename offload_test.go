@@ -7,6 +7,7 @@ import (
 	"math/rand"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -292,23 +293,20 @@ func TestOffloadHostMemory(t *testing.T) {
 		t.Logf("stage %d: %d host bytes, %d page-locked, %d device bytes saved", stage, got.HostBytes, got.HostPinnedBytes, got.DeviceBytesSaved)
 	}
 	// mlock refused, as under a low RLIMIT_MEMLOCK: the same, unlocked
-	refused := 0
-	mlockHost = func([]byte) error { refused++; return unix.EPERM }
+	var refused atomic.Int64
+	mlockHost = func([]byte) error { refused.Add(1); return unix.EPERM }
 	defer func() { mlockHost = unix.Mlock }()
 	got, _, gotParams := run(2, FP32, true)
 	_, _, wantParams := run(2, FP32, false)
-	if refused == 0 || got.HostPinnedBytes != 0 || got.HostBytes == 0 {
-		t.Errorf("mlock refused %d times: HostPinnedBytes %d of %d, want none locked", refused, got.HostPinnedBytes, got.HostBytes)
+	if refused.Load() == 0 || got.HostPinnedBytes != 0 || got.HostBytes == 0 {
+		t.Errorf("mlock refused %d times: HostPinnedBytes %d of %d, want none locked", refused.Load(), got.HostPinnedBytes, got.HostBytes)
 	}
 	for p := range wantParams {
 		if !slices.Equal(f32bits(gotParams[p]), f32bits(wantParams[p])) {
 			t.Errorf("unlocked: parameter %d differs from the run without offload", p)
 		}
 	}
-	mlockHost = func(b []byte) error { // locked: all of it
-		refused = -1
-		return nil
-	}
+	mlockHost = func([]byte) error { return nil } // locked: all of it
 	if got, _, _ := run(2, FP32, true); got.HostPinnedBytes != got.HostBytes {
 		t.Errorf("mlock accepted: HostPinnedBytes %d of %d", got.HostPinnedBytes, got.HostBytes)
 	}
