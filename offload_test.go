@@ -324,17 +324,22 @@ func maxShard(sizes []int) int {
 // gate and checks the others wait for it where they must: the copy to the
 // host waits for the reduction's event (which waits for the producer: held,
 // the copy must not read the staging buffer before the gradients are in
-// it); a staging buffer goes back to the
-// pool only once the copy has read it (the next bucket must not overwrite
-// it first); a landing buffer only once the host has added it. One staging
-// and one landing buffer, four buckets a backward, two backwards: every
-// buffer is reused while its last reader is held.
+// it); a staging buffer goes back to the pool only once the copy has read
+// it (the next bucket must not overwrite it first); a landing buffer only
+// once the host has added it; the pipeline's sync waits for the host's
+// adds. One staging and one landing buffer, four buckets a backward, two
+// backwards: every buffer is reused while its last reader is held; and with
+// eight, the host held alone.
 func TestOffloadCopyOrder(t *testing.T) {
 	params := []Param{{Count: 64, DType: FP32}, {Count: 64, DType: FP32}, {Count: 64, DType: FP32}, {Count: 64, DType: FP32}}
-	for _, heldName := range []string{"producer", "reduction", "copy", "host"} {
+	for _, c := range []struct {
+		held    string
+		buffers int
+	}{{"producer", 1}, {"reduction", 1}, {"copy", 1}, {"host", 1}, {"host", 8}} {
+		heldName := c.held
 		for _, stage := range []int{2, 3} {
 			comms, _ := NewLocalGroup(1)
-			e, err := New(Config{Stage: stage, BucketBytes: 256, Overlap: true, StagingBuffers: 1, Offload: true}, comms[0], params)
+			e, err := New(Config{Stage: stage, BucketBytes: 256, Overlap: true, StagingBuffers: c.buffers, Offload: true}, comms[0], params)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -370,7 +375,27 @@ func TestOffloadCopyOrder(t *testing.T) {
 					t.Fatalf("stage %d, %s held: the host shard changed while the work before it was held", stage, heldName)
 				}
 			}
+			synced := make(chan error, 1)
+			go func() { synced <- e.pl.sync() }()
+			deadline := time.Now().Add(20 * time.Second)
+			for blocked := false; !blocked; {
+				select {
+				case err := <-synced:
+					t.Fatalf("stage %d, %s held: the pipeline's sync returned (%v) before the held work ran", stage, heldName, err)
+				default:
+				}
+				for _, x := range streams {
+					blocked = blocked || x.(*HostStream).waitedOn()
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the pipeline's sync neither returned nor blocked within 20 s")
+				}
+				time.Sleep(50 * time.Microsecond)
+			}
 			open()
+			if err := <-synced; err != nil {
+				t.Fatal(err)
+			}
 			if err := e.Step(); err != nil {
 				t.Fatal(err)
 			}
@@ -382,7 +407,7 @@ func TestOffloadCopyOrder(t *testing.T) {
 				want := float32(2+2*p+10) / 2 // the mean of 1+p and 11+p
 				for i, x := range full[p] {
 					if x != want {
-						t.Fatalf("stage %d, %s held: param %d[%d] = %g, want %g", stage, heldName, p, i, x, want)
+						t.Fatalf("stage %d, %s held, %d buffers: param %d[%d] = %g, want %g", stage, heldName, c.buffers, p, i, x, want)
 					}
 				}
 			}
