@@ -1356,9 +1356,16 @@ func TestCUDATrainingMatchesCPU(t *testing.T) {
 // TestCUDAStage3Gather: stage 3 on the one-GPU group with the parameters in
 // GPU memory: the gathered views hold rank 0's values after New, and after
 // an SGD step the values the step computed (x − lr·1 for a mean gradient of
-// ones, exact in fp32); every byte is freed at Close.
+// ones, exact in fp32), with the optimizer on the GPU and offloaded to the
+// host; every byte is freed at Close.
 func TestCUDAStage3Gather(t *testing.T) {
 	d := needCUDA(t)
+	for _, offload := range []bool{false, true} {
+		cudaStage3Gather(t, d, offload)
+	}
+}
+
+func cudaStage3Gather(t *testing.T, d *cudaDevice, offload bool) {
 	const world = 2
 	sizes := []int{300, 1000, 77}
 	comms, err := NewCUDALocalGroupTimeout(world, d, 60*time.Second)
@@ -1404,7 +1411,7 @@ func TestCUDAStage3Gather(t *testing.T) {
 			}
 			ps[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: FP32, Data: x}
 		}
-		e, err := New(Config{Stage: 3, BucketBytes: 2048, Groups: []Optimizer{SGD{LR: 0.5}}}, comms[rank], ps)
+		e, err := New(Config{Stage: 3, BucketBytes: 2048, Groups: []Optimizer{SGD{LR: 0.5}}, Offload: offload}, comms[rank], ps)
 		if err != nil {
 			return err
 		}
@@ -1459,7 +1466,7 @@ func TestCUDAStage3Gather(t *testing.T) {
 	})
 	for rank, err := range errs {
 		if err != nil {
-			t.Fatalf("rank %d: %v", rank, err)
+			t.Fatalf("offload=%v rank %d: %v", offload, rank, err)
 		}
 	}
 }

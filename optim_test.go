@@ -84,6 +84,7 @@ type trainRun struct {
 	dtype                   DType
 	bucket                  int
 	overlap                 bool
+	offload                 bool
 }
 
 // trainEnv is where trainEngine runs: the group, the streams, and the
@@ -159,7 +160,7 @@ func trainEngineOn(t *testing.T, env trainEnv, q *quadTask, r trainRun, opt Adam
 		if err := s0.Sync(); err != nil {
 			return err
 		}
-		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Groups: []Optimizer{opt}}
+		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Groups: []Optimizer{opt}, Offload: r.offload}
 		e, err := New(cfg, comms[rank], ps)
 		if err != nil {
 			return err
