@@ -2,13 +2,16 @@ package zero
 
 import (
 	"fmt"
+	"math"
 	"math/rand"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 )
 
 // BenchmarkStep: one step of 4 backwards of an 8×512 bf16 MLP across 4
@@ -359,4 +362,165 @@ func BenchmarkGather(b *testing.B) {
 			b.ReportMetric(td.Seconds()/tg.Seconds(), "x-allgather")
 		})
 	}
+}
+
+// BenchmarkOffloadStep: steps of 2 backwards of an 8×1024² bf16 model (8.4M
+// parameters, one layer a bucket) on 2 in-process ranks at ZeRO-2 with
+// AdamW, with and without offload. Each layer's backward is a host task on
+// a producer stream that writes its gradient (a xorshift an element), so
+// the copies of the reduced shards to the host can overlap with the layers
+// still to come. Reported per step:
+//
+//	step_ms        wall time
+//	optimizer_ms   the optimizer pass (on the host with offload)
+//	adamw-GB/s     its speed, 30 B an element (p, g, m, v read; p, m, v, bf16 out written),
+//	               per rank: the ranks' passes share the cores
+//	yard-GB/s      yardOptPass over buffers of the same size, one per rank at once, in the same run
+//	grad_copy_ms   the copies of the reduced shards to the host (offload)
+//	copy_hidden    the share of them that ran before backward's last gradient
+//	param_copy_ms  the copies of the new parameters to the device (offload)
+func BenchmarkOffloadStep(b *testing.B) {
+	const world, layers, hidden, backwards = 2, 8, 1024, 2
+	var params []Param
+	for range layers {
+		params = append(params, Param{Count: hidden * hidden, DType: BF16}, Param{Count: hidden, DType: BF16})
+	}
+	for _, offload := range []bool{false, true} {
+		b.Run(fmt.Sprintf("offload=%v", offload), func(b *testing.B) {
+			comms, _ := NewLocalGroup(world)
+			engines := make([]*Engine, world)
+			streams := make([]*HostStream, world)
+			grads := make([][][]uint16, world)
+			var wg sync.WaitGroup
+			for r := range world {
+				ps := append([]Param(nil), params...)
+				for p := range ps {
+					x := make([]uint16, ps[p].Count)
+					for i := range x {
+						x[i] = bf16FromFloat(float32(i%97) / 97)
+					}
+					ps[p].Data = Halfs(x, BF16)
+					grads[r] = append(grads[r], make([]uint16, ps[p].Count))
+				}
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					var err error
+					engines[r], err = New(Config{Stage: 2, BucketBytes: 2 << 20, Overlap: true, Offload: offload,
+						Groups: []Optimizer{AdamW{LR: 1e-4, WeightDecay: 0.01}}}, comms[r], ps)
+					if err != nil {
+						b.Error(err)
+					}
+					streams[r] = NewHostStream()
+				}()
+			}
+			wg.Wait()
+			if b.Failed() {
+				return
+			}
+			defer func() {
+				for r := range world {
+					engines[r].Close()
+					streams[r].Close()
+				}
+			}()
+			step := func() {
+				for r := range world {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						e, s := engines[r], streams[r]
+						for k := range backwards {
+							for p := len(params) - 1; p >= 0; p-- {
+								g := grads[r][p]
+								seed := uint32(r*131 + k*17 + p + 1)
+								s.Launch(func() error { // this layer's backward
+									x := seed
+									for i := range g {
+										x ^= x << 13
+										x ^= x >> 17
+										x ^= x << 5
+										g[i] = uint16(0x3a00 | x&0x81ff) // ±[2^-11, 2^-10): random bf16 bits
+									}
+									return nil
+								})
+								if _, err := e.GradReady(p, Halfs(g, BF16), s); err != nil {
+									b.Error(err)
+									return
+								}
+							}
+							if err := e.EndBackward(); err != nil {
+								b.Error(err)
+								return
+							}
+						}
+						if err := e.Step(); err != nil {
+							b.Error(err)
+						}
+					}()
+				}
+				wg.Wait()
+			}
+			step() // the first step allocates nothing new after it
+			var opt, gradCopy, exposed, paramCopy time.Duration
+			b.ResetTimer()
+			start := time.Now()
+			for range b.N {
+				step()
+				st := engines[0].Stats()
+				opt += st.OptimizerTime
+				gradCopy += st.GradCopyTime
+				exposed += st.GradCopyExposed
+				paramCopy += st.ParamCopyTime
+			}
+			elapsed := time.Since(start)
+			b.StopTimer()
+			n := float64(b.N)
+			shard := engines[0].Plan().ShardElems
+			b.ReportMetric(elapsed.Seconds()*1e3/n, "step_ms")
+			b.ReportMetric(opt.Seconds()*1e3/n, "optimizer_ms")
+			b.ReportMetric(30*float64(shard)*n/opt.Seconds()/1e9, "adamw-GB/s")
+			b.ReportMetric(30*float64(shard)/yardOptSeconds(shard, world)/1e9, "yard-GB/s")
+			if offload {
+				st := engines[0].Stats()
+				b.ReportMetric(gradCopy.Seconds()*1e3/n, "grad_copy_ms")
+				b.ReportMetric(1-float64(exposed)/float64(gradCopy), "copy_hidden")
+				b.ReportMetric(paramCopy.Seconds()*1e3/n, "param_copy_ms")
+				b.ReportMetric(float64(st.HostBytes)/(1<<20), "host_MiB")
+				b.ReportMetric(float64(st.DeviceBytesSaved)/(1<<20), "saved_MiB")
+			}
+		})
+	}
+}
+
+// yardOptSeconds times yardOptPass over fresh fp32 buffers of n elements
+// (p, g, m, v, staggered by 4 KiB + 64 B) and a bf16 out, on both cores,
+// for ranks ranks at once as the engines' passes run: the best of 3.
+func yardOptSeconds(n, ranks int) float64 {
+	const stagger = 1040
+	all := make([][]float32, ranks)
+	out := make([][]uint16, ranks)
+	for r := range ranks {
+		all[r], out[r] = make([]float32, 4*(n+stagger)), make([]uint16, n)
+	}
+	best := math.Inf(1)
+	for range 3 {
+		t0 := time.Now()
+		var wg sync.WaitGroup
+		for r := range ranks {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				at := func(k int) uintptr { return uintptr(unsafe.Pointer(&all[r][k*(n+stagger)])) }
+				parallelRange(n, func(lo, hi int) {
+					yardstick(yardOptPass, uintptr(unsafe.Pointer(&out[r][0])), at(0), at(1), at(2), at(3), lo, hi)
+				})
+			}()
+		}
+		wg.Wait()
+		best = min(best, time.Since(t0).Seconds())
+	}
+	runtime.KeepAlive(all)
+	runtime.KeepAlive(out)
+	return best
 }

@@ -41,7 +41,10 @@
 //     backwards share one reduction per bucket, within an optional budget
 //     of local memory.
 //
-// Not yet: CPU offload. DESIGN.md in the repository says how it will work.
+//   - With Config.Offload, the fp32 gradient shard, the master weights and
+//     the optimizer state live in page-locked host memory: each reduced
+//     shard is copied to the host as its reduction finishes and summed
+//     there, and the optimizer runs on the host.
 //
 // Each rank's Engine is driven from one goroutine. Errors are typed
 // (errors.Is with ErrProtocol, ErrMismatch, …) and say what to change.

@@ -2,6 +2,7 @@ package zero
 
 import (
 	"errors"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -88,8 +89,16 @@ type offloadPath struct {
 	landing *bufferPool // comm dtype, the largest bucket shard: where a reduced shard lands
 	maxLand int         // elements of a landing buffer
 	keep    int         // landing buffers to start with and to trim to
-	copies  spans       // the copies of the window and its step, on the copy stream
 	meter   memoryMeter // the landing pool's (hostMemory counts every host byte)
+
+	gradCopies, paramCopies spans // the window's copies to the host, its step's to the device
+	// marks is a stream of the device that only waits for the producers
+	// of a backward (their last events, in producers) and then records
+	// backwardEnd: the device's time when the window's last backward had
+	// produced its last gradient.
+	marks       Stream
+	producers   map[Stream]Event
+	backwardEnd Event
 }
 
 func newOffloadPath(dev Device, copyStream Stream, commDType DType, maxShard, keep int) (*offloadPath, error) {
@@ -97,8 +106,11 @@ func newOffloadPath(dev Device, copyStream Stream, commDType DType, maxShard, ke
 	if err != nil {
 		return nil, err
 	}
-	o := &offloadPath{dev: dev, mem: mem, copy: copyStream, stream: NewHostStream(), maxLand: maxShard, keep: keep}
+	o := &offloadPath{dev: dev, mem: mem, copy: copyStream, stream: NewHostStream(), maxLand: maxShard, keep: keep, producers: map[Stream]Event{}}
 	o.landing = newBufferPool(mem, commDType, &o.meter)
+	if o.marks, err = dev.NewStream(); err != nil {
+		return o, err
+	}
 	return o, o.landing.grow(maxShard, keep)
 }
 
@@ -135,7 +147,7 @@ func (o *offloadPath) land(mine Tensor, reduced Event, shard Tensor, offset int,
 	if copied, err = o.copy.Record(); err != nil {
 		return nil, nil, err
 	}
-	o.copies = append(o.copies, [2]Event{start, copied})
+	o.gradCopies = append(o.gradCopies, [2]Event{start, copied})
 	if err = o.stream.Wait(copied); err != nil {
 		return nil, nil, err
 	}
@@ -151,7 +163,7 @@ func (o *offloadPath) land(mine Tensor, reduced Event, shard Tensor, offset int,
 
 // transfer copies src to dst (host to device or back) on the copy stream
 // once after fires, and returns the copy's event; timed copies count in the
-// step's OffloadCopyTime.
+// step's ParamCopyTime.
 func (o *offloadPath) transfer(dst, src Tensor, after Event, timed bool) (Event, error) {
 	if err := o.copy.Wait(after); err != nil {
 		return nil, err
@@ -168,7 +180,7 @@ func (o *offloadPath) transfer(dst, src Tensor, after Event, timed bool) (Event,
 	}
 	done, err := o.copy.Record()
 	if err == nil && timed {
-		o.copies = append(o.copies, [2]Event{start, done})
+		o.paramCopies = append(o.paramCopies, [2]Event{start, done})
 	}
 	return done, err
 }
@@ -176,7 +188,52 @@ func (o *offloadPath) transfer(dst, src Tensor, after Event, timed bool) (Event,
 // close frees the landing buffers and stops the host stream; the caller
 // has waited for the work that used them.
 func (o *offloadPath) close() error {
-	return errors.Join(o.landing.trim(0), o.stream.Close())
+	errs := []error{o.landing.trim(0), o.stream.Close()}
+	if o.marks != nil {
+		errs = append(errs, o.marks.Close())
+	}
+	return errors.Join(errs...)
+}
+
+// endBackward marks the end of a backward on the device's clock: after
+// its producers' last events.
+func (o *offloadPath) endBackward() error {
+	for _, ev := range o.producers {
+		if err := o.marks.Wait(ev); err != nil {
+			return err
+		}
+	}
+	clear(o.producers)
+	var err error
+	o.backwardEnd, err = o.marks.Record()
+	return err
+}
+
+// gradCopyTimes sums the window's copies to the host, and the part of them
+// that ran after its last backward ended, and empties them.
+func (o *offloadPath) gradCopyTimes() (total, exposed time.Duration, err error) {
+	for _, sp := range o.gradCopies {
+		d, err := Elapsed(sp[0], sp[1])
+		if err != nil {
+			return 0, 0, err
+		}
+		total += d
+		if o.backwardEnd == nil {
+			continue
+		}
+		from, err := Elapsed(o.backwardEnd, sp[0])
+		if err != nil {
+			return 0, 0, err
+		}
+		to, err := Elapsed(o.backwardEnd, sp[1])
+		if err != nil {
+			return 0, 0, err
+		}
+		exposed += max(0, to-max(0, from))
+	}
+	o.gradCopies = o.gradCopies[:0]
+	o.backwardEnd = nil
+	return total, exposed, nil
 }
 
 // shardSide is where the fp32 gradient shard and the optimizer's fp32 state
@@ -203,6 +260,9 @@ func (e *Engine) offloadStats(st *Stats) error {
 		}
 	}
 	var err error
-	st.OffloadCopyTime, err = e.off.copies.take()
+	if st.GradCopyTime, st.GradCopyExposed, err = e.off.gradCopyTimes(); err != nil {
+		return err
+	}
+	st.ParamCopyTime, err = e.off.paramCopies.take()
 	return err
 }

@@ -98,8 +98,8 @@ func TestOffloadEqualsDevice(t *testing.T) {
 								t.Fatalf("%s: step %d: HostPinnedBytes %d of %d", what, st, s.HostPinnedBytes, s.HostBytes)
 							case w.HostBytes != 0 || w.DeviceBytesSaved != 0:
 								t.Fatalf("%s: without offload the stats show host bytes %d, saved %d", what, w.HostBytes, w.DeviceBytesSaved)
-							case s.OffloadCopyTime <= 0:
-								t.Fatalf("%s: step %d: no copy time", what, st)
+							case s.GradCopyTime <= 0 || s.GradCopyExposed < 0 || s.GradCopyExposed > s.GradCopyTime:
+								t.Fatalf("%s: step %d: gradient copies %v, %v of it exposed", what, st, s.GradCopyTime, s.GradCopyExposed)
 							}
 						}
 					}

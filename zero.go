@@ -511,6 +511,9 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 	for k, b := range order {
 		e.pl.produced(b, groups[k], params, stream, ev)
 	}
+	if e.off != nil {
+		e.off.producers[stream] = ev
+	}
 	for _, p := range params {
 		e.usedWindow[p] = true
 	}
@@ -585,6 +588,11 @@ func (e *Engine) EndBackward() error {
 		return e.fail(err)
 	}
 	e.pl.endBackward()
+	if e.off != nil {
+		if err := e.off.endBackward(); err != nil {
+			return e.fail(err)
+		}
+	}
 	if e.boundary {
 		e.afterFlush()
 	}
@@ -836,14 +844,19 @@ type Stats struct {
 	// the part that holds gradients (the shard and the landing buffers,
 	// whatever the number of backwards), DeviceBytesSaved the device memory
 	// the same engine holds without Offload and this one does not (the
-	// gradient shard, the master weights and the optimizer state), and
-	// OffloadCopyTime the copy stream's time for the window's gradient
-	// copies to the host and the step's parameter copies back.
+	// gradient shard, the master weights and the optimizer state).
 	HostBytes        int64
-	HostPinnedBytes  int64         // see HostBytes
-	HostGradBytes    int64         // see HostBytes
-	DeviceBytesSaved int64         // see HostBytes
-	OffloadCopyTime  time.Duration // see HostBytes
+	HostPinnedBytes  int64 // see HostBytes
+	HostGradBytes    int64 // see HostBytes
+	DeviceBytesSaved int64 // see HostBytes
+	// With Offload: GradCopyTime is the copy stream's time for the window's
+	// reduced shards to the host, GradCopyExposed the part of it that ran
+	// after the window's last backward ended (the rest overlapped with
+	// backward), and ParamCopyTime that of the step's new parameters to the
+	// device.
+	GradCopyTime    time.Duration
+	GradCopyExposed time.Duration // see GradCopyTime
+	ParamCopyTime   time.Duration // see GradCopyTime
 }
 
 // Stats returns the stats of the last Step.

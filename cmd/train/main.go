@@ -31,6 +31,7 @@ func main() {
 	flag.Float64Var(&c.lr, "lr", c.lr, "AdamW learning rate")
 	flag.Float64Var(&c.weightDecay, "wd", c.weightDecay, "AdamW weight decay of the weights (biases get none)")
 	bf16 := flag.Bool("bf16", false, "bf16 parameters and gradients (fp32 master and moments)")
+	flag.BoolVar(&c.offload, "offload", c.offload, "gradient shard, master weights and AdamW moments in page-locked host memory, the optimizer on the host")
 	flag.Int64Var(&c.seed, "seed", c.seed, "seed of the data and the initial parameters")
 	flag.Parse()
 	if *bf16 {
@@ -50,6 +51,7 @@ type config struct {
 	dtype                             zero.DType
 	bucketBytes                       int
 	prefetchBytes                     int // stage 3: Config.PrefetchBytes
+	offload                           bool
 	seed                              int64
 }
 
@@ -252,8 +254,12 @@ func run(out io.Writer, c config) (result, error) {
 	}
 	data := makeData(c)
 	if out != nil {
-		fmt.Fprintf(out, "MLP %d→%d→1 on %d ranks, ZeRO-%d, AdamW lr %g, global batch %d in %d backward(s) per step\n",
-			c.in, c.hidden, c.world, c.stage, c.lr, c.batch, c.accum)
+		offload := ""
+		if c.offload {
+			offload = ", offloaded to the host"
+		}
+		fmt.Fprintf(out, "MLP %d→%d→1 on %d ranks, ZeRO-%d%s, AdamW lr %g, global batch %d in %d backward(s) per step\n",
+			c.in, c.hidden, c.world, c.stage, offload, c.lr, c.batch, c.accum)
 	}
 	var res result
 	errs := make([]error, c.world)
@@ -349,6 +355,7 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		BucketBytes:   c.bucketBytes,
 		Align:         1, // a tiny model: let every bucket split over the ranks
 		PrefetchBytes: c.prefetchBytes,
+		Offload:       c.offload,
 		Groups: []zero.Optimizer{
 			zero.AdamW{LR: c.lr, WeightDecay: c.weightDecay},
 			zero.AdamW{LR: c.lr},

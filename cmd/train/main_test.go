@@ -287,30 +287,71 @@ func TestStage3MatchesStage2(t *testing.T) {
 	}
 }
 
+// TestOffloadMatchesDevice: the example with offload (gradient shard,
+// master weights and moments on the host, AdamW there) gives the bits of
+// the run without it after every step, at stages 1 to 3.
+func TestOffloadMatchesDevice(t *testing.T) {
+	seed := testSeed(t)
+	for _, dt := range []zero.DType{zero.FP32, zero.BF16} {
+		for _, stage := range []int{1, 2, 3} {
+			c := defaultConfig()
+			c.seed, c.world, c.dtype, c.steps, c.accum, c.stage = seed, 2, dt, 8, 3, stage
+			want, err := run(nil, c)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.offload = true
+			got, err := run(nil, c)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for st := range want.params {
+				for p := range want.params[st] {
+					for i, x := range want.params[st][p] {
+						if y := got.params[st][p][i]; math.Float64bits(x) != math.Float64bits(y) {
+							t.Fatalf("%v stage %d step %d: %s[%d] = %v with offload, %v without", dt, stage, st, tensorNames[p], i, y, x)
+						}
+					}
+				}
+			}
+			if s := got.stats[len(got.stats)-1]; s.HostBytes == 0 || s.DeviceBytesSaved == 0 {
+				t.Errorf("%v stage %d: host bytes %d, device bytes saved %d", dt, stage, s.HostBytes, s.DeviceBytesSaved)
+			}
+		}
+	}
+}
+
 // BenchmarkTrainStep: one training step of a wider MLP (32→4096→1, 2 ranks,
 // global batch 16, 64 KiB buckets) at stage 2 and at stage 3 with and
 // without prefetch, and the share of it that the optimizer pass and the
 // parameters' gathers take, from the engine's stats. At stage 3, hidden is
 // the share of the gathers' time the forward and backward did not wait for.
+// With offload, the copies of the gradients to the host (and the share of
+// them that backward hid), the copies of the new parameters back, and the
+// host and device bytes.
 func BenchmarkTrainStep(b *testing.B) {
 	for _, v := range []struct {
 		name            string
 		stage, prefetch int
-	}{{"zero2", 2, 0}, {"zero3/prefetch", 3, 0}, {"zero3/no-prefetch", 3, -1}} {
+		offload         bool
+	}{{"zero2", 2, 0, false}, {"zero2/offload", 2, 0, true}, {"zero3/prefetch", 3, 0, false}, {"zero3/prefetch/offload", 3, 0, true}, {"zero3/no-prefetch", 3, -1, false}} {
 		b.Run(v.name, func(b *testing.B) {
 			c := defaultConfig()
 			c.in, c.hidden, c.batch, c.steps, c.bucketBytes = 32, 4096, 16, b.N+1, 64<<10
-			c.stage, c.prefetchBytes = v.stage, v.prefetch
+			c.stage, c.prefetchBytes, c.offload = v.stage, v.prefetch, v.offload
 			res, err := run(nil, c)
 			if err != nil {
 				b.Fatal(err)
 			}
-			var wall, opt, gather, waited time.Duration
+			var wall, opt, gather, waited, gradCopy, exposed, paramCopy time.Duration
 			for st := 1; st < len(res.wall); st++ { // the first step allocates the moments
 				wall += res.wall[st]
 				opt += res.stats[st].OptimizerTime
 				gather += res.stats[st].ParamGatherTime
 				waited += res.waited[st]
+				gradCopy += res.stats[st].GradCopyTime
+				exposed += res.stats[st].GradCopyExposed
+				paramCopy += res.stats[st].ParamCopyTime
 			}
 			n := float64(len(res.wall) - 1)
 			b.ReportMetric(wall.Seconds()*1e3/n, "step_ms")
@@ -320,6 +361,14 @@ func BenchmarkTrainStep(b *testing.B) {
 			if v.stage == 3 {
 				b.ReportMetric(waited.Seconds()*1e3/n, "waited_ms")
 				b.ReportMetric(1-float64(waited)/float64(gather), "hidden")
+			}
+			if v.offload {
+				last := res.stats[len(res.stats)-1]
+				b.ReportMetric(gradCopy.Seconds()*1e3/n, "grad_copy_ms")
+				b.ReportMetric(1-float64(exposed)/float64(gradCopy), "copy_hidden")
+				b.ReportMetric(paramCopy.Seconds()*1e3/n, "param_copy_ms")
+				b.ReportMetric(float64(last.HostBytes)/(1<<20), "host_MiB")
+				b.ReportMetric(float64(last.DeviceBytesSaved)/(1<<20), "saved_MiB")
 			}
 		})
 	}
