@@ -207,9 +207,9 @@ type pipeline struct {
 	plan   *Plan
 	dev    Device
 	comm   Comm
-	stream Stream // the reduction stream
-	shard  Tensor // fp32: the concatenation of this rank's bucket shards
-	flag   Tensor // fp32: raised by accumulate on inf or NaN
+	stream Stream      // the reduction stream
+	shard  Tensor      // fp32: the concatenation of this rank's bucket shards
+	flag   Tensor      // fp32: raised by accumulate on inf or NaN
 	mem    memoryMeter // device bytes
 	// off, with Offload, takes each reduced shard to the host: shard and
 	// flag are then host memory, from off.mem.

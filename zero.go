@@ -235,7 +235,7 @@ type Engine struct {
 
 	opt        *optState    // nil without Config.Groups: Step only reduces
 	off        *offloadPath // nil without Config.Offload
-	ps         *paramState // stage 3 with parameter memory: the parameter shards
+	ps         *paramState  // stage 3 with parameter memory: the parameter shards
 	co         coalesceState
 	windowBase int    // where the used flags start in Step's first all-reduce
 	usedWindow []bool // per parameter: reported in this window, on this rank
