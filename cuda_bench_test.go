@@ -7,6 +7,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 )
 
 // GPU benchmarks (scripts/gpu-test.sh runs them on a GPU host; elsewhere they
@@ -232,4 +234,159 @@ func BenchmarkCUDAPipeline(b *testing.B) {
 			b.ReportMetric(float64(stats[0].Collectives.Total().Calls), "collectives/step")
 		})
 	}
+}
+
+// BenchmarkCUDAOffloadCopy: the copies offload makes, 256 MiB between
+// device memory and page-locked host memory on one stream (device to host,
+// host to device) and both at once on two streams, beside the limit of the
+// card's host link from NVML (PCIe generation and width, per direction,
+// after line encoding). Reports GB/s and the share of the link.
+func BenchmarkCUDAOffloadCopy(b *testing.B) {
+	d := needCUDA(b)
+	const n = 256 << 20 // bytes
+	devBuf := func() Tensor {
+		x, err := d.Alloc(n/4, FP32)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { d.Free(x) })
+		return x
+	}
+	hostBuf := func() Tensor {
+		x, err := AllocPinned(d, n/4, FP32)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { FreePinned(d, x) })
+		return x
+	}
+	dev, host, dev2, host2 := devBuf(), hostBuf(), devBuf(), hostBuf()
+	s1, s2 := gpuStream(b, d), gpuStream(b, d)
+	link := pcieLinkBytesPerSecond(b, d.ordinal)
+	for _, dir := range []string{"d2h", "h2d", "both"} {
+		b.Run(dir, func(b *testing.B) {
+			bytes := int64(n)
+			if dir == "both" {
+				bytes = 2 * n
+			}
+			b.SetBytes(bytes)
+			var total time.Duration
+			for range b.N {
+				total += gpuTime(b, s1, func() error {
+					switch dir {
+					case "d2h":
+						return d.copy(s1, host, dev)
+					case "h2d":
+						return d.copy(s1, dev, host)
+					}
+					// the other direction on s2, inside s1's timed span
+					start, err := s1.Record()
+					if err == nil {
+						err = s2.Wait(start)
+					}
+					if err == nil {
+						err = d.copy(s2, dev2, host2)
+					}
+					if err == nil {
+						err = d.copy(s1, host, dev)
+					}
+					var other Event
+					if err == nil {
+						other, err = s2.Record()
+					}
+					if err == nil {
+						err = s1.Wait(other)
+					}
+					return err
+				})
+			}
+			gbs := float64(bytes) * float64(b.N) / total.Seconds() / 1e9
+			b.ReportMetric(gbs, "GB/s")
+			if link > 0 {
+				perDir := gbs
+				if dir == "both" {
+					perDir /= 2
+				}
+				b.ReportMetric(link/1e9, "link-GB/s")
+				b.ReportMetric(perDir/(link/1e9), "x-link")
+			}
+		})
+	}
+}
+
+// pcieLinkBytesPerSecond is the theoretical bandwidth of one direction of
+// GPU ordinal's host link at its maximum PCIe generation and width, from
+// NVML, after line encoding (8b/10b up to gen 2, 128b/130b after); 0 where
+// NVML cannot tell (it then logs why).
+func pcieLinkBytesPerSecond(b *testing.B, ordinal int) float64 {
+	lib := nvml.New()
+	if ret := lib.Init(); ret != nvml.SUCCESS {
+		b.Logf("no link limit: NVML init: %v", nvml.ErrorString(ret))
+		return 0
+	}
+	defer lib.Shutdown()
+	dev, ret := lib.DeviceGetHandleByIndex(ordinal)
+	if ret != nvml.SUCCESS {
+		b.Logf("no link limit: NVML device %d: %v", ordinal, nvml.ErrorString(ret))
+		return 0
+	}
+	gen, ret := dev.GetMaxPcieLinkGeneration()
+	if ret != nvml.SUCCESS {
+		b.Logf("no link limit: PCIe generation: %v", nvml.ErrorString(ret))
+		return 0
+	}
+	width, ret := dev.GetMaxPcieLinkWidth()
+	if ret != nvml.SUCCESS {
+		b.Logf("no link limit: PCIe width: %v", nvml.ErrorString(ret))
+		return 0
+	}
+	curGen, _ := dev.GetCurrPcieLinkGeneration()
+	curWidth, _ := dev.GetCurrPcieLinkWidth()
+	b.Logf("PCIe gen %d x%d (now gen %d x%d)", gen, width, curGen, curWidth)
+	gts := map[int]float64{1: 2.5, 2: 5, 3: 8, 4: 16, 5: 32, 6: 64}[gen]
+	enc := 128.0 / 130
+	if gen <= 2 {
+		enc = 0.8
+	}
+	return gts * 1e9 * enc * float64(width) / 8
+}
+
+// BenchmarkCUDAOffloadStep is BenchmarkOffloadStep (bench_test.go) on the
+// one-GPU group: 8 × 2048² bf16 layers, 2 ranks, ZeRO-2, AdamW, with and
+// without offload; each layer's backward is a spin kernel of about 1 ms
+// per 4M elements on the producer stream, so the copies of the reduced
+// shards to the host run while later layers compute. copy_hidden is the
+// share of those copies the backward hid.
+func BenchmarkCUDAOffloadStep(b *testing.B) {
+	d := needCUDA(b)
+	var frees []Tensor
+	b.Cleanup(func() {
+		for _, x := range frees {
+			d.Free(x)
+		}
+	})
+	alloc := func(n int) (Tensor, error) {
+		x, err := d.Alloc(n, BF16)
+		if err == nil {
+			frees = append(frees, x)
+		}
+		return x, err
+	}
+	grads := map[[2]int]Tensor{}
+	benchOffloadStep(b, offloadBench{
+		world: 2, layers: 8, hidden: 2048, backwards: 2,
+		group:  func(n int) ([]Comm, error) { return NewCUDALocalGroupTimeout(n, d, 60*time.Second) },
+		stream: d.NewStream,
+		param:  alloc,
+		backward: func(s Stream, rank, k, p, n int) (Tensor, error) {
+			return grads[[2]int{rank, p}], cudaSpin(s, time.Duration(n/4)*time.Nanosecond)
+		},
+		setup: func(rank, p, n int) {
+			g, err := alloc(n)
+			if err != nil {
+				b.Fatal(err)
+			}
+			grads[[2]int{rank, p}] = g
+		},
+	})
 }

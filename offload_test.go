@@ -177,7 +177,7 @@ func TestOffloadHostNormAfterEveryBackward(t *testing.T) {
 // bits of the same training without it, at stages 1, 2 and 3, with and
 // without a coalesced window, in fp32, bf16 and fp16 with a dynamic loss
 // scale that starts too high (the first steps overflow and are skipped),
-// with clipping: the same parameters on every rank, the same norms, skips
+// with clipping, and at stage 3 built sharded (Param.Init) once: the same parameters on every rank, the same norms, skips
 // and loss scales step by step.
 func TestOffloadTraining(t *testing.T) {
 	seed := testSeed(t)
@@ -192,7 +192,7 @@ func TestOffloadTraining(t *testing.T) {
 		for _, stage := range []int{1, 2, 3} {
 			for _, window := range []bool{false, true} {
 				r := z3Run{stage: stage, world: world, dtype: dt, bucket: 512, steps: steps, backwards: backwards, window: window, clip: 0.5,
-					overlap: rng.Intn(2) == 0}
+					overlap: rng.Intn(2) == 0, sharded: stage == 3 && window}
 				if dt == FP16 {
 					r.lossScale = LossScale{Initial: 1 << 22, Hysteresis: 1}
 				}
@@ -479,4 +479,102 @@ func TestOffloadErrors(t *testing.T) {
 	}
 	s.Close()
 	comms[0].Close()
+}
+
+// TestOffloadOptimizerState: the state that only some settings allocate,
+// at their first step (SGD's momentum buffer, amsgrad's running maximum),
+// lives on the host with offload too, and SGD (momentum, Nesterov) and
+// AdamW with amsgrad give the bits of the run without offload, at stages 1
+// to 3, bf16, over 6 steps of random gradients.
+func TestOffloadOptimizerState(t *testing.T) {
+	seed := testSeed(t)
+	sizes := []int{300, 1000, 77}
+	run := func(stage int, opt Optimizer, offload bool) (bits [][]uint32, st Stats, shardElems int) {
+		comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+		bits = make([][]uint32, 2)
+		errs := eachRank(2, func(rank int) error {
+			defer comms[rank].Close()
+			rng := rand.New(rand.NewSource(seed + int64(rank)))
+			params := make([]Param, len(sizes))
+			mem := make([]*tbuf, len(sizes))
+			for p, n := range sizes {
+				mem[p] = newTBuf(BF16, n)
+				for i := range n {
+					mem[p].set(i, float32(i%13)/13)
+				}
+				params[p] = Param{Count: n, DType: BF16, Data: mem[p].t()}
+			}
+			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: true, Offload: offload, Groups: []Optimizer{opt}}, comms[rank], params)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			s := NewHostStream()
+			defer s.Close()
+			for range 6 {
+				grads := make([]Tensor, len(sizes))
+				for p, n := range sizes {
+					grads[p] = makeGrad(rng, n, BF16, 1).t
+				}
+				if err := backward(e, s, grads); err != nil {
+					return err
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+			}
+			if rank == 0 {
+				st, shardElems = e.Stats(), e.Plan().ShardElems
+			}
+			for p := range sizes {
+				if stage == 3 {
+					views, err := e.Gather(s, p)
+					if err != nil {
+						return err
+					}
+					if err := s.Sync(); err != nil {
+						return err
+					}
+					for _, h := range unsafeHalfs(views[0]) {
+						bits[rank] = append(bits[rank], uint32(h))
+					}
+					if err := e.Release(s, p); err != nil {
+						return err
+					}
+					continue
+				}
+				for i := range sizes[p] {
+					bits[rank] = append(bits[rank], mem[p].bits(i))
+				}
+			}
+			return nil
+		})
+		for rank, err := range errs {
+			if err != nil {
+				t.Fatalf("stage %d %T offload=%v rank %d: %v", stage, opt, offload, rank, err)
+			}
+		}
+		return bits, st, shardElems
+	}
+	for _, stage := range []int{1, 2, 3} {
+		for _, c := range []struct {
+			opt    Optimizer
+			shards int64 // fp32 state shards: master and momentum; master, m, v and vmax
+		}{{SGD{LR: 0.1, Momentum: 0.9, Nesterov: true, WeightDecay: 0.01}, 2}, {SGD{LR: 0.1, Momentum: 0.5, Dampening: 0.1}, 2}, {AdamW{LR: 0.01, AMSGrad: true}, 4}} {
+			opt := c.opt
+			want, dev, _ := run(stage, opt, false)
+			got, host, n := run(stage, opt, true)
+			for rank := range want {
+				if !slices.Equal(got[rank], want[rank]) {
+					t.Fatalf("stage %d %+v: rank %d's parameters differ from the run without offload", stage, opt, rank)
+				}
+			}
+			// the state allocated at the first step went to the host
+			state := c.shards * int64(4*n)
+			if dev.OptimizerBytes-host.OptimizerBytes != state || host.DeviceBytesSaved != state+int64(4*n) {
+				t.Errorf("stage %d %+v: device optimizer bytes %d → %d, saved %d; want %d fp32 shards of state moved (%d bytes), and the gradient shard",
+					stage, opt, dev.OptimizerBytes, host.OptimizerBytes, host.DeviceBytesSaved, c.shards, state)
+			}
+		}
+	}
 }
