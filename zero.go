@@ -816,9 +816,11 @@ type Stats struct {
 	// fp32 master shard and the moments (on the host with Offload), the
 	// model-dtype shard and the buffers the new parameters are gathered in.
 	OptimizerBytes int64
-	// OptimizerTime is the device time of the fused optimizer pass, and
-	// ParamGatherTime that of the all-gather of the new parameters into
-	// their memory (zero when the step skipped); at stage 3, that of the
+	// OptimizerTime is the device time of the fused optimizer pass (with
+	// Offload, the host's), and ParamGatherTime that of the all-gather of
+	// the new parameters into their memory (with Offload, from the end of
+	// the optimizer's launches: the wait for each bucket's copy to the
+	// device included; zero when the step skipped); at stage 3, that of the
 	// window's gathers.
 	OptimizerTime   time.Duration
 	ParamGatherTime time.Duration // see OptimizerTime
