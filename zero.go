@@ -781,7 +781,8 @@ type Stats struct {
 	// collectives on the same Comm are not counted.
 	Collectives CommCounters
 	// ReduceTime is the time the reductions ran (reduce-scatter and
-	// accumulate), summed over buckets.
+	// accumulate; with Offload the reduce-scatter only, the sum runs on the
+	// host), summed over buckets.
 	ReduceTime time.Duration
 	// StagingBuffers is the size of the bucket buffer pool; it grows past
 	// Config.StagingBuffers only when buckets complete out of order.
