@@ -379,6 +379,9 @@ func BenchmarkGather(b *testing.B) {
 //	grad_copy_ms   the copies of the reduced shards to the host (offload)
 //	copy_hidden    the share of them that ran before backward's last gradient
 //	param_copy_ms  the copies of the new parameters to the device (offload)
+//	host_MiB, pinned_share, saved_MiB, buckets
+//	               the stats' host bytes, the page-locked share of them, the
+//	               device bytes saved, and the plan's buckets
 func BenchmarkOffloadStep(b *testing.B) {
 	const hidden = 1024
 	grads := map[[2]int][]uint16{}
@@ -460,7 +463,8 @@ func benchOffloadStep(b *testing.B, m offloadBench) {
 				go func() {
 					defer wg.Done()
 					var err error
-					engines[r], err = New(Config{Stage: 2, BucketBytes: m.hidden * m.hidden * 2, Overlap: true, Offload: offload,
+					// a layer (weight and bias) a bucket
+					engines[r], err = New(Config{Stage: 2, BucketBytes: (m.hidden*m.hidden + m.hidden) * 2, Overlap: true, Offload: offload,
 						Groups: []Optimizer{AdamW{LR: 1e-4, WeightDecay: 0.01}}}, comms[r], cfgs[r])
 					if err == nil {
 						streams[r], err = m.stream()
@@ -545,7 +549,9 @@ func benchOffloadStep(b *testing.B, m offloadBench) {
 				b.ReportMetric(1-float64(exposed)/float64(gradCopy), "copy_hidden")
 				b.ReportMetric(paramCopy.Seconds()*1e3/n, "param_copy_ms")
 				b.ReportMetric(float64(st.HostBytes)/(1<<20), "host_MiB")
+				b.ReportMetric(float64(st.HostPinnedBytes)/float64(st.HostBytes), "pinned_share")
 				b.ReportMetric(float64(st.DeviceBytesSaved)/(1<<20), "saved_MiB")
+				b.ReportMetric(float64(len(engines[0].Plan().Buckets)), "buckets")
 			}
 		})
 	}

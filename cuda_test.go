@@ -1289,15 +1289,10 @@ func TestCUDAKernelsOptimizerMatchHost(t *testing.T) {
 	}
 }
 
-// TestCUDATrainingMatchesCPU: AdamW training with the parameters and the
-// gradients in GPU memory, on the one-GPU group, gives the CPU path's bits
-// after every step at stages 1 and 2 (the same reductions, the same fused
-// optimizer, the cast and the all-gather into the parameters' memory).
-func TestCUDATrainingMatchesCPU(t *testing.T) {
-	d := needCUDA(t)
-	seed := testSeed(t)
-	rng := mrand.New(mrand.NewSource(seed))
-	env := trainEnv{
+// gpuTrainEnv runs trainEngineOn on the one-GPU group, with the parameters
+// and gradients in d's memory.
+func gpuTrainEnv(d *cudaDevice) trainEnv {
+	return trainEnv{
 		group:  func(world int) ([]Comm, error) { return NewCUDALocalGroupTimeout(world, d, 60*time.Second) },
 		stream: d.NewStream,
 		place: func(s Stream, b *tbuf) (Tensor, func(), error) {
@@ -1318,6 +1313,37 @@ func TestCUDATrainingMatchesCPU(t *testing.T) {
 			return s.Sync()
 		},
 	}
+}
+
+// trainsAsCPU trains q with opt as cpu says on the host and as gpu says in
+// env, and fails t unless every step's parameters have the same bits.
+func trainsAsCPU(t *testing.T, env trainEnv, q *quadTask, opt AdamW, cpu, gpu trainRun) {
+	t.Helper()
+	cpuParams, cpuFinal := trainEngine(t, q, cpu, opt)
+	gpuParams, gpuFinal := trainEngineOn(t, env, q, gpu, opt)
+	for st := range cpuParams {
+		for i, want := range cpuParams[st] {
+			if got := gpuParams[st][i]; math.Float64bits(got) != math.Float64bits(want) {
+				t.Fatalf("%+v step %d: element %d = %v on the GPU, %v on the CPU (%+v)", gpu, st, i, got, want, cpu)
+			}
+		}
+	}
+	for rank := range cpuFinal {
+		if !slices.Equal(gpuFinal[rank], cpuFinal[rank]) {
+			t.Fatalf("%+v: rank %d's final parameters differ from the CPU path's (%+v)", gpu, rank, cpu)
+		}
+	}
+}
+
+// TestCUDATrainingMatchesCPU: AdamW training with the parameters and the
+// gradients in GPU memory, on the one-GPU group, gives the CPU path's bits
+// after every step at stages 1 and 2 (the same reductions, the same fused
+// optimizer, the cast and the all-gather into the parameters' memory).
+func TestCUDATrainingMatchesCPU(t *testing.T) {
+	d := needCUDA(t)
+	seed := testSeed(t)
+	rng := mrand.New(mrand.NewSource(seed))
+	env := gpuTrainEnv(d)
 	opt := AdamW{LR: 0.01, WeightDecay: 0.01}
 	n := 0
 	for _, dt := range []DType{FP32, BF16} {
@@ -1330,20 +1356,7 @@ func TestCUDATrainingMatchesCPU(t *testing.T) {
 						overlap bool
 					}{{512, true}, {1 << 20, false}} {
 						r := trainRun{stage: stage, world: world, backwards: backwards, dtype: dt, bucket: variant.bucket, overlap: variant.overlap}
-						cpuParams, cpuFinal := trainEngine(t, q, r, opt)
-						gpuParams, gpuFinal := trainEngineOn(t, env, q, r, opt)
-						for st := range cpuParams {
-							for i, want := range cpuParams[st] {
-								if got := gpuParams[st][i]; math.Float64bits(got) != math.Float64bits(want) {
-									t.Fatalf("%+v step %d: element %d = %v on the GPU, %v on the CPU", r, st, i, got, want)
-								}
-							}
-						}
-						for rank := range cpuFinal {
-							if !slices.Equal(gpuFinal[rank], cpuFinal[rank]) {
-								t.Fatalf("%+v: rank %d's final parameters differ from the CPU path's", r, rank)
-							}
-						}
+						trainsAsCPU(t, env, q, opt, r, r)
 						n++
 					}
 				}

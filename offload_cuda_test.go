@@ -3,12 +3,9 @@
 package zero
 
 import (
-	"math"
 	mrand "math/rand"
 	"math/rand/v2"
-	"slices"
 	"testing"
-	"time"
 )
 
 // TestCUDAOffloadMatchesCPU: on the one-GPU group with offload (the reduced
@@ -45,47 +42,15 @@ func TestCUDAOffloadMatchesCPU(t *testing.T) {
 			}
 		}
 	}
-	env := trainEnv{
-		group:  func(world int) ([]Comm, error) { return NewCUDALocalGroupTimeout(world, d, 60*time.Second) },
-		stream: d.NewStream,
-		place: func(s Stream, b *tbuf) (Tensor, func(), error) {
-			x, err := d.Alloc(b.len(), b.dt)
-			if err != nil {
-				return Tensor{}, nil, err
-			}
-			if err := d.copy(s, x, b.t()); err != nil {
-				d.Free(x)
-				return Tensor{}, nil, err
-			}
-			return x, func() { d.Free(x) }, nil
-		},
-		fetch: func(s Stream, x Tensor, b *tbuf) error {
-			if err := d.copy(s, b.t(), x); err != nil {
-				return err
-			}
-			return s.Sync()
-		},
-	}
+	env := gpuTrainEnv(d)
 	opt := AdamW{LR: 0.01, WeightDecay: 0.01}
 	q := newQuadTask(mrand.New(mrand.NewSource(rng.Int64())), []int{37, 130, 8, 257, 3000}, 8, 2*3)
 	for _, dt := range []DType{FP32, BF16} {
 		for _, stage := range []int{1, 2} {
 			r := trainRun{stage: stage, world: 2, backwards: 3, dtype: dt, bucket: 512, overlap: true}
-			cpuParams, cpuFinal := trainEngine(t, q, r, opt)
-			r.offload = true
-			gpuParams, gpuFinal := trainEngineOn(t, env, q, r, opt)
-			for st := range cpuParams {
-				for i, want := range cpuParams[st] {
-					if got := gpuParams[st][i]; math.Float64bits(got) != math.Float64bits(want) {
-						t.Fatalf("%+v step %d: element %d = %v on the GPU with offload, %v on the CPU without", r, st, i, got, want)
-					}
-				}
-			}
-			for rank := range cpuFinal {
-				if !slices.Equal(gpuFinal[rank], cpuFinal[rank]) {
-					t.Fatalf("%+v: rank %d's final parameters differ from the CPU path's", r, rank)
-				}
-			}
+			offloaded := r
+			offloaded.offload = true
+			trainsAsCPU(t, env, q, opt, r, offloaded)
 			n++
 		}
 	}

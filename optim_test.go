@@ -51,6 +51,13 @@ func newQuadTask(rng *rand.Rand, sizes []int, steps, samples int) *quadTask {
 	return q
 }
 
+// roundTo makes the start values ones that dtype d holds.
+func (q *quadTask) roundTo(d DType) {
+	for i, x := range q.theta0 {
+		q.theta0[i] = float64(refDecode(d, refEncode(d, float32(x))))
+	}
+}
+
 // loss is the mean loss of step st's samples at θ, in float64.
 func (q *quadTask) loss(st int, theta []float64) float64 {
 	l := 0.0
@@ -274,9 +281,7 @@ func TestTrainingEquivalence(t *testing.T) {
 		for _, world := range []int{1, 2, 4} {
 			for _, backwards := range []int{1, 3} {
 				q := newQuadTask(rng, sizes, steps, world*backwards)
-				for i, x := range q.theta0 { // start from values the model dtype holds
-					q.theta0[i] = float64(refDecode(dt, refEncode(dt, float32(x))))
-				}
+				q.roundTo(dt) // start from values the model dtype holds
 				// the reference and the bound, element by element
 				n := len(q.theta0)
 				theta, m, v := slices.Clone(q.theta0), make([]float64, n), make([]float64, n)

@@ -229,9 +229,7 @@ func TestStage3EqualsStage2(t *testing.T) {
 	for _, dt := range []DType{FP32, BF16} {
 		for _, world := range []int{1, 2, 3, 4, 8} {
 			q := newQuadTask(rng, sizes, steps, world)
-			for i, x := range q.theta0 {
-				q.theta0[i] = float64(refDecode(dt, refEncode(dt, float32(x))))
-			}
+			q.roundTo(dt)
 			base := z3Run{stage: 2, world: world, dtype: dt, bucket: 512, steps: steps}
 			want := trainZ3(t, q, base)
 			for _, v := range []struct {
@@ -529,9 +527,7 @@ func TestCoalesceTraining(t *testing.T) {
 	const steps, backwards, world = 4, 3, 2
 	for _, dt := range []DType{FP32, BF16, FP16} {
 		q := newQuadTask(rng, sizes, steps, world*backwards)
-		for i, x := range q.theta0 {
-			q.theta0[i] = float64(refDecode(dt, refEncode(dt, float32(x))))
-		}
+		q.roundTo(dt)
 		base := z3Run{stage: 1, world: world, dtype: dt, bucket: 512, steps: steps, backwards: backwards, clip: 5}
 		if dt == FP16 {
 			base.lossScale = LossScale{Static: 1024}

@@ -233,14 +233,16 @@ func (c faultyComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) erro
 
 // TestReductionErrorReachesCaller: a reduction that fails on its stream
 // fails Step, with and without Overlap (where it ran on the caller's
-// stream), and the engine refuses to go on.
+// stream) and with offload, and the engine refuses to go on; with offload,
+// Close still frees every host byte.
 func TestReductionErrorReachesCaller(t *testing.T) {
 	boom := errors.New("reduction failed")
 	params := testParams(FP32)
 	for _, stage := range []int{1, 2, 3} {
-		for _, overlap := range []bool{false, true} {
+		for _, c := range []struct{ overlap, offload bool }{{false, false}, {true, false}, {true, true}} {
+			what := fmt.Sprintf("stage %d overlap=%v offload=%v", stage, c.overlap, c.offload)
 			comms, _ := NewLocalGroup(1)
-			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: overlap}, faultyComm{comms[0], boom}, params)
+			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: c.overlap, Offload: c.offload}, faultyComm{comms[0], boom}, params)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -249,13 +251,20 @@ func TestReductionErrorReachesCaller(t *testing.T) {
 				t.Fatal(err)
 			}
 			if err := e.Step(); !errors.Is(err, boom) {
-				t.Errorf("stage %d overlap=%v: Step after a failed reduction: %v, want it", stage, overlap, err)
+				t.Errorf("%s: Step after a failed reduction: %v, want it", what, err)
 			}
 			if _, err := e.GradShard(); !errors.Is(err, ErrCollective) {
-				t.Errorf("stage %d overlap=%v: GradShard after the failure: %v, want ErrCollective", stage, overlap, err)
+				t.Errorf("%s: GradShard after the failure: %v, want ErrCollective", what, err)
+			}
+			var host *hostMemory
+			if e.off != nil {
+				host = e.off.mem
 			}
 			e.Close()
 			s.Close()
+			if host != nil && host.bytes != 0 {
+				t.Errorf("%s: %d host bytes left after Close", what, host.bytes)
+			}
 		}
 	}
 }

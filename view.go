@@ -33,7 +33,8 @@ func (v View) Read(dst []float32) error {
 	if err := v.prepare("View.Read", len(dst)); err != nil {
 		return err
 	}
-	return v.e.copyScaled(v.e.shardSide, Float32s(dst), v.buf.slice(v.ShardOffset, v.Count), v.scale())
+	d, s := v.e.shardSide(v.e.copyStream)
+	return v.e.copyScaled(d, s, Float32s(dst), v.buf.slice(v.ShardOffset, v.Count), v.scale())
 }
 
 // Write stores src (Count elements) in the view, so that Read gives src
@@ -43,7 +44,8 @@ func (v View) Write(src []float32) error {
 	if err := v.prepare("View.Write", len(src)); err != nil {
 		return err
 	}
-	return v.e.copyScaled(v.e.shardSide, v.buf.slice(v.ShardOffset, v.Count), Float32s(src), float32(1/float64(v.scale())))
+	d, s := v.e.shardSide(v.e.copyStream)
+	return v.e.copyScaled(d, s, v.buf.slice(v.ShardOffset, v.Count), Float32s(src), float32(1/float64(v.scale())))
 }
 
 func (v View) prepare(op string, n int) error {

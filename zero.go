@@ -895,16 +895,16 @@ func (e *Engine) GradShard() ([]float32, error) {
 		return nil, err
 	}
 	out := make([]float32, e.plan.ShardElems)
-	if err := e.copyScaled(e.shardSide, Float32s(out), e.pl.shard, e.readScale); err != nil {
+	d, s := e.shardSide(e.copyStream)
+	if err := e.copyScaled(d, s, Float32s(out), e.pl.shard, e.readScale); err != nil {
 		return nil, err
 	}
 	return out, nil
 }
 
-// copyScaled copies between host memory and the device (or the shard's
-// side), times scale, on the engine's copy stream, and waits for it.
-func (e *Engine) copyScaled(side func(Stream) (Device, Stream), dst, src Tensor, scale float32) error {
-	d, s := side(e.copyStream)
+// copyScaled copies between host memory and d's, times scale, on s, and
+// waits for it.
+func (e *Engine) copyScaled(d Device, s Stream, dst, src Tensor, scale float32) error {
 	if err := d.copyScaled(s, dst, src, scale); err != nil {
 		return e.fail(err)
 	}
@@ -913,9 +913,6 @@ func (e *Engine) copyScaled(side func(Stream) (Device, Stream), dst, src Tensor,
 	}
 	return nil
 }
-
-// deviceSide is the device and stream s, for copyScaled.
-func (e *Engine) deviceSide(s Stream) (Device, Stream) { return e.dev, s }
 
 // FullGrads all-gathers the shards and returns the full reduced gradient
 // of every parameter, in registration order. It is a collective: every
@@ -951,7 +948,7 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 		return nil, e.fail(err)
 	}
 	host := make([]float32, all.count)
-	if err := e.copyScaled(e.deviceSide, Float32s(host), all, e.readScale); err != nil {
+	if err := e.copyScaled(e.dev, e.copyStream, Float32s(host), all, e.readScale); err != nil {
 		return nil, err
 	}
 	out := make([][]float32, len(e.params))

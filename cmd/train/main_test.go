@@ -252,6 +252,21 @@ func TestMatchesSingleRankTraining(t *testing.T) {
 	}
 }
 
+// sameParams fails t unless two runs' parameters have the same bits after
+// every step.
+func sameParams(t *testing.T, what string, got, want result) {
+	t.Helper()
+	for st := range want.params {
+		for p := range want.params[st] {
+			for i, x := range want.params[st][p] {
+				if y := got.params[st][p][i]; math.Float64bits(x) != math.Float64bits(y) {
+					t.Fatalf("%s: step %d: %s[%d] = %v, want %v", what, st, tensorNames[p], i, y, x)
+				}
+			}
+		}
+	}
+}
+
 // TestStage3MatchesStage2: the example at stage 3 (parameters sharded,
 // gathered layer by layer in forward and again for the backward) gives
 // stage 2's bits after every step.
@@ -271,15 +286,7 @@ func TestStage3MatchesStage2(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			for st := range want.params {
-				for p := range want.params[st] {
-					for i, x := range want.params[st][p] {
-						if y := got.params[st][p][i]; math.Float64bits(x) != math.Float64bits(y) {
-							t.Fatalf("%v W=%d step %d: %s[%d] = %v at stage 3, %v at stage 2", dt, world, st, tensorNames[p], i, y, x)
-						}
-					}
-				}
-			}
+			sameParams(t, fmt.Sprintf("%v W=%d at stage 3 against stage 2", dt, world), got, want)
 			if h := got.stats[len(got.stats)-1].PrefetchHits; h == 0 {
 				t.Errorf("%v W=%d: no prefetch hit in the last step", dt, world)
 			}
@@ -305,15 +312,7 @@ func TestOffloadMatchesDevice(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			for st := range want.params {
-				for p := range want.params[st] {
-					for i, x := range want.params[st][p] {
-						if y := got.params[st][p][i]; math.Float64bits(x) != math.Float64bits(y) {
-							t.Fatalf("%v stage %d step %d: %s[%d] = %v with offload, %v without", dt, stage, st, tensorNames[p], i, y, x)
-						}
-					}
-				}
-			}
+			sameParams(t, fmt.Sprintf("%v stage %d with offload against without", dt, stage), got, want)
 			if s := got.stats[len(got.stats)-1]; s.HostBytes == 0 || s.DeviceBytesSaved == 0 {
 				t.Errorf("%v stage %d: host bytes %d, device bytes saved %d", dt, stage, s.HostBytes, s.DeviceBytesSaved)
 			}
