@@ -224,7 +224,7 @@ type pipeline struct {
 	dirty     []bool        // per parameter: in its local accumulator since the last flush
 	writer    []streamEvent // per parameter: the last write of its local sum
 	nextIssue int           // reductions are issued in bucket order on every rank
-	unflushed bool          // a local bucket was written since the last flush
+	unflushed bool          // a backward ended with local buckets since the last flush
 
 	reducing    map[Stream]Event // the last reduction issued on each stream since the last sync
 	sent        CommCounters     // the collectives issued since the last takeStats
@@ -354,7 +354,6 @@ func (pl *pipeline) addLocal(b int, idx []int, params []int, grads []Tensor, str
 		}
 		pl.dirty[p] = true
 	}
-	pl.unflushed = true
 	if bs.local.t.dtype != FP32 {
 		return pl.addLocal16(b, first, add, stream)
 	}
@@ -465,6 +464,19 @@ func (pl *pipeline) flushLocal(caller Stream) error {
 	}
 	pl.unflushed = false
 	return nil
+}
+
+// owesFlush notes, as a backward ends, that its local buckets must be
+// reduced at the next flush. It depends on the modes only, never on what
+// this rank wrote, so every rank issues the same collectives: a rank that
+// had no gradient still takes part in the reductions.
+func (pl *pipeline) owesFlush() {
+	for i := range pl.buckets {
+		if pl.buckets[i].mode == local {
+			pl.unflushed = true
+			return
+		}
+	}
 }
 
 // endBackward resets what counts a backward's reports.

@@ -871,3 +871,67 @@ func TestCloseAfterAFailedReduction(t *testing.T) {
 		counting.release()
 	}
 }
+
+// TestRankWithoutGradients: a rank that hands over no gradient in a
+// backward still takes part in every reduction, so every rank's Step
+// succeeds with the mean (the silent rank counts as zeros), at every stage,
+// in a coalesced window, with NoSync, and with a boundary. The group's
+// timeout is short: a rank that skipped a collective shows as a timeout.
+func TestRankWithoutGradients(t *testing.T) {
+	params := testParams(FP32)
+	ones := constGrads(params, 1)
+	for _, stage := range []int{1, 2, 3} {
+		for _, mode := range []string{"plain", "boundary", "coalesce", "nosync"} {
+			// rank 1 reports nothing in the last backward, or in the whole step
+			for _, wholeStep := range []bool{false, true} {
+				name := fmt.Sprintf("stage %d %s whole step %v", stage, mode, wholeStep)
+				want := float32(0.75) // 3 backwards of ones over 2 ranks × 2 backwards
+				if wholeStep {
+					want = 0.5
+				}
+				cfg := Config{Stage: stage, BucketBytes: 1024, Overlap: true}
+				errs := onEngines(2, 2*time.Second, cfg, params, func(e *Engine, s *HostStream) error {
+					take := func(k int, boundary bool) error {
+						if boundary {
+							e.SetBoundary(true)
+						}
+						if e.Rank() == 1 && (k == 1 || wholeStep) {
+							return e.EndBackward()
+						}
+						return backward(e, s, ones)
+					}
+					var err error
+					switch mode {
+					case "plain", "boundary":
+						if err = take(0, false); err == nil {
+							err = take(1, mode == "boundary")
+						}
+					case "coalesce":
+						err = e.Coalesce(func() error {
+							if err := take(0, false); err != nil {
+								return err
+							}
+							return take(1, false)
+						})
+					case "nosync":
+						if err = e.NoSync(func() error { return take(0, false) }); err == nil {
+							err = take(1, false)
+						}
+					}
+					if err != nil {
+						return err
+					}
+					if err := e.Step(); err != nil {
+						return err
+					}
+					full, err := e.FullGrads()
+					if err != nil {
+						return err
+					}
+					return wantAll(full, want)
+				})
+				everyRankIs(t, name, errs, nil)
+			}
+		}
+	}
+}

@@ -583,7 +583,11 @@ func (e *Engine) EndBackward() error {
 	}
 	if e.co.flushNext {
 		e.co.resident = e.pl.mem.cur
+		// The backward after NoSync reduces on every rank, also on one
+		// that reported nothing in it: the collectives never depend on data.
+		e.boundary = true
 	}
+	e.pl.owesFlush()
 	if err := e.pl.issueReady(s, true, e.boundary); err != nil {
 		return e.fail(err)
 	}
