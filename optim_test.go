@@ -1264,3 +1264,376 @@ func TestMemoryFormula(t *testing.T) {
 		}
 	}
 }
+
+// ---- the optimizer against formulas written from PyTorch's and zero's docs ----
+
+// optCase is a training run of a few fp32 or 16-bit parameters on 2
+// ranks: grad gives the true (unscaled) gradient of element j of parameter
+// p in backward k of step st on rank; the run hands it over times the
+// engine's loss scale, as a trainer that scaled its loss would. before runs
+// on every rank before each step's backwards (SetGroup, say).
+type optCase struct {
+	cfg       Config
+	sizes     []int
+	dt        DType
+	init      func(p, j int) float32
+	backwards int
+	steps     int
+	grad      func(st, k, rank, p, j int) float64
+	before    func(e *Engine, st int) error
+}
+
+// optTrace is what an optCase run left: the fp32 master of every element
+// after each step, put together from both ranks' shards, and each rank's
+// stats per step.
+type optTrace struct {
+	master [][][]float64 // [step][param][element]
+	stats  [2][]Stats
+}
+
+func runOpt(t *testing.T, c optCase) optTrace {
+	t.Helper()
+	tr := optTrace{master: make([][][]float64, c.steps)}
+	for st := range tr.master {
+		tr.master[st] = make([][]float64, len(c.sizes))
+		for p, n := range c.sizes {
+			tr.master[st][p] = make([]float64, n)
+		}
+	}
+	comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+	errs := eachRank(2, func(rank int) error {
+		ps := make([]Param, len(c.sizes))
+		for p, n := range c.sizes {
+			b := newTBuf(c.dt, n)
+			for j := range n {
+				b.set(j, c.init(p, j))
+			}
+			ps[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: c.dt, Data: b.t(), Group: min(p, len(c.cfg.Groups)-1)}
+		}
+		e, err := New(c.cfg, comms[rank], ps)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		s := NewHostStream()
+		defer s.Close()
+		for st := range c.steps {
+			if c.before != nil {
+				if err := c.before(e, st); err != nil {
+					return err
+				}
+			}
+			for k := range c.backwards {
+				scale := e.LossScale()
+				for p := len(ps) - 1; p >= 0; p-- {
+					g := newTBuf(c.dt, ps[p].Count)
+					for j := range g.len() {
+						g.set(j, float32(c.grad(st, k, rank, p, j)*scale))
+					}
+					if _, err := e.GradReady(p, g.t(), s); err != nil {
+						return err
+					}
+				}
+				if err := e.EndBackward(); err != nil {
+					return err
+				}
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			tr.stats[rank] = append(tr.stats[rank], e.Stats())
+			master := e.opt.master.hostFloats()
+			for p := range ps {
+				rg := e.plan.shardRange(p, rank)
+				for i := range rg.Count {
+					tr.master[st][p][rg.ParamOffset+i] = float64(master[rg.ShardOffset+i])
+				}
+			}
+		}
+		return nil
+	})
+	everyRankIs(t, "optimizer run", errs, nil)
+	return tr
+}
+
+// closeTo fails t unless got is within rel·|want| + abs of want.
+func closeTo(t *testing.T, what string, got, want, rel, abs float64) {
+	t.Helper()
+	if d := math.Abs(got - want); !(d <= rel*math.Abs(want)+abs) {
+		t.Fatalf("%s = %.9g, want %.9g (|diff| %.3g > %.3g)", what, got, want, d, rel*math.Abs(want)+abs)
+	}
+}
+
+// TestNormAndClipUnderLossScale: with fp16 gradients scaled by a static or
+// a dynamic loss scale, Stats.GradNorm is the norm of the unscaled mean
+// gradient and clipping uses it: SGD's update is -lr·mean/max(1,
+// norm/Clip), checked on the fp32 master against float64.
+func TestNormAndClipUnderLossScale(t *testing.T) {
+	sizes := []int{300, 7, 1000}
+	// exact in fp16 once scaled by 1024: (1 + j%5)(k+1)(rank+1)/256
+	grad := func(st, k, rank, p, j int) float64 { return float64((1+j%5)*(k+1)*(rank+1)) / 256 }
+	mean := func(j int) float64 { return float64(1+j%5) * 3 * 3 / (4 * 256) }
+	sumsq := 0.0
+	for _, n := range sizes {
+		for j := range n {
+			sumsq += mean(j) * mean(j)
+		}
+	}
+	norm := math.Sqrt(sumsq)
+	for _, ls := range []LossScale{{Static: 1024}, {Initial: 1024}} {
+		for _, clip := range []float64{0, norm / 4, norm * 4} {
+			c := optCase{
+				cfg:   Config{Stage: 2, BucketBytes: 1024, Clip: clip, LossScale: ls, Groups: []Optimizer{SGD{LR: 0.5}}},
+				sizes: sizes, dt: FP16, backwards: 2, steps: 1, grad: grad,
+				init: func(p, j int) float32 { return float32(j%9) / 8 },
+			}
+			tr := runOpt(t, c)
+			what := fmt.Sprintf("loss scale %+v clip %.4g", ls, clip)
+			for rank := range 2 {
+				st := tr.stats[rank][0]
+				if st.LossScale != 1024 || st.Skipped {
+					t.Fatalf("%s: rank %d: scale %v skipped %v", what, rank, st.LossScale, st.Skipped)
+				}
+				closeTo(t, what+": GradNorm", st.GradNorm, norm, 1e-6, 0)
+			}
+			coef := 1.0
+			if clip > 0 {
+				coef = max(1, norm/clip)
+			}
+			for p, n := range sizes {
+				for j := range n {
+					want := float64(j%9)/8 - 0.5*mean(j)/coef
+					closeTo(t, fmt.Sprintf("%s: master %d[%d]", what, p, j), tr.master[0][p][j], want, 4e-7, 1e-9)
+				}
+			}
+		}
+	}
+}
+
+// TestClipCoefficient: the clip coefficient is max(1, norm/Clip), with no
+// epsilon (DeepSpeed's (norm + 1e-6)/Clip differs from it by 1e-6/Clip).
+// A tiny gradient from zero parameters makes the update itself the
+// measure, so fp32's relative precision sees the difference.
+func TestClipCoefficient(t *testing.T) {
+	sizes := []int{300, 7, 1000}
+	grad := func(st, k, rank, p, j int) float64 { return float64(1+j%5) * 1e-6 * float64(rank+1) }
+	mean := func(j int) float64 { return float64(1+j%5) * 1e-6 * 1.5 }
+	sumsq := 0.0
+	for _, n := range sizes {
+		for j := range n {
+			sumsq += mean(j) * mean(j)
+		}
+	}
+	norm := math.Sqrt(sumsq)
+	for _, clip := range []float64{norm / 10, norm * 0.999, norm * 2} {
+		c := optCase{
+			cfg:   Config{Stage: 1, BucketBytes: 1024, Clip: clip, Groups: []Optimizer{SGD{LR: 1}}},
+			sizes: sizes, dt: FP32, backwards: 1, steps: 1, grad: grad,
+			init: func(p, j int) float32 { return 0 },
+		}
+		tr := runOpt(t, c)
+		coef := max(1, norm/clip)
+		for p, n := range sizes {
+			for j := range n {
+				closeTo(t, fmt.Sprintf("clip %.4g (norm %.4g): master %d[%d]", clip, norm, p, j), tr.master[0][p][j], -mean(j)/coef, 1e-6, 0)
+			}
+		}
+	}
+}
+
+// TestSetGroupTakesEffect: SetGroup's settings are the ones the next step
+// uses (and the steps after it), for the group changed only: SGD's rate,
+// rate 0 included, and AdamW's rate and weight decay, each against
+// float64.
+func TestSetGroupTakesEffect(t *testing.T) {
+	sizes := []int{300, 7, 1000}
+	grad := func(st, k, rank, p, j int) float64 { return float64(1+(j+st)%5) / 64 * float64(rank+1) }
+	mean := func(st, j int) float64 { return float64(1+(j+st)%5) / 64 * 1.5 }
+	init := func(p, j int) float32 { return float32(j%9) / 8 }
+
+	sgdRates := []float64{0.25, 0.5, 0, 0.125} // group 1's rate per step; group 0 stays at 0.25
+	c := optCase{
+		cfg:   Config{Stage: 2, BucketBytes: 1024, Groups: []Optimizer{SGD{LR: 0.25}, SGD{LR: 0.25}}},
+		sizes: sizes, dt: FP32, backwards: 1, steps: len(sgdRates), grad: grad, init: init,
+		before: func(e *Engine, st int) error { return e.SetGroup(1, SGD{LR: sgdRates[st]}) },
+	}
+	tr := runOpt(t, c)
+	for p, n := range sizes {
+		for j := range n {
+			want := float64(init(p, j))
+			for st := range sgdRates {
+				lr := 0.25
+				if p > 0 { // parameters 1 and 2 are in group 1
+					lr = sgdRates[st]
+				}
+				want -= lr * mean(st, j)
+				closeTo(t, fmt.Sprintf("SGD step %d: master %d[%d]", st, p, j), tr.master[st][p][j], want, 1e-6, 1e-7)
+			}
+		}
+	}
+
+	adam := []AdamW{{LR: 0.01}, {LR: 0.02, WeightDecay: 0.5}, {LR: 0}, {LR: 0.005, WeightDecay: 0.1}}
+	c = optCase{
+		cfg:   Config{Stage: 1, BucketBytes: 1024, Groups: []Optimizer{AdamW{LR: 0.01}, AdamW{LR: 0.01}}},
+		sizes: sizes, dt: FP32, backwards: 1, steps: len(adam), grad: grad, init: init,
+		before: func(e *Engine, st int) error { return e.SetGroup(1, adam[st]) },
+	}
+	tr = runOpt(t, c)
+	for p, n := range sizes {
+		for j := range n {
+			theta, m, v := float64(init(p, j)), 0.0, 0.0
+			for st, o := range adam {
+				if p == 0 {
+					o = AdamW{LR: 0.01}
+				}
+				ref := refAdamW{lr: o.LR, b1: 0.9, b2: 0.999, eps: 1e-8, wd: o.WeightDecay}
+				ref.step(&theta, &m, &v, mean(st, j), st+1)
+				closeTo(t, fmt.Sprintf("AdamW step %d: master %d[%d]", st, p, j), tr.master[st][p][j], theta, 1e-6, 1e-7)
+			}
+		}
+	}
+}
+
+// TestSGDMatchesTorch: torch.optim.SGD's update, written here from its
+// documentation: g += wd·p; the first step's buffer is g itself (no
+// dampening), later ones b = momentum·b + (1−dampening)·g; Nesterov uses
+// g + momentum·b; p −= lr·(that). Five steps of random gradients on two
+// ranks, against float64.
+func TestSGDMatchesTorch(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	sizes := []int{300, 7, 1000}
+	const steps = 5
+	noise := make([][][][]float64, steps) // [step][rank][param][element]
+	for st := range noise {
+		noise[st] = make([][][]float64, 2)
+		for r := range 2 {
+			for _, n := range sizes {
+				x := make([]float64, n)
+				for j := range x {
+					x[j] = float64(float32(rng.NormFloat64()))
+				}
+				noise[st][r] = append(noise[st][r], x)
+			}
+		}
+	}
+	grad := func(st, k, rank, p, j int) float64 { return noise[st][rank][p][j] }
+	init := func(p, j int) float32 { return float32(j%9)/8 - 0.5 }
+	for _, o := range []SGD{
+		{LR: 0.1, Momentum: 0.9, Dampening: 0.5, WeightDecay: 0.01},
+		{LR: 0.1, Momentum: 0.9, WeightDecay: 0.01, Nesterov: true},
+		{LR: 0.05, Momentum: 0.5, Dampening: 1},
+		{LR: 0.1, WeightDecay: 0.1},
+	} {
+		tr := runOpt(t, optCase{
+			cfg:   Config{Stage: 2, BucketBytes: 1024, Groups: []Optimizer{o}},
+			sizes: sizes, dt: FP32, backwards: 1, steps: steps, grad: grad, init: init,
+		})
+		for p, n := range sizes {
+			for j := range n {
+				theta, buf := float64(init(p, j)), 0.0
+				for st := range steps {
+					g := (noise[st][0][p][j]+noise[st][1][p][j])/2 + o.WeightDecay*theta
+					if o.Momentum != 0 {
+						if st == 0 {
+							buf = g
+						} else {
+							buf = o.Momentum*buf + (1-o.Dampening)*g
+						}
+						if o.Nesterov {
+							g += o.Momentum * buf
+						} else {
+							g = buf
+						}
+					}
+					theta -= o.LR * g
+					closeTo(t, fmt.Sprintf("%+v step %d: master %d[%d] (seed %d)", o, st, p, j, seed), tr.master[st][p][j], theta, 1e-5, 1e-6)
+				}
+			}
+		}
+	}
+}
+
+// TestMeanAfterASkippedStep: a skipped step consumes its window, so the
+// next step's mean divides by its own backwards only.
+func TestMeanAfterASkippedStep(t *testing.T) {
+	params, _ := smallModel(FP32, 0.5)
+	for _, stage := range []int{1, 2} {
+		cfg := Config{Stage: stage, BucketBytes: 512, Groups: []Optimizer{SGD{LR: 0.01}}}
+		errs := onEngines(2, 20*time.Second, cfg, params, func(e *Engine, s *HostStream) error {
+			bad := constGrads(params[:3], 1)
+			if e.Rank() == 1 {
+				bad[2].hostFloats()[5] = float32(math.NaN())
+			}
+			for range 2 {
+				if err := backward(e, s, bad); err != nil {
+					return err
+				}
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			if !e.Stats().Skipped {
+				return fmt.Errorf("a NaN gradient did not skip the step")
+			}
+			for _, v := range []float32{1, 3} {
+				if err := backward(e, s, constGrads(params[:3], v)); err != nil {
+					return err
+				}
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			if st := e.Stats(); st.Skipped || st.Backwards != 2 {
+				return fmt.Errorf("the step after the skip: skipped %v, %d backwards, want 2", st.Skipped, st.Backwards)
+			}
+			full, err := e.FullGrads()
+			if err != nil {
+				return err
+			}
+			return wantAll(full[:3], 2)
+		})
+		everyRankIs(t, fmt.Sprintf("stage %d", stage), errs, nil)
+	}
+}
+
+// TestStepCollectives: Stats.Collectives counts every collective of the
+// step: with an optimizer at stages 1 and 2, the all-gather of each
+// bucket's new parameters (its padded bytes in the model dtype) beside the
+// reductions and the two all-reduces (the window's check, the norm).
+func TestStepCollectives(t *testing.T) {
+	for _, stage := range []int{1, 2} {
+		for _, dt := range []DType{FP32, BF16} {
+			params, _ := smallModel(dt, 0.5)
+			cfg := Config{Stage: stage, BucketBytes: 512, Groups: []Optimizer{AdamW{LR: 0.01}}}
+			errs := onEngines(2, 20*time.Second, cfg, params, func(e *Engine, s *HostStream) error {
+				g := make([]Tensor, 3)
+				for p := range g {
+					g[p] = newTBuf(dt, params[p].Count).t()
+				}
+				if err := backward(e, s, g); err != nil {
+					return err
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				got, plan := e.Stats().Collectives, e.Plan()
+				var want CommCounters
+				for _, b := range plan.Buckets {
+					want[KindReduceScatter].Calls++
+					want[KindReduceScatter].PayloadBytes += int64(b.Padded * dt.Size())
+					want[KindAllGather].Calls++
+					want[KindAllGather].PayloadBytes += int64(b.Padded * dt.Size())
+				}
+				want[KindAllReduce].Calls = 2
+				for k := range want {
+					if got[k].Calls != want[k].Calls || k != int(KindAllReduce) && got[k].PayloadBytes != want[k].PayloadBytes {
+						return fmt.Errorf("%v: %+v, want %+v", CollectiveKind(k), got[k], want[k])
+					}
+				}
+				return nil
+			})
+			everyRankIs(t, fmt.Sprintf("stage %d %v", stage, dt), errs, nil)
+		}
+	}
+}

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Plant known bugs one at a time and check that the tests catch each one.
+
+Each mutant replaces one exact piece of source (it must occur exactly once)
+and names the tests that should fail on it. The script applies the mutant,
+runs those tests (or, with --all, the whole root package), restores the file
+and reports CAUGHT or MISSED. It works on a copy of the working tree, so the
+tree itself is never left mutated. A mutant whose source no longer matches is
+reported STALE: update its text after the code moves, never drop it.
+
+    scripts/mutants.py                 # every mutant, its own tests
+    scripts/mutants.py --all           # every mutant, the whole root package
+    scripts/mutants.py norm-unscaled   # the mutants whose names contain this
+
+Exit status 1 when any mutant is missed or stale.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (name, file, old, new, tests): tests is a -run regular expression.
+MUTANTS = [
+    ("norm-unscaled", "optim.go",
+     "res.norm = math.Sqrt(float64(pair[1])) * float64(readScale) / o.scaler.scale",
+     "res.norm = math.Sqrt(float64(pair[1])) * float64(readScale)",
+     "TestNormAndClipUnderLossScale"),
+    ("setgroup-dropped", "optim.go",
+     "\te.opt.groups[g] = o\n",
+     "\t_ = o\n",
+     "TestSetGroupTakesEffect"),
+    ("skip-keeps-backwards", "zero.go",
+     "\te.backwards = 0\n",
+     "\tif !res.skipped {\n\t\te.backwards = 0\n\t}\n",
+     "TestMeanAfterASkippedStep"),
+    ("sgd-first-step-0", "optim.go",
+     "\tif t == 1 {\n\t\tr.flags |= optFirst",
+     "\tif t == 0 {\n\t\tr.flags |= optFirst",
+     "TestSGDMatchesTorch"),
+    ("clip-plus-eps", "optim.go",
+     "coef = res.norm / e.cfg.Clip",
+     "coef = (res.norm + 1e-6) / e.cfg.Clip",
+     "TestClipCoefficient"),
+    ("sync-drops-error", "bucket.go",
+     "\t\tif err := done.Sync(); err != nil {\n\t\t\treturn err\n\t\t}\n\t}\n\tclear(pl.reducing)",
+     "\t\tdone.Sync()\n\t}\n\tclear(pl.reducing)",
+     "TestReductionErrorReachesCaller"),
+    ("z3-second-stream-no-wait", "params.go",
+     "\t\tif b != waited {",
+     "\t\tif b != waited && g.refs == 0 {",
+     "TestStage3SecondStreamWaitsForTheGather"),
+    ("z3-step-no-wait-for-gathers", "params.go",
+     "\tev, err := e.gatherStream.Record()\n\tif err == nil {\n\t\terr = e.reduceStream.Wait(ev)\n\t}",
+     "\t_, err := e.gatherStream.Record()",
+     "TestStage3StepWaitsForTheGathers"),
+    ("z3-kept-bucket-ignores-live-cap", "params.go",
+     "return st.liveBytes == 0 || st.gatheredBytes <= st.liveBytes",
+     "return true",
+     "TestStage3LiveParamBytes"),
+    ("window16-kept-fp32", "bucket.go",
+     "\t\tif pl.spec.modes[b] != local && pl.spec.windowDType != FP32 {\n\t\t\tpool = pl.windowPool",
+     "\t\tif false {\n\t\t\tpool = pl.windowPool",
+     "TestWindowMemory"),
+    ("budget-counts-16bit-as-32", "coalesce.go",
+     "size = int64(e.plan.Buckets[b].Elems * e.cfg.WindowDType.Size())",
+     "size = int64(e.plan.Buckets[b].Elems * 4)",
+     "TestWindowMemory"),
+    ("step-no-afterflush", "zero.go",
+     "\te.afterFlush()\n\tif err := e.pl.sync(); err != nil {",
+     "\tif err := e.pl.sync(); err != nil {",
+     "TestCoalesceAfterNoSyncAndStep"),
+    ("offload-producer-not-marked", "zero.go",
+     "\t\te.off.producers[stream] = ev\n",
+     "",
+     "TestOffloadBackwardEndMark"),
+    ("misses-in-first-window", "params.go",
+     "\t\t\t\tif st.last != nil {\n\t\t\t\t\tst.misses++\n\t\t\t\t}",
+     "\t\t\t\tst.misses++",
+     "TestStage3PrefetchStats"),
+    ("wasted-not-counted", "params.go",
+     "\t\t\tst.wasted++\n",
+     "",
+     "TestStage3PrefetchStats"),
+    ("window-pool-not-pooled", "zero.go",
+     "pooled := e.pl.stagingPool.bytes + e.pl.localPool.bytes + e.pl.windowPool.bytes",
+     "pooled := e.pl.stagingPool.bytes + e.pl.localPool.bytes",
+     "TestWindowMemory"),
+    ("param-allgather-not-counted", "optim.go",
+     "\t\t\te.pl.sent.add(KindAllGather, t.Bytes(), e.world)\n",
+     "",
+     "TestStepCollectives"),
+    ("staging-pool-lifo", "pool.go",
+     "\t\tb := q[0]\n\t\tp.idle[n] = q[1:]",
+     "\t\tb := q[len(q)-1]\n\t\tp.idle[n] = q[:len(q)-1]",
+     "TestBufferPoolOrder"),
+    ("z3-release-off-by-one", "params.go",
+     "\t\tif g.refs == 0 {\n\t\t\tif e.usedSoon(b) {",
+     "\t\tif g.refs <= 1 {\n\t\t\tif e.usedSoon(b) {",
+     "TestStage3RepeatedGathers"),
+    ("endcoalesce-no-resident", "coalesce.go",
+     "\te.co.resident = e.pl.mem.cur\n\tif err := e.pl.flushLocal(e.reduceStream); err != nil {",
+     "\tif err := e.pl.flushLocal(e.reduceStream); err != nil {",
+     "TestWindowMemory"),
+]
+
+
+def run_tests(tree, pattern):
+    cmd = ["go", "test", "-count=1", "-timeout", "300s"]
+    if pattern:
+        cmd += ["-run", pattern]
+    cmd.append(".")
+    p = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+    return p.returncode, p.stdout + p.stderr
+
+
+def copy_tree():
+    tree = tempfile.mkdtemp(prefix="zero-mutants-")
+    skip = shutil.ignore_patterns(".git", ".cuda", "gpu", "*.test")
+    shutil.copytree(ROOT, tree, ignore=skip, dirs_exist_ok=True)
+    return tree
+
+
+def main(argv):
+    whole = "--all" in argv
+    names = [a for a in argv if not a.startswith("--")]
+    chosen = [m for m in MUTANTS if not names or any(n in m[0] for n in names)]
+    bad = 0
+    tree = copy_tree()
+    for name, path, old, new, tests in chosen:
+        full = os.path.join(tree, path)
+        with open(full) as f:
+            src = f.read()
+        if src.count(old) != 1:
+            print(f"STALE   {name}: {path} holds its text {src.count(old)} times")
+            bad += 1
+            continue
+        try:
+            with open(full, "w") as f:
+                f.write(src.replace(old, new))
+            rc, out = run_tests(tree, None if whole else tests)
+        finally:
+            with open(full, "w") as f:
+                f.write(src)
+        failed = [l.strip() for l in out.splitlines() if l.startswith("--- FAIL")]
+        if "build failed" in out or "[setup failed]" in out:
+            print(f"BROKEN  {name}: the mutant does not build\n{out}")
+            bad += 1
+        elif rc != 0:
+            print(f"CAUGHT  {name}: {', '.join(failed) or out.strip().splitlines()[-1]}")
+        else:
+            print(f"MISSED  {name} ({'whole package' if whole else tests})")
+            bad += 1
+    shutil.rmtree(tree)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
