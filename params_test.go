@@ -552,3 +552,283 @@ func TestCoalesceTraining(t *testing.T) {
 		}
 	}
 }
+
+// stage3Engine is a one-rank stage-3 engine over params of 256 fp32
+// elements each, one bucket per parameter, holding values 1, 2, 3, ….
+func stage3Engine(t *testing.T, n int, cfg Config) (*Engine, []Param) {
+	t.Helper()
+	ps := make([]Param, n)
+	for p := range ps {
+		x := make([]float32, 256)
+		for i := range x {
+			x[i] = float32(p + 1)
+		}
+		ps[p] = Param{Name: fmt.Sprint("p", p), Count: 256, DType: FP32, Data: Float32s(x)}
+	}
+	comms, _ := NewLocalGroup(1)
+	cfg.Stage, cfg.BucketBytes = 3, 1024
+	e, err := New(cfg, comms[0], ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(e.Plan().Buckets) != n {
+		t.Fatalf("%d buckets, want one per parameter", len(e.Plan().Buckets))
+	}
+	return e, ps
+}
+
+// holdGathers makes the engine's gather stream wait until the returned
+// function is called.
+func holdGathers(t *testing.T, e *Engine) (open func()) {
+	t.Helper()
+	gated, open := gateStream()
+	t.Cleanup(func() { open(); gated.Close() })
+	ev, err := gated.Record()
+	if err == nil {
+		err = e.gatherStream.Wait(ev)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return open
+}
+
+// readView enqueues on s a copy of a view's values, read when s runs it.
+func readView(s *HostStream, v Tensor) []float32 {
+	seen := make([]float32, v.count)
+	s.Launch(func() error { copy(seen, v.hostFloats()); return nil })
+	return seen
+}
+
+func allEqual(x []float32, want float32) error {
+	for i, v := range x {
+		if v != want {
+			return fmt.Errorf("element %d is %v, want %v", i, v, want)
+		}
+	}
+	return nil
+}
+
+// TestStage3SecondStreamWaitsForTheGather: a bucket gathered for one
+// stream and asked for again from another, while its all-gather has not
+// landed, makes the second stream wait for it too.
+func TestStage3SecondStreamWaitsForTheGather(t *testing.T) {
+	e, _ := stage3Engine(t, 2, Config{PrefetchBytes: -1})
+	defer e.Close()
+	open := holdGathers(t, e)
+	defer open()
+	a, b := NewHostStream(), NewHostStream()
+	defer a.Close()
+	defer b.Close()
+	// parameter 1 is bucket 0, loaded first at New: the pooled buffer
+	// holds the last bucket loaded, parameter 0's, until the gather lands
+	if _, err := e.Gather(a, 1); err != nil {
+		t.Fatal(err)
+	}
+	views, err := e.Gather(b, 1) // already gathered: no second all-gather
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := readView(b, views[0])
+	settle(t, b) // b ran what it could before the gather lands
+	open()
+	if err := b.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if err := allEqual(seen, 2); err != nil {
+		t.Fatalf("the second stream read the view before its gather landed: %v", err)
+	}
+	if err := e.Release(a, 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Release(b, 1); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestStage3StepWaitsForTheGathers: the optimizer's update of the shard
+// waits for the window's gathers, which read it: a forward's view holds the
+// parameters from before the step even when the gather ran late.
+func TestStage3StepWaitsForTheGathers(t *testing.T) {
+	e, ps := stage3Engine(t, 2, Config{PrefetchBytes: -1, Groups: []Optimizer{SGD{LR: 0.5}}})
+	defer e.Close()
+	open := holdGathers(t, e)
+	defer open() // before Close, which waits for the engine's streams
+	a, b := NewHostStream(), NewHostStream()
+	defer a.Close()
+	defer b.Close()
+	views, err := e.Gather(a, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := readView(a, views[0])
+	if err := e.Release(a, 0); err != nil {
+		t.Fatal(err)
+	}
+	// the backward on a stream of its own: its reductions do not wait for the gather
+	if err := backward(e, b, constGrads(ps, 1)); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- e.Step() }()
+	// Open once Step waits for the held gathers. A Step that does not wait
+	// for them has run its optimizer long before a second has passed.
+	reduce, gather := e.reduceStream.(*HostStream), e.gatherStream.(*HostStream)
+	for start := time.Now(); time.Since(start) < time.Second; time.Sleep(50 * time.Microsecond) {
+		if w := reduce.blockedOn.Load(); w != nil && w.s == gather && w.s.done.Load() < w.seq {
+			break
+		}
+	}
+	open()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if err := allEqual(seen, 1); err != nil {
+		t.Fatalf("the forward's view holds the stepped parameters: %v", err)
+	}
+}
+
+// TestStage3LiveParamBytes: a released bucket that the last window's order
+// needs again soon is kept gathered only within LiveParamBytes; over it,
+// it is dropped as any other (gathers the framework asks for always run).
+func TestStage3LiveParamBytes(t *testing.T) {
+	const size = 1024 // one bucket's buffer
+	e, ps := stage3Engine(t, 3, Config{PrefetchBytes: 4 * size, LiveParamBytes: size})
+	defer e.Close()
+	s := NewHostStream()
+	defer s.Close()
+	gather := func(p int) {
+		if _, err := e.Gather(s, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	release := func(p int) {
+		if err := e.Release(s, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for w := range 2 { // the first window records the order [0 1 2 1], the second follows it
+		gather(0)
+		release(0)
+		gather(1)
+		gather(2)
+		release(1) // 1 comes next in the order, but 2 is held: keeping 1 would pass the budget
+		if m := e.ParamMemory(); m.GatheredBytes > size {
+			t.Fatalf("window %d: %d bytes gathered with one bucket held and a budget of %d", w, m.GatheredBytes, size)
+		}
+		gather(1)
+		release(1)
+		release(2)
+		if err := backward(e, s, constGrads(ps, 1)); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Step(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestStage3PrefetchStats: the first window has no order to follow, so no
+// misses; the second follows the first and hits; a third that asks for
+// less than the order wastes what was prefetched for it, and one that asks
+// in another order misses.
+func TestStage3PrefetchStats(t *testing.T) {
+	e, ps := stage3Engine(t, 4, Config{PrefetchBytes: 1024})
+	defer e.Close()
+	s := NewHostStream()
+	defer s.Close()
+	window := func(order ...int) Stats {
+		for _, p := range order {
+			if _, err := e.Gather(s, p); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.Release(s, p); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := backward(e, s, constGrads(ps, 1)); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Step(); err != nil {
+			t.Fatal(err)
+		}
+		return e.Stats()
+	}
+	type counts struct{ hits, misses, wasted int }
+	for i, c := range []struct {
+		order []int
+		want  counts
+	}{
+		{[]int{0, 1, 2, 3}, counts{0, 0, 0}}, // no order yet
+		{[]int{0, 1, 2, 3}, counts{4, 0, 0}}, // each one prefetched (the first at Step)
+		{[]int{0, 1}, counts{2, 0, 1}},       // 2 was prefetched after 1 and never asked for
+		{[]int{1, 0}, counts{1, 1, 0}},       // the order was [0 1]: 1 missed, 0 prefetched at Step and used
+	} {
+		st := window(c.order...)
+		if got := (counts{st.PrefetchHits, st.PrefetchMisses, st.PrefetchWasted}); got != c.want {
+			t.Errorf("window %d (order %v): hits, misses, wasted %+v, want %+v", i, c.order, got, c.want)
+		}
+	}
+}
+
+// TestStage3RepeatedGathers: a parameter gathered twice (by one call or
+// two) stays gathered until its last reference is released, and each
+// reference is released once.
+func TestStage3RepeatedGathers(t *testing.T) {
+	e, ps := stage3Engine(t, 2, Config{PrefetchBytes: -1})
+	defer e.Close()
+	s := NewHostStream()
+	defer s.Close()
+	gathered := func(want int) {
+		t.Helper()
+		if m := e.ParamMemory(); m.GatheredBuckets != want {
+			t.Fatalf("%d buckets gathered, want %d", m.GatheredBuckets, want)
+		}
+	}
+	for _, twice := range [][][]int{{{0, 0}}, {{0}, {0}}, {{0, 1}, {0}}} {
+		for _, ask := range twice {
+			if _, err := e.Gather(s, ask...); err != nil {
+				t.Fatal(err)
+			}
+		}
+		views, err := e.Gather(s, 0, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		seen := readView(s, views[0])
+		if err := e.Release(s, 0, 1); err != nil {
+			t.Fatal(err)
+		}
+		for i, ask := range twice {
+			held := map[int]bool{} // parameters with references still out
+			for _, rest := range twice[i:] {
+				for _, p := range rest {
+					held[p] = true
+				}
+			}
+			gathered(len(held))
+			if err := e.Release(s, ask...); err != nil {
+				t.Fatal(err)
+			}
+		}
+		gathered(0)
+		if err := e.Release(s, 0); !errors.Is(err, ErrProtocol) {
+			t.Fatalf("a release past the last reference: %v, want ErrProtocol", err)
+		}
+		if err := s.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		if err := allEqual(seen, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := backward(e, s, constGrads(ps, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Step(); err != nil {
+		t.Fatal(err)
+	}
+}

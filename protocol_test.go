@@ -267,6 +267,32 @@ func TestReductionErrorReachesCaller(t *testing.T) {
 			}
 		}
 	}
+	// With an optimizer the failed reduction must stop Step before the
+	// optimizer pass: master, moments, step counts and parameters unchanged.
+	for _, stage := range []int{1, 2, 3} {
+		for _, c := range []struct{ overlap, offload bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+			what := fmt.Sprintf("optimizer, stage %d overlap=%v offload=%v", stage, c.overlap, c.offload)
+			comms, _ := NewLocalGroup(1)
+			ps, bufs := smallModel(FP32, 0.5)
+			e, err := New(Config{Stage: stage, BucketBytes: 512, Overlap: c.overlap, Offload: c.offload, Groups: []Optimizer{AdamW{LR: 0.1}}}, faultyComm{comms[0], boom}, ps)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := NewHostStream()
+			before := snapshotState(e, bufs)
+			if err := backward(e, s, constGrads(ps[:3], 1)); err != nil && !errors.Is(err, boom) {
+				t.Fatal(err)
+			}
+			if err := e.Step(); !errors.Is(err, boom) {
+				t.Errorf("%s: Step after a failed reduction: %v, want it", what, err)
+			}
+			if after := snapshotState(e, bufs); !after.equal(before) {
+				t.Errorf("%s: the failed step changed the master, moments, steps or parameters", what)
+			}
+			e.Close()
+			s.Close()
+		}
+	}
 }
 
 // TestEngineFailsOnPeerLoss: a rank that leaves mid-step makes the other
