@@ -7,6 +7,7 @@ import (
 	mrand "math/rand"
 	"math/rand/v2"
 	"testing"
+	"time"
 )
 
 // sameShards reports the first step, rank and element where two runs'
@@ -254,5 +255,94 @@ func TestCoalesceWindowDType(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestWindowMemory: the gradient memory of a coalesced window, to the
+// byte, from the plan: the fp32 shard, the staging buffers (comm dtype),
+// the local sums of the buckets the window makes local (in WindowDType;
+// under a budget only the last-produced buckets that fit, counted in that
+// dtype), and with 16-bit sums one fp32 scratch bucket. WindowResidentBytes
+// holds it at the window's end; after Step every buffer but the shard is
+// idle in the pools (PooledGradBytes).
+func TestWindowMemory(t *testing.T) {
+	seed := testSeed(t)
+	params := testParams(BF16)
+	const n = 3
+	base := runSpec{stage: 2, world: 2, dtype: BF16, bucket: 512, backwards: n, steps: 2, streams: 2, predivide: 1, window: "coalesce", windowEvery: true}
+	data := makeWorkload(mrand.New(mrand.NewSource(seed)), base, params)
+	for _, stage := range []int{2, 3} {
+		for _, wdt := range []DType{FP32, BF16} {
+			for _, half := range []bool{false, true} {
+				r := base
+				r.stage, r.windowDType = stage, wdt
+				plan := newPlan(params, r.bucket, r.world, 64)
+				size := wdt.Size()
+				if half { // exactly the sums of the last half of the buckets
+					for b := len(plan.Buckets) / 2; b < len(plan.Buckets); b++ {
+						r.budget += size * plan.Buckets[b].Elems
+					}
+				}
+				local, sums := 0, 0
+				for b := len(plan.Buckets) - 1; b >= 0; b-- {
+					if r.budget > 0 && sums+size*plan.Buckets[b].Elems > r.budget {
+						break
+					}
+					sums += size * plan.Buckets[b].Elems
+					local++
+				}
+				if half && (local == 0 || local == len(plan.Buckets)) {
+					t.Fatalf("the budget makes %d of %d buckets local; the test wants some of each", local, len(plan.Buckets))
+				}
+				if size == 2 {
+					sums += 4 * plan.MaxBucket() // the scratch the 16-bit sums add through
+				}
+				res := runEngine(t, r, params, data, seed)
+				checkMean(t, r, params, data, res)
+				for rank, rr := range res {
+					st := rr.stats[1]
+					staging := int64(st.StagingBuffers * plan.MaxBucket() * 2)
+					shard := int64(plan.ShardElems * 4)
+					what := fmt.Sprintf("stage %d window %v budget %d rank %d", stage, wdt, r.budget, rank)
+					if want := shard + staging + int64(sums); st.WindowResidentBytes != want {
+						t.Errorf("%s: %d bytes resident at the window's end, want %d (shard %d, staging %d, sums %d)", what, st.WindowResidentBytes, want, shard, staging, sums)
+					}
+					if st.PooledGradBytes != st.ResidentGradBytes-shard || st.ResidentGradBytes != st.WindowResidentBytes {
+						t.Errorf("%s: after Step %d bytes resident, %d pooled; want the window's %d, all but the shard pooled", what, st.ResidentGradBytes, st.PooledGradBytes, st.WindowResidentBytes)
+					}
+					if want := int64(local + n*(len(plan.Buckets)-local)); st.Collectives[KindReduceScatter].Calls != want {
+						t.Errorf("%s: %d reduce-scatters, want %d local + %d × %d streamed", what, st.Collectives[KindReduceScatter].Calls, local, n, len(plan.Buckets)-local)
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestCoalesceAfterNoSyncAndStep: a Step right after EndNoSync reduces what
+// NoSync held and ends it: a window may open next.
+func TestCoalesceAfterNoSyncAndStep(t *testing.T) {
+	params := testParams(FP32)
+	for _, stage := range []int{1, 2, 3} {
+		errs := onEngines(2, 20*time.Second, Config{Stage: stage, BucketBytes: 1024}, params, func(e *Engine, s *HostStream) error {
+			if err := e.NoSync(func() error { return backward(e, s, constGrads(params, 1)) }); err != nil {
+				return err
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			if err := e.Coalesce(func() error { return backward(e, s, constGrads(params, 3)) }); err != nil {
+				return fmt.Errorf("a window after NoSync and Step: %w", err)
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			full, err := e.FullGrads()
+			if err != nil {
+				return err
+			}
+			return wantAll(full, 3)
+		})
+		everyRankIs(t, fmt.Sprintf("stage %d", stage), errs, nil)
 	}
 }

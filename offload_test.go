@@ -557,3 +557,50 @@ func TestOffloadOptimizerState(t *testing.T) {
 		}
 	}
 }
+
+// TestOffloadBackwardEndMark: the mark that splits the gradient copies into
+// hidden and exposed time (the end of the window's last backward, on the
+// device's clock) fires only after the backward's last gradient was
+// produced, here on a stream held well past EndBackward.
+func TestOffloadBackwardEndMark(t *testing.T) {
+	params := testParams(FP32)
+	comms, _ := NewLocalGroup(1)
+	e, err := New(Config{Stage: 2, BucketBytes: 1024, Overlap: true, Offload: true}, comms[0], params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	s := NewHostStream()
+	defer s.Close()
+	held, open := gateStream()
+	defer held.Close()
+	defer open()
+	grads := constGrads(params, 1)
+	for p := len(params) - 1; p > 0; p-- {
+		if _, err := e.GradReady(p, grads[p], s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	produced, err := held.Record() // fires when the gate opens, before the last gradient is read
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.GradReady(0, grads[0], held); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.EndBackward(); err != nil {
+		t.Fatal(err)
+	}
+	mark := e.off.backwardEnd
+	time.Sleep(20 * time.Millisecond)
+	open()
+	if err := e.Step(); err != nil {
+		t.Fatal(err)
+	}
+	if d, err := Elapsed(produced, mark); err != nil || d < 0 {
+		t.Fatalf("the backward's end was marked %v before its last gradient was produced (%v)", -d, err)
+	}
+	if st := e.Stats(); st.GradCopyExposed > st.GradCopyTime {
+		t.Fatalf("exposed copy time %v above the copies' %v", st.GradCopyExposed, st.GradCopyTime)
+	}
+}

@@ -224,3 +224,39 @@ func TestHostEventsArePoints(t *testing.T) {
 	}
 	a.Close()
 }
+
+// TestBufferPoolOrder: buffers of one size come back first-freed-first, so
+// the next bucket takes the buffer whose reduction was issued longest ago
+// (not the one just handed back, whose reduction may still run).
+func TestBufferPoolOrder(t *testing.T) {
+	var meter memoryMeter
+	p := newBufferPool(CPU(), FP32, &meter)
+	if err := p.grow(64, 3); err != nil {
+		t.Fatal(err)
+	}
+	defer p.trim(0)
+	var got []*buffer
+	for range 3 {
+		b, err := p.get(64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, b)
+	}
+	for _, i := range []int{1, 2, 0} { // handed back in this order
+		p.put(got[i], nil)
+	}
+	for _, i := range []int{1, 2, 0} {
+		b, err := p.get(64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b != got[i] {
+			t.Fatalf("the pool handed out another buffer than the one freed longest ago (buffer %d)", i)
+		}
+		p.put(b, nil)
+	}
+	if p.held != 3 || meter.cur != 3*64*4 {
+		t.Fatalf("%d buffers and %d bytes held, want 3 and %d", p.held, meter.cur, 3*64*4)
+	}
+}
