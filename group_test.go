@@ -451,3 +451,30 @@ func TestEngineReduceOp(t *testing.T) {
 		}
 	}
 }
+
+// TestAbortWaitsForPeersReadingMyBuffers: a rank that closes its Comm while
+// a peer still copies from its buffer (a broadcast from it) does not see its
+// collective finish, and so cannot free the buffer, before the peer is done
+// reading: no use after free, at any size.
+func TestAbortWaitsForPeersReadingMyBuffers(t *testing.T) {
+	comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+	dev := CPU()
+	errs := eachRank(2, func(r int) error {
+		buf, err := dev.Alloc(64<<20, FP32)
+		if err != nil {
+			return err
+		}
+		s := NewHostStream()
+		defer s.Close()
+		if err := comms[r].Broadcast(s, buf, 1); err != nil { // rank 0 copies 256 MiB from rank 1
+			return err
+		}
+		if r == 1 {
+			time.Sleep(5 * time.Millisecond)
+			comms[1].Close()
+		}
+		s.Sync() // the broadcast may or may not report the abort
+		return dev.Free(buf)
+	})
+	everyRankIs(t, "broadcast, then rank 1 leaves", errs, nil)
+}

@@ -961,3 +961,52 @@ func TestRankWithoutGradients(t *testing.T) {
 		}
 	}
 }
+
+// TestBoundaryInsideABackward: SetBoundary(true) after a backward's first
+// gradient, or inside a window, changes no result and loses nothing: the
+// backward's local buckets are reduced at the next flush, and a window's
+// buckets once each.
+func TestBoundaryInsideABackward(t *testing.T) {
+	params := testParams(FP32)
+	for _, stage := range []int{1, 2} {
+		for _, window := range []bool{false, true} {
+			cfg := Config{Stage: stage, BucketBytes: 1024}
+			errs := onEngines(2, 5*time.Second, cfg, params, func(e *Engine, s *HostStream) error {
+				if window {
+					if err := e.BeginCoalesce(); err != nil {
+						return err
+					}
+				}
+				grads := constGrads(params, 2)
+				for i, p := 0, len(params)-1; p >= 0; i, p = i+1, p-1 {
+					if i == 1 {
+						e.SetBoundary(true)
+					}
+					if _, err := e.GradReady(p, grads[p], s); err != nil {
+						return err
+					}
+				}
+				if err := e.EndBackward(); err != nil {
+					return err
+				}
+				if window {
+					if err := e.EndCoalesce(); err != nil {
+						return err
+					}
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				if rs, want := e.Stats().Collectives[KindReduceScatter].Calls, int64(len(e.Plan().Buckets)); rs != want {
+					return fmt.Errorf("%d reduce-scatters, want one per bucket (%d)", rs, want)
+				}
+				full, err := e.FullGrads()
+				if err != nil {
+					return err
+				}
+				return wantAll(full, 2)
+			})
+			everyRankIs(t, fmt.Sprintf("stage %d window %v", stage, window), errs, nil)
+		}
+	}
+}

@@ -445,7 +445,19 @@ func (e *Engine) drain() {
 // reductions (ZeRO-1's local buckets) overlap with that backward. It lasts
 // until EndBackward. Gradients still sum over every backward since the last
 // Step: a boundary never drops earlier backwards.
-func (e *Engine) SetBoundary(b bool) { e.boundary = b }
+//
+// Call it between backwards, at the same point on every rank: whether the
+// local buckets are reduced during a backward must be the same on every
+// rank. Inside a backward (after this rank's first gradient of it) it has
+// no effect on that backward, whose local buckets the next flush (Step)
+// reduces; inside a coalesced window or NoSync it has none either: the
+// window's end is its boundary.
+func (e *Engine) SetBoundary(b bool) {
+	if e.inBackward || e.co.active || e.co.noSync {
+		return
+	}
+	e.boundary = b
+}
 
 // GradReady hands the engine the gradient of parameter param, written by
 // the framework on stream. The engine reads it on that stream, after the
