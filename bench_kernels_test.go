@@ -399,7 +399,7 @@ func BenchmarkKernelAdamW(b *testing.B) {
 	}
 	out := make([]uint16, optBenchElems)
 	r := optRange{count: optBenchElems}
-	AdamW{LR: 1e-3, WeightDecay: 0.01}.withDefaults().rangeFor(&r, 3)
+	with(NewAdamW(1e-3), func(o *AdamW) { o.WeightDecay = 0.01 }).rangeFor(&r, 3)
 	bufs := optBuffers{p: addrF32(state[0]), g: addrF32(state[1]), m: addrF32(state[2]), v: addrF32(state[3]),
 		buf: addrF32(state[2]), out: addrU16(out), outType: BF16}
 	benchLevels(b, func(b *testing.B) {

@@ -46,7 +46,7 @@ func BenchmarkStep(b *testing.B) {
 					go func() {
 						defer wg.Done()
 						var err error
-						engines[r], err = New(Config{Stage: stage, BucketBytes: 1 << 20, Overlap: overlap, GradAccumSteps: backwards}, comms[r], params)
+						engines[r], err = New(Config{Stage: stage, BucketBytes: 1 << 20, Overlap: overlap, Grads: GradPolicy{AccumSteps: backwards}}, comms[r], params)
 						if err != nil {
 							b.Error(err)
 						}
@@ -301,7 +301,7 @@ func BenchmarkGather(b *testing.B) {
 			errs := eachRank(n, func(r int) error {
 				data := make([]uint16, elems)
 				var err error
-				engines[r], err = New(Config{Stage: 3, BucketBytes: elems * 2, PrefetchBytes: -1},
+				engines[r], err = New(Config{Stage: 3, BucketBytes: elems * 2, Params: ParamPolicy{PrefetchBytes: -1}},
 					comms[r], []Param{{Count: elems, DType: BF16, Data: Halfs(data, BF16)}})
 				streams[r] = NewHostStream()
 				if err == nil {
@@ -464,8 +464,7 @@ func benchOffloadStep(b *testing.B, m offloadBench) {
 					defer wg.Done()
 					var err error
 					// a layer (weight and bias) a bucket
-					engines[r], err = New(Config{Stage: 2, BucketBytes: (m.hidden*m.hidden + m.hidden) * 2, Overlap: true, Offload: offload,
-						Groups: []Optimizer{AdamW{LR: 1e-4, WeightDecay: 0.01}}}, comms[r], cfgs[r])
+					engines[r], err = New(Config{Stage: 2, BucketBytes: (m.hidden*m.hidden + m.hidden) * 2, Overlap: true, Optimizer: OptimizerPolicy{Groups: []Optimizer{with(NewAdamW(1e-4), func(o *AdamW) { o.WeightDecay = 0.01 })}}, Offload: OffloadPolicy{Optimizer: offload}}, comms[r], cfgs[r])
 					if err == nil {
 						streams[r], err = m.stream()
 					}

@@ -170,6 +170,12 @@ func (h hasher) put(v int64) {
 	h.h.Write(b[:])
 }
 
+// text hashes a string with its length, so that boundaries count.
+func (h hasher) text(s string) {
+	h.put(int64(len(s)))
+	h.h.Write([]byte(s))
+}
+
 func (h hasher) sum() uint64 { return h.h.Sum64() }
 
 // ---- the bucket pipeline -----------------------------------------------------

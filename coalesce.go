@@ -23,12 +23,12 @@ type coalesceState struct {
 // the choice is too.
 func (e *Engine) localInWindow() []bool {
 	inWindow := make([]bool, len(e.plan.Buckets))
-	budget := int64(e.cfg.CoalesceBudgetBytes)
+	budget := int64(e.cfg.Window.BudgetBytes)
 	used := int64(0)
 	for b := len(inWindow) - 1; b >= 0; b-- {
 		size := int64(e.plan.Buckets[b].Elems) * 4
 		if e.pl.spec.modes[b] != local {
-			size = int64(e.plan.Buckets[b].Elems * e.cfg.WindowDType.Size())
+			size = int64(e.plan.Buckets[b].Elems * e.cfg.Window.DType.Size())
 		}
 		if budget > 0 && used+size > budget {
 			break

@@ -66,9 +66,9 @@ func BenchmarkCUDAKernelBandwidth(b *testing.B) {
 	m, v := alloc(n, FP32), alloc(n, FP32)
 	adamw := optTensors{p: f32[0], g: f32[1], m: m, v: v, out: bf[0]}
 	adamRange := optRange{count: int64(n)}
-	AdamW{LR: 1e-3, WeightDecay: 0.01}.withDefaults().rangeFor(&adamRange, 3)
+	with(NewAdamW(1e-3), func(o *AdamW) { o.WeightDecay = 0.01 }).rangeFor(&adamRange, 3)
 	sgdRange := optRange{count: int64(n)}
-	SGD{LR: 1e-2, Momentum: 0.9}.rangeFor(&sgdRange, 3)
+	with(NewSGD(1e-2), func(o *SGD) { o.Momentum = 0.9 }).rangeFor(&sgdRange, 3)
 	var sumsq float64
 	segs := func(src Tensor, parts int) []Segment {
 		out := make([]Segment, parts)
@@ -151,7 +151,7 @@ func BenchmarkCUDAPipeline(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			cfg := Config{Stage: stage, BucketBytes: 32 << 20, Overlap: true, PredivideFactor: world, GradAccumSteps: backwards}
+			cfg := Config{Stage: stage, BucketBytes: 32 << 20, Overlap: true, Grads: GradPolicy{PredivideFactor: world, AccumSteps: backwards}}
 			ready := make(chan error, world)
 			start := make(chan struct{})
 			done := make(chan error, world)

@@ -1223,9 +1223,9 @@ func TestCUDAKernelsOptimizerMatchHost(t *testing.T) {
 		kind optKind
 		opts []Optimizer
 	}{
-		{optAdamW, []Optimizer{AdamW{LR: 1e-3, WeightDecay: 0.01}, AdamW{LR: 3e-3, Beta1: 0.8, Beta2: 0.99, AMSGrad: true}}},
-		{optSGD, []Optimizer{SGD{LR: 0.05, Momentum: 0.9, WeightDecay: 1e-4}, SGD{LR: 0.02, Momentum: 0.9, Nesterov: true}}},
-		{optSGD, []Optimizer{SGD{LR: 0.1}, SGD{LR: 0.05, Momentum: 0.5, Dampening: 0.3}}},
+		{optAdamW, []Optimizer{with(NewAdamW(1e-3), func(o *AdamW) { o.WeightDecay = 0.01 }), with(NewAdamW(3e-3), func(o *AdamW) { o.Beta1 = 0.8; o.Beta2 = 0.99; o.AMSGrad = true })}},
+		{optSGD, []Optimizer{with(NewSGD(0.05), func(o *SGD) { o.Momentum = 0.9; o.WeightDecay = 1e-4 }), with(NewSGD(0.02), func(o *SGD) { o.Momentum = 0.9; o.Nesterov = true })}},
+		{optSGD, []Optimizer{NewSGD(0.1), with(NewSGD(0.05), func(o *SGD) { o.Momentum = 0.5; o.Dampening = 0.3 })}},
 	}
 	for _, n := range []int{5000, 1<<20 + 3} {
 		for _, gr := range groups {
@@ -1344,7 +1344,7 @@ func TestCUDATrainingMatchesCPU(t *testing.T) {
 	seed := testSeed(t)
 	rng := mrand.New(mrand.NewSource(seed))
 	env := gpuTrainEnv(d)
-	opt := AdamW{LR: 0.01, WeightDecay: 0.01}
+	opt := with(NewAdamW(0.01), func(o *AdamW) { o.WeightDecay = 0.01 })
 	n := 0
 	for _, dt := range []DType{FP32, BF16} {
 		for _, world := range []int{2, 4} {
@@ -1424,7 +1424,7 @@ func cudaStage3Gather(t *testing.T, d *cudaDevice, offload bool) {
 			}
 			ps[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: FP32, Data: x}
 		}
-		e, err := New(Config{Stage: 3, BucketBytes: 2048, Groups: []Optimizer{SGD{LR: 0.5}}, Offload: offload}, comms[rank], ps)
+		e, err := New(Config{Stage: 3, BucketBytes: 2048, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.5)}}, Offload: OffloadPolicy{Optimizer: offload}}, comms[rank], ps)
 		if err != nil {
 			return err
 		}

@@ -6,9 +6,11 @@
 //
 // What it does today:
 //
-//   - New cuts the registered parameters into buckets (in backward order,
-//     each padded to split evenly into W shards) and checks that every rank
-//     built the same plan.
+//   - New checks the Config (grouped by policy: Precision, Grads, Optimizer,
+//     Window, Params, Offload) and the parameters before anything else, cuts
+//     the parameters into buckets (in backward order, each padded to split
+//     evenly into W shards), and compares every shared setting across ranks
+//     by name.
 //
 //   - The framework hands over each gradient as backward produces it, on the
 //     stream that wrote it (GradReady, or GradsReady for several at once).
@@ -19,11 +21,11 @@
 //
 //   - Step closes the window of backwards since the last Step. After it, the
 //     shard holds the mean over ranks and backwards (or the sum, with
-//     Reduction Sum); GradShard, FullGrads and per-parameter views
+//     Grads.Reduction Sum); GradShard, FullGrads and per-parameter views
 //     (GradView) read it.
 //
-//   - With Config.Groups, Step also runs the optimizer on this rank's fp32
-//     master shard: the global norm and clipping, the fp16 loss scaler, a
+//   - With Config.Optimizer.Groups, Step also runs the optimizer on this
+//     rank's fp32 master shard: the global norm and clipping, the fp16 loss scaler, a
 //     skip on inf or NaN agreed by every rank, one fused AdamW or SGD pass
 //     for every parameter group, and (stages 1 and 2) an all-gather of the
 //     new parameters into the memory registered with them (Param.Data).
@@ -41,8 +43,8 @@
 //     backwards share one reduction per bucket, within an optional budget
 //     of local memory.
 //
-//   - With Config.Offload, the fp32 gradient shard, the master weights and
-//     the optimizer state live in page-locked host memory: each reduced
+//   - With Config.Offload.Optimizer, the fp32 gradient shard, the master
+//     weights and the optimizer state live in page-locked host memory: each reduced
 //     shard is copied to the host as its reduction finishes and summed
 //     there, and the optimizer runs on the host.
 //

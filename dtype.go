@@ -75,6 +75,32 @@ func RawTensor(ptr uintptr, count int, d DType) Tensor {
 	return Tensor{ptr: ptr, count: count, dtype: d}
 }
 
+// check refuses a tensor with an invalid dtype, or one that claims more
+// bytes than the Go slice it views (Halfs with FP32, say): the engine would
+// read or write past the slice. what names the tensor in the error.
+func (t Tensor) check(what string) error {
+	if t.count == 0 {
+		return nil
+	}
+	if !t.dtype.valid() {
+		return errorf(ErrDType, "%s has dtype %v; use FP32, BF16 or FP16", what, t.dtype)
+	}
+	var base uintptr
+	var have int
+	switch x := t.keep.(type) {
+	case []float32:
+		base, have = uintptr(unsafe.Pointer(unsafe.SliceData(x))), 4*len(x)
+	case []uint16:
+		base, have = uintptr(unsafe.Pointer(unsafe.SliceData(x))), 2*len(x)
+	default:
+		return nil // memory the caller addresses by pointer
+	}
+	if t.ptr < base || t.ptr-base+uintptr(t.Bytes()) > uintptr(have) {
+		return errorf(ErrDType, "%s claims %d bytes (%d × %v) of a Go slice of %d bytes; view fp32 values with Float32s and 16-bit ones with Halfs(x, BF16 or FP16)", what, t.Bytes(), t.count, t.dtype, have)
+	}
+	return nil
+}
+
 // Ptr is the address of the first element.
 func (t Tensor) Ptr() uintptr { return t.ptr }
 

@@ -252,7 +252,7 @@ func (e *Engine) offloadStats(st *Stats) error {
 		return nil
 	}
 	st.HostBytes, st.HostPinnedBytes = e.off.mem.bytes, e.off.mem.locked
-	st.HostGradBytes = int64(e.pl.shard.Bytes()) + int64(e.off.landing.held*e.off.maxLand*e.cfg.CommDType.Size())
+	st.HostGradBytes = int64(e.pl.shard.Bytes()) + int64(e.off.landing.held*e.off.maxLand*e.cfg.Precision.CommDType.Size())
 	st.DeviceBytesSaved = int64(e.pl.shard.Bytes())
 	if o := e.opt; o != nil {
 		for _, t := range []Tensor{o.master, o.m, o.v, o.vmax} {

@@ -43,7 +43,7 @@ func TestCUDAOffloadMatchesCPU(t *testing.T) {
 		}
 	}
 	env := gpuTrainEnv(d)
-	opt := AdamW{LR: 0.01, WeightDecay: 0.01}
+	opt := with(NewAdamW(0.01), func(o *AdamW) { o.WeightDecay = 0.01 })
 	q := newQuadTask(mrand.New(mrand.NewSource(rng.Int64())), []int{37, 130, 8, 257, 3000}, 8, 2*3)
 	for _, dt := range []DType{FP32, BF16} {
 		for _, stage := range []int{1, 2} {

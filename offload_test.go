@@ -138,7 +138,7 @@ func TestOffloadHostNormAfterEveryBackward(t *testing.T) {
 	params := testParams(FP32)
 	for _, stage := range []int{2, 3} {
 		for _, overlap := range []bool{false, true} {
-			errs := onEngines(2, 20*time.Second, Config{Stage: stage, BucketBytes: 512, Overlap: overlap, Offload: true}, params, func(e *Engine, s *HostStream) error {
+			errs := onEngines(2, 20*time.Second, Config{Stage: stage, BucketBytes: 512, Overlap: overlap, Offload: OffloadPolicy{Optimizer: true}}, params, func(e *Engine, s *HostStream) error {
 				rng := rand.New(rand.NewSource(seed + int64(e.Rank())))
 				last := 0.0
 				for k := range 4 {
@@ -241,7 +241,7 @@ func TestOffloadHostMemory(t *testing.T) {
 		}
 		var st Stats
 		var host *hostMemory
-		errs := onEngines(2, 20*time.Second, Config{Stage: stage, BucketBytes: 8 << 10, Offload: offload, Groups: []Optimizer{AdamW{LR: 0.1}}}, params,
+		errs := onEngines(2, 20*time.Second, Config{Stage: stage, BucketBytes: 8 << 10, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.1)}}, Offload: OffloadPolicy{Optimizer: offload}}, params,
 			func(e *Engine, s *HostStream) error {
 				for range 2 {
 					if err := backward(e, s, constGrads(params, 1)); err != nil {
@@ -338,7 +338,7 @@ func TestOffloadCopyOrder(t *testing.T) {
 		heldName := c.held
 		for _, stage := range []int{2, 3} {
 			comms, _ := NewLocalGroup(1)
-			e, err := New(Config{Stage: stage, BucketBytes: 256, Overlap: true, StagingBuffers: c.buffers, Offload: true}, comms[0], params)
+			e, err := New(Config{Stage: stage, BucketBytes: 256, Overlap: true, StagingBuffers: c.buffers, Offload: OffloadPolicy{Optimizer: true}}, comms[0], params)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -424,14 +424,14 @@ func TestOffloadErrors(t *testing.T) {
 	params := testParams(FP32)
 	comms, _ := NewLocalGroup(1)
 	dev := &failingDevice{Device: CPU()}
-	if _, err := New(Config{Stage: 2, BucketBytes: 1024, Offload: true}, onDevice{comms[0], dev}, params); !errors.Is(err, ErrDevice) {
+	if _, err := New(Config{Stage: 2, BucketBytes: 1024, Offload: OffloadPolicy{Optimizer: true}}, onDevice{comms[0], dev}, params); !errors.Is(err, ErrDevice) {
 		t.Errorf("offload on a device without page-locked memory: %v, want ErrDevice", err)
 	}
 	comms[0].Close()
 	// (A failed reduction with offload: TestReductionErrorReachesCaller.)
 	// Close with the copies held: it waits for them, then frees everything.
 	comms, _ = NewLocalGroup(1)
-	e, err := New(Config{Stage: 2, BucketBytes: 1024, Overlap: true, Offload: true}, comms[0], params)
+	e, err := New(Config{Stage: 2, BucketBytes: 1024, Overlap: true, Offload: OffloadPolicy{Optimizer: true}}, comms[0], params)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -483,7 +483,7 @@ func TestOffloadOptimizerState(t *testing.T) {
 				}
 				params[p] = Param{Count: n, DType: BF16, Data: mem[p].t()}
 			}
-			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: true, Offload: offload, Groups: []Optimizer{opt}}, comms[rank], params)
+			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: true, Optimizer: OptimizerPolicy{Groups: []Optimizer{opt}}, Offload: OffloadPolicy{Optimizer: offload}}, comms[rank], params)
 			if err != nil {
 				return err
 			}
@@ -539,7 +539,7 @@ func TestOffloadOptimizerState(t *testing.T) {
 		for _, c := range []struct {
 			opt    Optimizer
 			shards int64 // fp32 state shards: master and momentum; master, m, v and vmax
-		}{{SGD{LR: 0.1, Momentum: 0.9, Nesterov: true, WeightDecay: 0.01}, 2}, {SGD{LR: 0.1, Momentum: 0.5, Dampening: 0.1}, 2}, {AdamW{LR: 0.01, AMSGrad: true}, 4}} {
+		}{{with(NewSGD(0.1), func(o *SGD) { o.Momentum = 0.9; o.Nesterov = true; o.WeightDecay = 0.01 }), 2}, {with(NewSGD(0.1), func(o *SGD) { o.Momentum = 0.5; o.Dampening = 0.1 }), 2}, {with(NewAdamW(0.01), func(o *AdamW) { o.AMSGrad = true }), 4}} {
 			opt := c.opt
 			want, dev, _ := run(stage, opt, false)
 			got, host, n := run(stage, opt, true)
@@ -565,7 +565,7 @@ func TestOffloadOptimizerState(t *testing.T) {
 func TestOffloadBackwardEndMark(t *testing.T) {
 	params := testParams(FP32)
 	comms, _ := NewLocalGroup(1)
-	e, err := New(Config{Stage: 2, BucketBytes: 1024, Overlap: true, Offload: true}, comms[0], params)
+	e, err := New(Config{Stage: 2, BucketBytes: 1024, Overlap: true, Offload: OffloadPolicy{Optimizer: true}}, comms[0], params)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -3,99 +3,16 @@ package zero
 import (
 	"cmp"
 	"errors"
+	"fmt"
 	"math"
 	"slices"
 	"time"
 )
 
-// Optimizer is the optimizer of a parameter group: AdamW or SGD, with
-// PyTorch's formulas. Every group of an engine uses the same kind.
-type Optimizer interface {
-	kind() optKind
-	check(group int) error
-	// ranges fills the settings of one parameter's range for its t-th step.
-	rangeFor(r *optRange, t int)
-}
-
-type optKind int
-
-const (
-	optAdamW optKind = iota + 1
-	optSGD
-)
-
-// AdamW is torch.optim.AdamW: decoupled weight decay, bias correction, eps
-// outside the square root, optionally amsgrad. Zero Beta1, Beta2 and Eps
-// take PyTorch's defaults (0.9, 0.999, 1e-8); zero WeightDecay is none.
-type AdamW struct {
-	LR          float64 // learning rate
-	Beta1       float64 // decay of the first moment (default 0.9)
-	Beta2       float64 // decay of the second moment (default 0.999)
-	Eps         float64 // added to the root of the second moment (default 1e-8)
-	WeightDecay float64 // decoupled: p *= 1 - LR*WeightDecay
-	AMSGrad     bool    // use the running maximum of the second moment
-}
-
-// SGD is torch.optim.SGD: weight decay added to the gradient, momentum
-// with dampening, optionally Nesterov.
-type SGD struct {
-	LR          float64 // learning rate
-	Momentum    float64 // 0: none
-	Dampening   float64 // of the momentum, in [0, 1]
-	WeightDecay float64 // added to the gradient: g += WeightDecay*p
-	Nesterov    bool    // Nesterov momentum (needs Momentum, no Dampening)
-}
-
-func (o AdamW) kind() optKind { return optAdamW }
-func (o SGD) kind() optKind   { return optSGD }
-
-func (o AdamW) withDefaults() AdamW {
-	if o.Beta1 == 0 {
-		o.Beta1 = 0.9
-	}
-	if o.Beta2 == 0 {
-		o.Beta2 = 0.999
-	}
-	if o.Eps == 0 {
-		o.Eps = 1e-8
-	}
-	return o
-}
-
-func (o AdamW) check(g int) error {
-	o = o.withDefaults()
-	switch {
-	case !(o.LR >= 0) || math.IsInf(o.LR, 0):
-		return errorf(ErrConfig, "group %d: AdamW LR %v; use a finite rate ≥ 0", g, o.LR)
-	case !(o.Beta1 >= 0 && o.Beta1 < 1) || !(o.Beta2 >= 0 && o.Beta2 < 1):
-		return errorf(ErrConfig, "group %d: AdamW betas (%v, %v); use values in [0, 1)", g, o.Beta1, o.Beta2)
-	case !(o.Eps > 0) || math.IsInf(o.Eps, 0):
-		return errorf(ErrConfig, "group %d: AdamW Eps %v; use a finite value > 0", g, o.Eps)
-	case !(o.WeightDecay >= 0) || math.IsInf(o.WeightDecay, 0):
-		return errorf(ErrConfig, "group %d: AdamW WeightDecay %v; use a finite value ≥ 0", g, o.WeightDecay)
-	}
-	return nil
-}
-
-func (o SGD) check(g int) error {
-	switch {
-	case !(o.LR >= 0) || math.IsInf(o.LR, 0):
-		return errorf(ErrConfig, "group %d: SGD LR %v; use a finite rate ≥ 0", g, o.LR)
-	case !(o.Momentum >= 0) || math.IsInf(o.Momentum, 0) || !(o.Dampening >= 0 && o.Dampening <= 1):
-		return errorf(ErrConfig, "group %d: SGD momentum %v, dampening %v; use momentum ≥ 0 and dampening in [0, 1]", g, o.Momentum, o.Dampening)
-	case !(o.WeightDecay >= 0) || math.IsInf(o.WeightDecay, 0):
-		return errorf(ErrConfig, "group %d: SGD WeightDecay %v; use a finite value ≥ 0", g, o.WeightDecay)
-	case o.Nesterov && (o.Momentum == 0 || o.Dampening != 0):
-		return errorf(ErrConfig, "group %d: Nesterov needs a momentum and zero dampening", g)
-	}
-	return nil
-}
-
 // rangeFor sets the AdamW settings of step t (from 1) in the form
 // zero_adamw_elem uses, computed in double and rounded once, as PyTorch
 // computes its Python-float scalars.
 func (o AdamW) rangeFor(r *optRange, t int) {
-	o = o.withDefaults()
 	bc1 := 1 - math.Pow(o.Beta1, float64(t))
 	bc2 := 1 - math.Pow(o.Beta2, float64(t))
 	r.decay = float32(1 - o.LR*o.WeightDecay)
@@ -130,19 +47,6 @@ const (
 	optFirst    = 4
 )
 
-// LossScale configures loss scaling. With fp16 gradients the scale is
-// dynamic by default, as DeepSpeed's: it starts at Initial (2^16), halves
-// on an overflow once Hysteresis (2) overflows have been absorbed, never
-// goes below Min (1), and doubles after Window (1000) steps without one.
-// Static fixes it (any dtype); with fp32 and bf16 it is 1 by default.
-type LossScale struct {
-	Static     float64 // a fixed scale (0: dynamic for fp16, 1 otherwise)
-	Initial    float64 // dynamic: the first scale (default 2^16)
-	Window     int     // dynamic: steps without overflow before doubling (default 1000)
-	Hysteresis int     // dynamic: overflows absorbed before halving (default 2)
-	Min        float64 // dynamic: the smallest scale (default 1)
-}
-
 // lossScaler is DeepSpeed's DynamicLossScaler, step by step.
 type lossScaler struct {
 	dynamic    bool
@@ -156,36 +60,14 @@ type lossScaler struct {
 	lastOverflow  int
 }
 
-func newLossScaler(c LossScale, model DType) (lossScaler, error) {
-	s := lossScaler{scale: 1}
-	switch {
-	case c.Static < 0 || math.IsNaN(c.Static) || math.IsInf(c.Static, 0):
-		return s, errorf(ErrConfig, "LossScale.Static %v; use a finite scale > 0, or 0 for the default", c.Static)
-	case c.Static > 0:
-		s.scale = c.Static
-		return s, nil
-	case model != FP16:
-		return s, nil
+// newLossScaler builds the scaler of a resolved LossScale: dynamic
+// exactly when Static is 0.
+func newLossScaler(c LossScale) lossScaler {
+	if c.Static > 0 {
+		return lossScaler{scale: c.Static}
 	}
-	s.dynamic = true
-	s.scale, s.window, s.hysteresis, s.min = c.Initial, c.Window, c.Hysteresis, c.Min
-	if s.scale == 0 {
-		s.scale = 1 << 16
-	}
-	if s.window == 0 {
-		s.window = 1000
-	}
-	if s.hysteresis == 0 {
-		s.hysteresis = 2
-	}
-	if s.min == 0 {
-		s.min = 1
-	}
-	if !(s.scale > 0) || math.IsInf(s.scale, 0) || s.window < 1 || s.hysteresis < 1 || !(s.min > 0) {
-		return s, errorf(ErrConfig, "LossScale %+v; use a finite Initial > 0, Window ≥ 1, Hysteresis ≥ 1 and Min > 0", c)
-	}
-	s.curHysteresis, s.lastOverflow = s.hysteresis, -1
-	return s, nil
+	return lossScaler{dynamic: true, scale: c.Initial, window: c.Window, hysteresis: c.Hysteresis, min: c.Min,
+		curHysteresis: c.Hysteresis, lastOverflow: -1}
 }
 
 // update moves the scale after a step that did or did not overflow.
@@ -227,43 +109,21 @@ type optState struct {
 	sharedModel bool
 	steps       []int // per parameter: optimizer steps taken
 	scaler      lossScaler
+	// groupsDigest hashes the groups' settings, compared across ranks at
+	// each Step
+	groupsDigest uint64
 	norm        Tensor // fp32 pair for Step's all-reduce of (overflow, sum of squares)
 	ranges      []optRange
 	gather      *bufferPool // model-dtype bucket buffers the parameters are gathered in
 	mem         memoryMeter // the optimizer's device bytes
 }
 
-// checkGroups validates the groups and the parameters' use of them.
-func checkGroups(groups []Optimizer, params []Param) error {
-	if len(groups) == 0 {
-		for i, p := range params {
-			if p.Group != 0 {
-				return errorf(ErrParam, "parameter %d (%q) is in group %d, but no Groups are configured", i, p.Name, p.Group)
-			}
-		}
-		return nil
-	}
-	for g, o := range groups {
-		if o == nil {
-			return errorf(ErrConfig, "Groups[%d] is nil; give an AdamW or SGD", g)
-		}
-		if o.kind() != groups[0].kind() {
-			return errorf(ErrConfig, "Groups[%d] is %T, Groups[0] %T; every group of an engine uses one optimizer kind", g, o, groups[0])
-		}
-		if err := o.check(g); err != nil {
-			return err
-		}
-	}
-	for i, p := range params {
-		if p.Group < 0 || p.Group >= len(groups) {
-			return errorf(ErrParam, "parameter %d (%q) is in group %d; the groups are 0..%d", i, p.Name, p.Group, len(groups)-1)
-		}
-	}
-	return nil
-}
-
 // SetGroup replaces group g's hyperparameters from the next Step on
-// (learning-rate schedules); the kind must stay the same.
+// (learning-rate schedules); the kind must stay the same. Every rank must
+// make the same change: the next Step compares the groups across ranks
+// (in its first collective, at no extra cost) and refuses on every rank,
+// with ErrPlanMismatch naming the setting, where they differ; the window
+// is kept, and a SetGroup that makes the ranks agree lets Step go on.
 func (e *Engine) SetGroup(g int, o Optimizer) error {
 	if err := e.usable("SetGroup"); err != nil {
 		return err
@@ -277,10 +137,11 @@ func (e *Engine) SetGroup(g int, o Optimizer) error {
 	if o == nil || o.kind() != e.opt.kind {
 		return errorf(ErrConfig, "SetGroup(%d, %T): the engine's groups are %T", g, o, e.opt.groups[0])
 	}
-	if err := o.check(g); err != nil {
+	if err := o.check(fmt.Sprintf("SetGroup(%d)", g)); err != nil {
 		return err
 	}
 	e.opt.groups[g] = o
+	e.opt.groupsDigest = recordDigest(groupsRecord(e.opt.groups), "")
 	return nil
 }
 
@@ -305,11 +166,10 @@ type stepResult struct {
 // initOptimizer allocates the optimizer's shards and fills the master shard
 // from the parameters, after copying rank 0's to every rank.
 func (e *Engine) initOptimizer() error {
-	o := &optState{groups: append([]Optimizer(nil), e.cfg.Groups...), kind: e.cfg.Groups[0].kind(), steps: make([]int, len(e.params))}
+	o := &optState{groups: append([]Optimizer(nil), e.cfg.Optimizer.Groups...), kind: e.cfg.Optimizer.Groups[0].kind(), steps: make([]int, len(e.params))}
+	o.scaler = newLossScaler(e.cfg.Precision.LossScale)
+	o.groupsDigest = recordDigest(groupsRecord(o.groups), "")
 	var err error
-	if o.scaler, err = newLossScaler(e.cfg.LossScale, e.plan.dtype); err != nil {
-		return err
-	}
 	e.opt = o
 	o.state = e.dev
 	if e.off != nil {
@@ -428,7 +288,7 @@ func (e *Engine) bucketParams(b int, used []bool) []Segment {
 // stage 3 the model-dtype parameter shard. pool lends the bucket buffers.
 func (e *Engine) loadParams(pool *bufferPool, into Tensor) error {
 	s := e.reduceStream
-	bcast := !e.cfg.NoBroadcast && e.world > 1
+	bcast := !e.cfg.Params.NoBroadcast && e.world > 1
 	for b, bp := range e.plan.Buckets {
 		buf, err := pool.get(e.plan.MaxBucket())
 		if err != nil {
@@ -508,14 +368,14 @@ func (e *Engine) optimizerStep(readScale float32, used []bool, overflowFlag floa
 	overflow := pair[0] != 0
 	res.norm = math.Sqrt(float64(pair[1])) * float64(readScale) / o.scaler.scale
 	finite := !overflow && !math.IsInf(res.norm, 0) && !math.IsNaN(res.norm)
-	if !finite && (e.plan.dtype == FP16 || !e.cfg.KeepNonFinite || e.cfg.Clip > 0) {
+	if !finite && (e.plan.dtype == FP16 || !e.cfg.Precision.KeepNonFinite || e.cfg.Optimizer.Clip > 0) {
 		res.skipped = true
 		o.scaler.update(true)
 		return res, nil
 	}
 	coef := 1.0
-	if e.cfg.Clip > 0 && res.norm > e.cfg.Clip {
-		coef = res.norm / e.cfg.Clip
+	if e.cfg.Optimizer.Clip > 0 && res.norm > e.cfg.Optimizer.Clip {
+		coef = res.norm / e.cfg.Optimizer.Clip
 	}
 	gscale := float32(float64(readScale) / o.scaler.scale / coef)
 	o.ranges = o.ranges[:0]

@@ -167,7 +167,7 @@ func trainEngineOn(t *testing.T, env trainEnv, q *quadTask, r trainRun, opt Adam
 		if err := s0.Sync(); err != nil {
 			return err
 		}
-		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Groups: []Optimizer{opt}, Offload: r.offload}
+		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Optimizer: OptimizerPolicy{Groups: []Optimizer{opt}}, Offload: OffloadPolicy{Optimizer: r.offload}}
 		e, err := New(cfg, comms[rank], ps)
 		if err != nil {
 			return err
@@ -272,7 +272,7 @@ func TestTrainingEquivalence(t *testing.T) {
 	seed := testSeed(t)
 	rng := rand.New(rand.NewSource(seed))
 	sizes := []int{37, 130, 8, 257}
-	opt := AdamW{LR: 0.01, WeightDecay: 0.01}
+	opt := with(NewAdamW(0.01), func(o *AdamW) { o.WeightDecay = 0.01 })
 	ref := refAdamW{lr: 0.01, b1: 0.9, b2: 0.999, eps: 1e-8, wd: 0.01}
 	const steps = 20
 	const u32 = 0x1p-24
@@ -422,9 +422,9 @@ func testOptimizerKernels(t *testing.T) {
 		adam bool
 		opts []Optimizer
 	}{
-		{true, []Optimizer{AdamW{LR: 1e-3, WeightDecay: 0.01}, AdamW{LR: 3e-3, Beta1: 0.8, Beta2: 0.99, AMSGrad: true}}},
-		{false, []Optimizer{SGD{LR: 0.05, Momentum: 0.9, WeightDecay: 1e-4}, SGD{LR: 0.02, Momentum: 0.9, Nesterov: true}}},
-		{false, []Optimizer{SGD{LR: 0.1}, SGD{LR: 0.05, Momentum: 0.5, Dampening: 0.3}}},
+		{true, []Optimizer{with(NewAdamW(1e-3), func(o *AdamW) { o.WeightDecay = 0.01 }), with(NewAdamW(3e-3), func(o *AdamW) { o.Beta1 = 0.8; o.Beta2 = 0.99; o.AMSGrad = true })}},
+		{false, []Optimizer{with(NewSGD(0.05), func(o *SGD) { o.Momentum = 0.9; o.WeightDecay = 1e-4 }), with(NewSGD(0.02), func(o *SGD) { o.Momentum = 0.9; o.Nesterov = true })}},
+		{false, []Optimizer{NewSGD(0.1), with(NewSGD(0.05), func(o *SGD) { o.Momentum = 0.5; o.Dampening = 0.3 })}},
 	}
 	for _, gr := range groups {
 		p, m, v, vmax, g := make([]float32, n), make([]float32, n), make([]float32, n), make([]float32, n), make([]float32, n)
@@ -518,10 +518,11 @@ func TestLossScaler(t *testing.T) {
 		// without a doubling between them the second overflow halves
 		"twice": {"o...o.o.", []float64{1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 15, 1 << 15, 1 << 14, 1 << 14}},
 	} {
-		s, err := newLossScaler(LossScale{Window: 4}, FP16)
-		if err != nil {
+		c := LossScale{Window: 4}
+		if err := c.resolve(FP16); err != nil {
 			t.Fatal(err)
 		}
+		s := newLossScaler(c)
 		for i, c := range tc.overflow {
 			s.update(c == 'o')
 			if s.scale != tc.want[i] {
@@ -529,21 +530,37 @@ func TestLossScaler(t *testing.T) {
 			}
 		}
 	}
-	s, _ := newLossScaler(LossScale{Initial: 4, Window: 1000, Hysteresis: 1}, FP16)
+	scaler := func(c LossScale, model DType) (lossScaler, error) {
+		err := c.resolve(model)
+		return newLossScaler(c), err
+	}
+	s, _ := scaler(LossScale{Initial: 4, Window: 1000, Hysteresis: 1}, FP16)
 	for range 5 {
 		s.update(true)
 	}
 	if s.scale != 1 {
 		t.Errorf("the scale fell to %v, below the minimum of 1", s.scale)
 	}
-	if s, _ := newLossScaler(LossScale{}, BF16); s.scale != 1 || s.dynamic {
-		t.Errorf("bf16: scale %v dynamic %v, want a static 1", s.scale, s.dynamic)
+	for _, c := range []LossScale{{}, {Initial: 1024, Window: 10}} {
+		if s, _ := scaler(c, BF16); s.scale != 1 || s.dynamic {
+			t.Errorf("bf16 with %+v: scale %v dynamic %v, want a static 1", c, s.scale, s.dynamic)
+		}
 	}
-	if s, _ := newLossScaler(LossScale{Static: 128}, FP16); s.scale != 128 || s.dynamic {
+	if s, _ := scaler(LossScale{Static: 128}, FP16); s.scale != 128 || s.dynamic {
 		t.Errorf("static 128: scale %v dynamic %v", s.scale, s.dynamic)
 	}
-	if _, err := newLossScaler(LossScale{Static: -1}, FP16); err == nil {
-		t.Error("a negative static scale was accepted")
+	for name, c := range map[string]struct {
+		ls LossScale
+		dt DType
+	}{
+		"negative static":       {LossScale{Static: -1}, FP16},
+		"static and dynamic":    {LossScale{Static: 8, Window: 10}, FP16},
+		"min above the initial": {LossScale{Initial: 4, Min: 8}, FP16},
+		"infinite initial":      {LossScale{Initial: math.Inf(1)}, FP16},
+	} {
+		if _, err := scaler(c.ls, c.dt); !errors.Is(err, ErrConfig) {
+			t.Errorf("%s: %v, want ErrConfig", name, err)
+		}
 	}
 }
 
@@ -622,7 +639,7 @@ func TestSkippedStepChangesNothing(t *testing.T) {
 			comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
 			errs := eachRank(2, func(rank int) error {
 				ps, bufs := smallModel(dt, 0.5)
-				e, err := New(Config{Stage: stage, BucketBytes: 512, Groups: []Optimizer{AdamW{LR: 0.01}}, LossScale: LossScale{Initial: 256, Hysteresis: 1}}, comms[rank], ps)
+				e, err := New(Config{Stage: stage, BucketBytes: 512, Precision: PrecisionPolicy{LossScale: LossScale{Initial: 256, Hysteresis: 1}}, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.01)}}}, comms[rank], ps)
 				if err != nil {
 					return err
 				}
@@ -698,7 +715,7 @@ func TestClipping(t *testing.T) {
 		var norms [2]float64
 		errs := eachRank(2, func(rank int) error {
 			ps, bufs := smallModel(FP32, 0)
-			e, err := New(Config{Stage: 2, BucketBytes: 1024, Clip: clip, Groups: []Optimizer{SGD{LR: 0.5}}}, comms[rank], ps)
+			e, err := New(Config{Stage: 2, BucketBytes: 1024, Optimizer: OptimizerPolicy{Clip: clip, Groups: []Optimizer{NewSGD(0.5)}}}, comms[rank], ps)
 			if err != nil {
 				return err
 			}
@@ -758,7 +775,7 @@ func TestClipping(t *testing.T) {
 	// a NaN in bf16 with clipping skips, whatever KeepNonFinite says
 	comms, _ := NewLocalGroup(1)
 	ps, bufs := smallModel(BF16, 0)
-	e, err := New(Config{Stage: 2, BucketBytes: 1024, Clip: 1, KeepNonFinite: true, Groups: []Optimizer{SGD{LR: 0.5}}}, comms[0], ps)
+	e, err := New(Config{Stage: 2, BucketBytes: 1024, Precision: PrecisionPolicy{KeepNonFinite: true}, Optimizer: OptimizerPolicy{Clip: 1, Groups: []Optimizer{NewSGD(0.5)}}}, comms[0], ps)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -793,7 +810,7 @@ func TestUnusedAndFrozen(t *testing.T) {
 	comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
 	errs := eachRank(2, func(rank int) error {
 		ps, bufs := smallModel(FP32, 1)
-		e, err := New(Config{Stage: 2, BucketBytes: 512, Groups: []Optimizer{AdamW{LR: 0.1, WeightDecay: 0.5}}}, comms[rank], ps)
+		e, err := New(Config{Stage: 2, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: []Optimizer{with(NewAdamW(0.1), func(o *AdamW) { o.WeightDecay = 0.5 })}}}, comms[rank], ps)
 		if err != nil {
 			return err
 		}
@@ -994,7 +1011,7 @@ func runFailure(stage int, dt DType, opt Optimizer, steps, failAt int) failureRu
 		r.devs[rank] = dev
 		ps, bufs := smallModel(dt, 0.5)
 		// a window of 1: every clean step doubles the fp16 loss scale
-		e, err := New(Config{Stage: stage, BucketBytes: 512, Groups: []Optimizer{opt}, LossScale: LossScale{Window: 1}}, onDevice{comms[rank], dev}, ps)
+		e, err := New(Config{Stage: stage, BucketBytes: 512, Precision: PrecisionPolicy{LossScale: LossScale{Window: 1}}, Optimizer: OptimizerPolicy{Groups: []Optimizer{opt}}}, onDevice{comms[rank], dev}, ps)
 		if err != nil {
 			return err
 		}
@@ -1056,7 +1073,7 @@ func TestFailedStepChangesNothing(t *testing.T) {
 			dt    DType
 			opt   Optimizer
 			steps int
-		}{{FP32, SGD{LR: 0.1, Momentum: 0.9}, 1}, {FP16, AdamW{LR: 0.01, WeightDecay: 0.1}, 2}} {
+		}{{FP32, with(NewSGD(0.1), func(o *SGD) { o.Momentum = 0.9 }), 1}, {FP16, with(NewAdamW(0.01), func(o *AdamW) { o.WeightDecay = 0.1 }), 2}} {
 			ref := runFailure(stage, tc.dt, tc.opt, tc.steps, 0)
 			everyRankIs(t, "reference", ref.errs, nil)
 			calls, commit := ref.devs[0].calls, ref.devs[0].optimizeAt
@@ -1139,7 +1156,7 @@ func TestPeerLeavesDuringTheNorm(t *testing.T) {
 				c.leaveAt = 2
 			}
 			ps, bufs := smallModel(FP32, 0.5)
-			e, err := New(Config{Stage: stage, BucketBytes: 512, Groups: []Optimizer{AdamW{LR: 0.01}}}, c, ps)
+			e, err := New(Config{Stage: stage, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.01)}}}, c, ps)
 			if err != nil {
 				return err
 			}
@@ -1189,7 +1206,7 @@ func memoryRun(t testing.TB, stage, world, layers, hidden, bucket int) (Stats, *
 	var plan *Plan
 	errs := eachRank(world, func(rank int) error {
 		defer comms[rank].Close()
-		e, err := New(Config{Stage: stage, BucketBytes: bucket, Groups: []Optimizer{AdamW{LR: 1e-3}}}, comms[rank], params)
+		e, err := New(Config{Stage: stage, BucketBytes: bucket, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}, comms[rank], params)
 		if err != nil {
 			return err
 		}
@@ -1308,7 +1325,7 @@ func runOpt(t *testing.T, c optCase) optTrace {
 			for j := range n {
 				b.set(j, c.init(p, j))
 			}
-			ps[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: c.dt, Data: b.t(), Group: min(p, len(c.cfg.Groups)-1)}
+			ps[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: c.dt, Data: b.t(), Group: min(p, len(c.cfg.Optimizer.Groups)-1)}
 		}
 		e, err := New(c.cfg, comms[rank], ps)
 		if err != nil {
@@ -1383,7 +1400,7 @@ func TestNormAndClipUnderLossScale(t *testing.T) {
 	for _, ls := range []LossScale{{Static: 1024}, {Initial: 1024}} {
 		for _, clip := range []float64{0, norm / 4, norm * 4} {
 			c := optCase{
-				cfg:   Config{Stage: 2, BucketBytes: 1024, Clip: clip, LossScale: ls, Groups: []Optimizer{SGD{LR: 0.5}}},
+				cfg:   Config{Stage: 2, BucketBytes: 1024, Precision: PrecisionPolicy{LossScale: ls}, Optimizer: OptimizerPolicy{Clip: clip, Groups: []Optimizer{NewSGD(0.5)}}},
 				sizes: sizes, dt: FP16, backwards: 2, steps: 1, grad: grad,
 				init: func(p, j int) float32 { return float32(j%9) / 8 },
 			}
@@ -1427,7 +1444,7 @@ func TestClipCoefficient(t *testing.T) {
 	norm := math.Sqrt(sumsq)
 	for _, clip := range []float64{norm / 10, norm * 0.999, norm * 2} {
 		c := optCase{
-			cfg:   Config{Stage: 1, BucketBytes: 1024, Clip: clip, Groups: []Optimizer{SGD{LR: 1}}},
+			cfg:   Config{Stage: 1, BucketBytes: 1024, Optimizer: OptimizerPolicy{Clip: clip, Groups: []Optimizer{NewSGD(1)}}},
 			sizes: sizes, dt: FP32, backwards: 1, steps: 1, grad: grad,
 			init: func(p, j int) float32 { return 0 },
 		}
@@ -1453,9 +1470,9 @@ func TestSetGroupTakesEffect(t *testing.T) {
 
 	sgdRates := []float64{0.25, 0.5, 0, 0.125} // group 1's rate per step; group 0 stays at 0.25
 	c := optCase{
-		cfg:   Config{Stage: 2, BucketBytes: 1024, Groups: []Optimizer{SGD{LR: 0.25}, SGD{LR: 0.25}}},
+		cfg:   Config{Stage: 2, BucketBytes: 1024, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.25), NewSGD(0.25)}}},
 		sizes: sizes, dt: FP32, backwards: 1, steps: len(sgdRates), grad: grad, init: init,
-		before: func(e *Engine, st int) error { return e.SetGroup(1, SGD{LR: sgdRates[st]}) },
+		before: func(e *Engine, st int) error { return e.SetGroup(1, NewSGD(sgdRates[st])) },
 	}
 	tr := runOpt(t, c)
 	for p, n := range sizes {
@@ -1472,9 +1489,9 @@ func TestSetGroupTakesEffect(t *testing.T) {
 		}
 	}
 
-	adam := []AdamW{{LR: 0.01}, {LR: 0.02, WeightDecay: 0.5}, {LR: 0}, {LR: 0.005, WeightDecay: 0.1}}
+	adam := []AdamW{NewAdamW(0.01), with(NewAdamW(0.02), func(o *AdamW) { o.WeightDecay = 0.5 }), NewAdamW(0), with(NewAdamW(0.005), func(o *AdamW) { o.WeightDecay = 0.1 })}
 	c = optCase{
-		cfg:   Config{Stage: 1, BucketBytes: 1024, Groups: []Optimizer{AdamW{LR: 0.01}, AdamW{LR: 0.01}}},
+		cfg:   Config{Stage: 1, BucketBytes: 1024, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.01), NewAdamW(0.01)}}},
 		sizes: sizes, dt: FP32, backwards: 1, steps: len(adam), grad: grad, init: init,
 		before: func(e *Engine, st int) error { return e.SetGroup(1, adam[st]) },
 	}
@@ -1484,7 +1501,7 @@ func TestSetGroupTakesEffect(t *testing.T) {
 			theta, m, v := float64(init(p, j)), 0.0, 0.0
 			for st, o := range adam {
 				if p == 0 {
-					o = AdamW{LR: 0.01}
+					o = NewAdamW(0.01)
 				}
 				ref := refAdamW{lr: o.LR, b1: 0.9, b2: 0.999, eps: 1e-8, wd: o.WeightDecay}
 				ref.step(&theta, &m, &v, mean(st, j), st+1)
@@ -1520,13 +1537,13 @@ func TestSGDMatchesTorch(t *testing.T) {
 	grad := func(st, k, rank, p, j int) float64 { return noise[st][rank][p][j] }
 	init := func(p, j int) float32 { return float32(j%9)/8 - 0.5 }
 	for _, o := range []SGD{
-		{LR: 0.1, Momentum: 0.9, Dampening: 0.5, WeightDecay: 0.01},
-		{LR: 0.1, Momentum: 0.9, WeightDecay: 0.01, Nesterov: true},
-		{LR: 0.05, Momentum: 0.5, Dampening: 1},
-		{LR: 0.1, WeightDecay: 0.1},
+		with(NewSGD(0.1), func(o *SGD) { o.Momentum, o.Dampening, o.WeightDecay = 0.9, 0.5, 0.01 }),
+		with(NewSGD(0.1), func(o *SGD) { o.Momentum, o.WeightDecay, o.Nesterov = 0.9, 0.01, true }),
+		with(NewSGD(0.05), func(o *SGD) { o.Momentum, o.Dampening = 0.5, 1 }),
+		with(NewSGD(0.1), func(o *SGD) { o.WeightDecay = 0.1 }),
 	} {
 		tr := runOpt(t, optCase{
-			cfg:   Config{Stage: 2, BucketBytes: 1024, Groups: []Optimizer{o}},
+			cfg:   Config{Stage: 2, BucketBytes: 1024, Optimizer: OptimizerPolicy{Groups: []Optimizer{o}}},
 			sizes: sizes, dt: FP32, backwards: 1, steps: steps, grad: grad, init: init,
 		})
 		for p, n := range sizes {
@@ -1559,7 +1576,7 @@ func TestSGDMatchesTorch(t *testing.T) {
 func TestMeanAfterASkippedStep(t *testing.T) {
 	params, _ := smallModel(FP32, 0.5)
 	for _, stage := range []int{1, 2} {
-		cfg := Config{Stage: stage, BucketBytes: 512, Groups: []Optimizer{SGD{LR: 0.01}}}
+		cfg := Config{Stage: stage, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.01)}}}
 		errs := onEngines(2, 20*time.Second, cfg, params, func(e *Engine, s *HostStream) error {
 			bad := constGrads(params[:3], 1)
 			if e.Rank() == 1 {
@@ -1605,7 +1622,7 @@ func TestStepCollectives(t *testing.T) {
 	for _, stage := range []int{1, 2} {
 		for _, dt := range []DType{FP32, BF16} {
 			params, _ := smallModel(dt, 0.5)
-			cfg := Config{Stage: stage, BucketBytes: 512, Groups: []Optimizer{AdamW{LR: 0.01}}}
+			cfg := Config{Stage: stage, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.01)}}}
 			errs := onEngines(2, 20*time.Second, cfg, params, func(e *Engine, s *HostStream) error {
 				g := make([]Tensor, 3)
 				for p := range g {

@@ -54,50 +54,6 @@ type ParamMemory struct {
 	Buffers         int // gather buffers allocated, in use or idle
 }
 
-// hasParamMemory reports whether the parameters were registered with memory
-// (Data or Init); checkParamMemory has made it all or none.
-func hasParamMemory(params []Param) bool {
-	for _, p := range params {
-		if !p.Frozen && p.Count > 0 && (p.Data.count > 0 || p.Init != nil) {
-			return true
-		}
-	}
-	return false
-}
-
-// checkParamMemory validates Data and Init: both at once, Init below stage
-// 3, or memory for some trained parameters and not for others, are errors.
-func checkParamMemory(params []Param, stage int, optimizer bool) error {
-	with, without := -1, -1
-	for i, p := range params {
-		if p.Init != nil && p.Data.count > 0 {
-			return errorf(ErrParam, "parameter %d (%q) has both Data and Init; give one", i, p.Name)
-		}
-		if p.Init != nil && stage != 3 {
-			return errorf(ErrParam, "parameter %d (%q) has Init at stage %d; a sharded build (Init) needs Stage 3, or give Data", i, p.Name, stage)
-		}
-		if p.Data.count > 0 && p.Data.count != p.Count {
-			return errorf(ErrParam, "parameter %d (%q) has Data of %d elements for a count of %d", i, p.Name, p.Data.count, p.Count)
-		}
-		if p.Data.count > 0 && p.Data.dtype != p.DType {
-			return errorf(ErrDType, "parameter %d (%q): Data is %v, the parameter %v", i, p.Name, p.Data.dtype, p.DType)
-		}
-		if p.Frozen || p.Count == 0 {
-			continue
-		}
-		if p.Data.count > 0 || p.Init != nil {
-			with = i
-		} else {
-			without = i
-		}
-	}
-	if without >= 0 && (with >= 0 || optimizer) {
-		p := params[without]
-		return errorf(ErrParam, "parameter %d (%q) has no memory (Data or Init) while others have, or an optimizer needs it; give every trained parameter its memory", without, p.Name)
-	}
-	return nil
-}
-
 // initParamShards fills the stage-3 parameter shard: from the parameters'
 // memory (rank 0's, unless NoBroadcast) and from the initialisers of a
 // sharded build, each called for this rank's ranges only.
@@ -105,8 +61,8 @@ func (e *Engine) initParamShards() error {
 	ps := &paramState{refs: make([]int, len(e.params)), buckets: make([]gathered, len(e.plan.Buckets))}
 	e.ps = ps
 	ps.pool = newBufferPool(e.dev, e.plan.dtype, &ps.mem)
-	ps.prefetchBytes = int64(e.cfg.PrefetchBytes)
-	ps.liveBytes = int64(e.cfg.LiveParamBytes)
+	ps.prefetchBytes = int64(e.cfg.Params.PrefetchBytes)
+	ps.liveBytes = int64(e.cfg.Params.LiveParamBytes)
 	var err error
 	if ps.shard, err = e.dev.Alloc(e.plan.ShardElems, e.plan.dtype); err != nil {
 		return err

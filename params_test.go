@@ -80,8 +80,7 @@ func trainZ3(t *testing.T, q *quadTask, r z3Run) z3Result {
 			}
 			off += size
 		}
-		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Groups: []Optimizer{AdamW{LR: 0.01, WeightDecay: 0.01}},
-			PrefetchBytes: r.prefetch, LiveParamBytes: r.live, Overlap: r.overlap, Clip: r.clip, LossScale: r.lossScale, Offload: r.offload}
+		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Precision: PrecisionPolicy{LossScale: r.lossScale}, Optimizer: OptimizerPolicy{Groups: []Optimizer{with(NewAdamW(0.01), func(o *AdamW) { o.WeightDecay = 0.01 })}, Clip: r.clip}, Params: ParamPolicy{PrefetchBytes: r.prefetch, LiveParamBytes: r.live}, Offload: OffloadPolicy{Optimizer: r.offload}}
 		e, err := New(cfg, comms[rank], ps)
 		if err != nil {
 			return err
@@ -364,7 +363,7 @@ func TestStage3Errors(t *testing.T) {
 		defer comms[rank].Close()
 		s := NewHostStream() // each rank its own: a shared stream would serialize the ranks' collectives
 		defer s.Close()
-		e, err := New(Config{Stage: 3, BucketBytes: 1024, Groups: []Optimizer{SGD{LR: 0.1}}}, comms[rank], mk())
+		e, err := New(Config{Stage: 3, BucketBytes: 1024, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.1)}}}, comms[rank], mk())
 		if err != nil {
 			return err
 		}
@@ -420,7 +419,7 @@ func TestStage3CloseFreesEverything(t *testing.T) {
 	defer dev.release()
 	comms, _ := NewLocalGroup(1)
 	ps := []Param{{Count: 300, DType: FP32, Data: Float32s(make([]float32, 300))}, {Count: 300, DType: FP32, Data: Float32s(make([]float32, 300))}}
-	e, err := New(Config{Stage: 3, BucketBytes: 1024, Groups: []Optimizer{AdamW{LR: 0.1}}}, onDevice{comms[0], dev}, ps)
+	e, err := New(Config{Stage: 3, BucketBytes: 1024, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.1)}}}, onDevice{comms[0], dev}, ps)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -471,7 +470,7 @@ func TestStage3ReleaseWaitsForTheUser(t *testing.T) {
 		ones[i], twos[i] = 1, 2
 	}
 	ps := []Param{{Name: "a", Count: 256, DType: FP32, Data: Float32s(ones)}, {Name: "b", Count: 256, DType: FP32, Data: Float32s(twos)}}
-	e, err := New(Config{Stage: 3, BucketBytes: 1024, PrefetchBytes: -1}, comms[0], ps)
+	e, err := New(Config{Stage: 3, BucketBytes: 1024, Params: ParamPolicy{PrefetchBytes: -1}}, comms[0], ps)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -613,7 +612,7 @@ func allEqual(x []float32, want float32) error {
 // stream and asked for again from another, while its all-gather has not
 // landed, makes the second stream wait for it too.
 func TestStage3SecondStreamWaitsForTheGather(t *testing.T) {
-	e, _ := stage3Engine(t, 2, Config{PrefetchBytes: -1})
+	e, _ := stage3Engine(t, 2, Config{Params: ParamPolicy{PrefetchBytes: -1}})
 	defer e.Close()
 	open := holdGathers(t, e)
 	defer open()
@@ -650,7 +649,7 @@ func TestStage3SecondStreamWaitsForTheGather(t *testing.T) {
 // waits for the window's gathers, which read it: a forward's view holds the
 // parameters from before the step even when the gather ran late.
 func TestStage3StepWaitsForTheGathers(t *testing.T) {
-	e, ps := stage3Engine(t, 2, Config{PrefetchBytes: -1, Groups: []Optimizer{SGD{LR: 0.5}}})
+	e, ps := stage3Engine(t, 2, Config{Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.5)}}, Params: ParamPolicy{PrefetchBytes: -1}})
 	defer e.Close()
 	open := holdGathers(t, e)
 	defer open() // before Close, which waits for the engine's streams
@@ -696,7 +695,7 @@ func TestStage3StepWaitsForTheGathers(t *testing.T) {
 // it is dropped as any other (gathers the framework asks for always run).
 func TestStage3LiveParamBytes(t *testing.T) {
 	const size = 1024 // one bucket's buffer
-	e, ps := stage3Engine(t, 3, Config{PrefetchBytes: 4 * size, LiveParamBytes: size})
+	e, ps := stage3Engine(t, 3, Config{Params: ParamPolicy{PrefetchBytes: 4 * size, LiveParamBytes: size}})
 	defer e.Close()
 	s := NewHostStream()
 	defer s.Close()
@@ -736,7 +735,7 @@ func TestStage3LiveParamBytes(t *testing.T) {
 // less than the order wastes what was prefetched for it, and one that asks
 // in another order misses.
 func TestStage3PrefetchStats(t *testing.T) {
-	e, ps := stage3Engine(t, 4, Config{PrefetchBytes: 1024})
+	e, ps := stage3Engine(t, 4, Config{Params: ParamPolicy{PrefetchBytes: 1024}})
 	defer e.Close()
 	s := NewHostStream()
 	defer s.Close()
@@ -778,7 +777,7 @@ func TestStage3PrefetchStats(t *testing.T) {
 // two) stays gathered until its last reference is released, and each
 // reference is released once.
 func TestStage3RepeatedGathers(t *testing.T) {
-	e, ps := stage3Engine(t, 2, Config{PrefetchBytes: -1})
+	e, ps := stage3Engine(t, 2, Config{Params: ParamPolicy{PrefetchBytes: -1}})
 	defer e.Close()
 	s := NewHostStream()
 	defer s.Close()

@@ -118,7 +118,7 @@ func TestWindowErrors(t *testing.T) {
 			// A fixed G: one backward of two is refused, the window is kept,
 			// and after the second the mean is over both.
 			fixed := cfg
-			fixed.GradAccumSteps = 2
+			fixed.Grads.AccumSteps = 2
 			var short [2]error
 			errs = onEngines(2, 20*time.Second, fixed, params, func(e *Engine, s *HostStream) error {
 				if err := backward(e, s, ones); err != nil {
@@ -242,7 +242,7 @@ func TestReductionErrorReachesCaller(t *testing.T) {
 		for _, c := range []struct{ overlap, offload bool }{{false, false}, {true, false}, {true, true}} {
 			what := fmt.Sprintf("stage %d overlap=%v offload=%v", stage, c.overlap, c.offload)
 			comms, _ := NewLocalGroup(1)
-			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: c.overlap, Offload: c.offload}, faultyComm{comms[0], boom}, params)
+			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: c.overlap, Offload: OffloadPolicy{Optimizer: c.offload}}, faultyComm{comms[0], boom}, params)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -274,7 +274,7 @@ func TestReductionErrorReachesCaller(t *testing.T) {
 			what := fmt.Sprintf("optimizer, stage %d overlap=%v offload=%v", stage, c.overlap, c.offload)
 			comms, _ := NewLocalGroup(1)
 			ps, bufs := smallModel(FP32, 0.5)
-			e, err := New(Config{Stage: stage, BucketBytes: 512, Overlap: c.overlap, Offload: c.offload, Groups: []Optimizer{AdamW{LR: 0.1}}}, faultyComm{comms[0], boom}, ps)
+			e, err := New(Config{Stage: stage, BucketBytes: 512, Overlap: c.overlap, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.1)}}, Offload: OffloadPolicy{Optimizer: c.offload}}, faultyComm{comms[0], boom}, ps)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -347,6 +347,7 @@ type countingDevice struct {
 	mu     sync.Mutex
 	live   map[uintptr]int
 	frees  atomic.Int32
+	allocs atomic.Int32 // allocations ever made
 	freed  []Tensor
 	onFree func(Tensor)
 }
@@ -357,6 +358,7 @@ func newCountingDevice() *countingDevice {
 
 func (d *countingDevice) Alloc(n int, dt DType) (Tensor, error) {
 	t, err := d.Device.Alloc(n, dt)
+	d.allocs.Add(1)
 	if err == nil && t.ptr != 0 {
 		d.mu.Lock()
 		d.live[t.ptr] = t.Bytes()

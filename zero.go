@@ -3,211 +3,9 @@ package zero
 import (
 	"errors"
 	"fmt"
-	"math"
 	"slices"
 	"time"
 )
-
-// Config sets up an Engine. DefaultConfig gives working values; fields
-// left at zero take the default named beside them, except Stage and
-// BucketBytes, which must be set.
-type Config struct {
-	Stage       int // 1, 2 or 3
-	BucketBytes int // bytes of model-dtype gradient per bucket
-	// Overlap reduces on the engine's own stream with double-buffered
-	// buckets, so the next bucket fills while the last one is reduced.
-	// Without it, reductions run in order on the caller's stream.
-	Overlap bool
-	// CommDType is the dtype on the wire: the model dtype (default) or FP32.
-	CommDType DType
-	// Reduction is what Step leaves in the shard: the mean over ranks and
-	// backwards (default) or their sum.
-	Reduction Reduction
-	// PredivideFactor f scales by 1/f before the sum across ranks and by
-	// f/W after it (default 1): a guard against overflow on the wire.
-	PredivideFactor float64
-	// GradAccumSteps fixes the number of backwards G between Steps; a Step
-	// after any other number is an error. 0 (default) takes G from the
-	// backwards actually taken.
-	GradAccumSteps int
-	// StagingBuffers is the initial size of the bucket buffer pool (default 2).
-	StagingBuffers int
-	// Align is the shard granularity in elements (default 64).
-	Align int
-
-	// Groups are the optimizer of each parameter group (Param.Group indexes
-	// them), all AdamW or all SGD. With Groups, Step runs the optimizer on
-	// the fp32 master shard and writes the new parameters into their
-	// memory; without, Step only reduces, for callers with their own
-	// optimizer. SetGroup changes a group between steps.
-	Groups []Optimizer
-	// Clip is the largest global gradient norm (0: no clipping): the
-	// gradient is scaled by 1/max(1, norm/Clip).
-	Clip float64
-	// LossScale is the loss scaling (dynamic for fp16 by default).
-	LossScale LossScale
-	// KeepNonFinite steps even when a gradient is inf or NaN with fp32 or
-	// bf16 gradients (by default such a step is skipped; fp16 always skips).
-	KeepNonFinite bool
-	// NoBroadcast keeps each rank's own parameters at New instead of
-	// copying rank 0's to every rank first.
-	NoBroadcast bool
-
-	// Stage 3: PrefetchBytes is how far ahead of the framework's gathers the
-	// engine gathers, in the order of the last window (default BucketBytes;
-	// negative: no prefetch). LiveParamBytes caps the gathered bytes that
-	// prefetching may reach (0: no cap); gathers the framework asks for
-	// always run.
-	PrefetchBytes  int
-	LiveParamBytes int // see PrefetchBytes
-
-	// CoalesceBudgetBytes caps the local fp32 accumulators of a coalesced
-	// window or NoSync (0: every bucket is local): only the buckets that
-	// backward produces last are local, as many as fit; the others are
-	// reduced every backward as usual.
-	CoalesceBudgetBytes int
-	// WindowDType is the dtype of a window's local sums: FP32 (default) or
-	// the model dtype, half the memory for bf16 and fp16, each backward's
-	// sum rounded to it as a framework's .grad is (DeepSpeed's choice).
-	// ZeRO-1's own local sums stay fp32.
-	WindowDType DType
-
-	// Offload keeps the fp32 gradient shard, the fp32 master weights and
-	// the optimizer state in page-locked host memory: each reduced shard is
-	// copied to the host as its reduction finishes and summed there, the
-	// optimizer runs on the host, and the new parameters are copied back.
-	// On the CPU device the same buffers and copies run in RAM.
-	Offload bool
-}
-
-// Reduction says how Step combines the gradients of a window.
-type Reduction int
-
-const (
-	// Mean leaves (1/(W·G)) Σ_ranks Σ_backwards grad: the mean over the W
-	// ranks and the G backwards of the window.
-	Mean Reduction = iota
-	// Sum leaves Σ_ranks Σ_backwards grad, for callers that scale the loss
-	// themselves.
-	Sum
-)
-
-// String names the reduction as "mean" or "sum".
-func (r Reduction) String() string {
-	switch r {
-	case Mean:
-		return "mean"
-	case Sum:
-		return "sum"
-	}
-	return fmt.Sprintf("Reduction(%d)", int(r))
-}
-
-// DefaultConfig is ZeRO-2 with overlap and 32 MiB buckets.
-func DefaultConfig() Config {
-	return Config{Stage: 2, BucketBytes: 32 << 20, Overlap: true}
-}
-
-// Param describes a parameter at registration.
-type Param struct {
-	Name  string // for error messages
-	Count int    // elements; 0 is allowed (the parameter gets no bucket)
-	DType DType  // the gradient's dtype: one for all parameters of an engine
-	// Data is the parameter's memory (the framework's tensor, on the
-	// engine's device), read at New and written by each Step that runs an
-	// optimizer. Optional without one.
-	Data Tensor
-	// Group is the parameter's optimizer group, an index into Config.Groups.
-	Group int
-	// Frozen parameters get no gradient, no bucket and no update.
-	Frozen bool
-	// Init builds a stage-3 model sharded (instead of Data): New calls it
-	// for this rank's part of the parameter only, to fill dst with elements
-	// [offset, offset+len(dst)), so the full parameter never exists on any
-	// rank. It must give every rank the same values for an element (seed by
-	// position, not by rank).
-	Init func(dst []float32, offset int) error
-}
-
-// resolve checks the config and fills in its defaults; model is the
-// gradients' dtype.
-func (c *Config) resolve(model DType) error {
-	if c.Stage < 1 || c.Stage > 3 {
-		return errorf(ErrConfig, "Stage %d; set Stage to 1, 2 or 3", c.Stage)
-	}
-	if c.BucketBytes <= 0 {
-		return errorf(ErrConfig, "BucketBytes %d; set a positive bucket size, e.g. 32<<20", c.BucketBytes)
-	}
-	if c.Reduction != Mean && c.Reduction != Sum {
-		return errorf(ErrConfig, "Reduction %v; use Mean or Sum", c.Reduction)
-	}
-	if c.PredivideFactor == 0 {
-		c.PredivideFactor = 1
-	}
-	if !(c.PredivideFactor > 0) || math.IsInf(c.PredivideFactor, 0) {
-		return errorf(ErrConfig, "PredivideFactor %v; set a finite factor > 0 (1 = no pre-division)", c.PredivideFactor)
-	}
-	if c.GradAccumSteps < 0 {
-		return errorf(ErrConfig, "GradAccumSteps %d; set it to 1 or more, or 0 to count the backwards taken", c.GradAccumSteps)
-	}
-	if c.StagingBuffers == 0 {
-		c.StagingBuffers = 2
-	}
-	if c.StagingBuffers < 0 {
-		return errorf(ErrConfig, "StagingBuffers %d; set it to 1 or more", c.StagingBuffers)
-	}
-	if c.Align == 0 {
-		c.Align = 64
-	}
-	if c.Align < 0 {
-		return errorf(ErrConfig, "Align %d; set a positive element count", c.Align)
-	}
-	if c.PrefetchBytes == 0 {
-		c.PrefetchBytes = c.BucketBytes
-	}
-	if c.WindowDType == 0 {
-		c.WindowDType = FP32
-	}
-	if c.WindowDType != FP32 && c.WindowDType != model {
-		return errorf(ErrConfig, "WindowDType %v; use FP32 or the model dtype %v", c.WindowDType, model)
-	}
-	if c.CoalesceBudgetBytes < 0 {
-		return errorf(ErrConfig, "CoalesceBudgetBytes %d; set a byte budget for a window's local sums, or 0 for none", c.CoalesceBudgetBytes)
-	}
-	if c.LiveParamBytes < 0 {
-		return errorf(ErrConfig, "LiveParamBytes %d; set a byte budget for gathered parameters, or 0 for none", c.LiveParamBytes)
-	}
-	if c.CommDType == 0 {
-		c.CommDType = model
-	}
-	if c.CommDType != model && c.CommDType != FP32 {
-		return errorf(ErrConfig, "CommDType %v with %v gradients; use the model dtype or FP32", c.CommDType, model)
-	}
-	if !(c.Clip >= 0) || math.IsInf(c.Clip, 0) {
-		return errorf(ErrConfig, "Clip %v; use a finite norm > 0, or 0 for no clipping", c.Clip)
-	}
-	return nil
-}
-
-// checkParams checks the parameter list and returns the model dtype.
-func checkParams(params []Param) (DType, error) {
-	if len(params) == 0 {
-		return 0, errorf(ErrParam, "no parameters; register at least one")
-	}
-	model := params[0].DType
-	for i, p := range params {
-		if p.Count < 0 {
-			return 0, errorf(ErrParam, "parameter %d (%q) has count %d; counts must be ≥ 0", i, p.Name, p.Count)
-		}
-		if !p.DType.valid() {
-			return 0, errorf(ErrDType, "parameter %d (%q) has dtype %v; use FP32, BF16 or FP16", i, p.Name, p.DType)
-		}
-		if p.DType != model {
-			return 0, errorf(ErrDType, "parameter %d (%q) is %v but parameter 0 is %v; register one dtype per engine", i, p.Name, p.DType, model)
-		}
-	}
-	return model, nil
-}
 
 // Engine is one rank's ZeRO engine. Its methods are called from the rank's
 // own goroutine; the engine is not safe for concurrent use.
@@ -237,7 +35,7 @@ type Engine struct {
 	off        *offloadPath // nil without Config.Offload
 	ps         *paramState  // stage 3 with parameter memory: the parameter shards
 	co         coalesceState
-	windowBase int    // where the used flags start in Step's first all-reduce
+	slots      windowSlots // where Step's first all-reduce carries what
 	usedWindow []bool // per parameter: reported in this window, on this rank
 
 	// backward state
@@ -259,8 +57,10 @@ type Engine struct {
 var stageModes = [...]bucketMode{1: local, 2: streamed, 3: streamed}
 
 // New builds the partition plan and the engine for comm's rank. Every rank
-// calls it with the same config and parameters; plans that differ between
-// ranks are an error on every rank.
+// calls it with the same config and parameters. Every check runs before
+// any collective or allocation; then ranks compare their settings (all but
+// the rank-local ones) and parameters, and a difference is ErrPlanMismatch
+// on every rank, naming the setting and both values.
 func New(cfg Config, comm Comm, params []Param) (*Engine, error) {
 	if comm == nil {
 		return nil, errorf(ErrConfig, "nil Comm; pass one from NewLocalGroup or NewNCCL")
@@ -268,17 +68,7 @@ func New(cfg Config, comm Comm, params []Param) (*Engine, error) {
 	if comm.Size() < 1 {
 		return nil, errorf(ErrConfig, "world size %d; a group needs at least one rank", comm.Size())
 	}
-	model, err := checkParams(params)
-	if err != nil {
-		return nil, err
-	}
-	if err := cfg.resolve(model); err != nil {
-		return nil, err
-	}
-	if err := checkGroups(cfg.Groups, params); err != nil {
-		return nil, err
-	}
-	if err := checkParamMemory(params, cfg.Stage, len(cfg.Groups) > 0); err != nil {
+	if _, err := cfg.resolve(params); err != nil {
 		return nil, err
 	}
 	e := &Engine{cfg: cfg, comm: comm, dev: comm.Device(), params: append([]Param(nil), params...), rank: comm.Rank(), world: comm.Size()}
@@ -297,23 +87,23 @@ func (e *Engine) init() error {
 			return err
 		}
 	}
-	if err := e.checkPlan(); err != nil {
+	if err := checkSettings(e.dev, e.comm, e.reduceStream, settingsRecord(e.cfg, e.params, e.world)); err != nil {
 		return err
 	}
-	if e.cfg.Offload {
+	if e.cfg.Offload.Optimizer {
 		maxShard := 0
 		for _, b := range e.plan.Buckets {
 			maxShard = max(maxShard, b.Shard)
 		}
 		var err error
-		if e.off, err = newOffloadPath(e.dev, e.copyStream, e.cfg.CommDType, maxShard, e.cfg.StagingBuffers); err != nil {
+		if e.off, err = newOffloadPath(e.dev, e.copyStream, e.cfg.Precision.CommDType, maxShard, e.cfg.StagingBuffers); err != nil {
 			return err
 		}
 	}
 	spec := pipelineSpec{
-		rank: e.rank, world: e.world, commDType: e.cfg.CommDType, overlap: e.cfg.Overlap,
-		staging: e.cfg.StagingBuffers, modes: make([]bucketMode, len(e.plan.Buckets)), windowDType: e.cfg.WindowDType,
-		prescale: float32(1 / e.cfg.PredivideFactor), reduceOp: OpSum, postscale: float32(e.cfg.PredivideFactor),
+		rank: e.rank, world: e.world, commDType: e.cfg.Precision.CommDType, overlap: e.cfg.Overlap,
+		staging: e.cfg.StagingBuffers, modes: make([]bucketMode, len(e.plan.Buckets)), windowDType: e.cfg.Window.DType,
+		prescale: float32(1 / e.cfg.Grads.PredivideFactor), reduceOp: OpSum, postscale: float32(e.cfg.Grads.PredivideFactor),
 	}
 	for b := range spec.modes {
 		spec.modes[b] = stageModes[e.cfg.Stage]
@@ -322,30 +112,31 @@ func (e *Engine) init() error {
 	// W is exact, a power of two: the same bits as a sum scaled afterwards,
 	// and no overflow of a half-precision sum on the wire. Elsewhere it goes
 	// into the accumulate's post-scale. The 1/G is known only at Step.
-	if e.cfg.Reduction == Mean {
-		spec.postscale = float32(e.cfg.PredivideFactor / float64(e.world))
+	if e.cfg.Grads.Reduction == Mean {
+		spec.postscale = float32(e.cfg.Grads.PredivideFactor / float64(e.world))
 		if e.world&(e.world-1) == 0 {
-			spec.reduceOp, spec.postscale = OpAvg, float32(e.cfg.PredivideFactor)
+			spec.reduceOp, spec.postscale = OpAvg, float32(e.cfg.Grads.PredivideFactor)
 		}
 	}
 	var err error
 	if e.pl, err = newPipeline(spec, e.plan, e.dev, e.comm, e.reduceStream, e.off); err != nil {
 		return err
 	}
-	// Step's first collective carries, after (G, −G), whether each
-	// parameter was reported on any rank (the optimizer skips the others).
+	// Step's first collective: (G, −G); at stage 3 with parameter shards the
+	// references still gathered; with an optimizer the groups' digest and
+	// its negation (equal maxima: every rank has the same groups), then
+	// whether each parameter was reported on any rank (the optimizer skips
+	// the others).
 	e.usedWindow = make([]bool, len(e.params))
-	flags := 0
-	if len(e.cfg.Groups) > 0 {
-		flags = len(e.params)
-	}
-	// (G, −G), then at stage 3 with parameter shards the references still
-	// gathered, then the used flags.
-	e.windowBase = 2
+	at := 2
+	e.slots = windowSlots{refs: -1, digest: -1, used: -1}
 	if e.cfg.Stage == 3 && hasParamMemory(e.params) {
-		e.windowBase = 3
+		e.slots.refs, at = at, at+1
 	}
-	if e.window, err = e.dev.Alloc(e.windowBase+flags, FP32); err != nil {
+	if len(e.cfg.Optimizer.Groups) > 0 {
+		e.slots.digest, e.slots.used, at = at, at+2*digestWords, at+2*digestWords+len(e.params)
+	}
+	if e.window, err = e.dev.Alloc(at, FP32); err != nil {
 		return err
 	}
 	if e.cfg.Stage == 3 && hasParamMemory(e.params) {
@@ -353,47 +144,8 @@ func (e *Engine) init() error {
 			return err
 		}
 	}
-	if len(e.cfg.Groups) > 0 {
+	if len(e.cfg.Optimizer.Groups) > 0 {
 		return e.initOptimizer()
-	}
-	return nil
-}
-
-// checkPlan all-gathers a hash of the plan and of every setting that
-// changes the collectives or the arithmetic, so ranks that registered
-// different parameters or settings fail here instead of hanging later.
-func (e *Engine) checkPlan() error {
-	h := newHasher()
-	for _, v := range []int64{int64(e.plan.Fingerprint()), int64(e.world), int64(e.cfg.Align), int64(e.cfg.Stage), int64(e.cfg.BucketBytes),
-		int64(e.cfg.Reduction), int64(e.cfg.CommDType), int64(e.cfg.GradAccumSteps), int64(math.Float64bits(e.cfg.PredivideFactor))} {
-		h.put(v)
-	}
-	mine := h.sum()
-	words := []float32{math.Float32frombits(uint32(mine)), math.Float32frombits(uint32(mine >> 32))}
-	all, err := e.dev.Alloc(2*e.world, FP32)
-	if err != nil {
-		return err
-	}
-	defer e.dev.Free(all)
-	got := make([]float32, 2*e.world)
-	s := e.reduceStream
-	if err := e.dev.copy(s, all.slice(2*e.rank, 2), Float32s(words)); err != nil {
-		return err
-	}
-	if err := e.comm.AllGather(s, all.slice(2*e.rank, 2), all); err != nil {
-		return err
-	}
-	if err := e.dev.copy(s, Float32s(got), all); err != nil {
-		return err
-	}
-	if err := s.Sync(); err != nil {
-		return err
-	}
-	for r := range e.world {
-		other := uint64(math.Float32bits(got[2*r])) | uint64(math.Float32bits(got[2*r+1]))<<32
-		if other != mine {
-			return errorf(ErrPlanMismatch, "rank %d has plan %016x, rank %d has %016x; register the same parameters (count, dtype, order) with the same Stage, BucketBytes, CommDType, Reduction, PredivideFactor, GradAccumSteps and Align on every rank", e.rank, mine, r, other)
-		}
 	}
 	return nil
 }
@@ -561,6 +313,9 @@ func (e *Engine) checkGrads(params []int, grads []Tensor, stream Stream) (err er
 			return errorf(ErrParam, "GradReady: parameter %d; registered parameters are 0..%d", param, len(e.params)-1)
 		}
 		p, grad := e.params[param], grads[i]
+		if err := grad.check(fmt.Sprintf("GradReady(%d %q): the gradient", param, p.Name)); err != nil {
+			return err
+		}
 		if grad.dtype != p.DType {
 			return errorf(ErrDType, "GradReady(%d %q): gradient is %v, parameter is %v; pass the gradient in the parameter's dtype", param, p.Name, grad.dtype, p.DType)
 		}
@@ -668,7 +423,7 @@ func (e *Engine) Step() error {
 		}
 	}
 	readScale := float32(1)
-	if e.cfg.Reduction == Mean {
+	if e.cfg.Grads.Reduction == Mean {
 		readScale = float32(1 / float64(g))
 	}
 	res := stepResult{scale: 1}
@@ -739,20 +494,39 @@ func (e *Engine) Step() error {
 	return nil
 }
 
+// windowSlots places the parts of Step's first all-reduce after (G, −G);
+// −1 where absent.
+type windowSlots struct {
+	refs   int // stage 3: parameter references still gathered
+	digest int // the optimizer groups' digest, then its negation
+	used   int // per parameter: reported on this rank in the window
+}
+
+// digestWords is how many 16-bit pieces of a digest the all-reduce
+// carries: each an integer that fp32 holds exactly.
+const digestWords = 3
+
 // agreeOnWindow max-all-reduces (G, −G) so every rank learns the largest
 // and smallest number of backwards taken since the last Step, and every
-// rank refuses the same windows: none taken, ranks that differ, or a G
-// other than GradAccumSteps.
+// rank refuses the same windows: none taken, ranks that differ, a G other
+// than Grads.AccumSteps, parameters still gathered, or optimizer groups
+// that differ after SetGroup.
 func (e *Engine) agreeOnWindow() (int, []bool, error) {
 	n := float32(e.backwards)
 	buf := make([]float32, e.window.count)
 	buf[0], buf[1] = n, -n
-	if e.windowBase > 2 {
-		buf[2] = float32(e.stillGathered())
+	if e.slots.refs >= 0 {
+		buf[e.slots.refs] = float32(e.stillGathered())
+	}
+	if e.slots.digest >= 0 {
+		for i := range digestWords {
+			w := float32(e.opt.groupsDigest >> (16 * i) & 0xffff)
+			buf[e.slots.digest+i], buf[e.slots.digest+digestWords+i] = w, -w
+		}
 	}
 	for p, used := range e.usedWindow {
-		if used && e.windowBase+p < len(buf) {
-			buf[e.windowBase+p] = 1
+		if used && e.slots.used >= 0 {
+			buf[e.slots.used+p] = 1
 		}
 	}
 	s := e.reduceStream
@@ -769,22 +543,44 @@ func (e *Engine) agreeOnWindow() (int, []bool, error) {
 	if err := s.Sync(); err != nil {
 		return 0, nil, e.fail(err)
 	}
+	groupsDiffer := false
+	for i := 0; e.slots.digest >= 0 && i < digestWords; i++ {
+		groupsDiffer = groupsDiffer || buf[e.slots.digest+i] != -buf[e.slots.digest+digestWords+i]
+	}
 	most, least := int(buf[0]), int(-buf[1])
 	switch {
-	case e.windowBase > 2 && buf[2] > 0:
-		return 0, nil, errorf(ErrProtocol, "Step with parameters still gathered (%d references on some rank, %d here); Release what Gather returned first", int(buf[2]), e.stillGathered())
+	case groupsDiffer: // every rank sees it: every rank takes part in naming it
+		records, err := allGatherBytes(e.dev, e.comm, s, encodeRecord(groupsRecord(e.opt.groups), ""))
+		if err != nil {
+			return 0, nil, e.fail(err)
+		}
+		return 0, nil, settingsError(records, "Step after SetGroup")
+	case e.slots.refs >= 0 && buf[e.slots.refs] > 0:
+		return 0, nil, errorf(ErrProtocol, "Step with parameters still gathered (%d references on some rank, %d here); Release what Gather returned first", int(buf[e.slots.refs]), e.stillGathered())
 	case most != least:
 		return 0, nil, errorf(ErrMismatch, "Step: ranks took between %d and %d backwards since the last Step (this rank %d); every rank must take the same number", least, most, e.backwards)
 	case most == 0:
 		return 0, nil, errorf(ErrProtocol, "Step with no backward since the last Step; report gradients and call EndBackward first")
-	case e.cfg.GradAccumSteps > 0 && most != e.cfg.GradAccumSteps:
-		return 0, nil, errorf(ErrProtocol, "Step after %d backwards with GradAccumSteps %d; take %d backwards per step, or leave GradAccumSteps at 0 to divide by the backwards taken", most, e.cfg.GradAccumSteps, e.cfg.GradAccumSteps)
+	case e.cfg.Grads.AccumSteps > 0 && most != e.cfg.Grads.AccumSteps:
+		return 0, nil, errorf(ErrProtocol, "Step after %d backwards with Grads.AccumSteps %d; take %d backwards per step, or leave AccumSteps at 0 to divide by the backwards taken", most, e.cfg.Grads.AccumSteps, e.cfg.Grads.AccumSteps)
 	}
 	used := make([]bool, len(e.params))
 	for p := range used {
-		used[p] = e.windowBase+p >= len(buf) || buf[e.windowBase+p] != 0
+		used[p] = e.slots.used < 0 || buf[e.slots.used+p] != 0
 	}
 	return most, used, nil
+}
+
+// Settings returns the engine's settings record: every setting of its
+// resolved Config (the optimizer groups as SetGroup left them), the world
+// size and the parameters, each with its class. New compared all but the
+// rank-local ones across ranks.
+func (e *Engine) Settings() []Setting {
+	cfg := e.cfg
+	if e.opt != nil {
+		cfg.Optimizer.Groups = e.opt.groups
+	}
+	return settingsRecord(cfg, e.params, e.world)
 }
 
 // Stats describes one step.

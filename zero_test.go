@@ -139,8 +139,7 @@ func runEngine(t testing.TB, r runSpec, params []Param, data workload, seed int6
 // runRanks runs run on every rank with r's config and fails t on an error.
 func runRanks(t testing.TB, r runSpec, run func(cfg Config, rank int, out *rankResult) error) []rankResult {
 	t.Helper()
-	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, CommDType: r.comm, PredivideFactor: r.predivide, GradAccumSteps: r.accum, Reduction: r.reduction,
-		CoalesceBudgetBytes: r.budget, WindowDType: r.windowDType, Offload: r.offload}
+	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Precision: PrecisionPolicy{CommDType: r.comm}, Grads: GradPolicy{PredivideFactor: r.predivide, AccumSteps: r.accum, Reduction: r.reduction}, Window: WindowPolicy{BudgetBytes: r.budget, DType: r.windowDType}, Offload: OffloadPolicy{Optimizer: r.offload}}
 	results := make([]rankResult, r.world)
 	for rank, err := range eachRank(r.world, func(rank int) error { return run(cfg, rank, &results[rank]) }) {
 		if err != nil {
@@ -832,9 +831,9 @@ func TestRandomProtocol(t *testing.T) {
 		world := 1 + rng.Intn(4)
 		d := []DType{FP32, BF16, FP16}[rng.Intn(3)]
 		params := testParams(d)
-		cfg := Config{Stage: 1 + rng.Intn(3), BucketBytes: []int{200, 1000, 1 << 20}[rng.Intn(3)], Overlap: rng.Intn(2) == 0, PredivideFactor: float64(1 + rng.Intn(world)), Reduction: Reduction(rng.Intn(2))}
+		cfg := Config{Stage: 1 + rng.Intn(3), BucketBytes: []int{200, 1000, 1 << 20}[rng.Intn(3)], Overlap: rng.Intn(2) == 0, Grads: GradPolicy{PredivideFactor: float64(1 + rng.Intn(world)), Reduction: Reduction(rng.Intn(2))}}
 		if rng.Intn(2) == 0 {
-			cfg.GradAccumSteps = 1 + rng.Intn(3) // fixed: every step takes that many
+			cfg.Grads.AccumSteps = 1 + rng.Intn(3) // fixed: every step takes that many
 		}
 		steps := 1 + rng.Intn(3)
 		// plan[step][backward][rank][param]: reported or not
@@ -846,7 +845,7 @@ func TestRandomProtocol(t *testing.T) {
 		r := runSpec{stage: cfg.Stage, world: world, dtype: d, steps: steps, backwards: 3}
 		data := makeWorkload(rng, r, params)
 		for s := range sessions {
-			g := cfg.GradAccumSteps
+			g := cfg.Grads.AccumSteps
 			if g == 0 {
 				g = 1 + rng.Intn(3)
 			}
@@ -920,7 +919,7 @@ func TestRandomProtocol(t *testing.T) {
 						}
 					}
 					div := float64(world * len(sess))
-					if cfg.Reduction == Sum {
+					if cfg.Grads.Reduction == Sum {
 						div = 1
 					}
 					want, tol := sum/div, rtol*mag/div+float64(world)*math.Ldexp(1, -24)
@@ -1003,7 +1002,7 @@ func TestReductionsOfABucketInOrder(t *testing.T) {
 			for _, boundary := range []bool{false, true} {
 				comms, _ := NewLocalGroup(1)
 				params := []Param{{Name: "w", Count: 256, DType: FP32}}
-				e, err := New(Config{Stage: stage, BucketBytes: 1 << 20, Overlap: overlap, GradAccumSteps: 2}, comms[0], params)
+				e, err := New(Config{Stage: stage, BucketBytes: 1 << 20, Overlap: overlap, Grads: GradPolicy{AccumSteps: 2}}, comms[0], params)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -1045,4 +1044,11 @@ func TestReductionsOfABucketInOrder(t *testing.T) {
 			}
 		}
 	}
+}
+
+// with is v changed by edit: an optimizer made by its constructor with
+// some fields set, in one expression.
+func with[T any](v T, edit func(*T)) T {
+	edit(&v)
+	return v
 }

@@ -217,7 +217,7 @@ func runRow(o options, m *model, stage int, mode string, n int) (Row, error) {
 		cfg.BucketBytes = m.layerBytes()
 	}
 	if mode == coalesceBudget {
-		cfg.CoalesceBudgetBytes = int(2 * m.count) // half the fp32 gradient
+		cfg.Window.BudgetBytes = int(2 * m.count) // half the fp32 gradient
 	}
 	comms, err := zero.NewLocalGroup(o.world)
 	if err != nil {
@@ -253,7 +253,7 @@ func runRow(o options, m *model, stage int, mode string, n int) (Row, error) {
 		GradPayloadBytes:   c[zero.KindReduceScatter].PayloadBytes + c[zero.KindAllReduce].PayloadBytes,
 		GradWireBytes:      c[zero.KindReduceScatter].WireBytes + c[zero.KindAllReduce].WireBytes,
 		GatherPayloadBytes: c[zero.KindAllGather].PayloadBytes, GatherWireBytes: c[zero.KindAllGather].WireBytes,
-		Buckets: len(outs[0].plan.Buckets), LocalBuckets: localBuckets(outs[0].plan, cfg.CoalesceBudgetBytes),
+		Buckets: len(outs[0].plan.Buckets), LocalBuckets: localBuckets(outs[0].plan, cfg.Window.BudgetBytes),
 		MaxErr: maxError(m, outs[0].full, o.world, n, o.rounds),
 		World:  o.world, Params: m.count, Steps: o.steps,
 	}
@@ -292,7 +292,7 @@ func runRank(o options, m *model, cfg zero.Config, comm zero.Comm, mode string, 
 		for i := range params {
 			params[i].Data = zero.Halfs(m.weights[i], zero.BF16)
 		}
-		cfg.NoBroadcast = true
+		cfg.Params.NoBroadcast = true
 	}
 	e, err := zero.New(cfg, comm, params)
 	if err != nil {

@@ -350,17 +350,12 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		mem[p].set(theta[p])
 		params[p] = zero.Param{Name: tensorNames[p], Count: n, DType: c.dtype, Data: mem[p].tensor(), Group: tensorGroups[p]}
 	}
-	e, err := zero.New(zero.Config{
-		Stage:         c.stage,
-		BucketBytes:   c.bucketBytes,
-		Align:         1, // a tiny model: let every bucket split over the ranks
-		PrefetchBytes: c.prefetchBytes,
-		Offload:       c.offload,
-		Groups: []zero.Optimizer{
-			zero.AdamW{LR: c.lr, WeightDecay: c.weightDecay},
-			zero.AdamW{LR: c.lr},
-		},
-	}, comm, params)
+	decayed := zero.NewAdamW(c.lr)
+	decayed.WeightDecay = c.weightDecay
+	e, err := zero.New(zero.Config{Stage: c.stage, BucketBytes: c.bucketBytes, Align: 1, // a tiny model: let every bucket split over the ranks
+		Optimizer: zero.OptimizerPolicy{Groups: []zero.Optimizer{decayed, zero.NewAdamW(c.lr)}},
+		Params:    zero.ParamPolicy{PrefetchBytes: c.prefetchBytes},
+		Offload:   zero.OffloadPolicy{Optimizer: c.offload}}, comm, params)
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,839 @@
+package zero
+
+import (
+	"fmt"
+	"math"
+	"reflect"
+	"strconv"
+	"strings"
+)
+
+// Config sets up an Engine. DefaultConfig gives working values. A setting
+// left at its zero value takes the default named beside it where zero is
+// not a legal value; Stage and BucketBytes must be set. The settings are
+// grouped by policy, as PyTorch FSDP2 groups its own.
+//
+// Each leaf field carries its class (the zero tag): "match" must be the
+// same on every rank and when a checkpoint is reloaded; "reshard" must be
+// the same on every rank but may change on reload (world size, stage,
+// layout, budgets); "local" may differ between ranks, because it changes
+// neither the collectives nor the bits (the reason is in the tag). New
+// compares every non-local setting across ranks by name.
+type Config struct {
+	Stage       int `zero:"reshard"` // 1, 2 or 3
+	BucketBytes int `zero:"reshard"` // bytes of model-dtype gradient per bucket
+	// Overlap reduces on the engine's own stream with double-buffered
+	// buckets, so the next bucket fills while the last one is reduced.
+	// Without it, reductions run in order on the caller's stream.
+	Overlap bool `zero:"local:reductions run on another stream, in the same order, with the same bits"`
+	// StagingBuffers is the initial size of the bucket buffer pool
+	// (default 2, at most 64).
+	StagingBuffers int `zero:"local:the pool's size changes no collective and no bit"`
+	// Align is the shard granularity in elements (default 64, at most 65536).
+	Align int `zero:"reshard"`
+
+	Precision PrecisionPolicy // dtypes on the wire, loss scaling
+	Grads     GradPolicy      // mean or sum, pre-division, backwards per step
+	Optimizer OptimizerPolicy // the optimizer groups, clipping
+	Window    WindowPolicy    // coalesced windows and NoSync
+	Params    ParamPolicy     // loading, stage-3 prefetch
+	Offload   OffloadPolicy   // CPU offload
+}
+
+// PrecisionPolicy is the dtypes on the wire and the loss scaling.
+type PrecisionPolicy struct {
+	// CommDType is the dtype on the wire: the model dtype (default) or FP32.
+	CommDType DType `zero:"match"`
+	// LossScale is the loss scaling (dynamic for fp16 by default).
+	LossScale LossScale
+	// KeepNonFinite steps even when a gradient is inf or NaN with fp32 or
+	// bf16 gradients (by default such a step is skipped; fp16 always skips).
+	KeepNonFinite bool `zero:"match"`
+}
+
+// GradPolicy is how the gradients of a window are combined.
+type GradPolicy struct {
+	// Reduction is what Step leaves in the shard: the mean over ranks and
+	// backwards (default) or their sum.
+	Reduction Reduction `zero:"match"`
+	// PredivideFactor f scales by 1/f before the sum across ranks and by
+	// f/W after it (default 1): a guard against overflow on the wire.
+	PredivideFactor float64 `zero:"match"`
+	// AccumSteps fixes the number of backwards G between Steps; a Step
+	// after any other number is an error. 0 (default) takes G from the
+	// backwards actually taken.
+	AccumSteps int `zero:"match"`
+}
+
+// OptimizerPolicy is the partitioned optimizer.
+type OptimizerPolicy struct {
+	// Groups are the optimizer of each parameter group (Param.Group indexes
+	// them), all AdamW or all SGD, each made by NewAdamW or NewSGD. With
+	// Groups, Step runs the optimizer on the fp32 master shard and writes
+	// the new parameters; without, Step only reduces, for callers with
+	// their own optimizer. SetGroup changes a group between steps.
+	Groups []Optimizer `zero:"match"`
+	// Clip is the largest global gradient norm (0: no clipping): the
+	// gradient is scaled by 1/max(1, norm/Clip).
+	Clip float64 `zero:"match"`
+}
+
+// WindowPolicy is the coalesced window and NoSync.
+type WindowPolicy struct {
+	// BudgetBytes caps the local sums of a coalesced window or NoSync (0:
+	// every bucket is local): only the buckets that backward produces last
+	// are local, as many as fit; the others are reduced every backward.
+	BudgetBytes int `zero:"reshard"`
+	// DType is the dtype of a window's local sums: FP32 (default) or the
+	// model dtype, half the memory for bf16 and fp16, each backward's sum
+	// rounded to it as a framework's .grad is (DeepSpeed's choice). ZeRO-1's
+	// own local sums stay fp32.
+	DType DType `zero:"match"`
+}
+
+// ParamPolicy is how the parameters are loaded and, at stage 3, gathered.
+type ParamPolicy struct {
+	// NoBroadcast keeps each rank's own parameters at New instead of
+	// copying rank 0's to every rank first.
+	NoBroadcast bool `zero:"reshard"`
+	// PrefetchBytes is how far ahead of the framework's gathers a stage-3
+	// engine gathers, in the order of the last window (default BucketBytes;
+	// negative: no prefetch).
+	PrefetchBytes int `zero:"reshard"`
+	// LiveParamBytes caps the gathered bytes that prefetching may reach (0:
+	// no cap); gathers the framework asks for always run.
+	LiveParamBytes int `zero:"reshard"`
+}
+
+// OffloadPolicy is CPU offload.
+type OffloadPolicy struct {
+	// Optimizer keeps the fp32 gradient shard, the fp32 master weights and
+	// the optimizer state in page-locked host memory (DeepSpeed's
+	// offload_optimizer): each reduced shard is copied to the host as its
+	// reduction finishes and summed there, the optimizer runs on the host,
+	// and the new parameters are copied back. On the CPU device the same
+	// buffers and copies run in RAM.
+	Optimizer bool `zero:"local:the same collectives and bits; the sums and the optimizer run on the host"`
+}
+
+// Reduction says how Step combines the gradients of a window.
+type Reduction int
+
+const (
+	// Mean leaves (1/(W·G)) Σ_ranks Σ_backwards grad: the mean over the W
+	// ranks and the G backwards of the window.
+	Mean Reduction = iota
+	// Sum leaves Σ_ranks Σ_backwards grad, for callers that scale the loss
+	// themselves.
+	Sum
+)
+
+// String names the reduction as "mean" or "sum".
+func (r Reduction) String() string {
+	switch r {
+	case Mean:
+		return "mean"
+	case Sum:
+		return "sum"
+	}
+	return fmt.Sprintf("Reduction(%d)", int(r))
+}
+
+// DefaultConfig is ZeRO-2 with overlap and 32 MiB buckets.
+func DefaultConfig() Config {
+	return Config{Stage: 2, BucketBytes: 32 << 20, Overlap: true}
+}
+
+// Param describes a parameter at registration.
+type Param struct {
+	// Name identifies the parameter in errors, checkpoints and exports:
+	// names that are given must be unique, and checkpoints and exports need
+	// every parameter named.
+	Name  string
+	Count int   // elements; 0 is allowed (the parameter gets no bucket)
+	Shape []int // optional: its product must be Count
+	DType DType // the gradient's dtype: one for all parameters of an engine
+	// Data is the parameter's memory (the framework's tensor, on the
+	// engine's device), read at New. At stages 1 and 2 each Step that runs
+	// an optimizer writes the new values into it. At stage 3 the engine
+	// keeps the parameters sharded and Data is read at New only (it may be
+	// freed after); Gather gives views of the current values.
+	Data Tensor
+	// Group is the parameter's optimizer group, an index into
+	// Config.Optimizer.Groups.
+	Group int
+	// Frozen parameters get no gradient, no bucket and no update.
+	Frozen bool
+	// Init builds a stage-3 model sharded (instead of Data): New calls it
+	// for this rank's part of the parameter only, to fill dst with elements
+	// [offset, offset+len(dst)), so the full parameter never exists on any
+	// rank. It must give every rank the same values for an element (seed by
+	// position, not by rank).
+	Init func(dst []float32, offset int) error
+}
+
+// ---- optimizers -----------------------------------------------------------------
+
+// Optimizer is the optimizer of a parameter group: AdamW or SGD, with
+// PyTorch's formulas, made by NewAdamW or NewSGD. Every group of an engine
+// uses the same kind.
+type Optimizer interface {
+	kind() optKind
+	made() bool
+	check(path string) error
+	// rangeFor fills the settings of one parameter's range for its t-th step.
+	rangeFor(r *optRange, t int)
+}
+
+// AdamW is torch.optim.AdamW: decoupled weight decay, bias correction, eps
+// outside the square root, optionally amsgrad. Make it with NewAdamW, which
+// sets PyTorch's defaults, then change the fields you need: a value set to
+// 0 stays 0 (betas of 0 are legal), and a literal AdamW{} is refused,
+// because its unset fields cannot be told from zeros.
+type AdamW struct {
+	LR          float64 `zero:"match"` // learning rate (0 is legal: a warmup starts there)
+	Beta1       float64 `zero:"match"` // decay of the first moment, in [0, 1) (default 0.9)
+	Beta2       float64 `zero:"match"` // decay of the second moment, in [0, 1) (default 0.999)
+	Eps         float64 `zero:"match"` // added to the root of the second moment, > 0 (default 1e-8)
+	WeightDecay float64 `zero:"match"` // decoupled: p *= 1 - LR·WeightDecay (default 0)
+	AMSGrad     bool    `zero:"match"` // use the running maximum of the second moment
+	set         bool    // made by NewAdamW
+}
+
+// NewAdamW is AdamW with learning rate lr and PyTorch's defaults: betas
+// (0.9, 0.999), eps 1e-8, no weight decay, no amsgrad.
+func NewAdamW(lr float64) AdamW {
+	return AdamW{LR: lr, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, set: true}
+}
+
+// SGD is torch.optim.SGD: weight decay added to the gradient, momentum
+// with dampening, optionally Nesterov. Make it with NewSGD (a literal SGD{}
+// is refused, as AdamW{} is).
+type SGD struct {
+	LR          float64 `zero:"match"` // learning rate (0 is legal)
+	Momentum    float64 `zero:"match"` // ≥ 0 (default 0: none)
+	Dampening   float64 `zero:"match"` // of the momentum, in [0, 1] (default 0)
+	WeightDecay float64 `zero:"match"` // added to the gradient: g += WeightDecay·p (default 0)
+	Nesterov    bool    `zero:"match"` // Nesterov momentum (needs Momentum, no Dampening)
+	set         bool    // made by NewSGD
+}
+
+// NewSGD is SGD with learning rate lr and PyTorch's defaults: no momentum,
+// no dampening, no weight decay.
+func NewSGD(lr float64) SGD { return SGD{LR: lr, set: true} }
+
+type optKind int
+
+const (
+	optAdamW optKind = iota + 1
+	optSGD
+)
+
+func (o AdamW) kind() optKind { return optAdamW }
+func (o SGD) kind() optKind   { return optSGD }
+func (o AdamW) made() bool    { return o.set }
+func (o SGD) made() bool      { return o.set }
+
+// finite reports whether x is a finite number ≥ lo.
+func finite(x, lo float64) bool { return x >= lo && !math.IsInf(x, 0) }
+
+func (o AdamW) check(at string) error {
+	switch {
+	case !o.set:
+		return errorf(ErrConfig, "%s is an AdamW literal, whose unset fields cannot be told from zeros; build it with zero.NewAdamW(lr) and change the fields you need", at)
+	case !finite(o.LR, 0):
+		return errorf(ErrConfig, "%s.LR %v; use a finite rate ≥ 0", at, o.LR)
+	case !(o.Beta1 >= 0 && o.Beta1 < 1) || !(o.Beta2 >= 0 && o.Beta2 < 1):
+		return errorf(ErrConfig, "%s betas (%v, %v); use values in [0, 1)", at, o.Beta1, o.Beta2)
+	case !(o.Eps > 0) || math.IsInf(o.Eps, 0):
+		return errorf(ErrConfig, "%s.Eps %v; use a finite value > 0 (PyTorch's default is 1e-8)", at, o.Eps)
+	case !finite(o.WeightDecay, 0):
+		return errorf(ErrConfig, "%s.WeightDecay %v; use a finite value ≥ 0", at, o.WeightDecay)
+	}
+	return nil
+}
+
+func (o SGD) check(at string) error {
+	switch {
+	case !o.set:
+		return errorf(ErrConfig, "%s is an SGD literal, whose unset rate cannot be told from 0; build it with zero.NewSGD(lr) and change the fields you need", at)
+	case !finite(o.LR, 0):
+		return errorf(ErrConfig, "%s.LR %v; use a finite rate ≥ 0", at, o.LR)
+	case !finite(o.Momentum, 0) || !(o.Dampening >= 0 && o.Dampening <= 1):
+		return errorf(ErrConfig, "%s momentum %v, dampening %v; use momentum ≥ 0 and dampening in [0, 1]", at, o.Momentum, o.Dampening)
+	case !finite(o.WeightDecay, 0):
+		return errorf(ErrConfig, "%s.WeightDecay %v; use a finite value ≥ 0", at, o.WeightDecay)
+	case o.Nesterov && (o.Momentum == 0 || o.Dampening != 0):
+		return errorf(ErrConfig, "%s: Nesterov needs a momentum and zero dampening", at)
+	}
+	return nil
+}
+
+// LossScale configures loss scaling. With fp16 gradients the scale is
+// dynamic by default, as DeepSpeed's: it starts at Initial (2^16), halves
+// on an overflow once Hysteresis (2) overflows have been absorbed, never
+// goes below Min (1), and doubles after Window (1000) steps without one.
+// Static fixes it (any dtype); with fp32 and bf16 it is 1 by default and
+// the dynamic fields are ignored. Zero is not a legal value of any field,
+// so 0 means the default.
+type LossScale struct {
+	Static     float64 `zero:"match"` // a fixed scale (0: dynamic for fp16, 1 otherwise)
+	Initial    float64 `zero:"match"` // dynamic: the first scale (default 2^16)
+	Window     int     `zero:"match"` // dynamic: steps without overflow before doubling (default 1000)
+	Hysteresis int     `zero:"match"` // dynamic: overflows absorbed before halving (default 2)
+	Min        float64 `zero:"match"` // dynamic: the smallest scale (default 1)
+}
+
+// resolve fills in the defaults and checks the scaling for gradients of
+// dtype model. The resolved form is what every rank compares: Static is 0
+// exactly when the scale is dynamic.
+func (c *LossScale) resolve(model DType) error {
+	dynamic := c.Initial != 0 || c.Window != 0 || c.Hysteresis != 0 || c.Min != 0
+	switch {
+	case !finite(c.Static, 0):
+		return errorf(ErrConfig, "Precision.LossScale.Static %v; use a finite scale > 0, or 0 for the default", c.Static)
+	case c.Static > 0 && dynamic:
+		return errorf(ErrConfig, "Precision.LossScale %+v: a static scale with dynamic settings; give Static or the dynamic fields, not both", *c)
+	case c.Static == 0 && model != FP16: // the dynamic fields are fp16's
+		*c = LossScale{Static: 1}
+	}
+	if c.Static > 0 {
+		return nil
+	}
+	if c.Initial == 0 {
+		c.Initial = 1 << 16
+	}
+	if c.Window == 0 {
+		c.Window = 1000
+	}
+	if c.Hysteresis == 0 {
+		c.Hysteresis = 2
+	}
+	if c.Min == 0 {
+		c.Min = 1
+	}
+	if !finite(c.Initial, 0) || c.Initial == 0 || c.Window < 1 || c.Hysteresis < 1 || !finite(c.Min, 0) || c.Min == 0 || c.Min > c.Initial {
+		return errorf(ErrConfig, "Precision.LossScale %+v; use a finite Initial > 0, Window ≥ 1, Hysteresis ≥ 1 and 0 < Min ≤ Initial", *c)
+	}
+	return nil
+}
+
+// ---- checks -----------------------------------------------------------------
+
+const (
+	maxStagingBuffers = 64
+	maxAlign          = 1 << 16
+)
+
+// resolve checks every setting and the parameters, and fills in the
+// defaults, before New runs any collective or allocates anything. It
+// returns the model dtype.
+func (c *Config) resolve(params []Param) (DType, error) {
+	model, err := checkParams(params)
+	if err != nil {
+		return 0, err
+	}
+	switch {
+	case c.Stage < 1 || c.Stage > 3:
+		return 0, errorf(ErrConfig, "Stage %d; set Stage to 1, 2 or 3", c.Stage)
+	case c.BucketBytes <= 0:
+		return 0, errorf(ErrConfig, "BucketBytes %d; set a positive bucket size, e.g. 32<<20", c.BucketBytes)
+	case c.StagingBuffers < 0 || c.StagingBuffers > maxStagingBuffers:
+		return 0, errorf(ErrConfig, "StagingBuffers %d; set 1 to %d (2 double-buffer the buckets), or 0 for 2", c.StagingBuffers, maxStagingBuffers)
+	case c.Align < 0 || c.Align > maxAlign:
+		return 0, errorf(ErrConfig, "Align %d; set a shard granularity of 1 to %d elements, or 0 for 64", c.Align, maxAlign)
+	}
+	if c.StagingBuffers == 0 {
+		c.StagingBuffers = 2
+	}
+	if c.Align == 0 {
+		c.Align = 64
+	}
+	if err := c.Precision.resolve(model); err != nil {
+		return 0, err
+	}
+	if err := c.Grads.resolve(); err != nil {
+		return 0, err
+	}
+	if err := c.Window.resolve(model); err != nil {
+		return 0, err
+	}
+	if err := c.Params.resolve(c.BucketBytes); err != nil {
+		return 0, err
+	}
+	if err := c.Optimizer.check(params); err != nil {
+		return 0, err
+	}
+	return model, checkParamMemory(params, c.Stage, len(c.Optimizer.Groups) > 0)
+}
+
+func (p *PrecisionPolicy) resolve(model DType) error {
+	if p.CommDType == 0 {
+		p.CommDType = model
+	}
+	if p.CommDType != model && p.CommDType != FP32 {
+		return errorf(ErrConfig, "Precision.CommDType %v with %v gradients; use the model dtype or FP32", p.CommDType, model)
+	}
+	return p.LossScale.resolve(model)
+}
+
+func (g *GradPolicy) resolve() error {
+	if g.Reduction != Mean && g.Reduction != Sum {
+		return errorf(ErrConfig, "Grads.Reduction %v; use Mean or Sum", g.Reduction)
+	}
+	if g.PredivideFactor == 0 {
+		g.PredivideFactor = 1
+	}
+	if !finite(g.PredivideFactor, 0) || g.PredivideFactor == 0 {
+		return errorf(ErrConfig, "Grads.PredivideFactor %v; set a finite factor > 0 (1 = no pre-division)", g.PredivideFactor)
+	}
+	if g.AccumSteps < 0 {
+		return errorf(ErrConfig, "Grads.AccumSteps %d; set it to 1 or more, or 0 to count the backwards taken", g.AccumSteps)
+	}
+	return nil
+}
+
+func (w *WindowPolicy) resolve(model DType) error {
+	if w.DType == 0 {
+		w.DType = FP32
+	}
+	if w.DType != FP32 && w.DType != model {
+		return errorf(ErrConfig, "Window.DType %v; use FP32 or the model dtype %v", w.DType, model)
+	}
+	if w.BudgetBytes < 0 {
+		return errorf(ErrConfig, "Window.BudgetBytes %d; set a byte budget for a window's local sums, or 0 for none", w.BudgetBytes)
+	}
+	return nil
+}
+
+func (p *ParamPolicy) resolve(bucketBytes int) error {
+	if p.PrefetchBytes == 0 {
+		p.PrefetchBytes = bucketBytes
+	}
+	if p.PrefetchBytes < 0 {
+		p.PrefetchBytes = -1
+	}
+	if p.LiveParamBytes < 0 {
+		return errorf(ErrConfig, "Params.LiveParamBytes %d; set a byte budget for gathered parameters, or 0 for none", p.LiveParamBytes)
+	}
+	return nil
+}
+
+func (o *OptimizerPolicy) check(params []Param) error {
+	if !finite(o.Clip, 0) {
+		return errorf(ErrConfig, "Optimizer.Clip %v; use a finite norm > 0, or 0 for no clipping", o.Clip)
+	}
+	if len(o.Groups) == 0 {
+		for i, p := range params {
+			if p.Group != 0 {
+				return errorf(ErrParam, "parameter %d (%q) is in group %d, but no Optimizer.Groups are configured", i, p.Name, p.Group)
+			}
+		}
+		return nil
+	}
+	for g, opt := range o.Groups {
+		at := fmt.Sprintf("Optimizer.Groups[%d]", g)
+		if opt == nil {
+			return errorf(ErrConfig, "%s is nil; give zero.NewAdamW(lr) or zero.NewSGD(lr)", at)
+		}
+		if opt.kind() != o.Groups[0].kind() {
+			return errorf(ErrConfig, "%s is %T, Groups[0] %T; every group of an engine uses one optimizer kind", at, opt, o.Groups[0])
+		}
+		if err := opt.check(at); err != nil {
+			return err
+		}
+	}
+	for i, p := range params {
+		if p.Group < 0 || p.Group >= len(o.Groups) {
+			return errorf(ErrParam, "parameter %d (%q) is in group %d; the groups are 0..%d", i, p.Name, p.Group, len(o.Groups)-1)
+		}
+	}
+	return nil
+}
+
+// checkParams checks the parameter list and returns the model dtype.
+func checkParams(params []Param) (DType, error) {
+	if len(params) == 0 {
+		return 0, errorf(ErrParam, "no parameters; register at least one")
+	}
+	model := params[0].DType
+	names := map[string]int{}
+	for i, p := range params {
+		if p.Count < 0 {
+			return 0, errorf(ErrParam, "parameter %d (%q) has count %d; counts must be ≥ 0", i, p.Name, p.Count)
+		}
+		if !p.DType.valid() {
+			return 0, errorf(ErrDType, "parameter %d (%q) has dtype %v; use FP32, BF16 or FP16", i, p.Name, p.DType)
+		}
+		if p.DType != model {
+			return 0, errorf(ErrDType, "parameter %d (%q) is %v but parameter 0 is %v; register one dtype per engine", i, p.Name, p.DType, model)
+		}
+		if p.Shape != nil {
+			n := 1
+			for _, d := range p.Shape {
+				if d < 0 || d > 0 && n > math.MaxInt/d {
+					return 0, errorf(ErrParam, "parameter %d (%q) has shape %v; give dimensions ≥ 0 whose product is Count", i, p.Name, p.Shape)
+				}
+				n *= d
+			}
+			if n != p.Count {
+				return 0, errorf(ErrParam, "parameter %d (%q) has shape %v (%d elements) and count %d; make them agree", i, p.Name, p.Shape, n, p.Count)
+			}
+		}
+		if p.Name != "" {
+			if j, dup := names[p.Name]; dup {
+				return 0, errorf(ErrParam, "parameters %d and %d are both named %q; names identify parameters and must be unique", j, i, p.Name)
+			}
+			names[p.Name] = i
+		}
+	}
+	return model, nil
+}
+
+// checkParamMemory validates Data and Init: both at once, Init below stage
+// 3, or memory for some trained parameters and not for others, are errors.
+func checkParamMemory(params []Param, stage int, optimizer bool) error {
+	with, without := -1, -1
+	for i, p := range params {
+		if err := p.Data.check(fmt.Sprintf("parameter %d (%q): Data", i, p.Name)); err != nil {
+			return err
+		}
+		if p.Init != nil && p.Data.count > 0 {
+			return errorf(ErrParam, "parameter %d (%q) has both Data and Init; give one", i, p.Name)
+		}
+		if p.Init != nil && stage != 3 {
+			return errorf(ErrParam, "parameter %d (%q) has Init at stage %d; a sharded build (Init) needs Stage 3, or give Data", i, p.Name, stage)
+		}
+		if p.Data.count > 0 && p.Data.count != p.Count {
+			return errorf(ErrParam, "parameter %d (%q) has Data of %d elements for a count of %d", i, p.Name, p.Data.count, p.Count)
+		}
+		if p.Data.count > 0 && p.Data.dtype != p.DType {
+			return errorf(ErrDType, "parameter %d (%q): Data is %v, the parameter %v", i, p.Name, p.Data.dtype, p.DType)
+		}
+		if p.Frozen || p.Count == 0 {
+			continue
+		}
+		if p.Data.count > 0 || p.Init != nil {
+			with = i
+		} else {
+			without = i
+		}
+	}
+	if without >= 0 && (with >= 0 || optimizer) {
+		p := params[without]
+		return errorf(ErrParam, "parameter %d (%q) has no memory (Data or Init) while others have, or an optimizer needs it; give every trained parameter its memory", without, p.Name)
+	}
+	return nil
+}
+
+// hasParamMemory reports whether the parameters were registered with memory
+// (Data or Init); checkParamMemory has made it all or none.
+func hasParamMemory(params []Param) bool {
+	for _, p := range params {
+		if !p.Frozen && p.Count > 0 && (p.Data.count > 0 || p.Init != nil) {
+			return true
+		}
+	}
+	return false
+}
+
+// ---- the settings record ------------------------------------------------------------
+
+// SettingClass says where a setting must agree.
+type SettingClass int
+
+const (
+	// MustMatch settings are the same on every rank and when a checkpoint
+	// is reloaded.
+	MustMatch SettingClass = iota
+	// MatchRanks settings are the same on every rank but may change when a
+	// checkpoint is reloaded: the world size, the stage, the layout and the
+	// budgets.
+	MatchRanks
+	// RankLocal settings may differ between ranks: they change neither the
+	// collectives nor the bits.
+	RankLocal
+)
+
+// String names the class as its tag does: "match", "reshard" or "local".
+func (c SettingClass) String() string {
+	switch c {
+	case MustMatch:
+		return "match"
+	case MatchRanks:
+		return "reshard"
+	case RankLocal:
+		return "local"
+	}
+	return fmt.Sprintf("SettingClass(%d)", int(c))
+}
+
+// Setting is one entry of an engine's settings record: a setting's path in
+// Config (or in the model, "Model[i].Name"), its resolved value as text,
+// and its class.
+type Setting struct {
+	Path  string       // "Optimizer.Groups[1].LR"
+	Value string       // canonical: floats in their shortest exact form, dtypes by name
+	Class SettingClass // where it must agree
+}
+
+// classOf reads a field's class from its zero tag.
+func classOf(f reflect.StructField) (SettingClass, bool) {
+	tag, ok := f.Tag.Lookup("zero")
+	if !ok {
+		return 0, false
+	}
+	switch {
+	case tag == "match":
+		return MustMatch, true
+	case tag == "reshard":
+		return MatchRanks, true
+	case strings.HasPrefix(tag, "local:") && len(tag) > len("local:"):
+		return RankLocal, true
+	}
+	return 0, false
+}
+
+// settingsRecord lists every setting of a resolved config, the world size
+// and the model, in a fixed order.
+func settingsRecord(cfg Config, params []Param, world int) []Setting {
+	out := []Setting{{Path: "World", Value: strconv.Itoa(world), Class: MatchRanks}}
+	out = appendSettings(out, "", reflect.ValueOf(cfg), MustMatch)
+	for i, p := range params {
+		at := fmt.Sprintf("Model[%d].", i)
+		shape := ""
+		if p.Shape != nil {
+			shape = fmt.Sprint(p.Shape)
+		}
+		for _, kv := range [][2]string{{"Name", strconv.Quote(p.Name)}, {"Count", strconv.Itoa(p.Count)}, {"Shape", shape},
+			{"DType", p.DType.String()}, {"Group", strconv.Itoa(p.Group)}, {"Frozen", strconv.FormatBool(p.Frozen)}} {
+			out = append(out, Setting{Path: at + kv[0], Value: kv[1], Class: MustMatch})
+		}
+	}
+	return out
+}
+
+// appendSettings walks v, a struct of settings, and appends its leaves.
+// class is the class of v itself, for the elements of a tagged slice.
+func appendSettings(out []Setting, prefix string, v reflect.Value, class SettingClass) []Setting {
+	t := v.Type()
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if !f.IsExported() {
+			continue
+		}
+		path := prefix + f.Name
+		fv := v.Field(i)
+		c, tagged := classOf(f)
+		switch {
+		case !tagged && f.Type.Kind() == reflect.Struct:
+			out = appendSettings(out, path+".", fv, class)
+		case f.Type == reflect.TypeOf([]Optimizer(nil)):
+			for g := range fv.Len() {
+				at := fmt.Sprintf("%s[%d]", path, g)
+				opt := fv.Index(g).Elem()
+				if !opt.IsValid() {
+					out = append(out, Setting{Path: at, Value: "nil", Class: c})
+					continue
+				}
+				out = append(out, Setting{Path: at, Value: opt.Type().Name(), Class: c})
+				out = appendSettings(out, at+".", opt, c)
+			}
+		default:
+			out = append(out, Setting{Path: path, Value: settingText(fv), Class: c})
+		}
+	}
+	return out
+}
+
+// settingText is a value's canonical text: floats in their shortest exact
+// form, dtypes and reductions by name.
+func settingText(v reflect.Value) string {
+	switch x := v.Interface().(type) {
+	case float64:
+		return strconv.FormatFloat(x, 'g', -1, 64)
+	case fmt.Stringer:
+		return x.String()
+	}
+	return fmt.Sprint(v.Interface())
+}
+
+// recordDigest hashes the entries of a record that every rank must share:
+// all but the rank-local ones, or only those under prefix.
+func recordDigest(rec []Setting, prefix string) uint64 {
+	h := newHasher()
+	for _, s := range rec {
+		if s.Class == RankLocal || !strings.HasPrefix(s.Path, prefix) {
+			continue
+		}
+		h.text(s.Path)
+		h.text(s.Value)
+	}
+	return h.sum()
+}
+
+// encodeRecord and decodeRecord turn the shared part of a record into
+// bytes and back, for the exchange that names a difference.
+func encodeRecord(rec []Setting, prefix string) []byte {
+	var b strings.Builder
+	for _, s := range rec {
+		if s.Class == RankLocal || !strings.HasPrefix(s.Path, prefix) {
+			continue
+		}
+		b.WriteString(s.Path)
+		b.WriteByte(0)
+		b.WriteString(s.Value)
+		b.WriteByte(0)
+	}
+	return []byte(b.String())
+}
+
+func decodeRecord(b []byte) [][2]string {
+	parts := strings.Split(string(b), "\x00")
+	var out [][2]string
+	for i := 0; i+1 < len(parts); i += 2 {
+		out = append(out, [2]string{parts[i], parts[i+1]})
+	}
+	return out
+}
+
+// firstDifference names the first setting in which record b differs from
+// a, in a's order, then in b's: its path and both values ("none" where a
+// record lacks it).
+func firstDifference(a, b [][2]string) (path, va, vb string, found bool) {
+	index := func(r [][2]string) map[string]string {
+		m := make(map[string]string, len(r))
+		for _, kv := range r {
+			m[kv[0]] = kv[1]
+		}
+		return m
+	}
+	ia, ib := index(a), index(b)
+	for _, kv := range a {
+		if v, ok := ib[kv[0]]; !ok || v != kv[1] {
+			if !ok {
+				v = "none"
+			}
+			return kv[0], kv[1], v, true
+		}
+	}
+	for _, kv := range b {
+		if _, ok := ia[kv[0]]; !ok {
+			return kv[0], "none", kv[1], true
+		}
+	}
+	return "", "", "", false
+}
+
+// groupsRecord is the part of the record that SetGroup changes.
+func groupsRecord(groups []Optimizer) []Setting {
+	return appendSettings(nil, "Optimizer.", reflect.ValueOf(OptimizerPolicy{Groups: groups}), MustMatch)
+}
+
+// ---- agreeing across ranks ------------------------------------------------------
+
+// allGatherWords gives every rank every rank's words (the same number on
+// each), through the device's memory, on s.
+func allGatherWords(dev Device, comm Comm, s Stream, mine []uint32) ([][]uint32, error) {
+	n, world := len(mine), comm.Size()
+	words := make([]float32, n*world)
+	for i, w := range mine {
+		words[comm.Rank()*n+i] = math.Float32frombits(w) // the bits travel as they are: an all-gather copies
+	}
+	buf, err := dev.Alloc(n*world, FP32)
+	if err != nil {
+		return nil, err
+	}
+	defer dev.Free(buf)
+	part := buf.slice(comm.Rank()*n, n)
+	if err := dev.copy(s, part, Float32s(words[comm.Rank()*n:(comm.Rank()+1)*n])); err != nil {
+		return nil, err
+	}
+	if err := comm.AllGather(s, part, buf); err != nil {
+		return nil, err
+	}
+	if err := dev.copy(s, Float32s(words), buf); err != nil {
+		return nil, err
+	}
+	if err := s.Sync(); err != nil {
+		return nil, err
+	}
+	out := make([][]uint32, world)
+	for r := range out {
+		out[r] = make([]uint32, n)
+		for i := range n {
+			out[r][i] = math.Float32bits(words[r*n+i])
+		}
+	}
+	return out, nil
+}
+
+// allGatherBytes gives every rank every rank's bytes, of any length: the
+// lengths first, then the bytes padded to the longest.
+func allGatherBytes(dev Device, comm Comm, s Stream, mine []byte) ([][]byte, error) {
+	lens, err := allGatherWords(dev, comm, s, []uint32{uint32(len(mine))})
+	if err != nil {
+		return nil, err
+	}
+	longest := 0
+	for _, l := range lens {
+		longest = max(longest, int(l[0]))
+	}
+	words := make([]uint32, (longest+3)/4)
+	for i, b := range mine {
+		words[i/4] |= uint32(b) << (8 * (i % 4))
+	}
+	all, err := allGatherWords(dev, comm, s, words)
+	if err != nil {
+		return nil, err
+	}
+	out := make([][]byte, len(all))
+	for r, ws := range all {
+		out[r] = make([]byte, lens[r][0])
+		for i := range out[r] {
+			out[r][i] = byte(ws[i/4] >> (8 * (i % 4)))
+		}
+	}
+	return out, nil
+}
+
+// settingsError names, the same way on every rank, the first setting in
+// which a rank's record differs from rank 0's.
+func settingsError(records [][]byte, what string) error {
+	first := decodeRecord(records[0])
+	for r := 1; r < len(records); r++ {
+		path, v0, vr, found := firstDifference(first, decodeRecord(records[r]))
+		if !found {
+			continue
+		}
+		fix := "give every rank the same settings"
+		if strings.HasPrefix(path, "Model[") {
+			fix = "register the same parameters (name, count, shape, dtype, group, frozen) in the same order on every rank"
+		}
+		return errorf(ErrPlanMismatch, "%s: %s: rank 0 has %s, rank %d has %s; %s", what, path, v0, r, vr, fix)
+	}
+	return errorf(ErrPlanMismatch, "%s: the ranks' settings hash differently but read the same; give every rank the same settings", what)
+}
+
+// checkSettings compares every shared setting across ranks: one all-gather
+// of the record's digest, and only where digests differ an exchange of the
+// records, so that every rank names the same setting and both values.
+func checkSettings(dev Device, comm Comm, s Stream, rec []Setting) error {
+	d := recordDigest(rec, "")
+	digests, err := allGatherWords(dev, comm, s, []uint32{uint32(d), uint32(d >> 32)})
+	if err != nil {
+		return err
+	}
+	same := true
+	for _, w := range digests {
+		same = same && w[0] == digests[0][0] && w[1] == digests[0][1]
+	}
+	if same {
+		return nil
+	}
+	records, err := allGatherBytes(dev, comm, s, encodeRecord(rec, ""))
+	if err != nil {
+		return err
+	}
+	return settingsError(records, "New")
+}
