@@ -112,10 +112,10 @@ type optState struct {
 	// groupsDigest hashes the groups' settings, compared across ranks at
 	// each Step
 	groupsDigest uint64
-	norm        Tensor // fp32 pair for Step's all-reduce of (overflow, sum of squares)
-	ranges      []optRange
-	gather      *bufferPool // model-dtype bucket buffers the parameters are gathered in
-	mem         memoryMeter // the optimizer's device bytes
+	norm         Tensor // fp32 pair for Step's all-reduce of (overflow, sum of squares)
+	ranges       []optRange
+	gather       *bufferPool // model-dtype bucket buffers the parameters are gathered in
+	mem          memoryMeter // the optimizer's device bytes
 }
 
 // SetGroup replaces group g's hyperparameters from the next Step on

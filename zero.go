@@ -36,7 +36,7 @@ type Engine struct {
 	ps         *paramState  // stage 3 with parameter memory: the parameter shards
 	co         coalesceState
 	slots      windowSlots // where Step's first all-reduce carries what
-	usedWindow []bool // per parameter: reported in this window, on this rank
+	usedWindow []bool      // per parameter: reported in this window, on this rank
 
 	// backward state
 	inBackward bool
