@@ -3,7 +3,7 @@
 GO ?= go
 SHELL := bash
 
-.PHONY: test demo bench
+.PHONY: test demo bench ci
 # Each test's result (and its seed) prints as it finishes; a failure prints
 # in full: go test -v without its PAUSE/CONT lines, with the exit status kept.
 test:
@@ -16,6 +16,10 @@ demo:
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 5x -count 1 .
+
+# ci runs what CI runs on a clean clone: .ci/run.
+ci:
+	bash .ci/run
 # ---- CUDA ---------------------------------------------------------------------
 # `go build -tags cuda` needs only a C compiler: the driver and NCCL are
 # loaded at run time, and the kernels are the committed zero_kernels.fatbin.

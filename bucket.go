@@ -664,6 +664,35 @@ func (pl *pipeline) sync() error {
 	return nil
 }
 
+// discard drops what the window holds (DiscardGrads): it waits for the
+// reductions issued and for the producers of half-filled buckets, returns
+// their buffers unreduced, and makes the next reduction of every bucket
+// copy into the shard.
+func (pl *pipeline) discard() error {
+	errs := []error{pl.sync()}
+	for i := range pl.buckets {
+		bs := &pl.buckets[i]
+		for _, ev := range bs.producers {
+			errs = append(errs, ev.Sync())
+		}
+		clear(bs.producers)
+		bs.last = nil
+		if bs.stage != nil {
+			pl.stagingPool.put(bs.stage, nil)
+			bs.stage = nil
+		}
+		if bs.local != nil {
+			pl.localPoolOf(bs.local).put(bs.local, nil)
+			bs.local = nil
+		}
+	}
+	clear(pl.dirty)
+	pl.unflushed = false
+	pl.endBackward()
+	pl.newWindow()
+	return errors.Join(errs...)
+}
+
 // newWindow makes the next reduction of every bucket copy into the shard
 // instead of adding; the reductions must have been synced.
 func (pl *pipeline) newWindow() {

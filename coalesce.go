@@ -1,5 +1,7 @@
 package zero
 
+import "errors"
+
 // Coalesced windows and NoSync: several backwards, then one reduction per
 // bucket instead of one per backward. Inside a window the buckets run in
 // the pipeline's local mode (fp32 sums at full size, as ZeRO-1's), so the
@@ -116,18 +118,27 @@ func (e *Engine) EndCoalesce() error {
 }
 
 // Coalesce runs fn, which takes several backwards, inside a coalesced
-// window; fn's error, or the window's, is returned.
+// window; fn's error, or the window's, is returned. The window always
+// closes: when fn fails, every gradient taken since the last Step is
+// dropped, as DiscardGrads drops them, and the window ends without
+// reducing (every rank must see the failure, as with any failed step).
 func (e *Engine) Coalesce(fn func() error) error {
-	return within(e.BeginCoalesce, fn, e.EndCoalesce)
+	return e.within(e.BeginCoalesce, fn, e.EndCoalesce, &e.co.active)
 }
 
-// within runs fn between begin and end; fn's error skips end.
-func within(begin, fn, end func() error) error {
+// within runs fn between begin and end. When fn fails it drops the
+// window's gradients and closes the window (open) instead of ending it.
+func (e *Engine) within(begin, fn, end func() error, open *bool) error {
 	if err := begin(); err != nil {
 		return err
 	}
 	if err := fn(); err != nil {
-		return err
+		discarded := e.DiscardGrads()
+		if *open {
+			e.setWindowModes(false)
+			*open = false
+		}
+		return errors.Join(err, discarded)
 	}
 	return end()
 }
@@ -157,9 +168,10 @@ func (e *Engine) EndNoSync() error {
 }
 
 // NoSync runs fn's backwards without reducing them, as BeginNoSync and
-// EndNoSync around it.
+// EndNoSync around it. When fn fails, NoSync ends, and every gradient taken
+// since the last Step is dropped, as Coalesce does.
 func (e *Engine) NoSync(fn func() error) error {
-	return within(e.BeginNoSync, fn, e.EndNoSync)
+	return e.within(e.BeginNoSync, fn, e.EndNoSync, &e.co.noSync)
 }
 
 // afterFlush ends a NoSync's reduction: the modes return to the stage's.

@@ -346,3 +346,112 @@ func TestCoalesceAfterNoSyncAndStep(t *testing.T) {
 		everyRankIs(t, fmt.Sprintf("stage %d", stage), errs, nil)
 	}
 }
+
+// TestDiscardGrads: after a GradReady refused in the middle of a window's
+// backward, DiscardGrads on every rank drops the window's gradients (the
+// half backward with them) and the window goes on: the step's mean is over
+// the backwards taken after it only, at every stage, streamed or local.
+func TestDiscardGrads(t *testing.T) {
+	params := testParams(FP32)
+	for _, stage := range []int{1, 2, 3} {
+		for _, window := range []bool{false, true} {
+			cfg := Config{Stage: stage, BucketBytes: 1024, Overlap: true}
+			errs := onEngines(2, 5*time.Second, cfg, params, func(e *Engine, s *HostStream) error {
+				if window {
+					if err := e.BeginCoalesce(); err != nil {
+						return err
+					}
+				}
+				if err := backward(e, s, constGrads(params, 1)); err != nil {
+					return err
+				}
+				ones := constGrads(params, 1)
+				for p := len(params) - 1; p >= 4; p-- {
+					if _, err := e.GradReady(p, ones[p], s); err != nil {
+						return err
+					}
+				}
+				if _, err := e.GradReady(2, Float32s(make([]float32, 3)), s); !errors.Is(err, ErrGradSize) {
+					return fmt.Errorf("a gradient of the wrong size: %v, want ErrGradSize", err)
+				}
+				if err := e.DiscardGrads(); err != nil {
+					return err
+				}
+				for range 2 {
+					if err := backward(e, s, constGrads(params, 3)); err != nil {
+						return err
+					}
+				}
+				if window {
+					if err := e.EndCoalesce(); err != nil {
+						return err
+					}
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				if st := e.Stats(); st.Backwards != 2 {
+					return fmt.Errorf("the step counted %d backwards, want the 2 after DiscardGrads", st.Backwards)
+				}
+				full, err := e.FullGrads()
+				if err != nil {
+					return err
+				}
+				return wantAll(full, 3)
+			})
+			everyRankIs(t, fmt.Sprintf("stage %d window %v", stage, window), errs, nil)
+		}
+	}
+}
+
+// TestWindowClosesOnError: Coalesce and NoSync whose fn fails close their
+// window and drop its gradients (the shard reads nothing until the next
+// Step); the next window opens and steps normally.
+func TestWindowClosesOnError(t *testing.T) {
+	params := testParams(FP32)
+	boom := errors.New("the framework failed")
+	for _, stage := range []int{1, 2, 3} {
+		for _, kind := range []string{"coalesce", "nosync"} {
+			cfg := Config{Stage: stage, BucketBytes: 1024}
+			errs := onEngines(2, 5*time.Second, cfg, params, func(e *Engine, s *HostStream) error {
+				if err := backward(e, s, constGrads(params, 1)); err != nil {
+					return err
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				run := e.Coalesce
+				if kind == "nosync" {
+					run = e.NoSync
+				}
+				failing := func() error {
+					if err := backward(e, s, constGrads(params, 7)); err != nil {
+						return err
+					}
+					if _, err := e.GradReady(7, constGrads(params, 7)[7], s); err != nil { // a backward left open
+						return err
+					}
+					return boom
+				}
+				if err := run(failing); !errors.Is(err, boom) {
+					return fmt.Errorf("%s(fn) whose fn fails: %v, want fn's error", kind, err)
+				}
+				if _, err := e.GradShard(); !errors.Is(err, ErrProtocol) {
+					return fmt.Errorf("GradShard after the failed window: %v, want ErrProtocol", err)
+				}
+				if err := e.Coalesce(func() error { return backward(e, s, constGrads(params, 5)) }); err != nil {
+					return fmt.Errorf("a window after the failed one: %w", err)
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				full, err := e.FullGrads()
+				if err != nil {
+					return err
+				}
+				return wantAll(full, 5)
+			})
+			everyRankIs(t, fmt.Sprintf("stage %d %s", stage, kind), errs, nil)
+		}
+	}
+}

@@ -119,6 +119,7 @@ type OffloadPolicy struct {
 // Reduction says how Step combines the gradients of a window.
 type Reduction int
 
+// The reductions Step can leave in the shard.
 const (
 	// Mean leaves (1/(W·G)) Σ_ranks Σ_backwards grad: the mean over the W
 	// ranks and the G backwards of the window.
@@ -542,6 +543,7 @@ func hasParamMemory(params []Param) bool {
 // SettingClass says where a setting must agree.
 type SettingClass int
 
+// The classes a setting can be in.
 const (
 	// MustMatch settings are the same on every rank and when a checkpoint
 	// is reloaded.

@@ -93,8 +93,9 @@ var cudaDevices struct {
 
 // CUDA returns the CUDA device with the given ordinal (built with -tags
 // cuda; see cuda_stub.go otherwise). The same ordinal always gives the same
-// Device. A missing device, or a host without a driver, gives an error
-// wrapping ErrDevice (and the CUDA error, if any).
+// Device. A host without a usable driver gives an error wrapping ErrNoCUDA;
+// an ordinal the process does not see, one wrapping ErrDevice (and the CUDA
+// error, if any).
 //
 // zero never allocates or owns the framework's tensors. A Go stack that
 // keeps its tensors in CUDA memory and exposes their addresses hands them

@@ -10,7 +10,7 @@ import "time"
 // group_cuda.go and nccl_cuda.go.
 
 func noCUDA(what string) error {
-	return errorf(ErrNoCUDA, "%s needs the CUDA build: run `make cuda` (installs the CUDA 13 toolchain from PyPI into .cuda/ and builds csrc/libzerocuda.a), then build with `go build -tags cuda` (or `go test -tags cuda`)", what)
+	return errorf(ErrNoCUDA, "%s needs the CUDA build: build with `go build -tags cuda` (or `go test -tags cuda`); it needs only a C compiler, and loads the CUDA driver and NCCL at run time", what)
 }
 
 // CUDADeviceCount returns the number of CUDA devices this process sees.
@@ -18,8 +18,9 @@ func CUDADeviceCount() (int, error) { return 0, noCUDA("CUDADeviceCount") }
 
 // CUDA returns the CUDA device with the given ordinal (built with -tags
 // cuda; this build returns ErrNoCUDA). The same ordinal always gives the same
-// Device. A missing device, or a host without a driver, gives an error
-// wrapping ErrDevice (and the CUDA error, if any).
+// Device. A host without a usable driver gives an error wrapping ErrNoCUDA;
+// an ordinal the process does not see, one wrapping ErrDevice (and the CUDA
+// error, if any).
 //
 // zero never allocates or owns the framework's tensors. A Go stack that
 // keeps its tensors in CUDA memory and exposes their addresses hands them

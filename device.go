@@ -13,11 +13,13 @@ import (
 // with -tags cuda, a GPU. The engine talks to memory and kernels only
 // through it, so the CUDA path slots in behind the same calls.
 type Device interface {
+	// Name says which device this is, for messages: "cpu", "cuda:0 (…)".
 	Name() string
 	// NewStream returns a new stream of this device.
 	NewStream() (Stream, error)
 	// Alloc returns count zeroed elements of d, aligned to 64 bytes.
 	Alloc(count int, d DType) (Tensor, error)
+	// Free releases memory from Alloc; freeing a zero Tensor does nothing.
 	Free(t Tensor) error
 
 	// checkStream says whether s is a stream of this device.

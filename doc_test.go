@@ -6,6 +6,7 @@ import (
 	"go/parser"
 	"go/token"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -51,28 +52,46 @@ func TestEveryExportedIdentifierHasADoc(t *testing.T) {
 						if s.Doc == nil && d.Doc == nil {
 							missing(s.Pos(), "type "+s.Name.Name)
 						}
-						if st, ok := s.Type.(*ast.StructType); ok {
-							for _, fld := range st.Fields.List {
-								for _, n := range fld.Names {
-									if n.IsExported() && fld.Doc == nil && fld.Comment == nil {
-										missing(n.Pos(), s.Name.Name+"."+n.Name)
-									}
+						var fields *ast.FieldList
+						switch x := s.Type.(type) {
+						case *ast.StructType:
+							fields = x.Fields
+						case *ast.InterfaceType: // the methods of an exported interface
+							fields = x.Methods
+						}
+						for _, fld := range fieldList(fields) {
+							for _, n := range fld.Names {
+								if n.IsExported() && fld.Doc == nil && fld.Comment == nil {
+									missing(n.Pos(), s.Name.Name+"."+n.Name)
 								}
 							}
 						}
 					case *ast.ValueSpec:
+						exported := false
 						for _, n := range s.Names {
-							// a constant in a documented group with a line comment or
-							// the group's doc counts as documented
+							exported = exported || n.IsExported()
+							// a constant with its own comment, or in a group whose
+							// doc covers it, counts as documented
 							if n.IsExported() && s.Doc == nil && s.Comment == nil && d.Doc == nil {
 								missing(n.Pos(), n.Name)
 							}
+						}
+						// a group of exported constants says what they are
+						if exported && d.Lparen.IsValid() && d.Doc == nil && spec == d.Specs[0] {
+							missing(d.Pos(), "the group of "+s.Names[0].Name)
 						}
 					}
 				}
 			}
 		}
 	}
+}
+
+func fieldList(l *ast.FieldList) []*ast.Field {
+	if l == nil {
+		return nil
+	}
+	return l.List
 }
 
 func exportedReceiver(recv *ast.FieldList) bool {
@@ -98,5 +117,36 @@ func TestReadmeQuotesTheExample(t *testing.T) {
 	body := string(src[bytes.Index(src, []byte("func Example()")):])
 	if !strings.Contains(string(readme), "```go\n"+strings.TrimRight(body, "\n")+"\n```") {
 		t.Error("README.md does not quote example_test.go from func Example() to its end; copy it into the README's Use it section")
+	}
+}
+
+// TestBuildWithoutCgo: with cgo off, in the default build and with -tags
+// cuda, the first error the compiler shows is the package's own, which
+// names the fix (cgo_required.go), not an undefined name of another file.
+func TestBuildWithoutCgo(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the package twice")
+	}
+	goTool, err := exec.LookPath("go")
+	if err != nil {
+		t.Skip("no go tool on PATH")
+	}
+	for _, tags := range []string{"", "cuda"} {
+		cmd := exec.Command(goTool, "build", "-tags", tags, "-o", os.DevNull, ".")
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		out, err := cmd.CombinedOutput()
+		if err == nil {
+			t.Fatalf("tags %q: the build with cgo off succeeded", tags)
+		}
+		var first string
+		for _, line := range strings.Split(string(out), "\n") {
+			if strings.Contains(line, ".go:") {
+				first = line
+				break
+			}
+		}
+		if !strings.Contains(first, "CGO_ENABLED_1") {
+			t.Errorf("tags %q: the first error is %q, want the one naming cgo\n%s", tags, first, out)
+		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"math"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -40,6 +41,33 @@ func TestConfigErrors(t *testing.T) {
 	}
 }
 
+// TestTensorWithinItsMemory: a Tensor that claims more bytes than the Go
+// slice it views (3 fp32 elements over 6 bytes of 16-bit values) is refused
+// before the engine reads past the slice, as a gradient and as a
+// parameter's Data.
+func TestTensorWithinItsMemory(t *testing.T) {
+	comms, _ := NewLocalGroup(1)
+	params := []Param{{Name: "a", Count: 3, DType: FP32}}
+	e, err := New(Config{Stage: 2, BucketBytes: 1 << 20}, comms[0], params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	s := NewHostStream()
+	defer s.Close()
+	x := make([]uint16, 5)
+	if _, err := e.GradReady(0, Halfs(x[:3], FP32), s); !errors.Is(err, ErrDType) || !strings.Contains(err.Error(), "Float32s") {
+		t.Errorf("Halfs as fp32: %v, want ErrDType naming Float32s", err)
+	}
+	if _, err := e.GradReady(0, Halfs(x, FP32).slice(2, 3), s); !errors.Is(err, ErrDType) {
+		t.Errorf("a slice past the end of its memory: %v, want ErrDType", err)
+	}
+	params[0].Data = Halfs(x[:3], FP32)
+	if _, err := New(Config{Stage: 2, BucketBytes: 1 << 20, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(1)}}}, comms[0], params); !errors.Is(err, ErrDType) {
+		t.Errorf("Data of Halfs as fp32: %v, want ErrDType", err)
+	}
+}
+
 // TestGradReadyErrors: bad gradients are refused with a typed error, and
 // nothing is lost: the right gradient reported afterwards gives the right
 // result.
@@ -65,6 +93,7 @@ func TestGradReadyErrors(t *testing.T) {
 			"negative":     {-1, Halfs(good, BF16), s, ErrParam},
 			"nil stream":   {1, Halfs(good, BF16), nil, ErrStream},
 			"wrong stream": {1, Halfs(good, BF16), fakeStream{}, ErrStream},
+			"unset dtype":  {1, Halfs(good, 0), s, ErrDType},
 		} {
 			if _, err := e.GradReady(tc.param, tc.grad, tc.s); !errors.Is(err, tc.want) {
 				t.Errorf("stage %d %s: %v, want %v", stage, name, err, tc.want)

@@ -33,7 +33,7 @@ func cudaHint(code int) string {
 	case 2: // cudaErrorMemoryAllocation
 		return "; lower BucketBytes or StagingBuffers, or free device memory"
 	case 35: // cudaErrorInsufficientDriver
-		return "; this host has no NVIDIA driver (libcuda.so.1) new enough for CUDA 13"
+		return "; this host has no NVIDIA driver (libcuda.so.1) new enough for CUDA 12.0 (driver 525.60 or newer)"
 	case 100: // cudaErrorNoDevice
 		return "; no CUDA-capable device is visible (check CUDA_VISIBLE_DEVICES)"
 	case 101: // cudaErrorInvalidDevice

@@ -74,17 +74,6 @@ import (
 	"unsafe"
 )
 
-// segment is one gradient of a batched kernel call: its address, its element
-// count, and the offset (in elements) of its first element in the flat
-// destination. It has the memory layout of zero_seg in kernels.h and holds
-// only integers, so a []segment may be passed to C as a pointer to its first
-// element.
-type segment struct {
-	ptr    uintptr
-	count  int64
-	offset int64
-}
-
 // Compile-time checks that segment and zero_seg have the same layout.
 var (
 	_ [unsafe.Sizeof(segment{}) - C.sizeof_zero_seg]byte
@@ -298,26 +287,11 @@ func allReduceFusedHost(bufs []uintptr, dtype DType, op ReduceOp, lo, hi int) {
 		C.int64_t(lo), C.int64_t(hi))
 }
 
-// optRange is one range of an optimizer pass: zero_opt_range of
-// elementwise.h, field for field.
-type optRange struct {
-	offset, count                                    int64
-	decay, step, beta1c, beta2, beta2c, bc2sqrt, eps float32
-	flags                                            int32
-}
-
 // The Go and C layouts of a range must agree.
 var (
 	_ [unsafe.Sizeof(optRange{}) - C.sizeof_zero_opt_range]byte
 	_ [C.sizeof_zero_opt_range - unsafe.Sizeof(optRange{})]byte
 )
-
-// optBuffers are the fp32 shard buffers of an optimizer pass (0: absent)
-// and the model-dtype copy of the new parameters.
-type optBuffers struct {
-	p, g, m, v, vmax, buf, out uintptr
-	outType                    DType
-}
 
 // adamwHost runs AdamW over the ranges of a shard of n elements, on both cores.
 func adamwHost(b optBuffers, ranges []optRange, gscale float32, n int) {

@@ -32,8 +32,11 @@ func (o ReduceOp) String() string {
 // the communicator's device and return at once; errors that happen while
 // they run (a peer failed, a timeout) fail the stream, and its Sync says so.
 type Comm interface {
+	// Rank is this rank's index in the group, 0 to Size()−1.
 	Rank() int
+	// Size is the number of ranks W.
 	Size() int
+	// Device is where the collectives' buffers live and their streams run.
 	Device() Device
 	// AllReduce reduces buf across ranks in place.
 	AllReduce(s Stream, buf Tensor, op ReduceOp) error

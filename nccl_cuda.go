@@ -53,7 +53,7 @@ func loadNCCL(library string) error {
 		if name == "" {
 			name = "libnccl.so.2"
 		}
-		return errorf(ErrNCCL, "cannot load NCCL (%s): %s; install it (pip install nvidia-nccl-cu13, or use PyTorch's) and put its lib folder on LD_LIBRARY_PATH, or set ZERO_NCCL_LIBRARY to the library's path", name, C.GoString(&msg[0]))
+		return errorf(ErrNCCL, "cannot load NCCL (%s): %s; install it (pip install nvidia-nccl-cu12, or use PyTorch's) and put its lib folder on LD_LIBRARY_PATH, or set ZERO_NCCL_LIBRARY to the library's path", name, C.GoString(&msg[0]))
 	}
 	return nil
 }

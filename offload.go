@@ -195,6 +195,12 @@ func (o *offloadPath) close() error {
 	return errors.Join(errs...)
 }
 
+// discard forgets the producers of a dropped backward (DiscardGrads).
+func (o *offloadPath) discard() {
+	clear(o.producers)
+	o.backwardEnd = nil
+}
+
 // endBackward marks the end of a backward on the device's clock: after
 // its producers' last events.
 func (o *offloadPath) endBackward() error {

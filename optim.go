@@ -195,7 +195,7 @@ func (e *Engine) initOptimizer() error {
 			return err
 		}
 	}
-	if o.norm, err = e.dev.Alloc(2, FP32); err != nil {
+	if o.norm, err = e.dev.Alloc(normWords*e.world, FP32); err != nil {
 		return err
 	}
 	switch {
@@ -332,8 +332,13 @@ func (e *Engine) loadParams(pool *bufferPool, into Tensor) error {
 	return s.Sync()
 }
 
+// normWords is what each rank contributes to the norm's all-gather: the
+// overflow flag and its sum of squares as (mantissa high, mantissa low,
+// exponent).
+const normWords = 4
+
 // optimizerStep is the optimizer's part of Step, after the reductions: the
-// overflow and the global norm, agreed by every rank in one all-reduce; the
+// overflow and the global norm, agreed by every rank in one all-gather; the
 // decision to skip; the fused optimizer pass over the master shard, with
 // the mean's 1/G, the loss scale and the clipping folded into one gradient
 // factor; then the new parameters, gathered bucket by bucket into their
@@ -351,22 +356,36 @@ func (e *Engine) optimizerStep(readScale float32, used []bool, overflowFlag floa
 	if err := ss.Sync(); err != nil {
 		return res, err
 	}
-	pair := []float32{overflowFlag, float32(sumsq)}
-	if err := e.dev.copy(s, o.norm, Float32s(pair)); err != nil {
+	// Each rank's sum of squares travels exactly, as a mantissa split in
+	// two fp32 halves and an exponent, in one all-gather with the overflow
+	// flag; every rank adds them in rank order in float64. A sum across
+	// ranks in fp32 would overflow for finite gradients whose norm passes
+	// 1.8e19.
+	m, exp := math.Frexp(sumsq)
+	hi := float32(m)
+	mine := []float32{overflowFlag, hi, float32(m - float64(hi)), float32(exp)}
+	part := o.norm.slice(e.rank*normWords, normWords)
+	if err := e.dev.copy(s, part, Float32s(mine)); err != nil {
 		return res, err
 	}
-	if err := e.comm.AllReduce(s, o.norm, OpSum); err != nil {
+	if err := e.comm.AllGather(s, part, o.norm); err != nil {
 		return res, err
 	}
-	e.pl.sent.add(KindAllReduce, o.norm.Bytes(), e.world)
-	if err := e.dev.copy(s, Float32s(pair), o.norm); err != nil {
+	e.pl.sent.add(KindAllGather, o.norm.Bytes(), e.world)
+	all := make([]float32, o.norm.count)
+	if err := e.dev.copy(s, Float32s(all), o.norm); err != nil {
 		return res, err
 	}
 	if err := s.Sync(); err != nil {
 		return res, err
 	}
-	overflow := pair[0] != 0
-	res.norm = math.Sqrt(float64(pair[1])) * float64(readScale) / o.scaler.scale
+	overflow, total := false, 0.0
+	for r := range e.world {
+		w := all[r*normWords : (r+1)*normWords]
+		overflow = overflow || w[0] != 0
+		total += math.Ldexp(float64(w[1])+float64(w[2]), int(w[3]))
+	}
+	res.norm = math.Sqrt(total) * float64(readScale) / o.scaler.scale
 	finite := !overflow && !math.IsInf(res.norm, 0) && !math.IsNaN(res.norm)
 	if !finite && (e.plan.dtype == FP16 || !e.cfg.Precision.KeepNonFinite || e.cfg.Optimizer.Clip > 0) {
 		res.skipped = true

@@ -1123,28 +1123,43 @@ func TestFailedStepChangesNothing(t *testing.T) {
 	}
 }
 
-// leavingComm counts its all-reduces from arm on; at the leaveAt-th it
-// closes the communicator instead (the rank leaves the group).
+// leavingComm counts its all-reduces and all-gathers from arm on; at the
+// leaveAt-th it closes the communicator instead (the rank leaves the group).
 type leavingComm struct {
 	Comm
 	armed          bool
 	calls, leaveAt int
 }
 
-func (c *leavingComm) AllReduce(s Stream, t Tensor, op ReduceOp) error {
+func (c *leavingComm) leaves() bool {
 	if c.armed {
 		c.calls++
 		if c.calls == c.leaveAt {
 			c.Comm.Close()
-			return errorf(ErrPeerFailed, "the test made this rank leave")
+			return true
 		}
+	}
+	return false
+}
+
+func (c *leavingComm) AllReduce(s Stream, t Tensor, op ReduceOp) error {
+	if c.leaves() {
+		return errorf(ErrPeerFailed, "the test made this rank leave")
 	}
 	return c.Comm.AllReduce(s, t, op)
 }
 
-// TestPeerLeavesDuringTheNorm: rank 1 leaves at the norm's all-reduce (the
-// step's second, after the window's); rank 0's Step fails with
-// ErrPeerFailed from that all-reduce, its state bit for bit as before.
+func (c *leavingComm) AllGather(s Stream, send, recv Tensor) error {
+	if c.leaves() {
+		return errorf(ErrPeerFailed, "the test made this rank leave")
+	}
+	return c.Comm.AllGather(s, send, recv)
+}
+
+// TestPeerLeavesDuringTheNorm: rank 1 leaves at the norm's all-gather (the
+// step's second all-reduce or all-gather, after the window's all-reduce);
+// rank 0's Step fails with ErrPeerFailed from it, its state bit for bit as
+// before.
 func TestPeerLeavesDuringTheNorm(t *testing.T) {
 	for _, stage := range []int{1, 2} {
 		comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
@@ -1180,7 +1195,7 @@ func TestPeerLeavesDuringTheNorm(t *testing.T) {
 			return err
 		})
 		if !errors.Is(errs[0], ErrPeerFailed) || calls[0] != 2 {
-			t.Errorf("stage %d: rank 0's Step returned %v in all-reduce %d, want ErrPeerFailed in the second", stage, errs[0], calls[0])
+			t.Errorf("stage %d: rank 0's Step returned %v in collective %d, want ErrPeerFailed in the second", stage, errs[0], calls[0])
 		}
 		for rank := range 2 {
 			if !after[rank].equal(before[rank]) || after[rank].scale != before[rank].scale {
@@ -1617,7 +1632,7 @@ func TestMeanAfterASkippedStep(t *testing.T) {
 // TestStepCollectives: Stats.Collectives counts every collective of the
 // step: with an optimizer at stages 1 and 2, the all-gather of each
 // bucket's new parameters (its padded bytes in the model dtype) beside the
-// reductions and the two all-reduces (the window's check, the norm).
+// reductions, the window's all-reduce and the norm's all-gather.
 func TestStepCollectives(t *testing.T) {
 	for _, stage := range []int{1, 2} {
 		for _, dt := range []DType{FP32, BF16} {
@@ -1642,7 +1657,10 @@ func TestStepCollectives(t *testing.T) {
 					want[KindAllGather].Calls++
 					want[KindAllGather].PayloadBytes += int64(b.Padded * dt.Size())
 				}
-				want[KindAllReduce].Calls = 2
+				// the window's check, and the norm's all-gather of every rank's sums
+				want[KindAllReduce].Calls = 1
+				want[KindAllGather].Calls++
+				want[KindAllGather].PayloadBytes += int64(4 * normWords * e.World())
 				for k := range want {
 					if got[k].Calls != want[k].Calls || k != int(KindAllReduce) && got[k].PayloadBytes != want[k].PayloadBytes {
 						return fmt.Errorf("%v: %+v, want %+v", CollectiveKind(k), got[k], want[k])
@@ -1651,6 +1669,42 @@ func TestStepCollectives(t *testing.T) {
 				return nil
 			})
 			everyRankIs(t, fmt.Sprintf("stage %d %v", stage, dt), errs, nil)
+		}
+	}
+}
+
+// TestNormBeyondFP32: a finite gradient whose global norm is far above
+// what an fp32 sum of squares holds (each element 1e19, the sum of squares
+// about 1e41) is clipped, not skipped as non-finite, and the norm is exact
+// to float64's reference.
+func TestNormBeyondFP32(t *testing.T) {
+	sizes := []int{300, 7, 1000}
+	grad := func(st, k, rank, p, j int) float64 { return float64(1+j%5) * 1e19 * float64(rank+1) }
+	mean := func(j int) float64 { return float64(1+j%5) * 1e19 * 1.5 }
+	sumsq := 0.0
+	for _, n := range sizes {
+		for j := range n {
+			sumsq += mean(j) * mean(j)
+		}
+	}
+	norm := math.Sqrt(sumsq)
+	for _, stage := range []int{1, 2} {
+		tr := runOpt(t, optCase{
+			cfg:   Config{Stage: stage, BucketBytes: 1024, Optimizer: OptimizerPolicy{Clip: 1, Groups: []Optimizer{NewSGD(1)}}},
+			sizes: sizes, dt: FP32, backwards: 2, steps: 1, grad: grad,
+			init: func(p, j int) float32 { return 0 },
+		})
+		for rank := range 2 {
+			st := tr.stats[rank][0]
+			if st.Skipped {
+				t.Fatalf("stage %d: a finite gradient of norm %.3g was skipped", stage, norm)
+			}
+			closeTo(t, fmt.Sprintf("stage %d rank %d: GradNorm", stage, rank), st.GradNorm, norm, 1e-6, 0)
+		}
+		for p, n := range sizes {
+			for j := range n {
+				closeTo(t, fmt.Sprintf("stage %d: master %d[%d]", stage, p, j), tr.master[0][p][j], -mean(j)/norm, 1e-6, 0)
+			}
 		}
 	}
 }

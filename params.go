@@ -421,3 +421,89 @@ func (st *paramState) close(dev Device) error {
 	}
 	return errors.Join(errs...)
 }
+
+// FullParams returns the current value of every parameter with memory, in
+// fp32, in registration order (nil for a parameter without memory): at
+// stages 1 and 2 read from Param.Data, which each Step updates; at stage 3
+// all-gathered bucket by bucket from the parameter shards, which is where
+// the current values live (Param.Data is read at New only). At stage 3 it
+// is a collective: every rank calls it. Its traffic is not counted in the
+// step's stats.
+func (e *Engine) FullParams() ([][]float32, error) {
+	if err := e.usable("FullParams"); err != nil {
+		return nil, err
+	}
+	if !hasParamMemory(e.params) {
+		return nil, errorf(ErrProtocol, "FullParams: the parameters were registered without memory; give Param.Data or Param.Init")
+	}
+	out := make([][]float32, len(e.params))
+	wide, err := e.dev.Alloc(max(e.plan.MaxBucket(), maxCount(e.params)), FP32)
+	if err != nil {
+		return nil, err
+	}
+	defer e.dev.Free(wide)
+	s := e.gatherStream
+	read := func(src Tensor) ([]float32, error) { // any dtype, on the device, to host fp32
+		host := make([]float32, src.count)
+		err := e.dev.cast(s, wide.slice(0, src.count), src, 1)
+		if err == nil {
+			err = e.dev.copy(s, Float32s(host), wide.slice(0, src.count))
+		}
+		if err == nil {
+			err = s.Sync()
+		}
+		return host, err
+	}
+	if e.ps == nil {
+		for p, q := range e.params {
+			if q.Data.count > 0 {
+				if out[p], err = read(q.Data); err != nil {
+					return nil, e.fail(err)
+				}
+			}
+		}
+		return out, nil
+	}
+	ev, err := e.reduceStream.Record() // the last Step's writes into the shard
+	if err == nil {
+		err = s.Wait(ev)
+	}
+	if err != nil {
+		return nil, e.fail(err)
+	}
+	buf, err := e.dev.Alloc(e.plan.MaxBucket(), e.plan.dtype)
+	if err != nil {
+		return nil, err
+	}
+	defer e.dev.Free(buf)
+	for _, bp := range e.plan.Buckets {
+		t := buf.slice(0, bp.Padded)
+		if err := e.comm.AllGather(s, e.ps.shard.slice(bp.ShardOffset, bp.Shard), t); err != nil {
+			return nil, e.fail(err)
+		}
+		flat, err := read(t)
+		if err != nil {
+			return nil, e.fail(err)
+		}
+		for _, p := range bp.Params {
+			off := e.plan.ParamOffset[p]
+			out[p] = append([]float32(nil), flat[off:off+e.params[p].Count]...)
+		}
+	}
+	for p, q := range e.params { // frozen parameters keep their own memory
+		if q.Frozen && q.Data.count > 0 {
+			if out[p], err = read(q.Data); err != nil {
+				return nil, e.fail(err)
+			}
+		}
+	}
+	return out, nil
+}
+
+func maxCount(params []Param) int {
+	n := 0
+	for _, p := range params {
+		n = max(n, p.Count)
+	}
+	return n
+}

@@ -831,3 +831,65 @@ func TestStage3RepeatedGathers(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestFullParams: the current parameters read the same at every stage (bf16
+// and fp32, with a frozen one): at stages 1 and 2 from Param.Data, at stage
+// 3 gathered from the shards, while stage 3 leaves Param.Data as it was at
+// New, as its doc says.
+func TestFullParams(t *testing.T) {
+	for _, dt := range []DType{FP32, BF16} {
+		var reads [4][][]float32
+		for _, stage := range []int{1, 2, 3} {
+			comms, _ := NewLocalGroupTimeout(2, 10*time.Second)
+			errs := eachRank(2, func(rank int) error {
+				ps, bufs := smallModel(dt, 0.5)
+				e, err := New(Config{Stage: stage, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.25)}}}, comms[rank], ps)
+				if err != nil {
+					return err
+				}
+				defer e.Close()
+				s := NewHostStream()
+				defer s.Close()
+				before := snapshotState(e, bufs).params
+				for range 2 {
+					g := make([]Tensor, 3)
+					for p := range g {
+						b := newTBuf(dt, ps[p].Count)
+						for j := range b.len() {
+							b.set(j, float32(j%5+1)/4)
+						}
+						g[p] = b.t()
+					}
+					if err := backward(e, s, g); err != nil {
+						return err
+					}
+					if err := e.Step(); err != nil {
+						return err
+					}
+				}
+				full, err := e.FullParams()
+				if err != nil {
+					return err
+				}
+				if stage == 3 && !slices.Equal(snapshotState(e, bufs).params, before) {
+					return fmt.Errorf("stage 3 wrote Param.Data")
+				}
+				if rank == 0 {
+					reads[stage] = full
+				}
+				return nil
+			})
+			everyRankIs(t, fmt.Sprintf("%v stage %d", dt, stage), errs, nil)
+		}
+		for _, stage := range []int{2, 3} {
+			for p := range reads[1] {
+				if !slices.Equal(reads[stage][p], reads[1][p]) {
+					t.Fatalf("%v: parameter %d reads %v at stage %d, %v at stage 1", dt, p, reads[stage][p][:3], stage, reads[1][p][:3])
+				}
+			}
+		}
+		if reads[1][0][0] == 0.5 {
+			t.Fatalf("%v: the parameters did not move", dt)
+		}
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -140,7 +141,8 @@ func TestWindowErrors(t *testing.T) {
 			everyRankIs(t, name, errs, nil)
 			everyRankIs(t, name+": 1 backward of GradAccumSteps 2", short[:], ErrProtocol)
 
-			// Rank 1 takes one backward fewer: every rank fails, none hangs.
+			// Rank 1 takes one backward fewer: every rank fails, none hangs,
+			// and the error names the cause.
 			errs = onEngines(2, 20*time.Second, cfg, params, func(e *Engine, s *HostStream) error {
 				for range 2 - e.Rank() {
 					if err := backward(e, s, ones); err != nil {
@@ -150,6 +152,11 @@ func TestWindowErrors(t *testing.T) {
 				return e.Step()
 			})
 			everyRankIs(t, name+": ranks took 2 and 1 backwards", errs, ErrMismatch)
+			for r, err := range errs {
+				if err != nil && !strings.Contains(err.Error(), "backwards") {
+					t.Errorf("%s: ranks took 2 and 1 backwards: rank %d's error does not name the cause: %v", name, r, err)
+				}
+			}
 		}
 	}
 }

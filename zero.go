@@ -47,6 +47,7 @@ type Engine struct {
 	backwards int // backwards since the last Step
 	stepIndex int
 	readScale float32 // the mean's 1/G, applied by whatever reads the shard
+	discarded bool    // DiscardGrads dropped the shard's sums: nothing to read until Step
 	stats     Stats
 	failed    error
 	closed    bool
@@ -374,6 +375,34 @@ func (e *Engine) EndBackward() error {
 	return nil
 }
 
+// DiscardGrads drops every gradient taken since the last Step, as PyTorch's
+// zero_grad: the backward under way, if any, ends without reducing what it
+// held; the window's local sums and the shard's partial sums are dropped;
+// the next backward starts a new window (a coalesced window or NoSync in
+// progress stays open; a pending NoSync flush is dropped with its sums).
+// It is the way back after a refused call in the middle of a backward or
+// a window. Every rank must call it at the same point: the reductions
+// issued before it have run, and no rank may have issued one that another
+// has not. Until the next Step the reduced gradient cannot be read.
+func (e *Engine) DiscardGrads() error {
+	if err := e.usable("DiscardGrads"); err != nil {
+		return err
+	}
+	if err := e.pl.discard(); err != nil {
+		return e.fail(err)
+	}
+	if e.off != nil {
+		e.off.discard()
+	}
+	e.events.recycle() // every producer event was synced
+	e.inBackward, e.boundary, e.lastStream = false, false, nil
+	e.backwards = 0
+	clear(e.usedWindow)
+	e.afterFlush()
+	e.discarded = true
+	return nil
+}
+
 // Step ends the accumulation window. Its first collective checks that
 // every rank took the same number of backwards G (and G = GradAccumSteps
 // where that is set); then it runs the reductions still pending (local
@@ -473,6 +502,7 @@ func (e *Engine) Step() error {
 	e.pl.sent = CommCounters{}
 	e.pl.mem.peak = e.pl.mem.cur
 	e.stepIndex++
+	e.discarded = false
 	e.backwards = 0
 	e.readScale = readScale
 	clear(e.usedWindow)
@@ -541,6 +571,9 @@ func (e *Engine) agreeOnWindow() (int, []bool, error) {
 		return 0, nil, e.fail(err)
 	}
 	if err := s.Sync(); err != nil {
+		if errors.Is(err, ErrMismatch) || errors.Is(err, ErrTimeout) {
+			err = fmt.Errorf("Step: the ranks' collectives diverged before its window check: at stages 2 and 3 ranks that took different numbers of backwards since the last Step (this rank took %d) issued different reductions; every rank must take the same backwards and call windows, gathers and reads at the same points: %w", e.backwards, err)
+		}
 		return 0, nil, e.fail(err)
 	}
 	groupsDiffer := false
@@ -692,6 +725,9 @@ func (e *Engine) readable(op string) error {
 	}
 	if e.stepIndex == 0 {
 		return errorf(ErrProtocol, "%s before the first Step; there is no reduced gradient yet", op)
+	}
+	if e.discarded {
+		return errorf(ErrProtocol, "%s after DiscardGrads; the shard holds no reduced gradient until the next Step", op)
 	}
 	if err := e.pl.sync(); err != nil {
 		return e.fail(err)
