@@ -279,12 +279,12 @@ func fzDecode(data []byte) *fzCase {
 	flags := r.next()
 	c.cfg.Overlap = flags&1 != 0
 	if flags&2 != 0 {
-		c.cfg.WindowDType = c.dtype
+		c.cfg.Window.DType = c.dtype
 	}
-	c.cfg.Offload = flags&12 == 12
-	c.cfg.CoalesceBudgetBytes = fzBudgets[flags>>4&3]
+	c.cfg.Offload.Optimizer = flags&12 == 12
+	c.cfg.Window.BudgetBytes = fzBudgets[flags>>4&3]
 	c.sparse = flags&64 != 0
-	c.cfg.GradAccumSteps = fzAccums[r.next()%8]
+	c.cfg.Grads.AccumSteps = fzAccums[r.next()%8]
 	c.opt = fzOpts[r.next()%4]
 	h, s := r.next(), r.next()
 	c.streams = 1 + int(s)%3
@@ -302,13 +302,13 @@ func fzDecode(data []byte) *fzCase {
 	c.lr = fzLRs[h&3]
 	switch c.opt {
 	case "sgd":
-		c.cfg.Groups = []Optimizer{SGD{LR: c.lr}}
+		c.cfg.Optimizer.Groups = []Optimizer{NewSGD(c.lr)}
 	case "adamw":
-		c.cfg.Groups = []Optimizer{AdamW{LR: c.lr, WeightDecay: 0.01}}
+		c.cfg.Optimizer.Groups = []Optimizer{with(NewAdamW(c.lr), func(o *AdamW) { o.WeightDecay = 0.01 })}
 	}
 	if c.opt != "none" {
-		c.cfg.Clip = fzClips[h>>2&3]
-		c.cfg.LossScale = fzLossScale(c.dtype, int(h>>4&3))
+		c.cfg.Optimizer.Clip = fzClips[h>>2&3]
+		c.cfg.Precision.LossScale = fzLossScale(c.dtype, int(h>>4&3))
 	}
 	for r.left() && len(c.ops) < fzMaxOps {
 		c.decodeOp(r)
@@ -545,10 +545,10 @@ func (c *fzCase) String() string {
 	cfg := c.cfg
 	fmt.Fprintf(&b, "world %d stage %d %v sizes %v memory %v opt %s", c.world, c.stage, c.dtype, c.sizes, c.memory, c.opt)
 	if c.opt != "none" {
-		fmt.Fprintf(&b, " lr %g clip %g lossScale %+v", c.lr, cfg.Clip, cfg.LossScale)
+		fmt.Fprintf(&b, " lr %g clip %g lossScale %+v", c.lr, cfg.Optimizer.Clip, cfg.Precision.LossScale)
 	}
-	fmt.Fprintf(&b, "\n  Config{BucketBytes: %d, Overlap: %v, Align: %d, GradAccumSteps: %d, CoalesceBudgetBytes: %d, WindowDType: %v, Offload: %v} streams %d sparse %v seed %d",
-		cfg.BucketBytes, cfg.Overlap, cfg.Align, cfg.GradAccumSteps, cfg.CoalesceBudgetBytes, cfg.WindowDType, cfg.Offload, c.streams, c.sparse, c.seed)
+	fmt.Fprintf(&b, "\n  Config{BucketBytes: %d, Overlap: %v, Align: %d, Grads: GradPolicy{AccumSteps: %d}, Window: WindowPolicy{BudgetBytes: %d, DType: %v}, Offload: OffloadPolicy{Optimizer: %v}} streams %d sparse %v seed %d",
+		cfg.BucketBytes, cfg.Overlap, cfg.Align, cfg.Grads.AccumSteps, cfg.Window.BudgetBytes, cfg.Window.DType, cfg.Offload.Optimizer, c.streams, c.sparse, c.seed)
 	if c.div.kind != "" {
 		fmt.Fprintf(&b, "\n  divergence: %s on rank %d", c.div.kind, c.div.rank)
 		switch {
@@ -777,7 +777,7 @@ type fzShared struct {
 func (c *fzCase) runRank(rank int, comm Comm, sh *fzShared) (lg *fzLog) {
 	lg = &fzLog{out: make([]fzOut, len(c.ops)), wins: map[int]*fzWindow{}, steps: map[int]*fzStepRec{}, gathers: map[int][][]uint32{}, faultOp: -1}
 	fc := &fzComm{Comm: comm}
-	if !c.cfg.Offload {
+	if !c.cfg.Offload.Optimizer {
 		// Freed memory stays mapped until the end (see finish); the ledger
 		// checks that Close frees every byte. Offload needs the host device.
 		fc.dev = newCountingDevice()
@@ -901,7 +901,7 @@ type fzModel struct {
 }
 
 func newFzModel(c *fzCase) *fzModel {
-	m := &fzModel{refs: make([]int, len(c.sizes)), sizes: c.sizes, accum: c.cfg.GradAccumSteps}
+	m := &fzModel{refs: make([]int, len(c.sizes)), sizes: c.sizes, accum: c.cfg.Grads.AccumSteps}
 	m.sharded = c.stage == 3 && c.memory && slices.ContainsFunc(c.sizes, func(n int) bool { return n > 0 })
 	return m
 }
@@ -1382,7 +1382,7 @@ type fzStats struct {
 }
 
 func (c *fzCase) newStats() *fzStats {
-	st := &fzStats{World: c.world, Stage: c.stage, DType: c.dtype.String(), Opt: c.opt, Offload: c.cfg.Offload,
+	st := &fzStats{World: c.world, Stage: c.stage, DType: c.dtype.String(), Opt: c.opt, Offload: c.cfg.Offload.Optimizer,
 		Overlap: c.cfg.Overlap, Sparse: c.sparse, Div: c.div.kind, Ops: map[string]int{}, Outcomes: map[string]int{}}
 	for _, op := range c.ops {
 		st.Ops[op.kind.String()]++
@@ -1458,7 +1458,7 @@ type fzRef struct {
 func (c *fzCase) reference(wins []*fzWindow) *fzRef {
 	g := wins[0].g
 	ref := &fzRef{g: g, mean: make([][]float64, len(c.sizes)), tol: make([][]float64, len(c.sizes)), poison: make([]bool, len(c.sizes))}
-	win := c.cfg.WindowDType
+	win := c.cfg.Window.DType
 	if win == 0 {
 		win = FP32
 	}
@@ -1680,7 +1680,7 @@ func (c *fzCase) check(logs []*fzLog, st *fzStats) []string {
 			bad("Step (op %d) succeeded with no backward", i)
 			continue
 		}
-		if a := c.cfg.GradAccumSteps; a > 0 && g != a {
+		if a := c.cfg.Grads.AccumSteps; a > 0 && g != a {
 			bad("Step (op %d) succeeded after %d backwards with GradAccumSteps %d", i, g, a)
 		}
 		ref := c.reference(wins)
@@ -1803,8 +1803,8 @@ func (c *fzCase) checkParams(logs []*fzLog, steps []int, refs map[int]*fzRef, ba
 			}
 			norm, normTol := math.Sqrt(sumsq)/scale, (math.Sqrt(errsq)+1e-6*math.Sqrt(sumsq))/scale
 			coef, coefRel := 1.0, 0.0
-			if c.cfg.Clip > 0 && norm+normTol > c.cfg.Clip {
-				coef = max(1, norm/c.cfg.Clip)
+			if c.cfg.Optimizer.Clip > 0 && norm+normTol > c.cfg.Optimizer.Clip {
+				coef = max(1, norm/c.cfg.Optimizer.Clip)
 				coefRel = normTol/max(norm, 1e-30) + 1e-6
 			}
 			for r, lg := range logs {

@@ -572,7 +572,7 @@ func (e *Engine) agreeOnWindow() (int, []bool, error) {
 	}
 	if err := s.Sync(); err != nil {
 		if errors.Is(err, ErrMismatch) || errors.Is(err, ErrTimeout) {
-			err = fmt.Errorf("Step: the ranks' collectives diverged before its window check: at stages 2 and 3 ranks that took different numbers of backwards since the last Step (this rank took %d) issued different reductions; every rank must take the same backwards and call windows, gathers and reads at the same points: %w", e.backwards, err)
+			err = fmt.Errorf("Step: the ranks' collectives diverged before its window check: at stages 2 and 3 ranks that took different numbers of backwards since the last Step (this rank took %d) issued different reductions; every rank must take the same backwards, call windows, gathers and reads at the same points, and at stage 3 hand over the same parameters in a backward that gathers: %w", e.backwards, err)
 		}
 		return 0, nil, e.fail(err)
 	}
