@@ -223,13 +223,6 @@ type SGD struct {
 // no dampening, no weight decay.
 func NewSGD(lr float64) SGD { return SGD{LR: lr, set: true} }
 
-type optKind int
-
-const (
-	optAdamW optKind = iota + 1
-	optSGD
-)
-
 func (o AdamW) kind() optKind { return optAdamW }
 func (o SGD) kind() optKind   { return optSGD }
 func (o AdamW) made() bool    { return o.set }

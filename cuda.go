@@ -185,7 +185,7 @@ func (p *pinnedWords) get(d *cudaDevice) (Tensor, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if len(p.free) == 0 {
-		page, err := d.allocPinned(1024, FP32)
+		page, _, err := d.allocPinned(1024, FP32)
 		if err != nil {
 			return Tensor{}, err
 		}
@@ -293,15 +293,15 @@ func (d *cudaDevice) Free(t Tensor) error {
 	return d.err("Free", C.zc_free(d.dev(), C.uintptr_t(t.ptr)))
 }
 
-func (d *cudaDevice) allocPinned(count int, t DType) (Tensor, error) {
+func (d *cudaDevice) allocPinned(count int, t DType) (Tensor, bool, error) {
 	if count == 0 {
-		return Tensor{dtype: t}, nil
+		return Tensor{dtype: t}, true, nil
 	}
 	var p C.uintptr_t
 	if code := C.zc_host_alloc(d.dev(), C.uint64_t(count*t.Size()), &p); code != 0 {
-		return Tensor{}, d.err(fmt.Sprintf("AllocPinned(%d × %v)", count, t), code)
+		return Tensor{}, false, d.err(fmt.Sprintf("AllocPinned(%d × %v)", count, t), code)
 	}
-	return Tensor{ptr: uintptr(p), count: count, dtype: t}, nil
+	return Tensor{ptr: uintptr(p), count: count, dtype: t}, true, nil
 }
 
 func (d *cudaDevice) freePinned(t Tensor) error {
@@ -795,7 +795,7 @@ func (d *cudaDevice) sumSquares(s Stream, x Tensor, out *float64) error {
 		if sc.part, err = d.Alloc(2*(C.ZC_SUMSQ_MAX_BLOCKS+1), FP32); err != nil {
 			return err
 		}
-		if sc.out, err = d.allocPinned(2, FP32); err != nil {
+		if sc.out, _, err = d.allocPinned(2, FP32); err != nil {
 			d.Free(sc.part)
 			return err
 		}

@@ -42,6 +42,29 @@ func (d DType) String() string {
 	return fmt.Sprintf("DType(%d)", int(d))
 }
 
+// ReduceOp combines values across ranks. The codes match elementwise.h.
+type ReduceOp int
+
+// The reductions every communicator supports.
+const (
+	OpSum ReduceOp = iota // Σ over ranks
+	OpAvg                 // Σ over ranks / W (ncclAvg on NCCL)
+	OpMax                 // max over ranks; a NaN wins
+)
+
+// String names the op as "sum", "avg" or "max".
+func (o ReduceOp) String() string {
+	switch o {
+	case OpSum:
+		return "sum"
+	case OpAvg:
+		return "avg"
+	case OpMax:
+		return "max"
+	}
+	return fmt.Sprintf("ReduceOp(%d)", int(o))
+}
+
 // Tensor is a flat view of elements in host or device memory. It keeps
 // a reference to the Go slice it was made from, so the memory stays alive
 // for as long as the engine holds the tensor in a queued operation.

@@ -10,7 +10,6 @@ import "C"
 import (
 	"fmt"
 	"runtime"
-	"sync"
 	"time"
 )
 
@@ -45,7 +44,7 @@ func NewCUDALocalGroupTimeout(n int, dev Device, timeout time.Duration) ([]Comm,
 		return nil, errorf(ErrDevice, "NewCUDALocalGroup: device %s is not a CUDA device; pass one from zero.CUDA", deviceName(dev))
 	}
 	g := &cudaGroup{n: n, dev: d, timeout: timeout, slots: make([]cudaSlot, n),
-		phase: &cudaPhase{done: make(chan struct{})}, aborted: make(chan struct{})}
+		phase: &cudaPhase{done: make(chan struct{})}, abortLatch: newAbortLatch()}
 	comms := make([]Comm, n)
 	for r := range comms {
 		c := &cudaLocalComm{g: g, rank: r}
@@ -62,12 +61,10 @@ type cudaGroup struct {
 	dev     *cudaDevice
 	timeout time.Duration
 
-	mu      sync.Mutex
-	slots   []cudaSlot
-	arrived int
-	phase   *cudaPhase
-	aborted chan struct{}
-	reason  error
+	abortLatch // its mu also guards the rendezvous
+	slots      []cudaSlot
+	arrived    int
+	phase      *cudaPhase
 }
 
 // cudaPhase is one rendezvous: done closes when the last rank has enqueued
@@ -82,21 +79,6 @@ type cudaSlot struct {
 	a      collArgs
 	stream *cudaStream
 	ready  *cudaEvent
-}
-
-func (g *cudaGroup) abort(err error) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.reason == nil {
-		g.reason = err
-		close(g.aborted)
-	}
-}
-
-func (g *cudaGroup) abortErr() error {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	return g.reason
 }
 
 type cudaLocalComm struct {
@@ -167,9 +149,8 @@ func (c *cudaLocalComm) collective(s Stream, a collArgs, payload int, ts ...Tens
 	case <-g.aborted:
 	case <-timer.C:
 		g.mu.Lock()
-		if !ph.claimed && g.reason == nil {
-			g.reason = errorf(ErrTimeout, "rank %d waited %v in %v for its peers; a rank failed, returned early or issued fewer collectives", c.rank, g.timeout, a)
-			close(g.aborted)
+		if !ph.claimed {
+			g.abortLocked(errorf(ErrTimeout, "rank %d waited %v in %v for its peers; a rank failed, returned early or issued fewer collectives", c.rank, g.timeout, a))
 		}
 		g.mu.Unlock()
 	}

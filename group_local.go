@@ -1,12 +1,8 @@
 package zero
 
 import (
-	"sync"
 	"time"
 )
-
-// DefaultTimeout bounds how long a collective waits for its peers.
-const DefaultTimeout = 5 * time.Minute
 
 // NewLocalGroup returns n communicators over host memory, one per rank,
 // for n ranks driven by goroutines of one process. Collectives are
@@ -25,7 +21,7 @@ func NewLocalGroupTimeout(n int, timeout time.Duration) ([]Comm, error) {
 	if timeout <= 0 {
 		return nil, errorf(ErrConfig, "NewLocalGroup: timeout %v; give a positive duration", timeout)
 	}
-	g := &localGroup{n: n, timeout: timeout, pending: map[uint64]*rendezvous{}, aborted: make(chan struct{})}
+	g := &localGroup{n: n, timeout: timeout, pending: map[uint64]*rendezvous{}, abortLatch: newAbortLatch()}
 	comms := make([]Comm, n)
 	for r := range comms {
 		c := &localComm{g: g, rank: r}
@@ -39,10 +35,8 @@ type localGroup struct {
 	n       int
 	timeout time.Duration
 
-	mu      sync.Mutex
-	pending map[uint64]*rendezvous // by collective sequence number
-	aborted chan struct{}
-	reason  error
+	abortLatch                        // its mu also guards pending
+	pending    map[uint64]*rendezvous // by collective sequence number
 }
 
 // rendezvous is one collective: the k-th collective of every rank meets
@@ -53,21 +47,6 @@ type rendezvous struct {
 	departed int
 	all      chan struct{} // every rank published its arguments
 	done     chan struct{} // every rank finished its part
-}
-
-func (g *localGroup) abort(err error) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.reason == nil {
-		g.reason = err
-		close(g.aborted)
-	}
-}
-
-func (g *localGroup) abortErr() error {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	return g.reason
 }
 
 // meet counts rank in at one phase of collective seq and returns when

@@ -287,6 +287,29 @@ func allReduceFusedHost(bufs []uintptr, dtype DType, op ReduceOp, lo, hi int) {
 		C.int64_t(lo), C.int64_t(hi))
 }
 
+// The flags of elementwise.h's zero_opt_range.
+const (
+	optAMSGrad  = C.ZERO_OPT_AMSGRAD
+	optNesterov = C.ZERO_OPT_NESTEROV
+	optFirst    = C.ZERO_OPT_FIRST
+)
+
+// The codes that cross into C as integers equal the C side's.
+var (
+	_ [int(FP32) - C.ZERO_F32]byte
+	_ [C.ZERO_F32 - int(FP32)]byte
+	_ [int(BF16) - C.ZERO_BF16]byte
+	_ [C.ZERO_BF16 - int(BF16)]byte
+	_ [int(FP16) - C.ZERO_F16]byte
+	_ [C.ZERO_F16 - int(FP16)]byte
+	_ [int(OpSum) - C.ZERO_SUM]byte
+	_ [C.ZERO_SUM - int(OpSum)]byte
+	_ [int(OpAvg) - C.ZERO_AVG]byte
+	_ [C.ZERO_AVG - int(OpAvg)]byte
+	_ [int(OpMax) - C.ZERO_MAX]byte
+	_ [C.ZERO_MAX - int(OpMax)]byte
+)
+
 // The Go and C layouts of a range must agree.
 var (
 	_ [unsafe.Sizeof(optRange{}) - C.sizeof_zero_opt_range]byte

@@ -30,3 +30,30 @@ type optBuffers struct {
 	p, g, m, v, vmax, buf, out uintptr
 	outType                    DType
 }
+
+// optKind is the optimizer a fused pass runs.
+type optKind int
+
+const (
+	optAdamW optKind = iota + 1
+	optSGD
+)
+
+// optTensors are the buffers of an optimizer pass: the fp32 master shard p,
+// its gradient g, the moments (AdamW: m, v and vmax with amsgrad; SGD: m is
+// the momentum buffer, absent without momentum), and out, the model-dtype
+// copy of the new parameters.
+type optTensors struct {
+	p, g, m, v, vmax, out Tensor
+}
+
+// slice is elements [off, off+n) of every buffer present.
+func (b optTensors) slice(off, n int) optTensors {
+	sl := func(t Tensor) Tensor {
+		if t.ptr == 0 {
+			return t
+		}
+		return t.slice(off, n)
+	}
+	return optTensors{p: sl(b.p), g: sl(b.g), m: sl(b.m), v: sl(b.v), vmax: sl(b.vmax), out: sl(b.out)}
+}

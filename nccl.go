@@ -3,29 +3,44 @@ package zero
 import (
 	"fmt"
 	"sync"
+	"time"
 )
 
-// ReduceOp combines values across ranks. The codes match elementwise.h.
-type ReduceOp int
+// DefaultTimeout bounds how long a collective of an in-process group waits
+// for its peers.
+const DefaultTimeout = 5 * time.Minute
 
-// The reductions every communicator supports.
-const (
-	OpSum ReduceOp = iota // Σ over ranks
-	OpAvg                 // Σ over ranks / W (ncclAvg on NCCL)
-	OpMax                 // max over ranks; a NaN wins
-)
+// abortLatch is an in-process group's first failure: it is set once, and
+// every rank's waits and later collectives see it. Its mutex is the group's
+// own, so a rank's arrival at a rendezvous and an abort never interleave.
+type abortLatch struct {
+	mu      sync.Mutex
+	reason  error
+	aborted chan struct{}
+}
 
-// String names the op as "sum", "avg" or "max".
-func (o ReduceOp) String() string {
-	switch o {
-	case OpSum:
-		return "sum"
-	case OpAvg:
-		return "avg"
-	case OpMax:
-		return "max"
+func newAbortLatch() abortLatch { return abortLatch{aborted: make(chan struct{})} }
+
+// abort records err as the group's failure, unless one is recorded already.
+func (l *abortLatch) abort(err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.abortLocked(err)
+}
+
+// abortLocked is abort with mu held.
+func (l *abortLatch) abortLocked(err error) {
+	if l.reason == nil {
+		l.reason = err
+		close(l.aborted)
 	}
-	return fmt.Sprintf("ReduceOp(%d)", int(o))
+}
+
+// abortErr is the group's failure, or nil.
+func (l *abortLatch) abortErr() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.reason
 }
 
 // Comm is one rank's communicator. Collectives are enqueued on a stream of

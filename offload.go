@@ -3,8 +3,6 @@ package zero
 import (
 	"errors"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 // CPU offload (Config.Offload): the fp32 gradient shard, the fp32 master
@@ -16,69 +14,6 @@ import (
 // parameters go back to the device for the all-gather. On the CPU device the
 // "device" buffers and the host ones are distinct mappings copied on the
 // same streams, so this path runs, and is tested, on every machine.
-
-// mlockHost page-locks host memory. Tests replace it to refuse, as a low
-// RLIMIT_MEMLOCK does.
-var mlockHost = unix.Mlock
-
-// hostMemory allocates an offloading engine's host memory, page-locked
-// where it can: cuMemHostAlloc for a GPU; mmap and mlock on the CPU device,
-// falling back to unlocked memory where mlock is refused. It counts the
-// bytes it holds and how many of them are locked.
-type hostMemory struct {
-	dev    Device
-	bytes  int64           // held
-	locked int64           // of which page-locked
-	pinned map[uintptr]int // locked bytes of each allocation
-}
-
-func newHostMemory(dev Device) (*hostMemory, error) {
-	switch dev.(type) {
-	case *hostDevice, pinnedAllocator:
-		return &hostMemory{dev: dev, pinned: map[uintptr]int{}}, nil
-	}
-	return nil, errorf(ErrDevice, "Offload on device %s, which has no page-locked host memory; use zero.CPU() or a device from zero.CUDA, or leave Offload off", dev.Name())
-}
-
-func (m *hostMemory) Alloc(count int, d DType) (Tensor, error) {
-	var t Tensor
-	var err error
-	locked := false
-	switch x := m.dev.(type) {
-	case *hostDevice:
-		if t, err = x.Alloc(count, d); err == nil && t.ptr != 0 {
-			locked = mlockHost(t.hostBytes()) == nil
-		}
-	case pinnedAllocator:
-		t, err = x.allocPinned(count, d)
-		locked = true
-	}
-	if err != nil || t.ptr == 0 {
-		return t, err
-	}
-	m.bytes += int64(t.Bytes())
-	if locked {
-		m.pinned[t.ptr] = t.Bytes()
-		m.locked += int64(t.Bytes())
-	}
-	return t, nil
-}
-
-func (m *hostMemory) Free(t Tensor) error {
-	if t.ptr == 0 {
-		return nil
-	}
-	m.bytes -= int64(t.Bytes())
-	m.locked -= int64(m.pinned[t.ptr])
-	delete(m.pinned, t.ptr)
-	switch x := m.dev.(type) {
-	case *hostDevice:
-		return x.Free(t) // munmap unlocks
-	case pinnedAllocator:
-		return x.freePinned(t)
-	}
-	return nil
-}
 
 // offloadPath moves reduced shards from the device to the host shard.
 type offloadPath struct {

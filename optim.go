@@ -40,13 +40,6 @@ func (o SGD) rangeFor(r *optRange, t int) {
 	}
 }
 
-// The flags of elementwise.h's zero_opt_range.
-const (
-	optAMSGrad  = 1
-	optNesterov = 2
-	optFirst    = 4
-)
-
 // lossScaler is DeepSpeed's DynamicLossScaler, step by step.
 type lossScaler struct {
 	dynamic    bool
