@@ -128,6 +128,20 @@ func newPlan(params []Param, bucketBytes, world, align int) *Plan {
 	return p
 }
 
+// bucketSegments lays out the members of bucket b that have memory, and
+// that are used where used is given, as segments of the bucket's flat
+// layout.
+func bucketSegments(p *Plan, params []Param, b int, used []bool) []Segment {
+	var segs []Segment
+	for _, m := range p.Buckets[b].Params {
+		if params[m].Data.count == 0 || (used != nil && !used[m]) {
+			continue
+		}
+		segs = append(segs, Segment{Src: params[m].Data, Offset: p.ParamOffset[m]})
+	}
+	return segs
+}
+
 // MaxBucket returns the padded size of the largest bucket.
 func (p *Plan) MaxBucket() int {
 	m := 0
@@ -214,12 +228,10 @@ type pipeline struct {
 	dev    Device
 	comm   Comm
 	stream Stream      // the reduction stream
-	shard  Tensor      // fp32: the concatenation of this rank's bucket shards
-	flag   Tensor      // fp32: raised by accumulate on inf or NaN
 	mem    memoryMeter // device bytes
-	// off, with Offload, takes each reduced shard to the host: shard and
-	// flag are then host memory, from off.mem.
-	off *offloadPath
+	// sink holds the fp32 shard (the concatenation of this rank's bucket
+	// shards) and the overflow flag, and lands each reduction into it.
+	sink sink
 
 	stagingPool *bufferPool // comm dtype, MaxBucket elements each
 	localPool   *bufferPool // fp32, one bucket's elements each
@@ -258,21 +270,12 @@ type bucketState struct {
 // bug of seed 002. Only the test that shows the rule is needed sets it.
 var waitOnlyLastProducer = false
 
-func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream Stream, off *offloadPath) (*pipeline, error) {
-	pl := &pipeline{spec: spec, plan: plan, dev: dev, comm: comm, stream: stream, reducing: map[Stream]Event{}, off: off}
+func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream Stream, sk sink) (*pipeline, error) {
+	pl := &pipeline{spec: spec, plan: plan, dev: dev, comm: comm, stream: stream, reducing: map[Stream]Event{}, sink: sk}
 	pl.stagingPool = newBufferPool(dev, spec.commDType, &pl.mem)
 	pl.localPool = newBufferPool(dev, FP32, &pl.mem)
 	pl.windowPool = newBufferPool(dev, spec.windowDType, &pl.mem)
-	var err error
-	if pl.shard, err = pl.shardMemory().Alloc(plan.ShardElems, FP32); err != nil {
-		return pl, err
-	}
-	if off == nil {
-		pl.mem.add(int64(pl.shard.Bytes()))
-	}
-	if pl.flag, err = pl.shardMemory().Alloc(1, FP32); err != nil {
-		return pl, err
-	}
+	pl.mem.add(sk.deviceBytes())
 	if err := pl.stagingPool.grow(plan.MaxBucket(), spec.staging); err != nil {
 		return pl, err
 	}
@@ -285,12 +288,75 @@ func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream St
 	return pl, nil
 }
 
-// shardMemory is where the shard and the flag live.
-func (pl *pipeline) shardMemory() allocator {
-	if pl.off != nil {
-		return pl.off.mem
+// sink is where the pipeline lands each bucket's reduced part, and where
+// the fp32 gradient shard and the overflow flag live: device memory,
+// summed in place on the reduction's stream (deviceSink, below), or, with
+// offload, page-locked host memory summed by the host (offload.go).
+type sink interface {
+	shard() Tensor // fp32, the plan's shard layout
+	flag() Tensor  // one fp32, raised on an inf or NaN landed
+	// side is where the shard is read and worked on, for a caller who
+	// would use device stream s: that device and s, or the host and its
+	// stream.
+	side(s Stream) (Device, Stream)
+	// land sums mine, this rank's reduced part of a bucket (comm dtype,
+	// written on rs), into the shard at offset: copy when first, add after,
+	// times scale, raising the flag on inf or NaN. On an error, read is
+	// still the event after which mine may be reused.
+	land(rs Stream, mine Tensor, offset int, first bool, scale float32) (landing, error)
+	// onDevice returns the shard in device memory for a collective on s:
+	// the shard itself, or a copy in scratch that s waits for.
+	onDevice(s Stream, scratch Tensor) (Tensor, error)
+	deviceBytes() int64 // the device memory the shard takes
+	close() error       // frees the shard and the flag
+}
+
+// landing is what a sink enqueued for one reduction: read fires once the
+// reduced part may be reused; reduced once this reduction is done with the
+// bucket's part of the shard as far as the next reduction of the bucket
+// must wait (and its time ends); pending are the last events of every
+// stream the landing ran on, which the pipeline's sync waits for.
+type landing struct {
+	read, reduced Event
+	pending       []streamEvent
+}
+
+// deviceSink keeps the shard in device memory and sums each reduction into
+// it on the reduction's own stream.
+type deviceSink struct {
+	dev         Device
+	sum, raised Tensor // the shard and the flag
+}
+
+func newDeviceSink(dev Device, n int) (*deviceSink, error) {
+	d := &deviceSink{dev: dev}
+	var err error
+	if d.sum, err = dev.Alloc(n, FP32); err != nil {
+		return d, err
 	}
-	return pl.dev
+	d.raised, err = dev.Alloc(1, FP32)
+	return d, err
+}
+
+func (d *deviceSink) shard() Tensor                           { return d.sum }
+func (d *deviceSink) flag() Tensor                            { return d.raised }
+func (d *deviceSink) side(s Stream) (Device, Stream)          { return d.dev, s }
+func (d *deviceSink) onDevice(Stream, Tensor) (Tensor, error) { return d.sum, nil }
+func (d *deviceSink) deviceBytes() int64                      { return int64(d.sum.Bytes()) }
+
+func (d *deviceSink) land(rs Stream, mine Tensor, offset int, first bool, scale float32) (landing, error) {
+	if err := d.dev.accumulate(rs, d.sum, []Segment{{Src: mine, Offset: offset}}, first, scale, d.raised); err != nil {
+		return landing{read: fence(rs)}, err
+	}
+	done, err := rs.Record()
+	if err != nil {
+		return landing{read: fence(rs)}, err
+	}
+	return landing{read: done, reduced: done, pending: []streamEvent{{rs, done}}}, nil
+}
+
+func (d *deviceSink) close() error {
+	return errors.Join(d.dev.Free(d.sum), d.dev.Free(d.raised))
 }
 
 // take enqueues on stream the reads of gradients grads[idx] of bucket b
@@ -506,16 +572,16 @@ func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 		}
 	}
 	bs.stage = nil
+	freeAt := Event(nil) // on a failure, when the staging buffer may be reused
 	defer func() {
 		if err != nil {
 			// What was enqueued before the failure may still use the
 			// buffers: the pool (trimmed by Close before the shard is
 			// freed) waits for it.
-			if pl.off != nil {
-				pl.off.copy.Wait(fence(rs))
-				rs = pl.off.copy
+			if freeAt == nil {
+				freeAt = fence(rs)
 			}
-			pl.stagingPool.put(st, fence(rs))
+			pl.stagingPool.put(st, freeAt)
 		}
 	}()
 	if err := rs.Wait(st.free); err != nil {
@@ -554,39 +620,24 @@ func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 		return err
 	}
 	pl.sent.add(KindReduceScatter, buf.Bytes(), pl.spec.world)
-	// done: the reduction has finished with the staging buffer and the
-	// local sums; read: and so has whatever reads the reduced part.
-	var done, read Event
-	if pl.off == nil {
-		err = pl.dev.accumulate(rs, pl.shard, []Segment{{Src: mine, Offset: bp.ShardOffset}}, bs.copyFirst, pl.spec.postscale, pl.flag)
-		if err == nil {
-			done, err = rs.Record()
-		}
-		read = done
-	} else {
-		var added Event
-		done, err = rs.Record()
-		if err == nil {
-			read, added, err = pl.off.land(mine, done, pl.shard, bp.ShardOffset, bs.copyFirst, pl.spec.postscale, pl.flag)
-		}
-		if err == nil {
-			pl.reducing[pl.off.copy], pl.reducing[pl.off.stream] = read, added
-		}
-	}
+	l, err := pl.sink.land(rs, mine, bp.ShardOffset, bs.copyFirst, pl.spec.postscale)
 	if err != nil {
+		freeAt = l.read
 		return err
 	}
+	for _, p := range l.pending {
+		pl.reducing[p.stream] = p.event
+	}
 	bs.copyFirst = false
-	bs.reduced = done
+	bs.reduced = l.reduced
 	clear(bs.producers)
 	bs.last = nil
-	pl.stagingPool.put(st, read)
+	pl.stagingPool.put(st, l.read)
 	if bs.local != nil {
-		pl.localPoolOf(bs.local).put(bs.local, done)
+		pl.localPoolOf(bs.local).put(bs.local, l.reduced)
 		bs.local = nil
 	}
-	pl.reducing[rs] = done
-	pl.reduceTimes = append(pl.reduceTimes, [2]Event{start, done})
+	pl.reduceTimes = append(pl.reduceTimes, [2]Event{start, l.reduced})
 	return nil
 }
 
@@ -705,11 +756,7 @@ func (pl *pipeline) newWindow() {
 
 // trim frees pooled buffers beyond the initial staging buffers.
 func (pl *pipeline) trim() error {
-	errs := []error{pl.stagingPool.trim(pl.spec.staging), pl.localPool.trim(0), pl.windowPool.trim(0)}
-	if pl.off != nil {
-		errs = append(errs, pl.off.landing.trim(pl.off.keep))
-	}
-	return errors.Join(errs...)
+	return errors.Join(pl.stagingPool.trim(pl.spec.staging), pl.localPool.trim(0), pl.windowPool.trim(0))
 }
 
 // close waits for the work that still reads or writes the pipeline's
@@ -734,14 +781,74 @@ func (pl *pipeline) close() error {
 	for _, done := range pl.reducing {
 		errs = append(errs, done.Sync())
 	}
-	errs = append(errs, pl.stagingPool.trim(0), pl.localPool.trim(0), pl.windowPool.trim(0))
-	for _, t := range []Tensor{pl.shard, pl.flag} {
-		if t.ptr != 0 {
-			errs = append(errs, pl.shardMemory().Free(t))
-		}
-	}
-	if pl.off == nil {
-		pl.mem.add(-int64(pl.shard.Bytes()))
-	}
+	errs = append(errs, pl.stagingPool.trim(0), pl.localPool.trim(0), pl.windowPool.trim(0), pl.sink.close())
+	pl.mem.add(-pl.sink.deviceBytes())
 	return errors.Join(errs...)
+}
+
+// ---- what the other components ask of the pipeline ----------------------------
+
+// gradShard is the fp32 gradient shard, where the sink keeps it.
+func (pl *pipeline) gradShard() Tensor { return pl.sink.shard() }
+
+// shardSide is where the shard is read and worked on, for a caller on
+// device stream s.
+func (pl *pipeline) shardSide(s Stream) (Device, Stream) { return pl.sink.side(s) }
+
+// shardOnDevice is the shard in device memory for a collective on s (a copy
+// in scratch when it lives on the host).
+func (pl *pipeline) shardOnDevice(s Stream, scratch Tensor) (Tensor, error) {
+	return pl.sink.onDevice(s, scratch)
+}
+
+// takeOverflow reads the overflow flag raised since the last call and
+// lowers it; the reductions must have been synced.
+func (pl *pipeline) takeOverflow(s Stream) (float32, error) {
+	flag := []float32{0}
+	d, ss := pl.sink.side(s)
+	if err := d.copy(ss, Float32s(flag), pl.sink.flag()); err != nil {
+		return 0, err
+	}
+	if err := d.zero(ss, pl.sink.flag()); err != nil {
+		return 0, err
+	}
+	return flag[0], ss.Sync()
+}
+
+// stageMode is bucket b's own mode; setMode sets the mode it runs in (a
+// window's).
+func (pl *pipeline) stageMode(b int) bucketMode  { return pl.spec.modes[b] }
+func (pl *pipeline) setMode(b int, m bucketMode) { pl.buckets[b].mode = m }
+func (pl *pipeline) residentBytes() int64        { return pl.mem.cur }
+func (pl *pipeline) owesFlushAtStep() bool       { return pl.unflushed }
+
+// report fills the step's reduction figures and starts the next window's.
+func (pl *pipeline) report(st *Stats) error {
+	var err error
+	if st.ReduceTime, err = pl.reduceTimes.take(); err != nil {
+		return err
+	}
+	st.Collectives = st.Collectives.Add(pl.sent)
+	st.StagingBuffers = pl.stagingPool.held
+	st.PeakGradBytes, st.ResidentGradBytes = pl.mem.peak, pl.mem.cur
+	st.PooledGradBytes = pl.stagingPool.bytes + pl.localPool.bytes + pl.windowPool.bytes
+	pl.sent = CommCounters{}
+	pl.mem.peak = pl.mem.cur
+	return nil
+}
+
+// markReported marks params as reported in this backward, or refuses the
+// whole batch, marking nothing, when one of them was reported already (or
+// comes twice in it). name names a parameter in the error.
+func (pl *pipeline) markReported(params []int, name func(int) string) error {
+	for i, p := range params {
+		if pl.reported[p] {
+			for _, q := range params[:i] {
+				pl.reported[q] = false
+			}
+			return errorf(ErrDuplicateGrad, "GradReady(%d %q) twice in one backward; call EndBackward between backwards, or sum the gradient before reporting it", p, name(p))
+		}
+		pl.reported[p] = true
+	}
+	return nil
 }

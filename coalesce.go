@@ -1,38 +1,47 @@
 package zero
 
-import "errors"
-
 // Coalesced windows and NoSync: several backwards, then one reduction per
 // bucket instead of one per backward. Inside a window the buckets run in
-// the pipeline's local mode (fp32 sums at full size, as ZeRO-1's), so the
+// the pipeline's local mode (sums at full size, as ZeRO-1's), so the
 // arithmetic is ZeRO-1's: a local sum, then one reduction. With
-// CoalesceBudgetBytes, only the buckets backward produces last are local,
+// Window.BudgetBytes, only the buckets backward produces last are local,
 // as many as fit; the others stay streamed.
 
-// coalesceState is the window the engine is in.
-type coalesceState struct {
-	active    bool // inside BeginCoalesce/EndCoalesce
-	noSync    bool // inside BeginNoSync/EndNoSync
-	flushNext bool // NoSync ended: the next backward reduces (DDP's rule)
+// window is the window the engine is in.
+type window struct {
+	pl        *pipeline
+	plan      *Plan
+	budget    int64 // Window.BudgetBytes (0: every bucket is local)
+	dtype     DType // Window.DType: of the window's local sums
+	active    bool  // inside BeginCoalesce/EndCoalesce
+	noSync    bool  // inside BeginNoSync/EndNoSync
+	flushNext bool  // NoSync ended: the next backward reduces (DDP's rule)
 	// resident is the gradient memory held when the window's last backward
 	// ended, before its flush, for the stats.
 	resident int64
 }
 
+func newWindow(pl *pipeline, plan *Plan, cfg WindowPolicy) window {
+	return window{pl: pl, plan: plan, budget: int64(cfg.BudgetBytes), dtype: cfg.DType}
+}
+
+// open reports whether a coalesced window or NoSync is open: Step and
+// SetBoundary wait for its end.
+func (w *window) open() bool { return w.active || w.noSync }
+
 // localInWindow picks the buckets a window makes local: from the last
-// produced (the highest index) down, while their accumulators (WindowDType)
-// fit the budget (0: every bucket). The plan is the same on every rank, so
-// the choice is too.
-func (e *Engine) localInWindow() []bool {
-	inWindow := make([]bool, len(e.plan.Buckets))
-	budget := int64(e.cfg.Window.BudgetBytes)
+// produced (the highest index) down, while their sums (ZeRO-1's own in
+// fp32, the others' in the window's dtype) fit the budget (0: every
+// bucket). The plan is the same on every rank, so the choice is too.
+func (w *window) localInWindow() []bool {
+	inWindow := make([]bool, len(w.plan.Buckets))
 	used := int64(0)
 	for b := len(inWindow) - 1; b >= 0; b-- {
-		size := int64(e.plan.Buckets[b].Elems) * 4
-		if e.pl.spec.modes[b] != local {
-			size = int64(e.plan.Buckets[b].Elems * e.cfg.Window.DType.Size())
+		size := int64(w.plan.Buckets[b].Elems) * 4
+		if w.pl.stageMode(b) != local {
+			size = int64(w.plan.Buckets[b].Elems * w.dtype.Size())
 		}
-		if budget > 0 && used+size > budget {
+		if w.budget > 0 && used+size > w.budget {
 			break
 		}
 		used += size
@@ -41,143 +50,101 @@ func (e *Engine) localInWindow() []bool {
 	return inWindow
 }
 
-// setWindowModes makes the window's buckets local, or (on) restores every
+// setModes makes the window's buckets local, or (off) restores every
 // bucket's own mode.
-func (e *Engine) setWindowModes(on bool) {
+func (w *window) setModes(on bool) {
 	var inWindow []bool
 	if on {
-		inWindow = e.localInWindow()
+		inWindow = w.localInWindow()
 	}
-	for b := range e.pl.buckets {
-		mode := e.pl.spec.modes[b]
+	for b := range w.plan.Buckets {
+		mode := w.pl.stageMode(b)
 		if on && inWindow[b] {
 			mode = local
 		}
-		e.pl.buckets[b].mode = mode
+		w.pl.setMode(b, mode)
 	}
 }
 
-func (e *Engine) checkWindowStart(op string) error {
-	if err := e.usable(op); err != nil {
-		return err
-	}
+// checkStart refuses op (a window's start) where it cannot begin.
+func (w *window) checkStart(op string, inBackward bool) error {
 	switch {
-	case e.inBackward:
+	case inBackward:
 		return errorf(ErrProtocol, "%s inside a backward; call it between backwards", op)
-	case e.co.active:
+	case w.active:
 		return errorf(ErrProtocol, "%s inside a Coalesce window; windows do not nest", op)
-	case e.co.noSync:
+	case w.noSync:
 		return errorf(ErrProtocol, "%s inside NoSync; end NoSync first", op)
-	case e.co.flushNext:
+	case w.flushNext:
 		return errorf(ErrProtocol, "%s right after NoSync; the backward after NoSync reduces, take it first (or Step)", op)
 	}
 	return nil
 }
 
-// checkWindowEnd refuses op where its window is not open or a backward is.
-func (e *Engine) checkWindowEnd(op string, open bool, begin string) error {
-	if err := e.usable(op); err != nil {
-		return err
-	}
+// checkEnd refuses op where its window is not open or a backward is.
+func (w *window) checkEnd(op string, open bool, begin string, inBackward bool) error {
 	switch {
 	case !open:
 		return errorf(ErrProtocol, "%s without %s", op, begin)
-	case e.inBackward:
+	case inBackward:
 		return errorf(ErrProtocol, "%s inside a backward; call EndBackward first", op)
 	}
 	return nil
 }
 
-// BeginCoalesce opens a coalesced window: the backwards until EndCoalesce
-// sum their gradients locally, and EndCoalesce reduces each bucket once.
-// It works at every stage; at stage 1, whose buckets are local anyway, it
-// only makes the reduction happen at EndCoalesce.
-func (e *Engine) BeginCoalesce() error {
-	if err := e.checkWindowStart("BeginCoalesce"); err != nil {
+// begin opens a coalesced window, or NoSync.
+func (w *window) begin(noSync bool) {
+	w.setModes(true)
+	w.active, w.noSync = !noSync, noSync
+}
+
+// endCoalesce reduces each local bucket once, on rs, and restores the
+// modes.
+func (w *window) endCoalesce(rs Stream) error {
+	w.resident = w.pl.residentBytes()
+	if err := w.pl.flushLocal(rs); err != nil {
 		return err
 	}
-	e.setWindowModes(true)
-	e.co.active = true
+	w.setModes(false)
+	w.active = false
 	return nil
 }
 
-// EndCoalesce closes the window: each local bucket is reduced exactly once
-// into the shard, on the engine's stream, and the modes return to the
-// stage's. It acts as a boundary: Step may follow at once.
-func (e *Engine) EndCoalesce() error {
-	if err := e.checkWindowEnd("EndCoalesce", e.co.active, "BeginCoalesce"); err != nil {
-		return err
-	}
-	e.co.resident = e.pl.mem.cur
-	if err := e.pl.flushLocal(e.reduceStream); err != nil {
-		return e.fail(err)
-	}
-	e.setWindowModes(false)
-	e.co.active = false
-	return nil
+// endNoSync ends NoSync: the next backward reduces what it accumulated.
+func (w *window) endNoSync() {
+	w.noSync = false
+	w.flushNext = true
 }
 
-// Coalesce runs fn, which takes several backwards, inside a coalesced
-// window; fn's error, or the window's, is returned. The window always
-// closes: when fn fails, every gradient taken since the last Step is
-// dropped, as DiscardGrads drops them, and the window ends without
-// reducing (every rank must see the failure, as with any failed step).
-func (e *Engine) Coalesce(fn func() error) error {
-	return e.within(e.BeginCoalesce, fn, e.EndCoalesce, &e.co.active)
+// abandon closes whatever is open without reducing (its gradients were
+// dropped).
+func (w *window) abandon() {
+	if w.open() {
+		w.setModes(false)
+	}
+	w.active, w.noSync = false, false
 }
 
-// within runs fn between begin and end. When fn fails it drops the
-// window's gradients and closes the window (open) instead of ending it.
-func (e *Engine) within(begin, fn, end func() error, open *bool) error {
-	if err := begin(); err != nil {
-		return err
+// flushing reports whether NoSync ended and its flush is still to come; it
+// notes the memory held then, for the stats.
+func (w *window) flushing() bool {
+	if w.flushNext {
+		w.resident = w.pl.residentBytes()
 	}
-	if err := fn(); err != nil {
-		discarded := e.DiscardGrads()
-		if *open {
-			e.setWindowModes(false)
-			*open = false
-		}
-		return errors.Join(err, discarded)
-	}
-	return end()
-}
-
-// BeginNoSync starts backwards that only accumulate, as DDP's no_sync: at
-// every stage (DeepSpeed refuses it at 2 and 3), with the coalesced
-// window's mechanism. The first backward after EndNoSync reduces what they
-// accumulated together with its own gradients, each bucket once; a Step
-// right after EndNoSync reduces it too.
-func (e *Engine) BeginNoSync() error {
-	if err := e.checkWindowStart("BeginNoSync"); err != nil {
-		return err
-	}
-	e.setWindowModes(true)
-	e.co.noSync = true
-	return nil
-}
-
-// EndNoSync ends the backwards that only accumulate.
-func (e *Engine) EndNoSync() error {
-	if err := e.checkWindowEnd("EndNoSync", e.co.noSync, "BeginNoSync"); err != nil {
-		return err
-	}
-	e.co.noSync = false
-	e.co.flushNext = true
-	return nil
-}
-
-// NoSync runs fn's backwards without reducing them, as BeginNoSync and
-// EndNoSync around it. When fn fails, NoSync ends, and every gradient taken
-// since the last Step is dropped, as Coalesce does.
-func (e *Engine) NoSync(fn func() error) error {
-	return e.within(e.BeginNoSync, fn, e.EndNoSync, &e.co.noSync)
+	return w.flushNext
 }
 
 // afterFlush ends a NoSync's reduction: the modes return to the stage's.
-func (e *Engine) afterFlush() {
-	if e.co.flushNext {
-		e.setWindowModes(false)
-		e.co.flushNext = false
+func (w *window) afterFlush() {
+	if w.flushNext {
+		w.setModes(false)
+		w.flushNext = false
 	}
+}
+
+// report fills the window's figures and starts the next window's.
+func (w *window) report(st *Stats) error {
+	st.WindowResidentBytes = w.resident
+	w.resident = 0
+	return nil
 }

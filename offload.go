@@ -1,30 +1,42 @@
 package zero
 
 import (
+	"cmp"
 	"errors"
+	"slices"
 	"time"
 )
 
-// CPU offload (Config.Offload): the fp32 gradient shard, the fp32 master
-// weights and the optimizer state live in page-locked host memory. Each
-// reduced shard is copied to the host on the copy stream, once its
-// reduction's event fires, and a host kernel on the engine's host stream
-// adds it into the host shard (copies it on the window's first reduction of
-// the bucket). The optimizer runs on the host and the new model-dtype
-// parameters go back to the device for the all-gather. On the CPU device the
-// "device" buffers and the host ones are distinct mappings copied on the
-// same streams, so this path runs, and is tested, on every machine.
+// CPU offload (Config.Offload.Optimizer): the fp32 gradient shard, the
+// fp32 master weights and the optimizer state live in page-locked host
+// memory. The offload is two things the engine hands to the others: the
+// pipeline's sink (each reduced part is copied to the host on the copy
+// stream once its reduction's event fires, and a host kernel on the
+// offload's own host stream adds it into the host shard, copying on the
+// window's first reduction of the bucket) and the optimizer's home (the
+// state's memory, and the fused pass run on the host bucket by bucket, each
+// bucket's new model-dtype parameters copied back to the device while the
+// host works on the next). On the CPU device the "device" buffers and the
+// host ones are distinct mappings copied on the same streams, so this path
+// runs, and is tested, on every machine.
 
-// offloadPath moves reduced shards from the device to the host shard.
-type offloadPath struct {
+// offload is an offloading engine's host side.
+type offload struct {
 	dev     Device      // the engine's device: the copies run on its copy stream
-	mem     *hostMemory // the host shard, master weights, optimizer state, landing buffers
+	plan    *Plan       // the host pass runs bucket by bucket
+	mem     *hostMemory // every host byte: the shard, the state, the landing buffers
 	copy    Stream      // the engine's copy stream
 	stream  *HostStream // host kernels: the adds into the host shard, the optimizer
-	landing *bufferPool // comm dtype, the largest bucket shard: where a reduced shard lands
+	landing *bufferPool // comm dtype, the largest bucket shard: where a reduced part lands
 	maxLand int         // elements of a landing buffer
 	keep    int         // landing buffers to start with and to trim to
 	meter   memoryMeter // the landing pool's (hostMemory counts every host byte)
+
+	sum, raised Tensor // the host shard and the overflow flag
+	host        Tensor // the host's model-dtype copy of the new parameters
+	// saved is the device memory this engine does not hold: the shard and
+	// the optimizer's state, allocated here.
+	saved int64
 
 	gradCopies, paramCopies spans // the window's copies to the host, its step's to the device
 	// marks is a stream of the device that only waits for the producers
@@ -36,70 +48,109 @@ type offloadPath struct {
 	backwardEnd Event
 }
 
-func newOffloadPath(dev Device, copyStream Stream, commDType DType, maxShard, keep int) (*offloadPath, error) {
+func newOffload(dev Device, plan *Plan, copyStream Stream, commDType DType, keep int) (*offload, error) {
 	mem, err := newHostMemory(dev)
 	if err != nil {
 		return nil, err
 	}
-	o := &offloadPath{dev: dev, mem: mem, copy: copyStream, stream: NewHostStream(), maxLand: maxShard, keep: keep, producers: map[Stream]Event{}}
+	maxShard := 0
+	for _, b := range plan.Buckets {
+		maxShard = max(maxShard, b.Shard)
+	}
+	o := &offload{dev: dev, plan: plan, mem: mem, copy: copyStream, stream: NewHostStream(), maxLand: maxShard, keep: keep, producers: map[Stream]Event{}}
 	o.landing = newBufferPool(mem, commDType, &o.meter)
 	if o.marks, err = dev.NewStream(); err != nil {
+		return o, err
+	}
+	if o.sum, err = o.Alloc(plan.ShardElems, FP32); err != nil {
+		return o, err
+	}
+	if o.raised, err = mem.Alloc(1, FP32); err != nil {
 		return o, err
 	}
 	return o, o.landing.grow(maxShard, keep)
 }
 
+// ---- the pipeline's sink ----------------------------------------------------------
+
+func (o *offload) shard() Tensor                   { return o.sum }
+func (o *offload) flag() Tensor                    { return o.raised }
+func (o *offload) side(Stream) (Device, Stream)    { return hostDev, o.stream }
+func (o *offload) deviceBytes() int64              { return 0 }
+func (o *offload) close() error                    { return errors.Join(o.Free(o.sum), o.mem.Free(o.raised)) }
+func (o *offload) drainHost() error                { return o.stream.Sync() }
+func (o *offload) hostStream() *HostStream         { return o.stream }
+func (o *offload) landingBuffers() (held, n int)   { return o.landing.held, o.maxLand }
+func (o *offload) trim() error                     { return o.landing.trim(o.keep) }
+func (o *offload) produced(s Stream, ev Event)     { o.producers[s] = ev }
+func (o *offload) hostBytes() (held, locked int64) { return o.mem.bytes, o.mem.locked }
+
 // land copies mine, this rank's reduced part of a bucket, to the host once
-// reduced fires, and accumulates it into shard at offset on the host stream:
-// copy when first, add after, times scale, raising flag on inf or NaN (the
-// device accumulate's arithmetic, on the host). copied fires when the copy
-// has read mine; added when the host shard holds the sum.
-func (o *offloadPath) land(mine Tensor, reduced Event, shard Tensor, offset int, first bool, scale float32, flag Tensor) (copied, added Event, err error) {
+// rs has reduced it, and accumulates it into the host shard at offset on
+// the host stream: copy when first, add after, times scale, raising the
+// flag on inf or NaN (the device accumulate's arithmetic, on the host).
+func (o *offload) land(rs Stream, mine Tensor, offset int, first bool, scale float32) (landing, error) {
+	reduced, err := rs.Record()
+	if err != nil {
+		return landing{read: fence(rs)}, err
+	}
 	pin, err := o.landing.get(o.maxLand)
 	if err != nil {
-		return nil, nil, err
+		return landing{read: reduced}, err
 	}
-	defer func() {
-		if err != nil { // the pool waits for what was enqueued
-			o.stream.Wait(fence(o.copy))
-			o.landing.put(pin, fence(o.stream))
-		}
-	}()
+	fail := func(err error) (landing, error) { // the pool and mine wait for what was enqueued
+		o.copy.Wait(fence(rs))
+		o.stream.Wait(fence(o.copy))
+		o.landing.put(pin, fence(o.stream))
+		return landing{read: fence(o.copy)}, err
+	}
 	dst := pin.t.slice(0, mine.count)
-	if err = o.copy.Wait(pin.free); err != nil {
-		return nil, nil, err
+	if err := o.copy.Wait(pin.free); err != nil {
+		return fail(err)
 	}
-	if err = o.copy.Wait(reduced); err != nil {
-		return nil, nil, err
+	if err := o.copy.Wait(reduced); err != nil {
+		return fail(err)
 	}
 	start, err := o.copy.Record()
 	if err != nil {
-		return nil, nil, err
+		return fail(err)
 	}
-	if err = o.dev.copy(o.copy, dst, mine); err != nil {
-		return nil, nil, err
+	if err := o.dev.copy(o.copy, dst, mine); err != nil {
+		return fail(err)
 	}
-	if copied, err = o.copy.Record(); err != nil {
-		return nil, nil, err
+	copied, err := o.copy.Record()
+	if err != nil {
+		return fail(err)
 	}
 	o.gradCopies = append(o.gradCopies, [2]Event{start, copied})
-	if err = o.stream.Wait(copied); err != nil {
-		return nil, nil, err
+	if err := o.stream.Wait(copied); err != nil {
+		return fail(err)
 	}
-	if err = hostDev.accumulate(o.stream, shard, []Segment{{Src: dst, Offset: offset}}, first, scale, flag); err != nil {
-		return nil, nil, err
+	if err := hostDev.accumulate(o.stream, o.sum, []Segment{{Src: dst, Offset: offset}}, first, scale, o.raised); err != nil {
+		return fail(err)
 	}
-	if added, err = o.stream.recordUntimed(nil); err != nil {
-		return nil, nil, err
+	added, err := o.stream.recordUntimed(nil)
+	if err != nil {
+		return fail(err)
 	}
 	o.landing.put(pin, added)
-	return copied, added, nil
+	return landing{read: copied, reduced: reduced, pending: []streamEvent{{rs, reduced}, {o.copy, copied}, {o.stream, added}}}, nil
+}
+
+// onDevice copies the host shard into scratch (device memory) for a
+// collective on s.
+func (o *offload) onDevice(s Stream, scratch Tensor) (Tensor, error) {
+	copied, err := o.transfer(scratch, o.sum, nil, false)
+	if err == nil {
+		err = s.Wait(copied)
+	}
+	return scratch, err
 }
 
 // transfer copies src to dst (host to device or back) on the copy stream
 // once after fires, and returns the copy's event; timed copies count in the
 // step's ParamCopyTime.
-func (o *offloadPath) transfer(dst, src Tensor, after Event, timed bool) (Event, error) {
+func (o *offload) transfer(dst, src Tensor, after Event, timed bool) (Event, error) {
 	if err := o.copy.Wait(after); err != nil {
 		return nil, err
 	}
@@ -120,25 +171,92 @@ func (o *offloadPath) transfer(dst, src Tensor, after Event, timed bool) (Event,
 	return done, err
 }
 
-// close frees the landing buffers and stops the host stream; the caller
-// has waited for the work that used them.
-func (o *offloadPath) close() error {
-	errs := []error{o.landing.trim(0), o.stream.Close()}
-	if o.marks != nil {
-		errs = append(errs, o.marks.Close())
+// ---- the optimizer's home ---------------------------------------------------------
+
+// Alloc allocates optimizer state (and the shard) in host memory; Free
+// frees it. Both count the device bytes the offload saves.
+func (o *offload) Alloc(count int, d DType) (Tensor, error) {
+	t, err := o.mem.Alloc(count, d)
+	if err == nil {
+		o.saved += int64(t.Bytes())
 	}
-	return errors.Join(errs...)
+	return t, err
 }
 
-// discard forgets the producers of a dropped backward (DiscardGrads).
-func (o *offloadPath) discard() {
-	clear(o.producers)
-	o.backwardEnd = nil
+func (o *offload) Free(t Tensor) error {
+	o.saved -= int64(t.Bytes())
+	return o.mem.Free(t)
 }
+
+// loadMaster fills master from the model-dtype shard model on the device
+// (written on s), through the host's copy of it, which then mirrors it.
+func (o *offload) loadMaster(s Stream, master, model Tensor) error {
+	if o.host.ptr == 0 && model.count > 0 {
+		var err error
+		if o.host, err = o.mem.Alloc(model.count, model.dtype); err != nil {
+			return err
+		}
+	}
+	ev, err := s.Record()
+	if err == nil {
+		ev, err = o.transfer(o.host, model, ev, false)
+	}
+	if err == nil {
+		err = o.stream.Wait(ev)
+	}
+	if err == nil {
+		err = hostDev.cast(o.stream, master, o.host, 1)
+	}
+	if err == nil {
+		err = o.stream.Sync()
+	}
+	return err
+}
+
+// pass runs the fused optimizer on the host shard bucket by bucket, each
+// bucket's new parameters copied to model (the device's model-dtype shard)
+// as soon as they are written, while the host works on the next. It
+// returns, per bucket, the event of that copy (nil where this rank updated
+// nothing in the bucket).
+func (o *offload) pass(_ Stream, kind optKind, b optTensors, ranges []optRange, gscale float32, model Tensor) ([]Event, error) {
+	b.out = o.host
+	slices.SortFunc(ranges, func(x, y optRange) int { return cmp.Compare(x.offset, y.offset) })
+	ready := make([]Event, len(o.plan.Buckets))
+	rs := ranges
+	var part []optRange
+	for bi, bp := range o.plan.Buckets {
+		lo, hi := int64(bp.ShardOffset), int64(bp.ShardOffset+bp.Shard)
+		part = part[:0]
+		for len(rs) > 0 && rs[0].offset < hi {
+			r := rs[0]
+			r.offset -= lo
+			part = append(part, r)
+			rs = rs[1:]
+		}
+		if len(part) == 0 {
+			continue
+		}
+		first, last := part[0].offset, part[len(part)-1].offset+part[len(part)-1].count
+		if err := hostDev.optimize(o.stream, kind, b.slice(bp.ShardOffset, bp.Shard), part, gscale); err != nil {
+			return nil, err
+		}
+		written, err := o.stream.recordUntimed(nil)
+		if err != nil {
+			return nil, err
+		}
+		at, n := bp.ShardOffset+int(first), int(last-first)
+		if ready[bi], err = o.transfer(model.slice(at, n), o.host.slice(at, n), written, true); err != nil {
+			return nil, err
+		}
+	}
+	return ready, nil
+}
+
+// ---- backward marks and stats -------------------------------------------------------
 
 // endBackward marks the end of a backward on the device's clock: after
 // its producers' last events.
-func (o *offloadPath) endBackward() error {
+func (o *offload) endBackward() error {
 	for _, ev := range o.producers {
 		if err := o.marks.Wait(ev); err != nil {
 			return err
@@ -150,9 +268,15 @@ func (o *offloadPath) endBackward() error {
 	return err
 }
 
+// discard forgets the producers of a dropped backward (DiscardGrads).
+func (o *offload) discard() {
+	clear(o.producers)
+	o.backwardEnd = nil
+}
+
 // gradCopyTimes sums the window's copies to the host, and the part of them
 // that ran after its last backward ended, and empties them.
-func (o *offloadPath) gradCopyTimes() (total, exposed time.Duration, err error) {
+func (o *offload) gradCopyTimes() (total, exposed time.Duration, err error) {
 	for _, sp := range o.gradCopies {
 		d, err := Elapsed(sp[0], sp[1])
 		if err != nil {
@@ -177,33 +301,27 @@ func (o *offloadPath) gradCopyTimes() (total, exposed time.Duration, err error) 
 	return total, exposed, nil
 }
 
-// shardSide is where the fp32 gradient shard and the optimizer's fp32 state
-// live and are worked on: the device, on stream s; with Offload, the host,
-// on the engine's host stream.
-func (e *Engine) shardSide(s Stream) (Device, Stream) {
-	if e.off != nil {
-		return hostDev, e.off.stream
-	}
-	return e.dev, s
-}
-
-// offloadStats fills the stats' host memory figures.
-func (e *Engine) offloadStats(st *Stats) error {
-	if e.off == nil {
-		return nil
-	}
-	st.HostBytes, st.HostPinnedBytes = e.off.mem.bytes, e.off.mem.locked
-	st.HostGradBytes = int64(e.pl.shard.Bytes()) + int64(e.off.landing.held*e.off.maxLand*e.cfg.Precision.CommDType.Size())
-	st.DeviceBytesSaved = int64(e.pl.shard.Bytes())
-	if o := e.opt; o != nil {
-		for _, t := range []Tensor{o.master, o.m, o.v, o.vmax} {
-			st.DeviceBytesSaved += int64(t.Bytes())
-		}
-	}
+// report fills the step's host figures and its copy times, and starts the
+// next step's.
+func (o *offload) report(st *Stats) error {
+	st.HostBytes, st.HostPinnedBytes = o.mem.bytes, o.mem.locked
+	st.HostGradBytes = int64(o.sum.Bytes()) + int64(o.landing.held*o.maxLand*o.landing.dtype.Size())
+	st.DeviceBytesSaved = o.saved
 	var err error
-	if st.GradCopyTime, st.GradCopyExposed, err = e.off.gradCopyTimes(); err != nil {
+	if st.GradCopyTime, st.GradCopyExposed, err = o.gradCopyTimes(); err != nil {
 		return err
 	}
-	st.ParamCopyTime, err = e.off.paramCopies.take()
+	st.ParamCopyTime, err = o.paramCopies.take()
 	return err
+}
+
+// shutdown frees the landing buffers and the host's model copy, and stops
+// the host stream and the marks; the caller has waited for the work that
+// used them, and the shard and the state were freed by their owners.
+func (o *offload) shutdown() error {
+	errs := []error{o.landing.trim(0), o.mem.Free(o.host), o.stream.Close()}
+	if o.marks != nil {
+		errs = append(errs, o.marks.Close())
+	}
+	return errors.Join(errs...)
 }

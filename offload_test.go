@@ -157,7 +157,7 @@ func TestOffloadHostNormAfterEveryBackward(t *testing.T) {
 						return err
 					}
 					norm := 0.0
-					for _, x := range e.pl.shard.HostFloat32s() {
+					for _, x := range e.pl.gradShard().HostFloat32s() {
 						norm += float64(x) * float64(x)
 					}
 					norm = math.Sqrt(norm)
@@ -369,7 +369,7 @@ func TestOffloadCopyOrder(t *testing.T) {
 				}
 			}
 			settle(t, others...)
-			for _, x := range e.pl.shard.HostFloat32s() {
+			for _, x := range e.pl.gradShard().HostFloat32s() {
 				if x != 0 {
 					t.Fatalf("stage %d, %s held: the host shard changed while the work before it was held", stage, heldName)
 				}

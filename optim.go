@@ -1,11 +1,9 @@
 package zero
 
 import (
-	"cmp"
 	"errors"
 	"fmt"
 	"math"
-	"slices"
 	"time"
 )
 
@@ -84,67 +82,165 @@ func (s *lossScaler) update(overflow bool) {
 
 // optState is the optimizer's part of an engine: the fp32 master shard, the
 // moments, the model-dtype shard that the parameters are gathered from, and
-// each parameter's step count.
+// each parameter's step count. It lives in its home's memory (the device's,
+// or with offload the host's) and runs its fused pass there.
 type optState struct {
+	dev    Device
+	comm   Comm
+	plan   *Plan
+	params []Param
+	rank   int
+	world  int
+	s      Stream // the engine's reduce stream: the step's collectives and device work
+	home   optimizerHome
+
 	groups []Optimizer
 	kind   optKind
 	master Tensor // fp32, the plan's shard layout
 	m, v   Tensor // AdamW moments; m is SGD's momentum buffer
 	vmax   Tensor // AdamW amsgrad
 	model  Tensor // model dtype: the new parameters, gathered from here
-	// state is where master and the moments live: the device, or the
-	// host's page-locked memory with Offload; there, host is the host's
-	// copy of model, which the host optimizer writes and which goes to
-	// model bucket by bucket.
-	state allocator
-	host  Tensor
 	// sharedModel: model is the stage-3 parameter shard, not the optimizer's
 	sharedModel bool
 	steps       []int // per parameter: optimizer steps taken
 	scaler      lossScaler
 	// groupsDigest hashes the groups' settings, compared across ranks at
 	// each Step
-	groupsDigest uint64
-	norm         Tensor // fp32 pair for Step's all-reduce of (overflow, sum of squares)
-	ranges       []optRange
-	gather       *bufferPool // model-dtype bucket buffers the parameters are gathered in
-	mem          memoryMeter // the optimizer's device bytes
+	groupsDigest  uint64
+	clip          float64
+	keepNonFinite bool
+	norm          Tensor // fp32, normWords per rank: Step's all-gather of the overflow flag and the sums of squares
+	ranges        []optRange
+	gather        *bufferPool // model-dtype bucket buffers the parameters are gathered in
+	mem           memoryMeter // the optimizer's device bytes
+	sent          CommCounters
+	last          stepResult // the last step's, for the stats
 }
 
-// SetGroup replaces group g's hyperparameters from the next Step on
-// (learning-rate schedules); the kind must stay the same. Every rank must
-// make the same change: the next Step compares the groups across ranks
-// (in its first collective, at no extra cost) and refuses on every rank,
-// with ErrPlanMismatch naming the setting, where they differ; the window
-// is kept, and a SetGroup that makes the ranks agree lets Step go on.
-func (e *Engine) SetGroup(g int, o Optimizer) error {
-	if err := e.usable("SetGroup"); err != nil {
+// optimizerHome is where the optimizer's fp32 state lives and its fused
+// pass runs: device memory (deviceHome, below) or, with offload, page-locked
+// host memory (offload.go).
+type optimizerHome interface {
+	allocator
+	// side is where the state is worked on, for a caller on device stream s.
+	side(s Stream) (Device, Stream)
+	// loadMaster fills master from the model-dtype shard model (device
+	// memory, written on s) and waits for it.
+	loadMaster(s Stream, master, model Tensor) error
+	// pass runs the fused optimizer over b's ranges and leaves the new
+	// model-dtype parameters in model, on the device. It returns, per
+	// bucket, the event after which model holds them there; nil: in order
+	// on s.
+	pass(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32, model Tensor) ([]Event, error)
+}
+
+// deviceHome keeps the state in device memory and runs the pass on the
+// engine's stream.
+type deviceHome struct {
+	dev Device
+	mem *memoryMeter // the optimizer's device bytes
+}
+
+func (h deviceHome) Alloc(n int, d DType) (Tensor, error) {
+	t, err := h.dev.Alloc(n, d)
+	if err == nil {
+		h.mem.add(int64(t.Bytes()))
+	}
+	return t, err
+}
+
+func (h deviceHome) Free(t Tensor) error {
+	h.mem.add(-int64(t.Bytes()))
+	return h.dev.Free(t)
+}
+
+func (h deviceHome) side(s Stream) (Device, Stream) { return h.dev, s }
+
+func (h deviceHome) loadMaster(s Stream, master, model Tensor) error {
+	if err := h.dev.cast(s, master, model, 1); err != nil {
 		return err
 	}
-	if e.opt == nil {
-		return errorf(ErrConfig, "SetGroup on an engine without an optimizer; configure Groups")
+	return s.Sync()
+}
+
+func (h deviceHome) pass(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32, model Tensor) ([]Event, error) {
+	b.out = model
+	return nil, h.dev.optimize(s, kind, b, ranges, gscale)
+}
+
+// optimizerSpec is what the optimizer needs of the engine.
+type optimizerSpec struct {
+	cfg    Config
+	dev    Device
+	comm   Comm
+	plan   *Plan
+	params []Param
+	s      Stream
+	// home is where the state lives (nil: the device)
+	home optimizerHome
+	// shared is the stage-3 parameter shard, already loaded, which the pass
+	// writes (nil below stage 3); load fills a model-dtype shard with the
+	// parameters otherwise.
+	shared *Tensor
+	load   func(pool *bufferPool, into Tensor) error
+}
+
+// newOptimizer allocates the optimizer's shards and fills the master shard
+// from the parameters (rank 0's, unless NoBroadcast).
+func newOptimizer(sp optimizerSpec) (*optState, error) {
+	groups := sp.cfg.Optimizer.Groups
+	o := &optState{dev: sp.dev, comm: sp.comm, plan: sp.plan, params: sp.params, rank: sp.comm.Rank(), world: sp.comm.Size(), s: sp.s, home: sp.home,
+		groups: append([]Optimizer(nil), groups...), kind: groups[0].kind(), steps: make([]int, len(sp.params)),
+		scaler: newLossScaler(sp.cfg.Precision.LossScale), clip: sp.cfg.Optimizer.Clip, keepNonFinite: sp.cfg.Precision.KeepNonFinite}
+	o.groupsDigest = recordDigest(groupsRecord(o.groups), "")
+	if o.home == nil {
+		o.home = deviceHome{dev: o.dev, mem: &o.mem}
 	}
-	if g < 0 || g >= len(e.opt.groups) {
-		return errorf(ErrParam, "SetGroup(%d): the groups are 0..%d", g, len(e.opt.groups)-1)
+	n, dt := sp.plan.ShardElems, sp.plan.dtype
+	o.gather = newBufferPool(o.dev, dt, &o.mem)
+	var err error
+	if o.master, err = o.home.Alloc(n, FP32); err != nil {
+		return o, err
 	}
-	if o == nil || o.kind() != e.opt.kind {
-		return errorf(ErrConfig, "SetGroup(%d, %T): the engine's groups are %T", g, o, e.opt.groups[0])
+	if sp.shared != nil {
+		o.model, o.sharedModel = *sp.shared, true
+	} else {
+		if o.model, err = o.dev.Alloc(n, dt); err != nil {
+			return o, err
+		}
+		o.mem.add(int64(o.model.Bytes()))
+		if err := sp.load(o.gather, o.model); err != nil {
+			return o, err
+		}
 	}
-	if err := o.check(fmt.Sprintf("SetGroup(%d)", g)); err != nil {
+	if o.kind == optAdamW {
+		if o.m, err = o.home.Alloc(n, FP32); err != nil {
+			return o, err
+		}
+		if o.v, err = o.home.Alloc(n, FP32); err != nil {
+			return o, err
+		}
+	}
+	if o.norm, err = o.dev.Alloc(normWords*o.world, FP32); err != nil {
+		return o, err
+	}
+	return o, o.home.loadMaster(o.s, o.master, o.model)
+}
+
+// setGroup replaces group g's settings (SetGroup).
+func (o *optState) setGroup(g int, opt Optimizer) error {
+	if g < 0 || g >= len(o.groups) {
+		return errorf(ErrParam, "SetGroup(%d): the groups are 0..%d", g, len(o.groups)-1)
+	}
+	if opt == nil || opt.kind() != o.kind {
+		return errorf(ErrConfig, "SetGroup(%d, %T): the engine's groups are %T", g, opt, o.groups[0])
+	}
+	if err := opt.check(fmt.Sprintf("SetGroup(%d)", g)); err != nil {
 		return err
 	}
-	e.opt.groups[g] = o
-	e.opt.groupsDigest = recordDigest(groupsRecord(e.opt.groups), "")
+	o.groups[g] = opt
+	o.groupsDigest = recordDigest(groupsRecord(o.groups), "")
 	return nil
-}
-
-// LossScale is the scale the trainer multiplies its loss by for the next
-// backwards (1 unless fp16 or a static scale).
-func (e *Engine) LossScale() float64 {
-	if e.opt == nil {
-		return 1
-	}
-	return e.opt.scaler.scale
 }
 
 // stepResult is what an optimizer step reports.
@@ -156,91 +252,6 @@ type stepResult struct {
 	optimizeTime, gatherTime time.Duration
 }
 
-// initOptimizer allocates the optimizer's shards and fills the master shard
-// from the parameters, after copying rank 0's to every rank.
-func (e *Engine) initOptimizer() error {
-	o := &optState{groups: append([]Optimizer(nil), e.cfg.Optimizer.Groups...), kind: e.cfg.Optimizer.Groups[0].kind(), steps: make([]int, len(e.params))}
-	o.scaler = newLossScaler(e.cfg.Precision.LossScale)
-	o.groupsDigest = recordDigest(groupsRecord(o.groups), "")
-	var err error
-	e.opt = o
-	o.state = e.dev
-	if e.off != nil {
-		o.state = e.off.mem
-		if o.host, err = e.off.mem.Alloc(e.plan.ShardElems, e.plan.dtype); err != nil {
-			return err
-		}
-	}
-	o.gather = newBufferPool(e.dev, e.plan.dtype, &o.mem)
-	if o.master, err = o.alloc(o.state, e.plan.ShardElems, FP32); err != nil {
-		return err
-	}
-	if e.ps != nil {
-		o.model, o.sharedModel = e.ps.shard, true // stage 3: the pass writes the parameter shard
-	} else if o.model, err = o.alloc(e.dev, e.plan.ShardElems, e.plan.dtype); err != nil {
-		return err
-	}
-	if o.kind == optAdamW {
-		if o.m, err = o.alloc(o.state, e.plan.ShardElems, FP32); err != nil {
-			return err
-		}
-		if o.v, err = o.alloc(o.state, e.plan.ShardElems, FP32); err != nil {
-			return err
-		}
-	}
-	if o.norm, err = e.dev.Alloc(normWords*e.world, FP32); err != nil {
-		return err
-	}
-	switch {
-	case e.ps != nil: // the parameter shard is filled: the master from it
-	case e.off != nil: // the model-dtype shard first: the host's copy mirrors it
-		if err := e.loadParams(o.gather, o.model); err != nil {
-			return err
-		}
-	default:
-		return e.loadParams(o.gather, o.master)
-	}
-	return e.masterFrom(o.model)
-}
-
-// masterFrom fills the fp32 master shard from the model-dtype shard src on
-// the device; with Offload through the host's copy of it, which then
-// mirrors src.
-func (e *Engine) masterFrom(src Tensor) error {
-	o, s := e.opt, e.reduceStream
-	if e.off == nil {
-		if err := e.dev.cast(s, o.master, src, 1); err != nil {
-			return err
-		}
-		return s.Sync()
-	}
-	ev, err := s.Record()
-	if err == nil {
-		ev, err = e.off.transfer(o.host, src, ev, false)
-	}
-	if err == nil {
-		err = e.off.stream.Wait(ev)
-	}
-	if err == nil {
-		err = hostDev.cast(e.off.stream, o.master, o.host, 1)
-	}
-	if err == nil {
-		err = e.off.stream.Sync()
-	}
-	return err
-}
-
-// alloc allocates from mem, counting device bytes in the optimizer's.
-func (o *optState) alloc(mem allocator, n int, dt DType) (Tensor, error) {
-	t, err := mem.Alloc(n, dt)
-	if err == nil {
-		if _, device := mem.(Device); device {
-			o.mem.add(int64(t.Bytes()))
-		}
-	}
-	return t, err
-}
-
 // ensureState allocates the state that only some settings need (SGD's
 // momentum buffer, amsgrad's running max) the first time a step needs it.
 func (o *optState) ensureState(n int) error {
@@ -249,7 +260,7 @@ func (o *optState) ensureState(n int) error {
 			return nil
 		}
 		var err error
-		*t, err = o.alloc(o.state, n, FP32)
+		*t, err = o.home.Alloc(n, FP32)
 		return err
 	}
 	momentum, amsgrad := false, false
@@ -263,87 +274,26 @@ func (o *optState) ensureState(n int) error {
 	return need(&o.vmax, amsgrad)
 }
 
-// bucketParams lays out the members of bucket b that have memory, and that
-// are used where used is given, as segments of the bucket's flat layout.
-func (e *Engine) bucketParams(b int, used []bool) []Segment {
-	var segs []Segment
-	for _, p := range e.plan.Buckets[b].Params {
-		if e.params[p].Data.count == 0 || (used != nil && !used[p]) {
-			continue
-		}
-		segs = append(segs, Segment{Src: e.params[p].Data, Offset: e.plan.ParamOffset[p]})
-	}
-	return segs
-}
-
-// loadParams gives every rank rank 0's parameters (unless NoBroadcast) and
-// fills a shard from them, bucket by bucket: the fp32 master shard, or at
-// stage 3 the model-dtype parameter shard. pool lends the bucket buffers.
-func (e *Engine) loadParams(pool *bufferPool, into Tensor) error {
-	s := e.reduceStream
-	bcast := !e.cfg.Params.NoBroadcast && e.world > 1
-	for b, bp := range e.plan.Buckets {
-		buf, err := pool.get(e.plan.MaxBucket())
-		if err != nil {
-			return err
-		}
-		t := buf.t.slice(0, bp.Padded)
-		segs := e.bucketParams(b, nil)
-		err = s.Wait(buf.free)
-		if err == nil {
-			err = e.dev.zero(s, t)
-		}
-		if err == nil {
-			err = e.dev.flatten(s, t, segs, 1)
-		}
-		if err == nil && bcast {
-			if err = e.comm.Broadcast(s, t, 0); err == nil && e.rank != 0 {
-				err = e.dev.unflatten(s, t, segs)
-			}
-		}
-		if err == nil {
-			err = e.dev.cast(s, into.slice(bp.ShardOffset, bp.Shard), t.slice(e.rank*bp.Shard, bp.Shard), 1)
-		}
-		var done Event
-		if err == nil {
-			done, err = s.Record()
-		}
-		pool.put(buf, done)
-		if err != nil {
-			return err
-		}
-	}
-	if bcast { // frozen parameters have no bucket: one broadcast each
-		for _, p := range e.params {
-			if p.Frozen && p.Data.count > 0 {
-				if err := e.comm.Broadcast(s, p.Data, 0); err != nil {
-					return err
-				}
-			}
-		}
-	}
-	return s.Sync()
-}
-
 // normWords is what each rank contributes to the norm's all-gather: the
 // overflow flag and its sum of squares as (mantissa high, mantissa low,
 // exponent).
 const normWords = 4
 
-// optimizerStep is the optimizer's part of Step, after the reductions: the
-// overflow and the global norm, agreed by every rank in one all-gather; the
-// decision to skip; the fused optimizer pass over the master shard, with
-// the mean's 1/G, the loss scale and the clipping folded into one gradient
-// factor; then the new parameters, gathered bucket by bucket into their
-// memory. Nothing of the master, the moments, the step counts or the
-// parameters changes before the optimizer pass is enqueued; a skipped step
-// changes only the loss scale.
-func (e *Engine) optimizerStep(readScale float32, used []bool, overflowFlag float32) (stepResult, error) {
-	o, s := e.opt, e.reduceStream
-	sd, ss := e.shardSide(s)
+// step is the optimizer's part of Step, after the reductions: the overflow
+// and the global norm of grads (the fp32 shard, in the home's memory),
+// agreed by every rank in one all-gather; the decision to skip; the fused
+// optimizer pass over the master shard, with the mean's 1/G, the loss
+// scale and the clipping folded into one gradient factor; then the new
+// parameters, gathered bucket by bucket into their memory (below stage 3).
+// Nothing of the master, the moments, the step counts or the parameters
+// changes before the optimizer pass is enqueued; a skipped step changes only
+// the loss scale.
+func (o *optState) step(grads Tensor, readScale float32, used []bool, overflowFlag float32) (stepResult, error) {
+	s := o.s
+	sd, ss := o.home.side(s)
 	res := stepResult{scale: o.scaler.scale}
 	var sumsq float64
-	if err := sd.sumSquares(ss, e.pl.shard, &sumsq); err != nil {
+	if err := sd.sumSquares(ss, grads, &sumsq); err != nil {
 		return res, err
 	}
 	if err := ss.Sync(); err != nil {
@@ -357,45 +307,46 @@ func (e *Engine) optimizerStep(readScale float32, used []bool, overflowFlag floa
 	m, exp := math.Frexp(sumsq)
 	hi := float32(m)
 	mine := []float32{overflowFlag, hi, float32(m - float64(hi)), float32(exp)}
-	part := o.norm.slice(e.rank*normWords, normWords)
-	if err := e.dev.copy(s, part, Float32s(mine)); err != nil {
+	part := o.norm.slice(o.rank*normWords, normWords)
+	if err := o.dev.copy(s, part, Float32s(mine)); err != nil {
 		return res, err
 	}
-	if err := e.comm.AllGather(s, part, o.norm); err != nil {
+	if err := o.comm.AllGather(s, part, o.norm); err != nil {
 		return res, err
 	}
-	e.pl.sent.add(KindAllGather, o.norm.Bytes(), e.world)
+	o.sent.add(KindAllGather, o.norm.Bytes(), o.world)
 	all := make([]float32, o.norm.count)
-	if err := e.dev.copy(s, Float32s(all), o.norm); err != nil {
+	if err := o.dev.copy(s, Float32s(all), o.norm); err != nil {
 		return res, err
 	}
 	if err := s.Sync(); err != nil {
 		return res, err
 	}
 	overflow, total := false, 0.0
-	for r := range e.world {
+	for r := range o.world {
 		w := all[r*normWords : (r+1)*normWords]
 		overflow = overflow || w[0] != 0
 		total += math.Ldexp(float64(w[1])+float64(w[2]), int(w[3]))
 	}
 	res.norm = math.Sqrt(total) * float64(readScale) / o.scaler.scale
 	finite := !overflow && !math.IsInf(res.norm, 0) && !math.IsNaN(res.norm)
-	if !finite && (e.plan.dtype == FP16 || !e.cfg.Precision.KeepNonFinite || e.cfg.Optimizer.Clip > 0) {
+	if !finite && (o.plan.dtype == FP16 || !o.keepNonFinite || o.clip > 0) {
 		res.skipped = true
 		o.scaler.update(true)
+		o.last = res
 		return res, nil
 	}
 	coef := 1.0
-	if e.cfg.Optimizer.Clip > 0 && res.norm > e.cfg.Optimizer.Clip {
-		coef = res.norm / e.cfg.Optimizer.Clip
+	if o.clip > 0 && res.norm > o.clip {
+		coef = res.norm / o.clip
 	}
 	gscale := float32(float64(readScale) / o.scaler.scale / coef)
 	o.ranges = o.ranges[:0]
-	for p, q := range e.params {
-		if !used[p] || e.plan.ParamBucket[p] < 0 {
+	for p, q := range o.params {
+		if !used[p] || o.plan.ParamBucket[p] < 0 {
 			continue
 		}
-		rg := e.plan.shardRange(p, e.rank)
+		rg := o.plan.shardRange(p, o.rank)
 		if rg.Count == 0 {
 			continue
 		}
@@ -403,27 +354,21 @@ func (e *Engine) optimizerStep(readScale float32, used []bool, overflowFlag floa
 		o.groups[q.Group].rangeFor(&r, o.steps[p]+1)
 		o.ranges = append(o.ranges, r)
 	}
-	if err := o.ensureState(e.plan.ShardElems); err != nil {
+	if err := o.ensureState(o.plan.ShardElems); err != nil {
 		return res, err
 	}
-	b := optTensors{p: o.master, g: e.pl.shard, m: o.m, v: o.v, vmax: o.vmax, out: o.model}
+	b := optTensors{p: o.master, g: grads, m: o.m, v: o.v, vmax: o.vmax}
 	t0, err := ss.Record()
 	if err != nil {
 		return res, err
 	}
-	var ready []Event // with Offload, per bucket: its new parameters are on the device
-	if e.off == nil {
-		err = sd.optimize(ss, o.kind, b, o.ranges, gscale)
-	} else {
-		b.out = o.host
-		ready, err = e.optimizeOnHost(b, gscale)
-	}
+	ready, err := o.home.pass(ss, o.kind, b, o.ranges, gscale, o.model)
 	if err != nil {
 		return res, err
 	}
 	// committed: the pass is enqueued
-	for p := range e.params {
-		if used[p] && e.plan.ParamBucket[p] >= 0 {
+	for p := range o.params {
+		if used[p] && o.plan.ParamBucket[p] >= 0 {
 			o.steps[p]++
 		}
 	}
@@ -433,10 +378,10 @@ func (e *Engine) optimizerStep(readScale float32, used []bool, overflowFlag floa
 	if err == nil {
 		g0, err = s.Record()
 	}
-	if err == nil && e.ps == nil { // stage 3 keeps its shard: the next gathers read it
-		err = e.gatherParams(used, ready)
+	if err == nil && !o.sharedModel { // stage 3 keeps its shard: the next gathers read it
+		err = o.gatherParams(used, ready)
 	}
-	for b := 0; err == nil && e.ps != nil && b < len(ready); b++ {
+	for b := 0; err == nil && o.sharedModel && b < len(ready); b++ {
 		err = s.Wait(ready[b])
 	}
 	var t2 Event
@@ -452,56 +397,19 @@ func (e *Engine) optimizerStep(readScale float32, used []bool, overflowFlag floa
 	if err == nil {
 		res.gatherTime, err = Elapsed(g0, t2)
 	}
+	o.last = res
 	return res, err
-}
-
-// optimizeOnHost runs the optimizer pass on the host shard bucket by
-// bucket, each bucket's new parameters copied to the device's model shard
-// as soon as they are written, while the host works on the next bucket. It
-// returns, per bucket, the event of that copy (nil where this rank updated
-// nothing in the bucket).
-func (e *Engine) optimizeOnHost(b optTensors, gscale float32) ([]Event, error) {
-	o, hs := e.opt, e.off.stream
-	slices.SortFunc(o.ranges, func(x, y optRange) int { return cmp.Compare(x.offset, y.offset) })
-	ready := make([]Event, len(e.plan.Buckets))
-	rs := o.ranges
-	var part []optRange
-	for bi, bp := range e.plan.Buckets {
-		lo, hi := int64(bp.ShardOffset), int64(bp.ShardOffset+bp.Shard)
-		part = part[:0]
-		for len(rs) > 0 && rs[0].offset < hi {
-			r := rs[0]
-			r.offset -= lo
-			part = append(part, r)
-			rs = rs[1:]
-		}
-		if len(part) == 0 {
-			continue
-		}
-		first, last := part[0].offset, part[len(part)-1].offset+part[len(part)-1].count
-		if err := hostDev.optimize(hs, o.kind, b.slice(bp.ShardOffset, bp.Shard), part, gscale); err != nil {
-			return nil, err
-		}
-		written, err := hs.recordUntimed(nil)
-		if err != nil {
-			return nil, err
-		}
-		at, n := bp.ShardOffset+int(first), int(last-first)
-		if ready[bi], err = e.off.transfer(o.model.slice(at, n), o.host.slice(at, n), written, true); err != nil {
-			return nil, err
-		}
-	}
-	return ready, nil
 }
 
 // gatherParams all-gathers each bucket that holds a used parameter from the
 // model-dtype shards into a pooled bucket buffer and copies the used
 // parameters into their memory; two buffers ping-pong, so a bucket's copy
-// overlaps the next one's all-gather.
-func (e *Engine) gatherParams(used []bool, ready []Event) error {
-	o, s := e.opt, e.reduceStream
-	for b, bp := range e.plan.Buckets {
-		segs := e.bucketParams(b, used)
+// overlaps the next one's all-gather. ready, where given, holds per bucket
+// the event after which its shard is on the device.
+func (o *optState) gatherParams(used []bool, ready []Event) error {
+	s := o.s
+	for b, bp := range o.plan.Buckets {
+		segs := bucketSegments(o.plan, o.params, b, used)
 		anyUsed := false
 		for _, p := range bp.Params {
 			anyUsed = anyUsed || used[p]
@@ -509,7 +417,7 @@ func (e *Engine) gatherParams(used []bool, ready []Event) error {
 		if !anyUsed { // the same on every rank: used is agreed
 			continue
 		}
-		buf, err := o.gather.get(e.plan.MaxBucket())
+		buf, err := o.gather.get(o.plan.MaxBucket())
 		if err != nil {
 			return err
 		}
@@ -519,11 +427,11 @@ func (e *Engine) gatherParams(used []bool, ready []Event) error {
 			err = s.Wait(ready[b])
 		}
 		if err == nil {
-			err = e.comm.AllGather(s, o.model.slice(bp.ShardOffset, bp.Shard), t)
+			err = o.comm.AllGather(s, o.model.slice(bp.ShardOffset, bp.Shard), t)
 		}
 		if err == nil {
-			e.pl.sent.add(KindAllGather, t.Bytes(), e.world)
-			err = e.dev.unflatten(s, t, segs)
+			o.sent.add(KindAllGather, t.Bytes(), o.world)
+			err = o.dev.unflatten(s, t, segs)
 		}
 		var done Event
 		if err == nil {
@@ -537,22 +445,32 @@ func (e *Engine) gatherParams(used []bool, ready []Event) error {
 	return nil // the step waits for its last event
 }
 
+// report fills the step's optimizer figures and its collectives, and
+// starts the next step's count.
+func (o *optState) report(st *Stats) error {
+	st.Collectives = st.Collectives.Add(o.sent)
+	o.sent = CommCounters{}
+	st.Skipped, st.GradNorm, st.LossScale = o.last.skipped, o.last.norm, o.last.scale
+	st.OptimizerBytes, st.OptimizerTime = o.mem.cur, o.last.optimizeTime
+	if !o.sharedModel { // at stage 3 the parameters' gathers are the window's
+		st.ParamGatherTime = o.last.gatherTime
+	}
+	return nil
+}
+
 // close frees the optimizer's memory.
-func (o *optState) close(dev Device) error {
+func (o *optState) close() error {
 	var errs []error
 	errs = append(errs, o.gather.trim(0))
-	model := o.model
-	if o.sharedModel {
-		model = Tensor{} // the parameter shard's: freed with it
+	if !o.sharedModel && o.model.ptr != 0 {
+		errs = append(errs, o.dev.Free(o.model))
 	}
-	for _, t := range []Tensor{model, o.norm} {
-		if t.ptr != 0 {
-			errs = append(errs, dev.Free(t))
-		}
+	if o.norm.ptr != 0 {
+		errs = append(errs, o.dev.Free(o.norm))
 	}
-	for _, t := range []Tensor{o.master, o.m, o.v, o.vmax, o.host} {
+	for _, t := range []Tensor{o.master, o.m, o.v, o.vmax} {
 		if t.ptr != 0 {
-			errs = append(errs, o.state.Free(t))
+			errs = append(errs, o.home.Free(t))
 		}
 	}
 	return errors.Join(errs...)

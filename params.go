@@ -21,6 +21,15 @@ type gathered struct {
 
 // paramState is a stage-3 engine's parameter memory.
 type paramState struct {
+	dev    Device
+	comm   Comm
+	plan   *Plan
+	params []Param
+	world  int
+	// gathers run on gs; the step's updates of the shard run on rs, which
+	// the gathers must wait for and which must wait for them
+	gs, rs Stream
+
 	shard   Tensor // model dtype, this rank's shard of every bucket
 	pool    *bufferPool
 	mem     memoryMeter // shard + gather buffers, in use or idle
@@ -39,7 +48,8 @@ type paramState struct {
 
 	prefetchBytes, liveBytes int64 // 0: no limit on the live bytes
 
-	times spans // the window's gathers, for the stats
+	times spans        // the window's gathers, for the stats
+	sent  CommCounters // the window's gathers, for the stats
 }
 
 // ParamMemory is a stage-3 engine's parameter memory on this rank, in bytes.
@@ -54,206 +64,234 @@ type ParamMemory struct {
 	Buffers         int // gather buffers allocated, in use or idle
 }
 
-// initParamShards fills the stage-3 parameter shard: from the parameters'
-// memory (rank 0's, unless NoBroadcast) and from the initialisers of a
-// sharded build, each called for this rank's ranges only.
-func (e *Engine) initParamShards() error {
-	ps := &paramState{refs: make([]int, len(e.params)), buckets: make([]gathered, len(e.plan.Buckets))}
-	e.ps = ps
-	ps.pool = newBufferPool(e.dev, e.plan.dtype, &ps.mem)
-	ps.prefetchBytes = int64(e.cfg.Params.PrefetchBytes)
-	ps.liveBytes = int64(e.cfg.Params.LiveParamBytes)
-	var err error
-	if ps.shard, err = e.dev.Alloc(e.plan.ShardElems, e.plan.dtype); err != nil {
-		return err
-	}
-	ps.mem.add(int64(ps.shard.Bytes()))
-	s := e.reduceStream
-	if err := e.dev.zero(s, ps.shard); err != nil {
-		return err
-	}
-	if err := e.loadParams(ps.pool, ps.shard); err != nil {
-		return err
-	}
-	for i, p := range e.params {
-		if p.Init == nil || p.Frozen {
-			continue
-		}
-		rg := e.plan.shardRange(i, e.rank)
-		if rg.Count == 0 {
-			continue
-		}
-		host := make([]float32, rg.Count)
-		if err := p.Init(host, rg.ParamOffset); err != nil {
-			return errorf(ErrParam, "Init of parameter %d (%q) at offset %d: %v", i, p.Name, rg.ParamOffset, err)
-		}
-		if err := e.uploadCast(s, ps.shard.slice(rg.ShardOffset, rg.Count), host); err != nil {
+// loadSpec is what loading the parameters into a shard needs.
+type loadSpec struct {
+	dev       Device
+	comm      Comm
+	s         Stream
+	plan      *Plan
+	params    []Param
+	broadcast bool // rank 0's values to every rank first
+}
+
+// loadShard gives every rank rank 0's parameters (unless ld.broadcast is
+// off) and fills a shard from them, bucket by bucket, cast to into's dtype:
+// the optimizer's model-dtype shard, or at stage 3 the parameter shard.
+// pool lends the bucket buffers.
+func loadShard(ld loadSpec, pool *bufferPool, into Tensor) error {
+	s, rank := ld.s, ld.comm.Rank()
+	bcast := ld.broadcast && ld.comm.Size() > 1
+	for b, bp := range ld.plan.Buckets {
+		buf, err := pool.get(ld.plan.MaxBucket())
+		if err != nil {
 			return err
+		}
+		t := buf.t.slice(0, bp.Padded)
+		segs := bucketSegments(ld.plan, ld.params, b, nil)
+		err = s.Wait(buf.free)
+		if err == nil {
+			err = ld.dev.zero(s, t)
+		}
+		if err == nil {
+			err = ld.dev.flatten(s, t, segs, 1)
+		}
+		if err == nil && bcast {
+			if err = ld.comm.Broadcast(s, t, 0); err == nil && rank != 0 {
+				err = ld.dev.unflatten(s, t, segs)
+			}
+		}
+		if err == nil {
+			err = ld.dev.cast(s, into.slice(bp.ShardOffset, bp.Shard), t.slice(rank*bp.Shard, bp.Shard), 1)
+		}
+		var done Event
+		if err == nil {
+			done, err = s.Record()
+		}
+		pool.put(buf, done)
+		if err != nil {
+			return err
+		}
+	}
+	if bcast { // frozen parameters have no bucket: one broadcast each
+		for _, p := range ld.params {
+			if p.Frozen && p.Data.count > 0 {
+				if err := ld.comm.Broadcast(s, p.Data, 0); err != nil {
+					return err
+				}
+			}
 		}
 	}
 	return s.Sync()
 }
 
+// newParamState fills the stage-3 parameter shard: from the parameters'
+// memory (rank 0's, unless NoBroadcast) and from the initialisers of a
+// sharded build, each called for this rank's ranges only. gs is the gather
+// stream; ld.s the stream the step updates the shard on.
+func newParamState(ld loadSpec, cfg ParamPolicy, gs Stream) (*paramState, error) {
+	ps := &paramState{dev: ld.dev, comm: ld.comm, plan: ld.plan, params: ld.params, world: ld.comm.Size(), gs: gs, rs: ld.s,
+		refs: make([]int, len(ld.params)), buckets: make([]gathered, len(ld.plan.Buckets)),
+		prefetchBytes: int64(cfg.PrefetchBytes), liveBytes: int64(cfg.LiveParamBytes)}
+	ps.pool = newBufferPool(ps.dev, ps.plan.dtype, &ps.mem)
+	var err error
+	if ps.shard, err = ps.dev.Alloc(ps.plan.ShardElems, ps.plan.dtype); err != nil {
+		return ps, err
+	}
+	ps.mem.add(int64(ps.shard.Bytes()))
+	s := ld.s
+	if err := ps.dev.zero(s, ps.shard); err != nil {
+		return ps, err
+	}
+	if err := loadShard(ld, ps.pool, ps.shard); err != nil {
+		return ps, err
+	}
+	rank := ld.comm.Rank()
+	for i, p := range ps.params {
+		if p.Init == nil || p.Frozen {
+			continue
+		}
+		rg := ps.plan.shardRange(i, rank)
+		if rg.Count == 0 {
+			continue
+		}
+		host := make([]float32, rg.Count)
+		if err := p.Init(host, rg.ParamOffset); err != nil {
+			return ps, errorf(ErrParam, "Init of parameter %d (%q) at offset %d: %v", i, p.Name, rg.ParamOffset, err)
+		}
+		if err := ps.uploadCast(s, ps.shard.slice(rg.ShardOffset, rg.Count), host); err != nil {
+			return ps, err
+		}
+	}
+	return ps, s.Sync()
+}
+
 // uploadCast writes host fp32 values into device memory of any dtype.
-func (e *Engine) uploadCast(s Stream, dst Tensor, host []float32) error {
-	tmp, err := e.dev.Alloc(len(host), FP32)
+func (ps *paramState) uploadCast(s Stream, dst Tensor, host []float32) error {
+	tmp, err := ps.dev.Alloc(len(host), FP32)
 	if err != nil {
 		return err
 	}
-	err = e.dev.copy(s, tmp, Float32s(host))
+	err = ps.dev.copy(s, tmp, Float32s(host))
 	if err == nil {
-		err = e.dev.cast(s, dst, tmp, 1)
+		err = ps.dev.cast(s, dst, tmp, 1)
 	}
 	if err == nil {
 		err = s.Sync()
 	}
-	return errors.Join(err, e.dev.Free(tmp))
+	return errors.Join(err, ps.dev.Free(tmp))
 }
 
-// Gather makes the parameters ps available to work enqueued on stream s
-// after it returns (stage 3): it all-gathers each bucket that holds one of
-// them, unless it is gathered already, and returns a view of each
-// parameter in its bucket's gathered buffer. s waits on the gathers'
-// events; nothing blocks the caller. Each view holds a reference until
-// Release; a bucket stays gathered while any of its parameters is
-// referenced. Every rank must gather the same buckets in the same order:
-// the gathers are collectives.
-func (e *Engine) Gather(s Stream, ps ...int) ([]Tensor, error) {
-	if err := e.checkGather("Gather", s, ps); err != nil {
-		return nil, err
+// check refuses op's stream and parameters before anything changes.
+func (ps *paramState) check(op string, s Stream, list []int) error {
+	if s == nil {
+		return errorf(ErrStream, "%s with a nil stream; pass the stream that uses the parameters", op)
 	}
-	st := e.ps
-	views := make([]Tensor, len(ps))
+	for _, p := range list {
+		if p < 0 || p >= len(ps.params) {
+			return errorf(ErrParam, "%s of parameter %d; registered parameters are 0..%d", op, p, len(ps.params)-1)
+		}
+		if ps.params[p].Frozen {
+			return errorf(ErrParam, "%s of parameter %d (%q), which is frozen: it is not sharded; use its own memory", op, p, ps.params[p].Name)
+		}
+	}
+	return nil
+}
+
+// gather is Gather: see there.
+func (ps *paramState) gather(s Stream, list []int) ([]Tensor, error) {
+	views := make([]Tensor, len(list))
 	waited := -1 // the bucket s last waited for: members of a bucket come together
-	for i, p := range ps {
-		b := e.plan.ParamBucket[p]
+	for i, p := range list {
+		b := ps.plan.ParamBucket[p]
 		if b < 0 {
-			views[i] = Tensor{dtype: e.plan.dtype}
+			views[i] = Tensor{dtype: ps.plan.dtype}
 			continue
 		}
-		g := &st.buckets[b]
+		g := &ps.buckets[b]
 		if g.refs == 0 { // asked for anew (a prefetched bucket has no reference yet)
-			e.followOrder(b)
+			ps.followOrder(b)
 			switch {
 			case g.prefetched:
-				st.hits++
+				ps.hits++
 				g.prefetched = false
 			case g.buf == nil:
-				if st.last != nil {
-					st.misses++
+				if ps.last != nil {
+					ps.misses++
 				}
-				if err := e.gatherBucket(b); err != nil {
-					return nil, e.fail(err)
+				if err := ps.gatherBucket(b); err != nil {
+					return nil, err
 				}
 			}
 		}
 		if b != waited {
 			if err := s.Wait(g.ready); err != nil {
-				return nil, e.fail(err)
+				return nil, err
 			}
 			waited = b
 		}
 		g.refs++
-		st.refs[p]++
-		views[i] = g.buf.t.slice(e.plan.ParamOffset[p], e.params[p].Count)
+		ps.refs[p]++
+		views[i] = g.buf.t.slice(ps.plan.ParamOffset[p], ps.params[p].Count)
 	}
-	if err := e.prefetch(); err != nil {
-		return nil, e.fail(err)
-	}
-	return views, nil
+	return views, ps.prefetch()
 }
 
-// Release hands back one reference to each of the parameters ps, whose views
-// the work enqueued on s so far has used. A bucket whose last reference goes
-// returns its buffer to the pool, reused only after s (and every other
-// stream that released it) has finished that work.
-func (e *Engine) Release(s Stream, ps ...int) error {
-	if err := e.checkGather("Release", s, ps); err != nil {
-		return err
-	}
-	st := e.ps
-	for i, p := range ps {
-		want := 1 // references ps hands back for p, up to this one
-		for _, q := range ps[:i] {
+// release is Release: see there. It refuses before anything changes.
+func (ps *paramState) release(s Stream, list []int) (refused, err error) {
+	for i, p := range list {
+		want := 1 // references list hands back for p, up to this one
+		for _, q := range list[:i] {
 			if q == p {
 				want++
 			}
 		}
-		if e.plan.ParamBucket[p] >= 0 && st.refs[p] < want {
-			return errorf(ErrProtocol, "Release of parameter %d (%q), which is not gathered (or released already); release what Gather returned, once", p, e.params[p].Name)
+		if ps.plan.ParamBucket[p] >= 0 && ps.refs[p] < want {
+			return errorf(ErrProtocol, "Release of parameter %d (%q), which is not gathered (or released already); release what Gather returned, once", p, ps.params[p].Name), nil
 		}
 	}
 	used, err := s.Record()
 	if err != nil {
-		return e.fail(err)
+		return nil, err
 	}
-	for _, p := range ps {
-		b := e.plan.ParamBucket[p]
+	for _, p := range list {
+		b := ps.plan.ParamBucket[p]
 		if b < 0 {
 			continue
 		}
-		g := &st.buckets[b]
-		st.refs[p]--
+		g := &ps.buckets[b]
+		ps.refs[p]--
 		g.refs--
 		g.users = append(g.users, used)
 		if g.refs == 0 {
-			if e.usedSoon(b) { // keep it for its next use, as a prefetch would gather it
+			if ps.usedSoon(b) { // keep it for its next use, as a prefetch would gather it
 				g.prefetched = true
 				continue
 			}
-			if err := e.dropBucket(b); err != nil {
-				return e.fail(err)
+			if err := ps.dropBucket(b); err != nil {
+				return nil, err
 			}
 		}
 	}
-	return nil
+	return nil, nil
 }
 
-// ParamMemory reports the stage-3 parameter memory now (zero elsewhere).
-func (e *Engine) ParamMemory() ParamMemory {
-	st := e.ps
-	if st == nil {
-		return ParamMemory{}
-	}
+// memory is ParamMemory: see there.
+func (ps *paramState) memory() ParamMemory {
 	n := 0
-	for _, g := range st.buckets {
+	for _, g := range ps.buckets {
 		if g.buf != nil {
 			n++
 		}
 	}
-	return ParamMemory{ShardBytes: int64(st.shard.Bytes()), GatheredBytes: st.gatheredBytes, PooledBytes: st.pool.bytes,
-		PeakBytes: st.mem.peak, GatheredBuckets: n, Buffers: st.pool.held}
-}
-
-func (e *Engine) checkGather(op string, s Stream, ps []int) error {
-	if err := e.usable(op); err != nil {
-		return err
-	}
-	if e.cfg.Stage != 3 {
-		return errorf(ErrProtocol, "%s at stage %d; parameters are sharded and gathered at stage 3 only", op, e.cfg.Stage)
-	}
-	if e.ps == nil {
-		return errorf(ErrProtocol, "%s: the parameters were registered without memory; give Param.Data or Param.Init", op)
-	}
-	if s == nil {
-		return errorf(ErrStream, "%s with a nil stream; pass the stream that uses the parameters", op)
-	}
-	for _, p := range ps {
-		if p < 0 || p >= len(e.params) {
-			return errorf(ErrParam, "%s of parameter %d; registered parameters are 0..%d", op, p, len(e.params)-1)
-		}
-		if e.params[p].Frozen {
-			return errorf(ErrParam, "%s of parameter %d (%q), which is frozen: it is not sharded; use its own memory", op, p, e.params[p].Name)
-		}
-	}
-	return nil
+	return ParamMemory{ShardBytes: int64(ps.shard.Bytes()), GatheredBytes: ps.gatheredBytes, PooledBytes: ps.pool.bytes,
+		PeakBytes: ps.mem.peak, GatheredBuckets: n, Buffers: ps.pool.held}
 }
 
 // gatherBucket all-gathers bucket b from every rank's parameter shard into a
 // pooled buffer on the gather stream.
-func (e *Engine) gatherBucket(b int) error {
-	st, bp, s := e.ps, &e.plan.Buckets[b], e.gatherStream
-	buf, err := st.pool.get(e.plan.MaxBucket())
+func (ps *paramState) gatherBucket(b int) error {
+	st, bp, s := ps, &ps.plan.Buckets[b], ps.gs
+	buf, err := st.pool.get(ps.plan.MaxBucket())
 	if err != nil {
 		return err
 	}
@@ -264,11 +302,11 @@ func (e *Engine) gatherBucket(b int) error {
 		start, err = s.Record()
 	}
 	if err == nil {
-		err = e.comm.AllGather(s, st.shard.slice(bp.ShardOffset, bp.Shard), buf.t.slice(0, bp.Padded))
+		err = ps.comm.AllGather(s, st.shard.slice(bp.ShardOffset, bp.Shard), buf.t.slice(0, bp.Padded))
 	}
 	var ready Event
 	if err == nil {
-		e.pl.sent.add(KindAllGather, bp.Padded*e.plan.dtype.Size(), e.world)
+		ps.sent.add(KindAllGather, bp.Padded*ps.plan.dtype.Size(), ps.world)
 		ready, err = s.Record()
 	}
 	if err != nil {
@@ -283,8 +321,8 @@ func (e *Engine) gatherBucket(b int) error {
 
 // dropBucket returns bucket b's buffer to the pool, free once the gather
 // and every stream that released it are done with it.
-func (e *Engine) dropBucket(b int) error {
-	st, s := e.ps, e.gatherStream
+func (ps *paramState) dropBucket(b int) error {
+	st, s := ps, ps.gs
 	g := &st.buckets[b]
 	for _, u := range g.users {
 		if err := s.Wait(u); err != nil {
@@ -303,8 +341,8 @@ func (e *Engine) dropBucket(b int) error {
 
 // followOrder notes that bucket b was asked for: this window's order, and
 // the place in the last window's order to prefetch from.
-func (e *Engine) followOrder(b int) {
-	st := e.ps
+func (ps *paramState) followOrder(b int) {
+	st := ps
 	st.order = append(st.order, b)
 	for j := st.cursor; j < len(st.last); j++ {
 		if st.last[j] == b {
@@ -316,12 +354,12 @@ func (e *Engine) followOrder(b int) {
 
 // usedSoon reports whether bucket b comes within the prefetch's reach of
 // the last window's order, from where this window has got to.
-func (e *Engine) usedSoon(b int) bool {
-	st := e.ps
+func (ps *paramState) usedSoon(b int) bool {
+	st := ps
 	if st.prefetchBytes <= 0 {
 		return false
 	}
-	size := int64(e.plan.MaxBucket() * e.plan.dtype.Size())
+	size := int64(ps.plan.MaxBucket() * ps.plan.dtype.Size())
 	reach := max(1, int(st.prefetchBytes/size))
 	for j := st.cursor; j < len(st.last) && j < st.cursor+reach; j++ {
 		if st.last[j] == b {
@@ -333,12 +371,12 @@ func (e *Engine) usedSoon(b int) bool {
 
 // prefetch gathers the buckets that come next in the last window's order,
 // up to PrefetchBytes ahead and within LiveParamBytes.
-func (e *Engine) prefetch() error {
-	st := e.ps
+func (ps *paramState) prefetch() error {
+	st := ps
 	if st.prefetchBytes <= 0 {
 		return nil
 	}
-	ahead, size := int64(0), int64(e.plan.MaxBucket()*e.plan.dtype.Size())
+	ahead, size := int64(0), int64(ps.plan.MaxBucket()*ps.plan.dtype.Size())
 	for _, g := range st.buckets {
 		if g.prefetched {
 			ahead += size
@@ -353,7 +391,7 @@ func (e *Engine) prefetch() error {
 		if st.liveBytes > 0 && st.gatheredBytes+size > st.liveBytes {
 			return nil
 		}
-		if err := e.gatherBucket(b); err != nil {
+		if err := ps.gatherBucket(b); err != nil {
 			return err
 		}
 		st.buckets[b].prefetched = true
@@ -366,31 +404,28 @@ func (e *Engine) prefetch() error {
 // been released (checked by every rank in the window's all-reduce), and
 // prefetched buckets nobody asked for are dropped. The optimizer's pass on
 // the reduce stream waits for the gathers that read the shard.
-func (e *Engine) endParamWindow() error {
-	st := e.ps
+func (ps *paramState) endWindow() error {
+	st := ps
 	for b := range st.buckets {
 		if st.buckets[b].prefetched {
 			st.wasted++
-			if err := e.dropBucket(b); err != nil {
+			if err := ps.dropBucket(b); err != nil {
 				return err
 			}
 		}
 	}
-	ev, err := e.gatherStream.Record()
+	ev, err := ps.gs.Record()
 	if err == nil {
-		err = e.reduceStream.Wait(ev)
+		err = ps.rs.Wait(ev)
 	}
 	st.last, st.order, st.cursor = append(st.last[:0], st.order...), st.order[:0], 0
 	return err
 }
 
 // stillGathered counts the parameter references not yet released.
-func (e *Engine) stillGathered() int {
-	if e.ps == nil {
-		return 0
-	}
+func (ps *paramState) stillGathered() int {
 	n := 0
-	for _, r := range e.ps.refs {
+	for _, r := range ps.refs {
 		n += r
 	}
 	return n
@@ -398,7 +433,7 @@ func (e *Engine) stillGathered() int {
 
 // close waits for the gathers and the users of gathered buffers, and frees
 // the parameter memory.
-func (st *paramState) close(dev Device) error {
+func (st *paramState) close() error {
 	var errs []error
 	for b := range st.buckets {
 		g := &st.buckets[b]
@@ -416,85 +451,68 @@ func (st *paramState) close(dev Device) error {
 	}
 	errs = append(errs, st.pool.trim(0))
 	if st.shard.ptr != 0 {
-		errs = append(errs, dev.Free(st.shard))
+		errs = append(errs, st.dev.Free(st.shard))
 		st.shard = Tensor{}
 	}
 	return errors.Join(errs...)
 }
 
-// FullParams returns the current value of every parameter with memory, in
-// fp32, in registration order (nil for a parameter without memory): at
-// stages 1 and 2 read from Param.Data, which each Step updates; at stage 3
-// all-gathered bucket by bucket from the parameter shards, which is where
-// the current values live (Param.Data is read at New only). At stage 3 it
-// is a collective: every rank calls it. Its traffic is not counted in the
-// step's stats.
-func (e *Engine) FullParams() ([][]float32, error) {
-	if err := e.usable("FullParams"); err != nil {
-		return nil, err
-	}
-	if !hasParamMemory(e.params) {
-		return nil, errorf(ErrProtocol, "FullParams: the parameters were registered without memory; give Param.Data or Param.Init")
-	}
-	out := make([][]float32, len(e.params))
-	wide, err := e.dev.Alloc(max(e.plan.MaxBucket(), maxCount(e.params)), FP32)
+// readParams returns the current value of every parameter with memory in
+// fp32 (FullParams): from Param.Data, or at stage 3 (ps not nil)
+// all-gathered from the parameter shards, bucket by bucket, on s once rs's
+// work (the last step's writes into the shard) is done.
+func readParams(dev Device, s, rs Stream, plan *Plan, params []Param, ps *paramState) ([][]float32, error) {
+	out := make([][]float32, len(params))
+	wide, err := dev.Alloc(max(plan.MaxBucket(), maxCount(params)), FP32)
 	if err != nil {
 		return nil, err
 	}
-	defer e.dev.Free(wide)
-	s := e.gatherStream
+	defer dev.Free(wide)
 	read := func(src Tensor) ([]float32, error) { // any dtype, on the device, to host fp32
 		host := make([]float32, src.count)
-		err := e.dev.cast(s, wide.slice(0, src.count), src, 1)
+		err := dev.cast(s, wide.slice(0, src.count), src, 1)
 		if err == nil {
-			err = e.dev.copy(s, Float32s(host), wide.slice(0, src.count))
+			err = dev.copy(s, Float32s(host), wide.slice(0, src.count))
 		}
 		if err == nil {
 			err = s.Sync()
 		}
 		return host, err
 	}
-	if e.ps == nil {
-		for p, q := range e.params {
-			if q.Data.count > 0 {
-				if out[p], err = read(q.Data); err != nil {
-					return nil, e.fail(err)
-				}
+	for p, q := range params { // at stage 3 only the frozen ones keep their own memory
+		if q.Data.count > 0 && (ps == nil || q.Frozen) {
+			if out[p], err = read(q.Data); err != nil {
+				return nil, err
 			}
 		}
+	}
+	if ps == nil {
 		return out, nil
 	}
-	ev, err := e.reduceStream.Record() // the last Step's writes into the shard
+	ev, err := rs.Record()
 	if err == nil {
 		err = s.Wait(ev)
 	}
 	if err != nil {
-		return nil, e.fail(err)
+		return nil, err
 	}
-	buf, err := e.dev.Alloc(e.plan.MaxBucket(), e.plan.dtype)
+	buf, err := dev.Alloc(plan.MaxBucket(), plan.dtype)
 	if err != nil {
 		return nil, err
 	}
-	defer e.dev.Free(buf)
-	for _, bp := range e.plan.Buckets {
+	defer dev.Free(buf)
+	for _, bp := range plan.Buckets {
 		t := buf.slice(0, bp.Padded)
-		if err := e.comm.AllGather(s, e.ps.shard.slice(bp.ShardOffset, bp.Shard), t); err != nil {
-			return nil, e.fail(err)
+		if err := ps.comm.AllGather(s, ps.shard.slice(bp.ShardOffset, bp.Shard), t); err != nil {
+			return nil, err
 		}
 		flat, err := read(t)
 		if err != nil {
-			return nil, e.fail(err)
+			return nil, err
 		}
 		for _, p := range bp.Params {
-			off := e.plan.ParamOffset[p]
-			out[p] = append([]float32(nil), flat[off:off+e.params[p].Count]...)
-		}
-	}
-	for p, q := range e.params { // frozen parameters keep their own memory
-		if q.Frozen && q.Data.count > 0 {
-			if out[p], err = read(q.Data); err != nil {
-				return nil, e.fail(err)
-			}
+			off := plan.ParamOffset[p]
+			out[p] = append([]float32(nil), flat[off:off+params[p].Count]...)
 		}
 	}
 	return out, nil
@@ -506,4 +524,31 @@ func maxCount(params []Param) int {
 		n = max(n, p.Count)
 	}
 	return n
+}
+
+// report fills the step's parameter figures and the window's gathers, and
+// starts the next window's.
+func (ps *paramState) report(st *Stats) error {
+	st.Collectives = st.Collectives.Add(ps.sent)
+	ps.sent = CommCounters{}
+	st.ParamShardBytes, st.PeakParamBytes, st.GatherBuffers = int64(ps.shard.Bytes()), ps.mem.peak, ps.pool.held
+	st.PrefetchHits, st.PrefetchMisses, st.PrefetchWasted = ps.hits, ps.misses, ps.wasted
+	ps.hits, ps.misses, ps.wasted = 0, 0, 0
+	ps.mem.peak = ps.mem.cur
+	var err error
+	st.ParamGatherTime, err = ps.times.take()
+	return err
+}
+
+// afterStep starts the next window: its first buckets prefetched from the
+// updated shard, once the step's writes on rs are done.
+func (ps *paramState) afterStep() error {
+	ev, err := ps.rs.Record()
+	if err == nil {
+		err = ps.gs.Wait(ev)
+	}
+	if err == nil {
+		err = ps.prefetch()
+	}
+	return err
 }

@@ -6,26 +6,9 @@ package zero
 type View struct {
 	Param int // the parameter's index at registration
 	ShardRange
-	e     *Engine
-	buf   Tensor // the whole shard buffer
-	check func(op string) error
-	scale func() float32 // read value = stored value × scale
-}
-
-// GradView returns parameter param's part of this rank's reduced fp32
-// gradient shard. Read gives the same values as GradShard and FullGrads
-// (the mean's 1/G applied); both Read and Write are refused while a
-// backward of the next window is under way.
-func (e *Engine) GradView(param int) (View, error) {
-	if err := e.usable("GradView"); err != nil {
-		return View{}, err
-	}
-	rg, err := e.plan.ShardRange(param, e.rank)
-	if err != nil {
-		return View{}, err
-	}
-	return View{Param: param, ShardRange: rg, e: e, buf: e.pl.shard, check: e.readable,
-		scale: func() float32 { return e.readScale }}, nil
+	rank  int
+	read  func(dst []float32) error // copies the part out, the read scale applied
+	write func(src []float32) error // copies src in, so that read gives it back
 }
 
 // Read copies the view's Count elements into dst.
@@ -33,8 +16,7 @@ func (v View) Read(dst []float32) error {
 	if err := v.prepare("View.Read", len(dst)); err != nil {
 		return err
 	}
-	d, s := v.e.shardSide(v.e.copyStream)
-	return v.e.copyScaled(d, s, Float32s(dst), v.buf.slice(v.ShardOffset, v.Count), v.scale())
+	return v.read(dst)
 }
 
 // Write stores src (Count elements) in the view, so that Read gives src
@@ -44,19 +26,15 @@ func (v View) Write(src []float32) error {
 	if err := v.prepare("View.Write", len(src)); err != nil {
 		return err
 	}
-	d, s := v.e.shardSide(v.e.copyStream)
-	return v.e.copyScaled(d, s, v.buf.slice(v.ShardOffset, v.Count), Float32s(src), float32(1/float64(v.scale())))
+	return v.write(src)
 }
 
 func (v View) prepare(op string, n int) error {
-	if v.e == nil {
+	if v.read == nil {
 		return errorf(ErrParam, "%s on a zero View; get one from GradView", op)
 	}
-	if err := v.check(op); err != nil {
-		return err
-	}
 	if n != v.Count {
-		return errorf(ErrGradSize, "%s of %d elements; parameter %d has %d elements on rank %d (View.Count)", op, n, v.Param, v.Count, v.e.rank)
+		return errorf(ErrGradSize, "%s of %d elements; parameter %d has %d elements on rank %d (View.Count)", op, n, v.Param, v.Count, v.rank)
 	}
 	return nil
 }

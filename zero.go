@@ -4,11 +4,16 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"time"
 )
 
 // Engine is one rank's ZeRO engine. Its methods are called from the rank's
 // own goroutine; the engine is not safe for concurrent use.
+//
+// The engine is the hub: it checks the caller's calls and orchestrates its
+// components, each of which owns its state: the pipeline (bucket.go), its
+// sink (the device's, or offload's), the window (coalesce.go), the
+// optimizer (optim.go), stage 3's parameters (params.go) and offload
+// (offload.go).
 type Engine struct {
 	cfg    Config
 	comm   Comm
@@ -19,24 +24,28 @@ type Engine struct {
 	world  int
 
 	// The engine's own streams: reductions (under Overlap) and Step's
-	// collectives; gathers of the shards (FullGrads); copies to the host.
+	// collectives; gathers (stage 3, FullGrads); copies to the host.
 	reduceStream, gatherStream, copyStream Stream
-	pl                                     *pipeline
-	events                                 eventPool // the window's producer events, untimed
-	one                                    struct {  // GradReady's batch of one, GradsReady's grouping
+	streams                                []Stream // every stream drain waits for
+
+	pl        *pipeline
+	win       window
+	opt       *optState   // nil without Optimizer.Groups: Step only reduces
+	off       *offload    // nil without Offload.Optimizer
+	ps        *paramState // stage 3 with parameter memory: the parameter shards
+	reporters []statsReporter
+
+	events eventPool // the window's producer events, untimed
+	one    struct {  // GradReady's batch of one, GradsReady's grouping
 		param  [1]int
 		grad   [1]Tensor
 		order  []int   // buckets of the batch
 		groups [][]int // indexes into the batch, per bucket of order
 	}
-	window Tensor // fp32 pair for Step's check that ranks agree on the window
-
-	opt        *optState    // nil without Config.Groups: Step only reduces
-	off        *offloadPath // nil without Config.Offload
-	ps         *paramState  // stage 3 with parameter memory: the parameter shards
-	co         coalesceState
-	slots      windowSlots // where Step's first all-reduce carries what
-	usedWindow []bool      // per parameter: reported in this window, on this rank
+	window     Tensor       // fp32: Step's first all-reduce
+	slots      windowSlots  // where that all-reduce carries what
+	usedWindow []bool       // per parameter: reported in this window, on this rank
+	sent       CommCounters // that all-reduce, for the stats
 
 	// backward state
 	inBackward bool
@@ -87,19 +96,33 @@ func (e *Engine) init() error {
 		if *s, err = e.dev.NewStream(); err != nil {
 			return err
 		}
+		e.streams = append(e.streams, *s)
 	}
 	if err := checkSettings(e.dev, e.comm, e.reduceStream, settingsRecord(e.cfg, e.params, e.world)); err != nil {
 		return err
 	}
+	// Where the fp32 shard and the optimizer's state live: the device, or
+	// with offload the host, which is then both the pipeline's sink and the
+	// optimizer's home.
+	var sk sink
+	var home optimizerHome
 	if e.cfg.Offload.Optimizer {
-		maxShard := 0
-		for _, b := range e.plan.Buckets {
-			maxShard = max(maxShard, b.Shard)
-		}
-		var err error
-		if e.off, err = newOffloadPath(e.dev, e.copyStream, e.cfg.Precision.CommDType, maxShard, e.cfg.StagingBuffers); err != nil {
+		off, err := newOffload(e.dev, e.plan, e.copyStream, e.cfg.Precision.CommDType, e.cfg.StagingBuffers)
+		if err != nil {
+			if off != nil { // no pipeline owns its shard yet
+				err = errors.Join(err, off.close(), off.shutdown())
+			}
 			return err
 		}
+		e.off = off
+		e.streams = append(e.streams, e.off.hostStream())
+		sk, home = e.off, e.off
+	} else {
+		ds, err := newDeviceSink(e.dev, e.plan.ShardElems)
+		if err != nil {
+			return errors.Join(err, ds.close())
+		}
+		sk = ds
 	}
 	spec := pipelineSpec{
 		rank: e.rank, world: e.world, commDType: e.cfg.Precision.CommDType, overlap: e.cfg.Overlap,
@@ -120,9 +143,11 @@ func (e *Engine) init() error {
 		}
 	}
 	var err error
-	if e.pl, err = newPipeline(spec, e.plan, e.dev, e.comm, e.reduceStream, e.off); err != nil {
+	if e.pl, err = newPipeline(spec, e.plan, e.dev, e.comm, e.reduceStream, sk); err != nil {
 		return err
 	}
+	e.win = newWindow(e.pl, e.plan, e.cfg.Window)
+	e.reporters = []statsReporter{e.pl, &e.win}
 	// Step's first collective: (G, −G); at stage 3 with parameter shards the
 	// references still gathered; with an optimizer the groups' digest and
 	// its negation (equal maxima: every rank has the same groups), then
@@ -131,7 +156,8 @@ func (e *Engine) init() error {
 	e.usedWindow = make([]bool, len(e.params))
 	at := 2
 	e.slots = windowSlots{refs: -1, digest: -1, used: -1}
-	if e.cfg.Stage == 3 && hasParamMemory(e.params) {
+	stage3 := e.cfg.Stage == 3 && hasParamMemory(e.params)
+	if stage3 {
 		e.slots.refs, at = at, at+1
 	}
 	if len(e.cfg.Optimizer.Groups) > 0 {
@@ -140,13 +166,27 @@ func (e *Engine) init() error {
 	if e.window, err = e.dev.Alloc(at, FP32); err != nil {
 		return err
 	}
-	if e.cfg.Stage == 3 && hasParamMemory(e.params) {
-		if err := e.initParamShards(); err != nil {
+	ld := loadSpec{dev: e.dev, comm: e.comm, s: e.reduceStream, plan: e.plan, params: e.params, broadcast: !e.cfg.Params.NoBroadcast}
+	var shared *Tensor
+	if stage3 {
+		if e.ps, err = newParamState(ld, e.cfg.Params, e.gatherStream); err != nil {
 			return err
 		}
+		shared = &e.ps.shard
 	}
 	if len(e.cfg.Optimizer.Groups) > 0 {
-		return e.initOptimizer()
+		load := func(pool *bufferPool, into Tensor) error { return loadShard(ld, pool, into) }
+		if e.opt, err = newOptimizer(optimizerSpec{cfg: e.cfg, dev: e.dev, comm: e.comm, plan: e.plan, params: e.params,
+			s: e.reduceStream, home: home, shared: shared, load: load}); err != nil {
+			return err
+		}
+		e.reporters = append(e.reporters, e.opt)
+	}
+	if e.ps != nil {
+		e.reporters = append(e.reporters, e.ps) // at stage 3 its gather time is the window's
+	}
+	if e.off != nil {
+		e.reporters = append(e.reporters, e.off)
 	}
 	return nil
 }
@@ -184,13 +224,8 @@ func (e *Engine) fail(err error) error {
 // drain waits for the work on the engine's streams; their errors went to
 // the call that enqueued it.
 func (e *Engine) drain() {
-	for _, s := range []Stream{e.reduceStream, e.gatherStream, e.copyStream} {
-		if s != nil {
-			s.Sync()
-		}
-	}
-	if e.off != nil {
-		e.off.stream.Sync()
+	for _, s := range e.streams {
+		s.Sync()
 	}
 }
 
@@ -206,7 +241,7 @@ func (e *Engine) drain() {
 // reduces; inside a coalesced window or NoSync it has none either: the
 // window's end is its boundary.
 func (e *Engine) SetBoundary(b bool) {
-	if e.inBackward || e.co.active || e.co.noSync {
+	if e.inBackward || e.win.open() {
 		return
 	}
 	e.boundary = b
@@ -236,7 +271,7 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 	if err := e.checkGrads(params, grads, stream); err != nil {
 		return nil, err
 	}
-	if !e.inBackward && e.co.flushNext {
+	if !e.inBackward && e.win.flushNext {
 		e.boundary = true // the backward after NoSync reduces as it goes
 	}
 	e.inBackward = true
@@ -277,7 +312,7 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 		e.pl.produced(b, groups[k], params, stream, ev)
 	}
 	if e.off != nil {
-		e.off.producers[stream] = ev
+		e.off.produced(stream, ev)
 	}
 	for _, p := range params {
 		e.usedWindow[p] = true
@@ -290,16 +325,7 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 
 // checkGrads refuses a batch with any bad gradient before anything else
 // changes, and marks the batch's parameters as reported when it takes it.
-func (e *Engine) checkGrads(params []int, grads []Tensor, stream Stream) (err error) {
-	reported := e.pl.reported
-	marked := 0
-	defer func() {
-		if err != nil {
-			for _, p := range params[:marked] {
-				reported[p] = false
-			}
-		}
-	}()
+func (e *Engine) checkGrads(params []int, grads []Tensor, stream Stream) error {
 	if len(params) != len(grads) {
 		return errorf(ErrParam, "GradsReady: %d parameters and %d gradients; pass one gradient per parameter", len(params), len(grads))
 	}
@@ -329,13 +355,8 @@ func (e *Engine) checkGrads(params []int, grads []Tensor, stream Stream) (err er
 		if grad.count > 0 && grad.ptr == 0 {
 			return errorf(ErrGradSize, "GradReady(%d %q): gradient has no memory", param, p.Name)
 		}
-		if reported[param] {
-			return errorf(ErrDuplicateGrad, "GradReady(%d %q) twice in one backward; call EndBackward between backwards, or sum the gradient before reporting it", param, p.Name)
-		}
-		reported[param] = true // taken back above if a later gradient is refused
-		marked = i + 1
 	}
-	return nil
+	return e.pl.markReported(params, func(p int) string { return e.params[p].Name })
 }
 
 // EndBackward closes a backward. Members that did not report count as
@@ -349,8 +370,7 @@ func (e *Engine) EndBackward() error {
 	if s == nil {
 		s = e.reduceStream
 	}
-	if e.co.flushNext {
-		e.co.resident = e.pl.mem.cur
+	if e.win.flushing() {
 		// The backward after NoSync reduces on every rank, also on one
 		// that reported nothing in it: the collectives never depend on data.
 		e.boundary = true
@@ -366,7 +386,7 @@ func (e *Engine) EndBackward() error {
 		}
 	}
 	if e.boundary {
-		e.afterFlush()
+		e.win.afterFlush()
 	}
 	e.inBackward = false
 	e.boundary = false
@@ -398,17 +418,17 @@ func (e *Engine) DiscardGrads() error {
 	e.inBackward, e.boundary, e.lastStream = false, false, nil
 	e.backwards = 0
 	clear(e.usedWindow)
-	e.afterFlush()
+	e.win.afterFlush()
 	e.discarded = true
 	return nil
 }
 
 // Step ends the accumulation window. Its first collective checks that
-// every rank took the same number of backwards G (and G = GradAccumSteps
+// every rank took the same number of backwards G (and G = Grads.AccumSteps
 // where that is set); then it runs the reductions still pending (local
-// buckets without a boundary), waits for all of them, and records the
-// step's stats. The reduced shard is readable until the next backward. A
-// Step refused for the window keeps the window: no gradient is lost.
+// buckets without a boundary), waits for all of them, runs the optimizer
+// and records the step's stats. The reduced shard is readable until the
+// next backward. A Step refused by its first collective keeps the window.
 func (e *Engine) Step() error {
 	if err := e.usable("Step"); err != nil {
 		return err
@@ -416,38 +436,29 @@ func (e *Engine) Step() error {
 	if e.inBackward {
 		return errorf(ErrProtocol, "Step inside a backward; call EndBackward first")
 	}
-	if e.co.active || e.co.noSync {
+	if e.win.open() {
 		return errorf(ErrProtocol, "Step inside a Coalesce window or NoSync; end it first")
 	}
 	g, used, err := e.agreeOnWindow()
 	if err != nil {
 		return err
 	}
-	if e.pl.unflushed {
-		if e.co.flushNext {
-			e.co.resident = e.pl.mem.cur
-		}
+	if e.pl.owesFlushAtStep() {
+		e.win.flushing() // notes the memory held, for the stats
 		if err := e.pl.flushLocal(e.reduceStream); err != nil {
 			return e.fail(err)
 		}
 	}
-	e.afterFlush()
+	e.win.afterFlush()
 	if err := e.pl.sync(); err != nil {
 		return e.fail(err)
 	}
-	overflow := []float32{0}
-	sd, ss := e.shardSide(e.copyStream)
-	if err := sd.copy(ss, Float32s(overflow), e.pl.flag); err != nil {
-		return e.fail(err)
-	}
-	if err := sd.zero(ss, e.pl.flag); err != nil {
-		return e.fail(err)
-	}
-	if err := ss.Sync(); err != nil {
+	overflow, err := e.pl.takeOverflow(e.copyStream)
+	if err != nil {
 		return e.fail(err)
 	}
 	if e.ps != nil {
-		if err := e.endParamWindow(); err != nil {
+		if err := e.ps.endWindow(); err != nil {
 			return e.fail(err)
 		}
 	}
@@ -455,52 +466,16 @@ func (e *Engine) Step() error {
 	if e.cfg.Grads.Reduction == Mean {
 		readScale = float32(1 / float64(g))
 	}
-	res := stepResult{scale: 1}
 	if e.opt != nil {
-		if res, err = e.optimizerStep(readScale, used, overflow[0]); err != nil {
+		if _, err := e.opt.step(e.pl.gradShard(), readScale, used, overflow); err != nil {
 			return e.fail(err)
 		}
 	}
-	reduce, err := e.pl.reduceTimes.take()
-	if err != nil {
+	st := Stats{Step: e.stepIndex, Backwards: g, Overflow: overflow != 0, LossScale: 1, Collectives: e.sent}
+	if err := collectStats(&st, e.reporters); err != nil {
 		return e.fail(err)
 	}
-	pooled := e.pl.stagingPool.bytes + e.pl.localPool.bytes + e.pl.windowPool.bytes
-	e.stats = Stats{
-		Step:                e.stepIndex,
-		Backwards:           g,
-		Collectives:         e.pl.sent,
-		ReduceTime:          reduce,
-		StagingBuffers:      e.pl.stagingPool.held,
-		PeakGradBytes:       e.pl.mem.peak,
-		ResidentGradBytes:   e.pl.mem.cur,
-		PooledGradBytes:     pooled,
-		Overflow:            overflow[0] != 0,
-		Skipped:             res.skipped,
-		GradNorm:            res.norm,
-		LossScale:           res.scale,
-		WindowResidentBytes: e.co.resident,
-		OptimizerTime:       res.optimizeTime,
-		ParamGatherTime:     res.gatherTime,
-	}
-	if e.opt != nil {
-		e.stats.OptimizerBytes = e.opt.mem.cur
-	}
-	if err := e.offloadStats(&e.stats); err != nil {
-		return e.fail(err)
-	}
-	if st := e.ps; st != nil {
-		e.stats.ParamShardBytes, e.stats.PeakParamBytes, e.stats.GatherBuffers = int64(st.shard.Bytes()), st.mem.peak, st.pool.held
-		e.stats.PrefetchHits, e.stats.PrefetchMisses, e.stats.PrefetchWasted = st.hits, st.misses, st.wasted
-		st.hits, st.misses, st.wasted = 0, 0, 0
-		st.mem.peak = st.mem.cur
-		if e.stats.ParamGatherTime, err = st.times.take(); err != nil {
-			return e.fail(err)
-		}
-	}
-	e.co.resident = 0
-	e.pl.sent = CommCounters{}
-	e.pl.mem.peak = e.pl.mem.cur
+	e.stats, e.sent = st, CommCounters{}
 	e.stepIndex++
 	e.discarded = false
 	e.backwards = 0
@@ -509,15 +484,7 @@ func (e *Engine) Step() error {
 	e.pl.newWindow()
 	e.events.recycle() // every producer event was waited on by a synced reduction
 	if e.ps != nil {
-		// the next window's first buckets, from the updated shard
-		ev, err := e.reduceStream.Record()
-		if err == nil {
-			err = e.gatherStream.Wait(ev)
-		}
-		if err == nil {
-			err = e.prefetch()
-		}
-		if err != nil {
+		if err := e.ps.afterStep(); err != nil {
 			return e.fail(err)
 		}
 	}
@@ -546,7 +513,7 @@ func (e *Engine) agreeOnWindow() (int, []bool, error) {
 	buf := make([]float32, e.window.count)
 	buf[0], buf[1] = n, -n
 	if e.slots.refs >= 0 {
-		buf[e.slots.refs] = float32(e.stillGathered())
+		buf[e.slots.refs] = float32(e.ps.stillGathered())
 	}
 	if e.slots.digest >= 0 {
 		for i := range digestWords {
@@ -566,7 +533,7 @@ func (e *Engine) agreeOnWindow() (int, []bool, error) {
 	if err := e.comm.AllReduce(s, e.window, OpMax); err != nil {
 		return 0, nil, e.fail(err)
 	}
-	e.pl.sent.add(KindAllReduce, e.window.Bytes(), e.world)
+	e.sent.add(KindAllReduce, e.window.Bytes(), e.world)
 	if err := e.dev.copy(s, Float32s(buf), e.window); err != nil {
 		return 0, nil, e.fail(err)
 	}
@@ -589,7 +556,7 @@ func (e *Engine) agreeOnWindow() (int, []bool, error) {
 		}
 		return 0, nil, settingsError(records, "Step after SetGroup")
 	case e.slots.refs >= 0 && buf[e.slots.refs] > 0:
-		return 0, nil, errorf(ErrProtocol, "Step with parameters still gathered (%d references on some rank, %d here); Release what Gather returned first", int(buf[e.slots.refs]), e.stillGathered())
+		return 0, nil, errorf(ErrProtocol, "Step with parameters still gathered (%d references on some rank, %d here); Release what Gather returned first", int(buf[e.slots.refs]), e.ps.stillGathered())
 	case most != least:
 		return 0, nil, errorf(ErrMismatch, "Step: ranks took between %d and %d backwards since the last Step (this rank %d); every rank must take the same number", least, most, e.backwards)
 	case most == 0:
@@ -614,97 +581,6 @@ func (e *Engine) Settings() []Setting {
 		cfg.Optimizer.Groups = e.opt.groups
 	}
 	return settingsRecord(cfg, e.params, e.world)
-}
-
-// Stats describes one step.
-type Stats struct {
-	Step int // the step's index, from 0
-	// Backwards is the number of backwards G in the window.
-	Backwards int
-	// Collectives is what the engine moved for the step on this rank, by
-	// kind: the reductions and Step's window check. A caller's own
-	// collectives on the same Comm are not counted.
-	Collectives CommCounters
-	// ReduceTime is the time the reductions ran (reduce-scatter and
-	// accumulate; with Offload the reduce-scatter only, the sum runs on the
-	// host), summed over buckets.
-	ReduceTime time.Duration
-	// StagingBuffers is the size of the bucket buffer pool; it grows past
-	// Config.StagingBuffers only when buckets complete out of order.
-	StagingBuffers int
-	// PeakGradBytes and ResidentGradBytes count the gradient memory the
-	// engine holds on the device: the fp32 shard (on the host with
-	// Offload), the staging buffers and local accumulators, in use or
-	// pooled. The peak is over the window; it starts
-	// again from the resident bytes at Step.
-	PeakGradBytes     int64
-	ResidentGradBytes int64 // see PeakGradBytes
-	// WindowResidentBytes is the gradient memory held at the end of a
-	// coalesced window's (or NoSync's) last backward, before its flush: the
-	// shard, the local sums and the staging buffers (0 without a window).
-	WindowResidentBytes int64
-	// PooledGradBytes is the part of ResidentGradBytes that the pools hold
-	// idle at the end of the step, kept for the next window; TrimPools frees
-	// what is beyond the configured staging buffers.
-	PooledGradBytes int64
-	// Overflow is set when a reduced gradient on this rank was inf or NaN.
-	Overflow bool
-	// With an optimizer: Skipped is set when every rank skipped the step
-	// (an inf or NaN gradient on any rank, or a non-finite norm), leaving
-	// master weights, optimizer state and parameters as they were;
-	// GradNorm is the global norm of the gradient the step used (before
-	// clipping, after unscaling; NaN or inf when it skipped for it);
-	// LossScale is the scale the window's gradients carried.
-	Skipped   bool
-	GradNorm  float64 // see Skipped
-	LossScale float64 // see Skipped
-	// OptimizerBytes is the optimizer's device memory on this rank: the
-	// fp32 master shard and the moments (on the host with Offload), the
-	// model-dtype shard and the buffers the new parameters are gathered in.
-	OptimizerBytes int64
-	// OptimizerTime is the device time of the fused optimizer pass (with
-	// Offload, the host's), and ParamGatherTime that of the all-gather of
-	// the new parameters into their memory (with Offload, from the end of
-	// the optimizer's launches: the wait for each bucket's copy to the
-	// device included; zero when the step skipped); at stage 3, that of the
-	// window's gathers.
-	OptimizerTime   time.Duration
-	ParamGatherTime time.Duration // see OptimizerTime
-
-	// Stage 3 with parameter shards: the parameter memory (the shard, and
-	// the peak of shard plus gather buffers over the window; ParamMemory
-	// tells it at any moment), the gather buffers allocated, and the
-	// window's buckets asked for that a prefetch had gathered (hits), that
-	// were gathered on demand while a last order existed (misses), and that
-	// were prefetched but never asked for (wasted).
-	ParamShardBytes int64
-	PeakParamBytes  int64 // see ParamShardBytes
-	GatherBuffers   int   // see ParamShardBytes
-	PrefetchHits    int   // see ParamShardBytes
-	PrefetchMisses  int   // see ParamShardBytes
-	PrefetchWasted  int   // see ParamShardBytes
-
-	// With Offload: HostBytes is the engine's host memory (the fp32
-	// gradient shard, the master weights, the optimizer state, the
-	// model-dtype copy of the new parameters and the buffers reduced shards
-	// land in), HostPinnedBytes the part of it that is page-locked (all of
-	// it on a GPU; on the CPU device, what mlock accepted), HostGradBytes
-	// the part that holds gradients (the shard and the landing buffers,
-	// whatever the number of backwards), DeviceBytesSaved the device memory
-	// the same engine holds without Offload and this one does not (the
-	// gradient shard, the master weights and the optimizer state).
-	HostBytes        int64
-	HostPinnedBytes  int64 // see HostBytes
-	HostGradBytes    int64 // see HostBytes
-	DeviceBytesSaved int64 // see HostBytes
-	// With Offload: GradCopyTime is the copy stream's time for the window's
-	// reduced shards to the host, GradCopyExposed the part of it that ran
-	// after the window's last backward ended (the rest overlapped with
-	// backward), and ParamCopyTime that of the step's new parameters to the
-	// device.
-	GradCopyTime    time.Duration
-	GradCopyExposed time.Duration // see GradCopyTime
-	ParamCopyTime   time.Duration // see GradCopyTime
 }
 
 // Stats returns the stats of the last Step.
@@ -743,8 +619,8 @@ func (e *Engine) GradShard() ([]float32, error) {
 		return nil, err
 	}
 	out := make([]float32, e.plan.ShardElems)
-	d, s := e.shardSide(e.copyStream)
-	if err := e.copyScaled(d, s, Float32s(out), e.pl.shard, e.readScale); err != nil {
+	d, s := e.pl.shardSide(e.copyStream)
+	if err := e.copyScaled(d, s, Float32s(out), e.pl.gradShard(), e.readScale); err != nil {
 		return nil, err
 	}
 	return out, nil
@@ -774,16 +650,10 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 		return nil, err
 	}
 	defer e.dev.Free(all)
-	send := e.pl.shard
-	if e.off != nil { // the collective needs the shard in device memory
-		send = all.slice(e.rank*e.plan.ShardElems, e.plan.ShardElems)
-		copied, err := e.off.transfer(send, e.pl.shard, nil, false) // the shard is synced: readable
-		if err == nil {
-			err = e.gatherStream.Wait(copied)
-		}
-		if err != nil {
-			return nil, e.fail(err)
-		}
+	// the collective needs the shard in device memory
+	send, err := e.pl.shardOnDevice(e.gatherStream, all.slice(e.rank*e.plan.ShardElems, e.plan.ShardElems))
+	if err != nil {
+		return nil, e.fail(err)
 	}
 	if err := e.comm.AllGather(e.gatherStream, send, all); err != nil {
 		return nil, e.fail(err)
@@ -811,6 +681,57 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 	return out, nil
 }
 
+// FullParams returns the current value of every parameter with memory, in
+// fp32, in registration order (nil for a parameter without memory): at
+// stages 1 and 2 read from Param.Data, which each Step updates; at stage 3
+// all-gathered bucket by bucket from the parameter shards, which is where
+// the current values live (Param.Data is read at New only). At stage 3 it
+// is a collective: every rank calls it. Its traffic is not counted in the
+// step's stats.
+func (e *Engine) FullParams() ([][]float32, error) {
+	if err := e.usable("FullParams"); err != nil {
+		return nil, err
+	}
+	if !hasParamMemory(e.params) {
+		return nil, errorf(ErrProtocol, "FullParams: the parameters were registered without memory; give Param.Data or Param.Init")
+	}
+	out, err := readParams(e.dev, e.gatherStream, e.reduceStream, e.plan, e.params, e.ps)
+	if err != nil {
+		return nil, e.fail(err)
+	}
+	return out, nil
+}
+
+// GradView returns parameter param's part of this rank's reduced fp32
+// gradient shard. Read gives the same values as GradShard and FullGrads
+// (the mean's 1/G applied); both Read and Write are refused while a
+// backward of the next window is under way.
+func (e *Engine) GradView(param int) (View, error) {
+	if err := e.usable("GradView"); err != nil {
+		return View{}, err
+	}
+	rg, err := e.plan.ShardRange(param, e.rank)
+	if err != nil {
+		return View{}, err
+	}
+	part := e.pl.gradShard().slice(rg.ShardOffset, rg.Count)
+	copyScaled := func(op string, dst, src Tensor, inverse bool) error {
+		if err := e.readable(op); err != nil {
+			return err
+		}
+		scale := e.readScale
+		if inverse {
+			scale = float32(1 / float64(scale))
+		}
+		d, s := e.pl.shardSide(e.copyStream)
+		return e.copyScaled(d, s, dst, src, scale)
+	}
+	return View{Param: param, ShardRange: rg, rank: e.rank,
+		read:  func(dst []float32) error { return copyScaled("View.Read", Float32s(dst), part, false) },
+		write: func(src []float32) error { return copyScaled("View.Write", part, Float32s(src), true) },
+	}, nil
+}
+
 // TrimPools frees the pooled buffers that are idle: staging buffers beyond
 // Config.StagingBuffers (the pool grows when buckets complete out of order)
 // and ZeRO-1's local accumulators between windows. The stats' resident
@@ -819,11 +740,185 @@ func (e *Engine) TrimPools() error {
 	if err := e.usable("TrimPools"); err != nil {
 		return err
 	}
-	if err := e.pl.trim(); err != nil {
+	err := e.pl.trim()
+	if err == nil && e.off != nil {
+		err = e.off.trim()
+	}
+	if err != nil {
 		return e.fail(err)
 	}
 	return nil
 }
+
+// ---- the optimizer -------------------------------------------------------------
+
+// SetGroup replaces group g's hyperparameters from the next Step on
+// (learning-rate schedules); the kind must stay the same. Every rank must
+// make the same change: the next Step compares the groups across ranks
+// (in its first collective, at no extra cost) and refuses on every rank,
+// with ErrPlanMismatch naming the setting, where they differ; the window
+// is kept, and a SetGroup that makes the ranks agree lets Step go on.
+func (e *Engine) SetGroup(g int, o Optimizer) error {
+	if err := e.usable("SetGroup"); err != nil {
+		return err
+	}
+	if e.opt == nil {
+		return errorf(ErrConfig, "SetGroup on an engine without an optimizer; configure Optimizer.Groups")
+	}
+	return e.opt.setGroup(g, o)
+}
+
+// LossScale is the scale the trainer multiplies its loss by for the next
+// backwards (1 unless fp16 or a static scale).
+func (e *Engine) LossScale() float64 {
+	if e.opt == nil {
+		return 1
+	}
+	return e.opt.scaler.scale
+}
+
+// ---- stage 3 -------------------------------------------------------------------
+
+// Gather makes the parameters ps available to work enqueued on stream s
+// after it returns (stage 3): it all-gathers each bucket that holds one of
+// them, unless it is gathered already, and returns a view of each
+// parameter in its bucket's gathered buffer. s waits on the gathers'
+// events; nothing blocks the caller. Each view holds a reference until
+// Release; a bucket stays gathered while any of its parameters is
+// referenced. Every rank must gather the same buckets in the same order:
+// the gathers are collectives.
+func (e *Engine) Gather(s Stream, ps ...int) ([]Tensor, error) {
+	if err := e.checkGather("Gather", s, ps); err != nil {
+		return nil, err
+	}
+	views, err := e.ps.gather(s, ps)
+	if err != nil {
+		return nil, e.fail(err)
+	}
+	return views, nil
+}
+
+// Release hands back one reference to each of the parameters ps, whose views
+// the work enqueued on s so far has used. A bucket whose last reference goes
+// returns its buffer to the pool, reused only after s (and every other
+// stream that released it) has finished that work.
+func (e *Engine) Release(s Stream, ps ...int) error {
+	if err := e.checkGather("Release", s, ps); err != nil {
+		return err
+	}
+	refused, err := e.ps.release(s, ps)
+	if err != nil {
+		return e.fail(err)
+	}
+	return refused
+}
+
+// ParamMemory reports the stage-3 parameter memory now (zero elsewhere).
+func (e *Engine) ParamMemory() ParamMemory {
+	if e.ps == nil {
+		return ParamMemory{}
+	}
+	return e.ps.memory()
+}
+
+func (e *Engine) checkGather(op string, s Stream, ps []int) error {
+	if err := e.usable(op); err != nil {
+		return err
+	}
+	if e.cfg.Stage != 3 {
+		return errorf(ErrProtocol, "%s at stage %d; parameters are sharded and gathered at stage 3 only", op, e.cfg.Stage)
+	}
+	if e.ps == nil {
+		return errorf(ErrProtocol, "%s: the parameters were registered without memory; give Param.Data or Param.Init", op)
+	}
+	return e.ps.check(op, s, ps)
+}
+
+// ---- coalesced windows and NoSync -----------------------------------------------
+
+// BeginCoalesce opens a coalesced window: the backwards until EndCoalesce
+// sum their gradients locally, and EndCoalesce reduces each bucket once.
+// It works at every stage; at stage 1, whose buckets are local anyway, it
+// only makes the reduction happen at EndCoalesce.
+func (e *Engine) BeginCoalesce() error { return e.beginWindow("BeginCoalesce", false) }
+
+// BeginNoSync starts backwards that only accumulate, as DDP's no_sync: at
+// every stage (DeepSpeed refuses it at 2 and 3), with the coalesced
+// window's mechanism. The first backward after EndNoSync reduces what they
+// accumulated together with its own gradients, each bucket once; a Step
+// right after EndNoSync reduces it too.
+func (e *Engine) BeginNoSync() error { return e.beginWindow("BeginNoSync", true) }
+
+func (e *Engine) beginWindow(op string, noSync bool) error {
+	if err := e.usable(op); err != nil {
+		return err
+	}
+	if err := e.win.checkStart(op, e.inBackward); err != nil {
+		return err
+	}
+	e.win.begin(noSync)
+	return nil
+}
+
+// EndCoalesce closes the window: each local bucket is reduced exactly once
+// into the shard, on the engine's stream, and the modes return to the
+// stage's. It acts as a boundary: Step may follow at once.
+func (e *Engine) EndCoalesce() error {
+	if err := e.usable("EndCoalesce"); err != nil {
+		return err
+	}
+	if err := e.win.checkEnd("EndCoalesce", e.win.active, "BeginCoalesce", e.inBackward); err != nil {
+		return err
+	}
+	if err := e.win.endCoalesce(e.reduceStream); err != nil {
+		return e.fail(err)
+	}
+	return nil
+}
+
+// EndNoSync ends the backwards that only accumulate.
+func (e *Engine) EndNoSync() error {
+	if err := e.usable("EndNoSync"); err != nil {
+		return err
+	}
+	if err := e.win.checkEnd("EndNoSync", e.win.noSync, "BeginNoSync", e.inBackward); err != nil {
+		return err
+	}
+	e.win.endNoSync()
+	return nil
+}
+
+// Coalesce runs fn, which takes several backwards, inside a coalesced
+// window; fn's error, or the window's, is returned. The window always
+// closes: when fn fails, every gradient taken since the last Step is
+// dropped, as DiscardGrads drops them, and the window ends without
+// reducing (every rank must see the failure, as with any failed step).
+func (e *Engine) Coalesce(fn func() error) error {
+	return e.within(e.BeginCoalesce, fn, e.EndCoalesce)
+}
+
+// NoSync runs fn's backwards without reducing them, as BeginNoSync and
+// EndNoSync around it. When fn fails, NoSync ends, and every gradient taken
+// since the last Step is dropped, as Coalesce does.
+func (e *Engine) NoSync(fn func() error) error {
+	return e.within(e.BeginNoSync, fn, e.EndNoSync)
+}
+
+// within runs fn between begin and end. When fn fails it drops the
+// window's gradients and closes the window instead of ending it.
+func (e *Engine) within(begin, fn, end func() error) error {
+	if err := begin(); err != nil {
+		return err
+	}
+	if err := fn(); err != nil {
+		discarded := e.DiscardGrads()
+		e.win.abandon()
+		return errors.Join(err, discarded)
+	}
+	return end()
+}
+
+// ---- the end ---------------------------------------------------------------------
 
 // Close waits for the work the engine enqueued (pending reductions, and
 // reads of gradients into a bucket that never filled) and frees the
@@ -840,13 +935,13 @@ func (e *Engine) Close() error {
 		errs = append(errs, e.pl.close())
 	}
 	if e.opt != nil {
-		errs = append(errs, e.opt.close(e.dev))
+		errs = append(errs, e.opt.close())
 	}
 	if e.ps != nil {
-		errs = append(errs, e.ps.close(e.dev))
+		errs = append(errs, e.ps.close())
 	}
 	if e.off != nil {
-		errs = append(errs, e.off.close())
+		errs = append(errs, e.off.shutdown())
 	}
 	for _, s := range []Stream{e.reduceStream, e.gatherStream, e.copyStream} {
 		if s != nil {

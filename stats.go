@@ -1,0 +1,113 @@
+package zero
+
+import "time"
+
+// The stats of a step: each component (the pipeline, the window, the
+// optimizer, stage 3's parameters, offload) fills its own figures into
+// Stats and starts its next step's count; Step only gathers them.
+
+// statsReporter is a component that reports its part of a step's stats.
+type statsReporter interface {
+	report(st *Stats) error
+}
+
+// collectStats fills st from every reporter, in order.
+func collectStats(st *Stats, reporters []statsReporter) error {
+	for _, r := range reporters {
+		if err := r.report(st); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Stats describes one step.
+type Stats struct {
+	Step int // the step's index, from 0
+	// Backwards is the number of backwards G in the window.
+	Backwards int
+	// Collectives is what the engine moved for the step on this rank, by
+	// kind: the reductions and Step's window check. A caller's own
+	// collectives on the same Comm are not counted.
+	Collectives CommCounters
+	// ReduceTime is the time the reductions ran (reduce-scatter and
+	// accumulate; with Offload the reduce-scatter only, the sum runs on the
+	// host), summed over buckets.
+	ReduceTime time.Duration
+	// StagingBuffers is the size of the bucket buffer pool; it grows past
+	// Config.StagingBuffers only when buckets complete out of order.
+	StagingBuffers int
+	// PeakGradBytes and ResidentGradBytes count the gradient memory the
+	// engine holds on the device: the fp32 shard (on the host with
+	// Offload), the staging buffers and local accumulators, in use or
+	// pooled. The peak is over the window; it starts
+	// again from the resident bytes at Step.
+	PeakGradBytes     int64
+	ResidentGradBytes int64 // see PeakGradBytes
+	// WindowResidentBytes is the gradient memory held at the end of a
+	// coalesced window's (or NoSync's) last backward, before its flush: the
+	// shard, the local sums and the staging buffers (0 without a window).
+	WindowResidentBytes int64
+	// PooledGradBytes is the part of ResidentGradBytes that the pools hold
+	// idle at the end of the step, kept for the next window; TrimPools frees
+	// what is beyond the configured staging buffers.
+	PooledGradBytes int64
+	// Overflow is set when a reduced gradient on this rank was inf or NaN.
+	Overflow bool
+	// With an optimizer: Skipped is set when every rank skipped the step
+	// (an inf or NaN gradient on any rank, or a non-finite norm), leaving
+	// master weights, optimizer state and parameters as they were;
+	// GradNorm is the global norm of the gradient the step used (before
+	// clipping, after unscaling; NaN or inf when it skipped for it);
+	// LossScale is the scale the window's gradients carried.
+	Skipped   bool
+	GradNorm  float64 // see Skipped
+	LossScale float64 // see Skipped
+	// OptimizerBytes is the optimizer's device memory on this rank: the
+	// fp32 master shard and the moments (on the host with Offload), the
+	// model-dtype shard and the buffers the new parameters are gathered in.
+	OptimizerBytes int64
+	// OptimizerTime is the device time of the fused optimizer pass (with
+	// Offload, the host's), and ParamGatherTime that of the all-gather of
+	// the new parameters into their memory (with Offload, from the end of
+	// the optimizer's launches: the wait for each bucket's copy to the
+	// device included; zero when the step skipped); at stage 3, that of the
+	// window's gathers.
+	OptimizerTime   time.Duration
+	ParamGatherTime time.Duration // see OptimizerTime
+
+	// Stage 3 with parameter shards: the parameter memory (the shard, and
+	// the peak of shard plus gather buffers over the window; ParamMemory
+	// tells it at any moment), the gather buffers allocated, and the
+	// window's buckets asked for that a prefetch had gathered (hits), that
+	// were gathered on demand while a last order existed (misses), and that
+	// were prefetched but never asked for (wasted).
+	ParamShardBytes int64
+	PeakParamBytes  int64 // see ParamShardBytes
+	GatherBuffers   int   // see ParamShardBytes
+	PrefetchHits    int   // see ParamShardBytes
+	PrefetchMisses  int   // see ParamShardBytes
+	PrefetchWasted  int   // see ParamShardBytes
+
+	// With Offload: HostBytes is the engine's host memory (the fp32
+	// gradient shard, the master weights, the optimizer state, the
+	// model-dtype copy of the new parameters and the buffers reduced shards
+	// land in), HostPinnedBytes the part of it that is page-locked (all of
+	// it on a GPU; on the CPU device, what mlock accepted), HostGradBytes
+	// the part that holds gradients (the shard and the landing buffers,
+	// whatever the number of backwards), DeviceBytesSaved the device memory
+	// the same engine holds without Offload and this one does not (the
+	// gradient shard, the master weights and the optimizer state).
+	HostBytes        int64
+	HostPinnedBytes  int64 // see HostBytes
+	HostGradBytes    int64 // see HostBytes
+	DeviceBytesSaved int64 // see HostBytes
+	// With Offload: GradCopyTime is the copy stream's time for the window's
+	// reduced shards to the host, GradCopyExposed the part of it that ran
+	// after the window's last backward ended (the rest overlapped with
+	// backward), and ParamCopyTime that of the step's new parameters to the
+	// device.
+	GradCopyTime    time.Duration
+	GradCopyExposed time.Duration // see GradCopyTime
+	ParamCopyTime   time.Duration // see GradCopyTime
+}
