@@ -1,10 +1,8 @@
 package zero
 
 import (
-	"encoding/binary"
 	"errors"
-	"hash"
-	"hash/fnv"
+	"slices"
 )
 
 // Plan is the partition plan: which bucket holds each parameter, where, and
@@ -142,6 +140,9 @@ func bucketSegments(p *Plan, params []Param, b int, used []bool) []Segment {
 	return segs
 }
 
+// modelDType is the gradients' dtype.
+func (p *Plan) modelDType() DType { return p.dtype }
+
 // MaxBucket returns the padded size of the largest bucket.
 func (p *Plan) MaxBucket() int {
 	m := 0
@@ -172,25 +173,6 @@ func (p *Plan) Fingerprint() uint64 {
 	}
 	return h.sum()
 }
-
-// hasher is FNV-1a over little-endian int64s.
-type hasher struct{ h hash.Hash64 }
-
-func newHasher() hasher { return hasher{fnv.New64a()} }
-
-func (h hasher) put(v int64) {
-	var b [8]byte
-	binary.LittleEndian.PutUint64(b[:], uint64(v))
-	h.h.Write(b[:])
-}
-
-// text hashes a string with its length, so that boundaries count.
-func (h hasher) text(s string) {
-	h.put(int64(len(s)))
-	h.h.Write([]byte(s))
-}
-
-func (h hasher) sum() uint64 { return h.h.Sum64() }
 
 // ---- the bucket pipeline -----------------------------------------------------
 
@@ -238,6 +220,10 @@ type pipeline struct {
 	windowPool  *bufferPool // windowDType, when it is 16-bit: a window's local sums
 	buckets     []bucketState
 
+	batch struct { // GradsReady's grouping, kept from call to call
+		order  []int   // buckets of the batch
+		groups [][]int // indexes into the batch, per bucket of order
+	}
 	reported  []bool        // per parameter: in this backward
 	dirty     []bool        // per parameter: in its local accumulator since the last flush
 	writer    []streamEvent // per parameter: the last write of its local sum
@@ -357,6 +343,46 @@ func (d *deviceSink) land(rs Stream, mine Tensor, offset int, first bool, scale 
 
 func (d *deviceSink) close() error {
 	return errors.Join(d.dev.Free(d.sum), d.dev.Free(d.raised))
+}
+
+// takeBatch enqueues on stream the reads of a batch of gradients (grads[i]
+// of parameter params[i]), with one kernel call per bucket, and reports
+// whether it read anything (a batch of empty parameters reads nothing).
+func (pl *pipeline) takeBatch(params []int, grads []Tensor, stream Stream) (bool, error) {
+	// Group by bucket, in order of first appearance (a batch spans few
+	// buckets).
+	order, groups := pl.batch.order[:0], pl.batch.groups
+	for i, p := range params {
+		b := pl.plan.ParamBucket[p]
+		if b < 0 {
+			continue
+		}
+		k := slices.Index(order, b)
+		if k < 0 {
+			k = len(order)
+			order = append(order, b)
+			if k == len(groups) {
+				groups = append(groups, nil)
+			}
+			groups[k] = groups[k][:0]
+		}
+		groups[k] = append(groups[k], i)
+	}
+	pl.batch.order, pl.batch.groups = order, groups
+	for k, b := range order {
+		if err := pl.take(b, groups[k], params, grads, stream); err != nil {
+			return false, err
+		}
+	}
+	return len(order) > 0, nil
+}
+
+// producedBatch records ev, recorded on stream after takeBatch, as the
+// latest producer of the batch's buckets.
+func (pl *pipeline) producedBatch(params []int, stream Stream, ev Event) {
+	for k, b := range pl.batch.order {
+		pl.produced(b, pl.batch.groups[k], params, stream, ev)
+	}
 }
 
 // take enqueues on stream the reads of gradients grads[idx] of bucket b

@@ -92,6 +92,20 @@ func (w *window) checkEnd(op string, open bool, begin string, inBackward bool) e
 	return nil
 }
 
+// checkEndCoalesce and checkEndNoSync refuse an end where its window is
+// not open or a backward is.
+func (w *window) checkEndCoalesce(inBackward bool) error {
+	return w.checkEnd("EndCoalesce", w.active, "BeginCoalesce", inBackward)
+}
+
+func (w *window) checkEndNoSync(inBackward bool) error {
+	return w.checkEnd("EndNoSync", w.noSync, "BeginNoSync", inBackward)
+}
+
+// startsFlush reports whether a backward that begins now reduces what
+// NoSync accumulated (DDP's rule: the backward after no_sync).
+func (w *window) startsFlush() bool { return w.flushNext }
+
 // begin opens a coalesced window, or NoSync.
 func (w *window) begin(noSync bool) {
 	w.setModes(true)

@@ -1,7 +1,10 @@
 package zero
 
 import (
+	"encoding/binary"
 	"fmt"
+	"hash"
+	"hash/fnv"
 	"math"
 	"reflect"
 	"strconv"
@@ -832,3 +835,22 @@ func checkSettings(dev Device, comm Comm, s Stream, rec []Setting) error {
 	}
 	return settingsError(records, "New")
 }
+
+// hasher is FNV-1a over little-endian int64s.
+type hasher struct{ h hash.Hash64 }
+
+func newHasher() hasher { return hasher{fnv.New64a()} }
+
+func (h hasher) put(v int64) {
+	var b [8]byte
+	binary.LittleEndian.PutUint64(b[:], uint64(v))
+	h.h.Write(b[:])
+}
+
+// text hashes a string with its length, so that boundaries count.
+func (h hasher) text(s string) {
+	h.put(int64(len(s)))
+	h.h.Write([]byte(s))
+}
+
+func (h hasher) sum() uint64 { return h.h.Sum64() }

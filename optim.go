@@ -196,7 +196,7 @@ func newOptimizer(sp optimizerSpec) (*optState, error) {
 	if o.home == nil {
 		o.home = deviceHome{dev: o.dev, mem: &o.mem}
 	}
-	n, dt := sp.plan.ShardElems, sp.plan.dtype
+	n, dt := sp.plan.ShardElems, sp.plan.modelDType()
 	o.gather = newBufferPool(o.dev, dt, &o.mem)
 	var err error
 	if o.master, err = o.home.Alloc(n, FP32); err != nil {
@@ -226,6 +226,12 @@ func newOptimizer(sp optimizerSpec) (*optState, error) {
 	}
 	return o, o.home.loadMaster(o.s, o.master, o.model)
 }
+
+// currentGroups are the groups' settings as SetGroup left them; digest
+// hashes them; lossScale is the scale of the next backwards.
+func (o *optState) currentGroups() []Optimizer { return o.groups }
+func (o *optState) digest() uint64             { return o.groupsDigest }
+func (o *optState) lossScale() float64         { return o.scaler.scale }
 
 // setGroup replaces group g's settings (SetGroup).
 func (o *optState) setGroup(g int, opt Optimizer) error {
@@ -330,7 +336,7 @@ func (o *optState) step(grads Tensor, readScale float32, used []bool, overflowFl
 	}
 	res.norm = math.Sqrt(total) * float64(readScale) / o.scaler.scale
 	finite := !overflow && !math.IsInf(res.norm, 0) && !math.IsNaN(res.norm)
-	if !finite && (o.plan.dtype == FP16 || !o.keepNonFinite || o.clip > 0) {
+	if !finite && (o.plan.modelDType() == FP16 || !o.keepNonFinite || o.clip > 0) {
 		res.skipped = true
 		o.scaler.update(true)
 		o.last = res

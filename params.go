@@ -132,9 +132,9 @@ func newParamState(ld loadSpec, cfg ParamPolicy, gs Stream) (*paramState, error)
 	ps := &paramState{dev: ld.dev, comm: ld.comm, plan: ld.plan, params: ld.params, world: ld.comm.Size(), gs: gs, rs: ld.s,
 		refs: make([]int, len(ld.params)), buckets: make([]gathered, len(ld.plan.Buckets)),
 		prefetchBytes: int64(cfg.PrefetchBytes), liveBytes: int64(cfg.LiveParamBytes)}
-	ps.pool = newBufferPool(ps.dev, ps.plan.dtype, &ps.mem)
+	ps.pool = newBufferPool(ps.dev, ps.plan.modelDType(), &ps.mem)
 	var err error
-	if ps.shard, err = ps.dev.Alloc(ps.plan.ShardElems, ps.plan.dtype); err != nil {
+	if ps.shard, err = ps.dev.Alloc(ps.plan.ShardElems, ps.plan.modelDType()); err != nil {
 		return ps, err
 	}
 	ps.mem.add(int64(ps.shard.Bytes()))
@@ -164,6 +164,9 @@ func newParamState(ld loadSpec, cfg ParamPolicy, gs Stream) (*paramState, error)
 	}
 	return ps, s.Sync()
 }
+
+// sharedShard is the parameter shard, which the optimizer's pass writes.
+func (ps *paramState) sharedShard() *Tensor { return &ps.shard }
 
 // uploadCast writes host fp32 values into device memory of any dtype.
 func (ps *paramState) uploadCast(s Stream, dst Tensor, host []float32) error {
@@ -204,7 +207,7 @@ func (ps *paramState) gather(s Stream, list []int) ([]Tensor, error) {
 	for i, p := range list {
 		b := ps.plan.ParamBucket[p]
 		if b < 0 {
-			views[i] = Tensor{dtype: ps.plan.dtype}
+			views[i] = Tensor{dtype: ps.plan.modelDType()}
 			continue
 		}
 		g := &ps.buckets[b]
@@ -306,7 +309,7 @@ func (ps *paramState) gatherBucket(b int) error {
 	}
 	var ready Event
 	if err == nil {
-		ps.sent.add(KindAllGather, bp.Padded*ps.plan.dtype.Size(), ps.world)
+		ps.sent.add(KindAllGather, bp.Padded*ps.plan.modelDType().Size(), ps.world)
 		ready, err = s.Record()
 	}
 	if err != nil {
@@ -359,7 +362,7 @@ func (ps *paramState) usedSoon(b int) bool {
 	if st.prefetchBytes <= 0 {
 		return false
 	}
-	size := int64(ps.plan.MaxBucket() * ps.plan.dtype.Size())
+	size := int64(ps.plan.MaxBucket() * ps.plan.modelDType().Size())
 	reach := max(1, int(st.prefetchBytes/size))
 	for j := st.cursor; j < len(st.last) && j < st.cursor+reach; j++ {
 		if st.last[j] == b {
@@ -376,7 +379,7 @@ func (ps *paramState) prefetch() error {
 	if st.prefetchBytes <= 0 {
 		return nil
 	}
-	ahead, size := int64(0), int64(ps.plan.MaxBucket()*ps.plan.dtype.Size())
+	ahead, size := int64(0), int64(ps.plan.MaxBucket()*ps.plan.modelDType().Size())
 	for _, g := range st.buckets {
 		if g.prefetched {
 			ahead += size
@@ -496,7 +499,7 @@ func readParams(dev Device, s, rs Stream, plan *Plan, params []Param, ps *paramS
 	if err != nil {
 		return nil, err
 	}
-	buf, err := dev.Alloc(plan.MaxBucket(), plan.dtype)
+	buf, err := dev.Alloc(plan.MaxBucket(), plan.modelDType())
 	if err != nil {
 		return nil, err
 	}

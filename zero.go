@@ -3,7 +3,6 @@ package zero
 import (
 	"errors"
 	"fmt"
-	"slices"
 )
 
 // Engine is one rank's ZeRO engine. Its methods are called from the rank's
@@ -36,16 +35,12 @@ type Engine struct {
 	reporters []statsReporter
 
 	events eventPool // the window's producer events, untimed
-	one    struct {  // GradReady's batch of one, GradsReady's grouping
-		param  [1]int
-		grad   [1]Tensor
-		order  []int   // buckets of the batch
-		groups [][]int // indexes into the batch, per bucket of order
+	one    struct {  // GradReady's batch of one
+		param [1]int
+		grad  [1]Tensor
 	}
-	window     Tensor       // fp32: Step's first all-reduce
-	slots      windowSlots  // where that all-reduce carries what
-	usedWindow []bool       // per parameter: reported in this window, on this rank
-	sent       CommCounters // that all-reduce, for the stats
+	check      *stepCheck // Step's first collective
+	usedWindow []bool     // per parameter: reported in this window, on this rank
 
 	// backward state
 	inBackward bool
@@ -105,6 +100,7 @@ func (e *Engine) init() error {
 	// with offload the host, which is then both the pipeline's sink and the
 	// optimizer's home.
 	var sk sink
+	var err error
 	var home optimizerHome
 	if e.cfg.Offload.Optimizer {
 		off, err := newOffload(e.dev, e.plan, e.copyStream, e.cfg.Precision.CommDType, e.cfg.StagingBuffers)
@@ -124,55 +120,42 @@ func (e *Engine) init() error {
 		}
 		sk = ds
 	}
-	spec := pipelineSpec{
-		rank: e.rank, world: e.world, commDType: e.cfg.Precision.CommDType, overlap: e.cfg.Overlap,
-		staging: e.cfg.StagingBuffers, modes: make([]bucketMode, len(e.plan.Buckets)), windowDType: e.cfg.Window.DType,
-		prescale: float32(1 / e.cfg.Grads.PredivideFactor), reduceOp: OpSum, postscale: float32(e.cfg.Grads.PredivideFactor),
-	}
-	for b := range spec.modes {
-		spec.modes[b] = stageModes[e.cfg.Stage]
+	modes := make([]bucketMode, len(e.plan.Buckets))
+	for b := range modes {
+		modes[b] = stageModes[e.cfg.Stage]
 	}
 	// The 1/W of the mean goes into the reduction (ncclAvg) where dividing by
 	// W is exact, a power of two: the same bits as a sum scaled afterwards,
 	// and no overflow of a half-precision sum on the wire. Elsewhere it goes
 	// into the accumulate's post-scale. The 1/G is known only at Step.
+	f := e.cfg.Grads.PredivideFactor
+	reduceOp, postscale := OpSum, float32(f)
 	if e.cfg.Grads.Reduction == Mean {
-		spec.postscale = float32(e.cfg.Grads.PredivideFactor / float64(e.world))
+		postscale = float32(f / float64(e.world))
 		if e.world&(e.world-1) == 0 {
-			spec.reduceOp, spec.postscale = OpAvg, float32(e.cfg.Grads.PredivideFactor)
+			reduceOp, postscale = OpAvg, float32(f)
 		}
 	}
-	var err error
+	spec := pipelineSpec{rank: e.rank, world: e.world, commDType: e.cfg.Precision.CommDType, overlap: e.cfg.Overlap,
+		staging: e.cfg.StagingBuffers, modes: modes, windowDType: e.cfg.Window.DType,
+		prescale: float32(1 / f), reduceOp: reduceOp, postscale: postscale}
 	if e.pl, err = newPipeline(spec, e.plan, e.dev, e.comm, e.reduceStream, sk); err != nil {
 		return err
 	}
 	e.win = newWindow(e.pl, e.plan, e.cfg.Window)
-	e.reporters = []statsReporter{e.pl, &e.win}
-	// Step's first collective: (G, −G); at stage 3 with parameter shards the
-	// references still gathered; with an optimizer the groups' digest and
-	// its negation (equal maxima: every rank has the same groups), then
-	// whether each parameter was reported on any rank (the optimizer skips
-	// the others).
 	e.usedWindow = make([]bool, len(e.params))
-	at := 2
-	e.slots = windowSlots{refs: -1, digest: -1, used: -1}
 	stage3 := e.cfg.Stage == 3 && hasParamMemory(e.params)
-	if stage3 {
-		e.slots.refs, at = at, at+1
-	}
-	if len(e.cfg.Optimizer.Groups) > 0 {
-		e.slots.digest, e.slots.used, at = at, at+2*digestWords, at+2*digestWords+len(e.params)
-	}
-	if e.window, err = e.dev.Alloc(at, FP32); err != nil {
+	if e.check, err = newStepCheck(e.dev, e.comm, e.reduceStream, len(e.params), stage3, len(e.cfg.Optimizer.Groups) > 0); err != nil {
 		return err
 	}
+	e.reporters = []statsReporter{e.check, e.pl, &e.win}
 	ld := loadSpec{dev: e.dev, comm: e.comm, s: e.reduceStream, plan: e.plan, params: e.params, broadcast: !e.cfg.Params.NoBroadcast}
 	var shared *Tensor
 	if stage3 {
 		if e.ps, err = newParamState(ld, e.cfg.Params, e.gatherStream); err != nil {
 			return err
 		}
-		shared = &e.ps.shard
+		shared = e.ps.sharedShard()
 	}
 	if len(e.cfg.Optimizer.Groups) > 0 {
 		load := func(pool *bufferPool, into Tensor) error { return loadShard(ld, pool, into) }
@@ -271,46 +254,23 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 	if err := e.checkGrads(params, grads, stream); err != nil {
 		return nil, err
 	}
-	if !e.inBackward && e.win.flushNext {
+	if !e.inBackward && e.win.startsFlush() {
 		e.boundary = true // the backward after NoSync reduces as it goes
 	}
 	e.inBackward = true
 	e.lastStream = stream
-	// Group by bucket, in order of first appearance (a batch spans few
-	// buckets), in slices the engine keeps from call to call.
-	order, groups := e.one.order[:0], e.one.groups
-	for i, p := range params {
-		b := e.plan.ParamBucket[p]
-		if b < 0 {
-			continue
-		}
-		k := slices.Index(order, b)
-		if k < 0 {
-			k = len(order)
-			order = append(order, b)
-			if k == len(groups) {
-				groups = append(groups, nil)
-			}
-			groups[k] = groups[k][:0]
-		}
-		groups[k] = append(groups[k], i)
+	taken, err := e.pl.takeBatch(params, grads, stream)
+	if err != nil {
+		return nil, e.fail(err)
 	}
-	e.one.order, e.one.groups = order, groups
-	if len(order) == 0 {
+	if !taken {
 		return nil, nil // only empty parameters: nothing to read
-	}
-	for k, b := range order {
-		if err := e.pl.take(b, groups[k], params, grads, stream); err != nil {
-			return nil, e.fail(err)
-		}
 	}
 	ev, err := e.events.record(stream)
 	if err != nil {
 		return nil, e.fail(err)
 	}
-	for k, b := range order {
-		e.pl.produced(b, groups[k], params, stream, ev)
-	}
+	e.pl.producedBatch(params, stream, ev)
 	if e.off != nil {
 		e.off.produced(stream, ev)
 	}
@@ -439,7 +399,18 @@ func (e *Engine) Step() error {
 	if e.win.open() {
 		return errorf(ErrProtocol, "Step inside a Coalesce window or NoSync; end it first")
 	}
-	g, used, err := e.agreeOnWindow()
+	gathered, digest, groups := 0, uint64(0), []Optimizer(nil)
+	if e.ps != nil {
+		gathered = e.ps.stillGathered()
+	}
+	if e.opt != nil {
+		digest, groups = e.opt.digest(), e.opt.currentGroups()
+	}
+	g, used, err := e.check.agree(windowClaims{backwards: e.backwards, gathered: gathered, digest: digest, groups: groups,
+		used: e.usedWindow, accumSteps: e.cfg.Grads.AccumSteps})
+	if errors.Is(err, errCheckFailed) {
+		return e.fail(err)
+	}
 	if err != nil {
 		return err
 	}
@@ -471,11 +442,11 @@ func (e *Engine) Step() error {
 			return e.fail(err)
 		}
 	}
-	st := Stats{Step: e.stepIndex, Backwards: g, Overflow: overflow != 0, LossScale: 1, Collectives: e.sent}
+	st := Stats{Step: e.stepIndex, Backwards: g, Overflow: overflow != 0, LossScale: 1}
 	if err := collectStats(&st, e.reporters); err != nil {
 		return e.fail(err)
 	}
-	e.stats, e.sent = st, CommCounters{}
+	e.stats = st
 	e.stepIndex++
 	e.discarded = false
 	e.backwards = 0
@@ -491,86 +462,6 @@ func (e *Engine) Step() error {
 	return nil
 }
 
-// windowSlots places the parts of Step's first all-reduce after (G, −G);
-// −1 where absent.
-type windowSlots struct {
-	refs   int // stage 3: parameter references still gathered
-	digest int // the optimizer groups' digest, then its negation
-	used   int // per parameter: reported on this rank in the window
-}
-
-// digestWords is how many 16-bit pieces of a digest the all-reduce
-// carries: each an integer that fp32 holds exactly.
-const digestWords = 3
-
-// agreeOnWindow max-all-reduces (G, −G) so every rank learns the largest
-// and smallest number of backwards taken since the last Step, and every
-// rank refuses the same windows: none taken, ranks that differ, a G other
-// than Grads.AccumSteps, parameters still gathered, or optimizer groups
-// that differ after SetGroup.
-func (e *Engine) agreeOnWindow() (int, []bool, error) {
-	n := float32(e.backwards)
-	buf := make([]float32, e.window.count)
-	buf[0], buf[1] = n, -n
-	if e.slots.refs >= 0 {
-		buf[e.slots.refs] = float32(e.ps.stillGathered())
-	}
-	if e.slots.digest >= 0 {
-		for i := range digestWords {
-			w := float32(e.opt.groupsDigest >> (16 * i) & 0xffff)
-			buf[e.slots.digest+i], buf[e.slots.digest+digestWords+i] = w, -w
-		}
-	}
-	for p, used := range e.usedWindow {
-		if used && e.slots.used >= 0 {
-			buf[e.slots.used+p] = 1
-		}
-	}
-	s := e.reduceStream
-	if err := e.dev.copy(s, e.window, Float32s(buf)); err != nil {
-		return 0, nil, e.fail(err)
-	}
-	if err := e.comm.AllReduce(s, e.window, OpMax); err != nil {
-		return 0, nil, e.fail(err)
-	}
-	e.sent.add(KindAllReduce, e.window.Bytes(), e.world)
-	if err := e.dev.copy(s, Float32s(buf), e.window); err != nil {
-		return 0, nil, e.fail(err)
-	}
-	if err := s.Sync(); err != nil {
-		if errors.Is(err, ErrMismatch) || errors.Is(err, ErrTimeout) {
-			err = fmt.Errorf("Step: the ranks' collectives diverged before its window check: at stages 2 and 3 ranks that took different numbers of backwards since the last Step (this rank took %d) issued different reductions; every rank must take the same backwards, call windows, gathers and reads at the same points, and at stage 3 hand over the same parameters in a backward that gathers: %w", e.backwards, err)
-		}
-		return 0, nil, e.fail(err)
-	}
-	groupsDiffer := false
-	for i := 0; e.slots.digest >= 0 && i < digestWords; i++ {
-		groupsDiffer = groupsDiffer || buf[e.slots.digest+i] != -buf[e.slots.digest+digestWords+i]
-	}
-	most, least := int(buf[0]), int(-buf[1])
-	switch {
-	case groupsDiffer: // every rank sees it: every rank takes part in naming it
-		records, err := allGatherBytes(e.dev, e.comm, s, encodeRecord(groupsRecord(e.opt.groups), ""))
-		if err != nil {
-			return 0, nil, e.fail(err)
-		}
-		return 0, nil, settingsError(records, "Step after SetGroup")
-	case e.slots.refs >= 0 && buf[e.slots.refs] > 0:
-		return 0, nil, errorf(ErrProtocol, "Step with parameters still gathered (%d references on some rank, %d here); Release what Gather returned first", int(buf[e.slots.refs]), e.ps.stillGathered())
-	case most != least:
-		return 0, nil, errorf(ErrMismatch, "Step: ranks took between %d and %d backwards since the last Step (this rank %d); every rank must take the same number", least, most, e.backwards)
-	case most == 0:
-		return 0, nil, errorf(ErrProtocol, "Step with no backward since the last Step; report gradients and call EndBackward first")
-	case e.cfg.Grads.AccumSteps > 0 && most != e.cfg.Grads.AccumSteps:
-		return 0, nil, errorf(ErrProtocol, "Step after %d backwards with Grads.AccumSteps %d; take %d backwards per step, or leave AccumSteps at 0 to divide by the backwards taken", most, e.cfg.Grads.AccumSteps, e.cfg.Grads.AccumSteps)
-	}
-	used := make([]bool, len(e.params))
-	for p := range used {
-		used[p] = e.slots.used < 0 || buf[e.slots.used+p] != 0
-	}
-	return most, used, nil
-}
-
 // Settings returns the engine's settings record: every setting of its
 // resolved Config (the optimizer groups as SetGroup left them), the world
 // size and the parameters, each with its class. New compared all but the
@@ -578,7 +469,7 @@ func (e *Engine) agreeOnWindow() (int, []bool, error) {
 func (e *Engine) Settings() []Setting {
 	cfg := e.cfg
 	if e.opt != nil {
-		cfg.Optimizer.Groups = e.opt.groups
+		cfg.Optimizer.Groups = e.opt.currentGroups()
 	}
 	return settingsRecord(cfg, e.params, e.world)
 }
@@ -774,7 +665,7 @@ func (e *Engine) LossScale() float64 {
 	if e.opt == nil {
 		return 1
 	}
-	return e.opt.scaler.scale
+	return e.opt.lossScale()
 }
 
 // ---- stage 3 -------------------------------------------------------------------
@@ -867,7 +758,7 @@ func (e *Engine) EndCoalesce() error {
 	if err := e.usable("EndCoalesce"); err != nil {
 		return err
 	}
-	if err := e.win.checkEnd("EndCoalesce", e.win.active, "BeginCoalesce", e.inBackward); err != nil {
+	if err := e.win.checkEndCoalesce(e.inBackward); err != nil {
 		return err
 	}
 	if err := e.win.endCoalesce(e.reduceStream); err != nil {
@@ -881,7 +772,7 @@ func (e *Engine) EndNoSync() error {
 	if err := e.usable("EndNoSync"); err != nil {
 		return err
 	}
-	if err := e.win.checkEnd("EndNoSync", e.win.noSync, "BeginNoSync", e.inBackward); err != nil {
+	if err := e.win.checkEndNoSync(e.inBackward); err != nil {
 		return err
 	}
 	e.win.endNoSync()
@@ -948,8 +839,8 @@ func (e *Engine) Close() error {
 			errs = append(errs, s.Close())
 		}
 	}
-	if e.window.ptr != 0 {
-		errs = append(errs, e.dev.Free(e.window))
+	if e.check != nil {
+		errs = append(errs, e.check.close())
 	}
 	return errors.Join(errs...)
 }

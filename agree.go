@@ -1,0 +1,134 @@
+package zero
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Step's first collective: one small max-all-reduce from which every rank
+// learns what every rank claims about the window, so every rank refuses the
+// same windows before anything changes. It carries (G, −G), the largest
+// and smallest number of backwards taken; at stage 3 with parameter shards
+// the references still gathered; with an optimizer the digest of the
+// groups' settings as three 16-bit pieces and their negations (equal maxima:
+// every rank has the same groups), then whether each parameter was
+// reported on any rank (the optimizer skips the others).
+
+// stepCheck is that collective's buffer and its layout.
+type stepCheck struct {
+	dev  Device
+	comm Comm
+	s    Stream
+	buf  Tensor       // fp32, the all-reduce's
+	refs int          // where the references go (−1: absent)
+	dig  int          // where the digest and its negation go (−1: absent)
+	used int          // where the used flags start (−1: absent)
+	sent CommCounters // the all-reduces, for the stats
+}
+
+// digestWords is how many 16-bit pieces of a digest the all-reduce
+// carries: each an integer that fp32 holds exactly.
+const digestWords = 3
+
+// errCheckFailed marks a failure of the collective itself (not a refused
+// window): the engine cannot go on.
+var errCheckFailed = errors.New("the window check failed")
+
+func newStepCheck(dev Device, comm Comm, s Stream, params int, refs, optimizer bool) (*stepCheck, error) {
+	c := &stepCheck{dev: dev, comm: comm, s: s, refs: -1, dig: -1, used: -1}
+	at := 2
+	if refs {
+		c.refs, at = at, at+1
+	}
+	if optimizer {
+		c.dig, c.used, at = at, at+2*digestWords, at+2*digestWords+params
+	}
+	var err error
+	c.buf, err = dev.Alloc(at, FP32)
+	return c, err
+}
+
+// windowClaims is what this rank claims about the window.
+type windowClaims struct {
+	backwards  int
+	gathered   int    // parameter references still gathered (stage 3)
+	digest     uint64 // of the groups' settings
+	groups     []Optimizer
+	used       []bool // per parameter: reported on this rank
+	accumSteps int    // Grads.AccumSteps (0: any)
+}
+
+// agree runs the check and returns G and whether each parameter was
+// reported on any rank. A refused window comes back as its typed error,
+// the same on every rank; a failed collective wraps errCheckFailed.
+func (c *stepCheck) agree(w windowClaims) (int, []bool, error) {
+	n := float32(w.backwards)
+	buf := make([]float32, c.buf.count)
+	buf[0], buf[1] = n, -n
+	if c.refs >= 0 {
+		buf[c.refs] = float32(w.gathered)
+	}
+	if c.dig >= 0 {
+		for i := range digestWords {
+			x := float32(w.digest >> (16 * i) & 0xffff)
+			buf[c.dig+i], buf[c.dig+digestWords+i] = x, -x
+		}
+	}
+	for p, used := range w.used {
+		if used && c.used >= 0 {
+			buf[c.used+p] = 1
+		}
+	}
+	failed := func(err error) (int, []bool, error) { return 0, nil, fmt.Errorf("%w: %w", errCheckFailed, err) }
+	if err := c.dev.copy(c.s, c.buf, Float32s(buf)); err != nil {
+		return failed(err)
+	}
+	if err := c.comm.AllReduce(c.s, c.buf, OpMax); err != nil {
+		return failed(err)
+	}
+	c.sent.add(KindAllReduce, c.buf.Bytes(), c.comm.Size())
+	if err := c.dev.copy(c.s, Float32s(buf), c.buf); err != nil {
+		return failed(err)
+	}
+	if err := c.s.Sync(); err != nil {
+		if errors.Is(err, ErrMismatch) || errors.Is(err, ErrTimeout) {
+			err = fmt.Errorf("Step: the ranks' collectives diverged before its window check: at stages 2 and 3 ranks that took different numbers of backwards since the last Step (this rank took %d) issued different reductions; every rank must take the same backwards, call windows, gathers and reads at the same points, and at stage 3 hand over the same parameters in a backward that gathers: %w", w.backwards, err)
+		}
+		return failed(err)
+	}
+	groupsDiffer := false
+	for i := 0; c.dig >= 0 && i < digestWords; i++ {
+		groupsDiffer = groupsDiffer || buf[c.dig+i] != -buf[c.dig+digestWords+i]
+	}
+	most, least := int(buf[0]), int(-buf[1])
+	switch {
+	case groupsDiffer: // every rank sees it: every rank takes part in naming it
+		records, err := allGatherBytes(c.dev, c.comm, c.s, encodeRecord(groupsRecord(w.groups), ""))
+		if err != nil {
+			return failed(err)
+		}
+		return 0, nil, settingsError(records, "Step after SetGroup")
+	case c.refs >= 0 && buf[c.refs] > 0:
+		return 0, nil, errorf(ErrProtocol, "Step with parameters still gathered (%d references on some rank, %d here); Release what Gather returned first", int(buf[c.refs]), w.gathered)
+	case most != least:
+		return 0, nil, errorf(ErrMismatch, "Step: ranks took between %d and %d backwards since the last Step (this rank %d); every rank must take the same number", least, most, w.backwards)
+	case most == 0:
+		return 0, nil, errorf(ErrProtocol, "Step with no backward since the last Step; report gradients and call EndBackward first")
+	case w.accumSteps > 0 && most != w.accumSteps:
+		return 0, nil, errorf(ErrProtocol, "Step after %d backwards with Grads.AccumSteps %d; take %d backwards per step, or leave AccumSteps at 0 to divide by the backwards taken", most, w.accumSteps, w.accumSteps)
+	}
+	used := make([]bool, len(w.used))
+	for p := range used {
+		used[p] = c.used < 0 || buf[c.used+p] != 0
+	}
+	return most, used, nil
+}
+
+// report counts the check's all-reduce in the step's collectives.
+func (c *stepCheck) report(st *Stats) error {
+	st.Collectives = st.Collectives.Add(c.sent)
+	c.sent = CommCounters{}
+	return nil
+}
+
+func (c *stepCheck) close() error { return c.dev.Free(c.buf) }
