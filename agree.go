@@ -79,7 +79,9 @@ func (c *stepCheck) agree(w windowClaims) (int, []bool, error) {
 			buf[c.used+p] = 1
 		}
 	}
-	failed := func(err error) (int, []bool, error) { return 0, nil, fmt.Errorf("%w: %w", errCheckFailed, err) }
+	failed := func(err error) (int, []bool, error) {
+		return 0, nil, fmt.Errorf("%w: %w", errCheckFailed, divergence("Step", w.backwards, err))
+	}
 	if err := c.dev.copy(c.s, c.buf, Float32s(buf)); err != nil {
 		return failed(err)
 	}
@@ -91,9 +93,6 @@ func (c *stepCheck) agree(w windowClaims) (int, []bool, error) {
 		return failed(err)
 	}
 	if err := c.s.Sync(); err != nil {
-		if errors.Is(err, ErrMismatch) || errors.Is(err, ErrTimeout) {
-			err = fmt.Errorf("Step: the ranks' collectives diverged before its window check: at stages 2 and 3 ranks that took different numbers of backwards since the last Step (this rank took %d) issued different reductions; every rank must take the same backwards, call windows, gathers and reads at the same points, and at stage 3 hand over the same parameters in a backward that gathers: %w", w.backwards, err)
-		}
 		return failed(err)
 	}
 	groupsDiffer := false
@@ -122,6 +121,16 @@ func (c *stepCheck) agree(w windowClaims) (int, []bool, error) {
 		used[p] = c.used < 0 || buf[c.used+p] != 0
 	}
 	return most, used, nil
+}
+
+// divergence names the likely cause of a collective that met another kind
+// of collective, or no peer, on an engine's communicator (op failed with
+// err after this rank's backwards since the last Step).
+func divergence(op string, backwards int, err error) error {
+	if !errors.Is(err, ErrMismatch) && !errors.Is(err, ErrTimeout) {
+		return err
+	}
+	return fmt.Errorf("%s: the ranks' collectives diverged: at stages 2 and 3 ranks that took different numbers of backwards since the last Step (this rank took %d) issued different reductions; every rank must take the same backwards, call windows, gathers and reads at the same points, and at stage 3 hand over the same parameters in a backward that gathers: %w", op, backwards, err)
 }
 
 // report counts the check's all-reduce in the step's collectives.

@@ -278,7 +278,7 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 		e.usedWindow[p] = true
 	}
 	if err := e.pl.issueReady(stream, false, e.boundary); err != nil {
-		return nil, e.fail(err)
+		return nil, e.fail(divergence("GradReady", e.backwards, err))
 	}
 	return ev, nil
 }
@@ -337,7 +337,7 @@ func (e *Engine) EndBackward() error {
 	}
 	e.pl.owesFlush()
 	if err := e.pl.issueReady(s, true, e.boundary); err != nil {
-		return e.fail(err)
+		return e.fail(divergence("EndBackward", e.backwards, err))
 	}
 	e.pl.endBackward()
 	if e.off != nil {
@@ -422,7 +422,7 @@ func (e *Engine) Step() error {
 	}
 	e.win.afterFlush()
 	if err := e.pl.sync(); err != nil {
-		return e.fail(err)
+		return e.fail(divergence("Step", g, err))
 	}
 	overflow, err := e.pl.takeOverflow(e.copyStream)
 	if err != nil {
