@@ -13,78 +13,6 @@ import (
 
 // ---- training equivalence ---------------------------------------------------
 
-// quadTask is a synthetic regression: sample s of a step has weights a and
-// targets t over every element of the model, and loss
-// ½ Σ_i a_i (θ_i − t_i)²; its gradient is a_i (θ_i − t_i). The targets lie
-// 2-3 away from the start on one side, further than 20 steps of AdamW can
-// move (|update| ≤ LR per step in the sign regime), so every sample's
-// gradient keeps its sign: the regime in which the error bound below holds.
-type quadTask struct {
-	sizes   []int
-	theta0  []float64
-	a, t    [][][]float64 // [step][sample][element]
-	samples int           // per step: W·G
-}
-
-func newQuadTask(rng *rand.Rand, sizes []int, steps, samples int) *quadTask {
-	n := 0
-	for _, s := range sizes {
-		n += s
-	}
-	q := &quadTask{sizes: sizes, theta0: make([]float64, n), samples: samples}
-	side := make([]float64, n)
-	for i := range q.theta0 {
-		q.theta0[i] = rng.Float64()*2 - 1
-		side[i] = float64(1 - 2*rng.Intn(2))
-	}
-	q.a, q.t = make([][][]float64, steps), make([][][]float64, steps)
-	for st := range steps {
-		q.a[st], q.t[st] = make([][]float64, samples), make([][]float64, samples)
-		for s := range samples {
-			q.a[st][s], q.t[st][s] = make([]float64, n), make([]float64, n)
-			for i := range n {
-				q.a[st][s][i] = 0.5 + rng.Float64()
-				q.t[st][s][i] = q.theta0[i] + side[i]*(2+rng.Float64())
-			}
-		}
-	}
-	return q
-}
-
-// roundTo makes the start values ones that dtype d holds.
-func (q *quadTask) roundTo(d DType) {
-	for i, x := range q.theta0 {
-		q.theta0[i] = float64(refDecode(d, refEncode(d, float32(x))))
-	}
-}
-
-// loss is the mean loss of step st's samples at θ, in float64.
-func (q *quadTask) loss(st int, theta []float64) float64 {
-	l := 0.0
-	for s := range q.samples {
-		for i, x := range theta {
-			d := x - q.t[st][s][i]
-			l += 0.5 * q.a[st][s][i] * d * d
-		}
-	}
-	return l / float64(q.samples)
-}
-
-// refAdamW is torch.optim.AdamW in float64, on one element.
-type refAdamW struct {
-	lr, b1, b2, eps, wd float64
-}
-
-func (o refAdamW) step(p, m, v *float64, g float64, t int) (update float64) {
-	*p *= 1 - o.lr*o.wd
-	*m += (1 - o.b1) * (g - *m)
-	*v = *v*o.b2 + (1-o.b2)*g*g
-	bc1, bc2 := 1-math.Pow(o.b1, float64(t)), 1-math.Pow(o.b2, float64(t))
-	u := (*m / bc1) / (math.Sqrt(*v/bc2) + o.eps)
-	*p -= o.lr * u
-	return u
-}
-
 // trainRun is one configuration of the equivalence test.
 type trainRun struct {
 	stage, world, backwards int
@@ -374,37 +302,6 @@ func TestTrainingEquivalence(t *testing.T) {
 }
 
 // ---- the optimizer kernels against float64 ------------------------------------
-
-// refOptStep is one step of AdamW or SGD on one element in float64, from the
-// same fp32 state, with the settings of range r (PyTorch's formulas).
-func refOptStep(adam bool, r optRange, p, m, v, vmax, g float64) (float64, float64, float64, float64) {
-	if adam {
-		p *= float64(r.decay)
-		m += float64(r.beta1c) * (g - m)
-		v = v*float64(r.beta2) + float64(r.beta2c)*g*g
-		d := v
-		if r.flags&optAMSGrad != 0 {
-			vmax = max(vmax, v)
-			d = vmax
-		}
-		p -= float64(r.step) * (m / (math.Sqrt(d)/float64(r.bc2sqrt) + float64(r.eps)))
-		return p, m, v, vmax
-	}
-	g += float64(r.decay) * p
-	if r.beta1c != 0 {
-		if r.flags&optFirst != 0 {
-			m = g
-		} else {
-			m = m*float64(r.beta1c) + float64(r.beta2)*g
-		}
-		if r.flags&optNesterov != 0 {
-			g += float64(r.beta1c) * m
-		} else {
-			g = m
-		}
-	}
-	return p - float64(r.step)*g, m, v, vmax
-}
 
 // TestOptimizerKernels: AdamW (with and without amsgrad) and SGD (plain,
 // momentum, Nesterov, weight decay) at every ISA level, five steps with a

@@ -206,14 +206,6 @@ func trainZ3(t *testing.T, q *quadTask, r z3Run) z3Result {
 	return res
 }
 
-// refEncodeBits is x's bits in dtype d.
-func refEncodeBits(d DType, x float32) uint32 {
-	if d == FP32 {
-		return math.Float32bits(x)
-	}
-	return uint32(refEncode(d, x))
-}
-
 // TestStage3EqualsStage2: training at stage 3, with each layer gathered for
 // its forward and again for its backward, gives stage 2's bits for the same
 // W, bucket size and inputs (the same reductions and optimizer; parameters
