@@ -6,11 +6,8 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
-	"os"
 	"runtime"
-	"strconv"
 	"testing"
-	"time"
 	"unsafe"
 )
 
@@ -23,28 +20,6 @@ import (
 //
 // Each run draws fresh random data; the seed is logged, and ZERO_TEST_SEED=n
 // repeats a run.
-
-func testRNG(t testing.TB) *rand.Rand {
-	t.Helper()
-	seed := seedFromEnv(t)
-	return rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
-}
-
-// seedFromEnv returns ZERO_TEST_SEED, or a fresh seed, and logs how to
-// replay it.
-func seedFromEnv(t testing.TB) uint64 {
-	t.Helper()
-	seed := uint64(time.Now().UnixNano()) &^ (1 << 63) // fits an int64 too
-	if s := os.Getenv("ZERO_TEST_SEED"); s != "" {
-		v, err := strconv.ParseUint(s, 10, 64)
-		if err != nil {
-			t.Fatalf("ZERO_TEST_SEED=%q: %v", s, err)
-		}
-		seed = v
-	}
-	t.Logf("seed %d (rerun with ZERO_TEST_SEED=%d)", seed, seed)
-	return seed
-}
 
 // ---- reference conversions -------------------------------------------------
 

@@ -1170,14 +1170,6 @@ func runOpt(t *testing.T, c optCase) optTrace {
 	return tr
 }
 
-// closeTo fails t unless got is within rel·|want| + abs of want.
-func closeTo(t *testing.T, what string, got, want, rel, abs float64) {
-	t.Helper()
-	if d := math.Abs(got - want); !(d <= rel*math.Abs(want)+abs) {
-		t.Fatalf("%s = %.9g, want %.9g (|diff| %.3g > %.3g)", what, got, want, d, rel*math.Abs(want)+abs)
-	}
-}
-
 // TestNormAndClipUnderLossScale: with fp16 gradients scaled by a static or
 // a dynamic loss scale, Stats.GradNorm is the norm of the unscaled mean
 // gradient and clipping uses it: SGD's update is -lr·mean/max(1,

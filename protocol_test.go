@@ -16,69 +16,6 @@ import (
 // the reduced gradient, errors that must reach the caller on every rank,
 // and what Close and the stats account for.
 
-// onEngines builds an engine per rank of a fresh in-process group, runs fn
-// on each rank's goroutine with a host stream, and returns the errors.
-func onEngines(world int, timeout time.Duration, cfg Config, params []Param, fn func(e *Engine, s *HostStream) error) []error {
-	comms, err := NewLocalGroupTimeout(world, timeout)
-	if err != nil {
-		return []error{err}
-	}
-	return eachRank(world, func(rank int) error {
-		e, err := New(cfg, comms[rank], params)
-		if err != nil {
-			return err
-		}
-		defer e.Close()
-		s := NewHostStream()
-		defer s.Close()
-		return fn(e, s)
-	})
-}
-
-// backward reports every parameter of params from s and ends the backward.
-func backward(e *Engine, s Stream, grads []Tensor) error {
-	for p := len(grads) - 1; p >= 0; p-- {
-		if _, err := e.GradReady(p, grads[p], s); err != nil {
-			return err
-		}
-	}
-	return e.EndBackward()
-}
-
-// constGrads is one gradient per parameter, every element v.
-func constGrads(params []Param, v float32) []Tensor {
-	out := make([]Tensor, len(params))
-	for p, q := range params {
-		x := make([]float32, q.Count)
-		for i := range x {
-			x[i] = v
-		}
-		out[p] = Float32s(x)
-	}
-	return out
-}
-
-// wantAll checks that every element of every parameter's full gradient is want.
-func wantAll(full [][]float32, want float32) error {
-	for p, g := range full {
-		for i, v := range g {
-			if v != want {
-				return fmt.Errorf("param %d[%d] = %g, want %g", p, i, v, want)
-			}
-		}
-	}
-	return nil
-}
-
-func everyRankIs(t *testing.T, what string, errs []error, want error) {
-	t.Helper()
-	for r, err := range errs {
-		if !errors.Is(err, want) {
-			t.Errorf("%s: rank %d: %v, want %v", what, r, err, want)
-		}
-	}
-}
-
 // TestWindowErrors: a Step with no backward, a Step after other than
 // GradAccumSteps backwards, and ranks that took different numbers of
 // backwards are refused with the same typed error on every rank, and the

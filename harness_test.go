@@ -1,0 +1,548 @@
+package zero
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand"
+	randv2 "math/rand/v2"
+	"os"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+)
+
+// The tests' shared harness: seeds; running ranks (eachRank, onEngines, and
+// runEngine and rankLoop over a runSpec and its workload); the small
+// builders and checks that several test files use; and stream gates. A
+// helper that only one test file uses stays in that file.
+
+// ---- seeds -------------------------------------------------------------------
+
+// testSeed gives fresh data every run; the seed is logged, and
+// ZERO_TEST_SEED=n replays a run (as testRNG does for the kernel tests).
+func testSeed(t testing.TB) int64 {
+	t.Helper()
+	return int64(seedFromEnv(t))
+}
+
+// seedFromEnv returns ZERO_TEST_SEED, or a fresh seed, and logs how to
+// replay it.
+func seedFromEnv(t testing.TB) uint64 {
+	t.Helper()
+	seed := uint64(time.Now().UnixNano()) &^ (1 << 63) // fits an int64 too
+	if s := os.Getenv("ZERO_TEST_SEED"); s != "" {
+		v, err := strconv.ParseUint(s, 10, 64)
+		if err != nil {
+			t.Fatalf("ZERO_TEST_SEED=%q: %v", s, err)
+		}
+		seed = v
+	}
+	t.Logf("seed %d (rerun with ZERO_TEST_SEED=%d)", seed, seed)
+	return seed
+}
+
+// testRNG is the math/rand/v2 source of the kernel tests, seeded as
+// testSeed is: fresh data every run, the seed logged, ZERO_TEST_SEED=n to
+// replay.
+func testRNG(t testing.TB) *randv2.Rand {
+	t.Helper()
+	seed := seedFromEnv(t)
+	return randv2.New(randv2.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+}
+
+// ---- running ranks -----------------------------------------------------------
+
+// eachRank runs fn for ranks 0..n−1, each on a goroutine of its own, and
+// returns their errors.
+func eachRank(n int, fn func(rank int) error) []error {
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for rank := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[rank] = fn(rank)
+		}()
+	}
+	wg.Wait()
+	return errs
+}
+
+// onEngines builds an engine per rank of a fresh in-process group, runs fn
+// on each rank's goroutine with a host stream, and returns the errors.
+func onEngines(world int, timeout time.Duration, cfg Config, params []Param, fn func(e *Engine, s *HostStream) error) []error {
+	comms, err := NewLocalGroupTimeout(world, timeout)
+	if err != nil {
+		return []error{err}
+	}
+	return eachRank(world, func(rank int) error {
+		e, err := New(cfg, comms[rank], params)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		s := NewHostStream()
+		defer s.Close()
+		return fn(e, s)
+	})
+}
+
+// testParams is a small model: sizes chosen so tiny buckets split it into
+// many buckets, some parameters larger than a bucket, and one empty.
+func testParams(d DType) []Param {
+	sizes := []int{300, 7, 1000, 0, 129, 64, 513, 1}
+	ps := make([]Param, len(sizes))
+	for i, n := range sizes {
+		ps[i] = Param{Name: fmt.Sprintf("p%d", i), Count: n, DType: d}
+	}
+	return ps
+}
+
+type runSpec struct {
+	stage     int
+	world     int
+	dtype     DType
+	comm      DType
+	overlap   bool
+	bucket    int
+	backwards int
+	predivide float64
+	accum     int // GradAccumSteps; 0 = count the backwards
+	reduction Reduction
+	steps     int
+	streams   int
+	shuffle   bool
+	boundary  bool // SetBoundary(true) before the last backward of a step
+	boundAll  bool // SetBoundary(true) before every backward
+	batch     bool // hand gradients over in random batches (GradsReady)
+	// window is "coalesce" (every backward of a step in a window) or
+	// "nosync" (all but the last backward in NoSync); windowEvery puts
+	// the window in every step, otherwise in the even steps only.
+	window      string
+	windowEvery bool
+	budget      int   // Config.CoalesceBudgetBytes
+	windowDType DType // Config.WindowDType
+	offload     bool  // Config.Offload
+	// poison writes junk into every view of the shard after each step's
+	// reads: the next window's first reductions must copy over it.
+	poison bool
+}
+
+func (r runSpec) String() string {
+	return fmt.Sprintf("z%d/w%d/%v/ov=%v/b%d/n%d/f%g", r.stage, r.world, r.dtype, r.overlap, r.bucket, r.backwards, r.predivide)
+}
+
+// grad is one rank's gradient of one parameter in one backward, in the
+// model dtype, with the exact float64 value of every element.
+type grad struct {
+	t   Tensor
+	ref []float64
+}
+
+func makeGrad(rng *rand.Rand, n int, d DType, scale float64) grad {
+	g := grad{ref: make([]float64, n)}
+	switch d {
+	case FP32:
+		x := make([]float32, n)
+		for i := range x {
+			x[i] = float32(rng.NormFloat64() * scale)
+			g.ref[i] = float64(x[i])
+		}
+		g.t = Float32s(x)
+	default:
+		x := make([]uint16, n)
+		for i := range x {
+			f := float32(rng.NormFloat64() * scale)
+			if d == BF16 {
+				x[i] = bf16FromFloat(f)
+				g.ref[i] = float64(floatFromBF16(x[i]))
+			} else {
+				x[i] = fp16FromFloat(f)
+				g.ref[i] = float64(floatFromFP16(x[i]))
+			}
+		}
+		g.t = Halfs(x, d)
+	}
+	return g
+}
+
+// workload holds data[step][backward][rank][param].
+type workload [][][][]grad
+
+func makeWorkload(rng *rand.Rand, r runSpec, params []Param) workload {
+	w := make(workload, r.steps)
+	for s := range w {
+		w[s] = make([][][]grad, r.backwards)
+		for k := range w[s] {
+			w[s][k] = make([][]grad, r.world)
+			for rank := range w[s][k] {
+				w[s][k][rank] = make([]grad, len(params))
+				for p, q := range params {
+					w[s][k][rank][p] = makeGrad(rng, q.Count, q.DType, 0.5+rng.Float64())
+				}
+			}
+		}
+	}
+	return w
+}
+
+// rankResult is what one rank read back after each step.
+type rankResult struct {
+	shard [][]float32   // per step
+	full  [][][]float32 // per step, per param
+	stats []Stats
+	plan  *Plan
+}
+
+// runEngine runs the backward protocol on every rank of an in-process group.
+func runEngine(t testing.TB, r runSpec, params []Param, data workload, seed int64) []rankResult {
+	t.Helper()
+	comms, err := NewLocalGroupTimeout(r.world, 20*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return runRanks(t, r, func(cfg Config, rank int, out *rankResult) error {
+		return runRank(cfg, comms[rank], r, params, data, seed, out)
+	})
+}
+
+// runRanks runs run on every rank with r's config and fails t on an error.
+func runRanks(t testing.TB, r runSpec, run func(cfg Config, rank int, out *rankResult) error) []rankResult {
+	t.Helper()
+	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Precision: PrecisionPolicy{CommDType: r.comm}, Grads: GradPolicy{PredivideFactor: r.predivide, AccumSteps: r.accum, Reduction: r.reduction}, Window: WindowPolicy{BudgetBytes: r.budget, DType: r.windowDType}, Offload: OffloadPolicy{Optimizer: r.offload}}
+	results := make([]rankResult, r.world)
+	for rank, err := range eachRank(r.world, func(rank int) error { return run(cfg, rank, &results[rank]) }) {
+		if err != nil {
+			t.Fatalf("%v: rank %d: %v", r, rank, err)
+		}
+	}
+	return results
+}
+
+func runRank(cfg Config, comm Comm, r runSpec, params []Param, data workload, seed int64, out *rankResult) error {
+	defer comm.Close()
+	grad := func(step, k, p int) Tensor { return data[step][k][comm.Rank()][p].t }
+	return rankLoop(cfg, comm, CPU(), r, params, grad, seed, out)
+}
+
+// rankLoop runs r's steps of the backward protocol on one rank with
+// r.streams producer streams of dev: grad gives the gradient of (step,
+// backward, param), handed over from the streams in turn, and out collects
+// what the rank reads back.
+func rankLoop(cfg Config, comm Comm, dev Device, r runSpec, params []Param, grad func(step, k, p int) Tensor, seed int64, out *rankResult) error {
+	e, err := New(cfg, comm, params)
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	streams := make([]Stream, max(r.streams, 1))
+	for i := range streams {
+		if streams[i], err = dev.NewStream(); err != nil {
+			return err
+		}
+		defer streams[i].Close()
+	}
+	nparams := len(params)
+	out.plan = e.Plan()
+	rng := rand.New(rand.NewSource(seed + int64(e.Rank())))
+	order := make([]int, nparams)
+	for step := range r.steps {
+		window := r.window != "" && (r.windowEvery || step%2 == 0)
+		if window && r.window == "coalesce" {
+			if err := e.BeginCoalesce(); err != nil {
+				return err
+			}
+		}
+		if window && r.window == "nosync" && r.backwards > 1 {
+			if err := e.BeginNoSync(); err != nil {
+				return err
+			}
+		}
+		for k := range r.backwards {
+			if window && r.window == "nosync" && r.backwards > 1 && k == r.backwards-1 {
+				if err := e.EndNoSync(); err != nil {
+					return err
+				}
+			}
+			for i := range order {
+				order[i] = nparams - 1 - i
+			}
+			if r.shuffle {
+				rng.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+			}
+			if r.boundAll || r.boundary && k == r.backwards-1 {
+				e.SetBoundary(true)
+			}
+			for i := 0; i < len(order); {
+				n := 1
+				if r.batch {
+					n = 1 + rng.Intn(len(order)-i)
+				}
+				batch := order[i : i+n]
+				gs := make([]Tensor, n)
+				for j, p := range batch {
+					gs[j] = grad(step, k, p)
+				}
+				if _, err := e.GradsReady(batch, gs, streams[i%len(streams)]); err != nil {
+					return err
+				}
+				i += n
+			}
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+		}
+		if window && r.window == "coalesce" {
+			if err := e.EndCoalesce(); err != nil {
+				return err
+			}
+		}
+		if err := e.Step(); err != nil {
+			return err
+		}
+		shard, err := e.GradShard()
+		if err != nil {
+			return err
+		}
+		full, err := e.FullGrads()
+		if err != nil {
+			return err
+		}
+		out.shard = append(out.shard, shard)
+		out.full = append(out.full, full)
+		out.stats = append(out.stats, e.Stats())
+		if r.poison {
+			for p := range params {
+				v, err := e.GradView(p)
+				if err != nil {
+					return err
+				}
+				junk := make([]float32, v.Count)
+				for i := range junk {
+					junk[i] = 1e30
+				}
+				if err := v.Write(junk); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// producerRule fills one ZeRO-2 bucket on 2 ranks, reporting each gradient
+// through report, which writes it on stream s, one stream per gradient, and
+// hands it to the engine. One middle reporter is held back (hold): after
+// EndBackward the harness calls the release report returned for it. Waiting
+// on every producer, the mean must be right; with the wait narrowed to the
+// last producer, the test must see a wrong sum.
+func producerRule(t *testing.T, params []Param, group func(int) ([]Comm, error), dev Device, report func(e *Engine, p int, grad Tensor, s Stream, hold bool) (release func(), err error)) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	r := runSpec{stage: 2, world: 2, dtype: FP32, backwards: 1, steps: 1}
+	data := makeWorkload(rng, r, params)
+	held := len(params) - 2 - rng.Intn(len(params)-2) // reported neither first nor last
+	t.Logf("holding the stream of parameter %d", held)
+	run := func(narrow bool) error {
+		waitOnlyLastProducer = narrow
+		defer func() { waitOnlyLastProducer = false }()
+		comms, err := group(2)
+		if err != nil {
+			return err
+		}
+		res := make([][][]float32, 2)
+		errs := eachRank(2, func(rank int) error {
+			defer comms[rank].Close()
+			e, err := New(Config{Stage: 2, BucketBytes: 64 << 20, Overlap: true}, comms[rank], params)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			var release func()
+			for p := len(params) - 1; p >= 0; p-- {
+				s, err := dev.NewStream()
+				if err != nil {
+					return err
+				}
+				defer s.Close()
+				rel, err := report(e, p, data[0][0][rank][p].t, s, p == held)
+				if err != nil {
+					return err
+				}
+				if p == held {
+					release = rel
+				}
+			}
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+			if release != nil {
+				release()
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			res[rank], err = e.FullGrads()
+			return err
+		})
+		for _, err := range errs {
+			if err != nil {
+				return err
+			}
+		}
+		for p := range params {
+			for i, got := range res[0][p] {
+				want := (data[0][0][0][p].ref[i] + data[0][0][1][p].ref[i]) / 2
+				if math.Abs(float64(got)-want) > 1e-6*(1+math.Abs(want)) {
+					return fmt.Errorf("param %d[%d] = %g, want %g", p, i, got, want)
+				}
+			}
+		}
+		return nil
+	}
+	if err := run(false); err != nil {
+		t.Fatalf("waiting on every producer stream: %v", err)
+	}
+	if err := run(true); err == nil {
+		t.Fatal("with the wait narrowed to the last producer stream the sum was still right: the test cannot see the bug")
+	} else {
+		t.Logf("narrowed wait, as expected: %v", err)
+	}
+}
+
+// ---- small builders and checks ----------------------------------------------
+
+// backward reports every parameter of params from s and ends the backward.
+func backward(e *Engine, s Stream, grads []Tensor) error {
+	for p := len(grads) - 1; p >= 0; p-- {
+		if _, err := e.GradReady(p, grads[p], s); err != nil {
+			return err
+		}
+	}
+	return e.EndBackward()
+}
+
+// constGrads is one gradient per parameter, every element v.
+func constGrads(params []Param, v float32) []Tensor {
+	out := make([]Tensor, len(params))
+	for p, q := range params {
+		x := make([]float32, q.Count)
+		for i := range x {
+			x[i] = v
+		}
+		out[p] = Float32s(x)
+	}
+	return out
+}
+
+// wantAll checks that every element of every parameter's full gradient is want.
+func wantAll(full [][]float32, want float32) error {
+	for p, g := range full {
+		for i, v := range g {
+			if v != want {
+				return fmt.Errorf("param %d[%d] = %g, want %g", p, i, v, want)
+			}
+		}
+	}
+	return nil
+}
+
+func everyRankIs(t *testing.T, what string, errs []error, want error) {
+	t.Helper()
+	for r, err := range errs {
+		if !errors.Is(err, want) {
+			t.Errorf("%s: rank %d: %v, want %v", what, r, err, want)
+		}
+	}
+}
+
+// with is v changed by edit: an optimizer made by its constructor with
+// some fields set, in one expression.
+func with[T any](v T, edit func(*T)) T {
+	edit(&v)
+	return v
+}
+
+// closeTo fails t unless got is within rel·|want| + abs of want.
+func closeTo(t *testing.T, what string, got, want, rel, abs float64) {
+	t.Helper()
+	if d := math.Abs(got - want); !(d <= rel*math.Abs(want)+abs) {
+		t.Fatalf("%s = %.9g, want %.9g (|diff| %.3g > %.3g)", what, got, want, d, rel*math.Abs(want)+abs)
+	}
+}
+
+// sameShards reports the first step, rank and element where two runs'
+// shards differ in their bits.
+func sameShards(a, b []rankResult) error {
+	for rank := range a {
+		for st := range a[rank].shard {
+			for i, x := range a[rank].shard[st] {
+				if y := b[rank].shard[st][i]; math.Float32bits(x) != math.Float32bits(y) {
+					return fmt.Errorf("rank %d step %d: shard[%d] = %x, want %x", rank, st, i, math.Float32bits(y), math.Float32bits(x))
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// ---- stream gates ------------------------------------------------------------
+
+// settle waits until none of the streams can move on by itself: each is
+// idle or blocked on an event that has not fired. A test that holds one
+// stream with a gate calls it before opening the gate, so whatever the
+// others would run without waiting for the gated work has run by then.
+func settle(t testing.TB, streams ...Stream) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for _, s := range streams {
+		hs := s.(*HostStream)
+		for !hs.settled() {
+			if time.Now().After(deadline) {
+				t.Fatal("a stream did not settle within 20 s")
+			}
+			time.Sleep(50 * time.Microsecond)
+		}
+	}
+}
+
+// settleBehind waits until s has run everything it can before gated opens:
+// until it is idle, or waits on an event of gated. (Blocked on any other
+// stream's event it may still have work to run: that stream will fire.)
+func settleBehind(t testing.TB, s, gated *HostStream) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		if w := s.blockedOn.Load(); w != nil && w.s == gated && w.s.done.Load() < w.seq {
+			return
+		}
+		s.mu.Lock()
+		idle := len(s.queue) == 0 && s.idle
+		s.mu.Unlock()
+		if idle {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a stream did not settle within 20 s")
+		}
+		time.Sleep(50 * time.Microsecond)
+	}
+}
+
+// gateStream returns a host stream held by a task that runs when open is called.
+func gateStream() (s *HostStream, open func()) {
+	s = NewHostStream()
+	gate := make(chan struct{})
+	s.Launch(func() error { <-gate; return nil })
+	var once sync.Once
+	return s, func() { once.Do(func() { close(gate) }) }
+}
+
+// waitedOn reports whether a Sync waits on s's work now.
+func (s *HostStream) waitedOn() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.syncers > 0
+}
