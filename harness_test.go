@@ -7,16 +7,20 @@ import (
 	"math/rand"
 	randv2 "math/rand/v2"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 )
 
 // The tests' shared harness: seeds; running ranks (eachRank, onEngines, and
 // runEngine and rankLoop over a runSpec and its workload); the small
-// builders and checks that several test files use; and stream gates. A
-// helper that only one test file uses stays in that file.
+// builders and checks that several test files use; stream gates; test
+// buffers and the ISA levels of the host kernels; and a small model with the
+// state a step changes. A helper that only one test file uses stays in that
+// file.
 
 // ---- seeds -------------------------------------------------------------------
 
@@ -545,4 +549,183 @@ func (s *HostStream) waitedOn() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.syncers > 0
+}
+
+// ---- test buffers ------------------------------------------------------------
+
+// tbuf is a host buffer of one dtype, allocated on the Go heap (the kernels
+// take raw addresses, so it must not live on a goroutine stack, which moves).
+type tbuf struct {
+	dt DType
+	f  []float32
+	h  []uint16
+}
+
+//go:noinline
+func newTBuf(dt DType, n int) *tbuf {
+	b := &tbuf{dt: dt}
+	if dt == FP32 {
+		b.f = make([]float32, n+1) // +1: a valid address even when n == 0
+		b.f = b.f[:n]
+	} else {
+		b.h = make([]uint16, n+1)
+		b.h = b.h[:n]
+	}
+	return b
+}
+
+// t views the buffer as a tensor.
+func (b *tbuf) t() Tensor {
+	if b.dt == FP32 {
+		return Float32s(b.f)
+	}
+	return Halfs(b.h, b.dt)
+}
+
+func (b *tbuf) len() int {
+	if b.dt == FP32 {
+		return len(b.f)
+	}
+	return len(b.h)
+}
+
+func (b *tbuf) ptr() uintptr {
+	if b.dt == FP32 {
+		return uintptr(unsafe.Pointer(unsafe.SliceData(b.f)))
+	}
+	return uintptr(unsafe.Pointer(unsafe.SliceData(b.h)))
+}
+
+func (b *tbuf) bits(i int) uint32 {
+	if b.dt == FP32 {
+		return math.Float32bits(b.f[i])
+	}
+	return uint32(b.h[i])
+}
+
+func (b *tbuf) setBits(i int, u uint32) {
+	if b.dt == FP32 {
+		b.f[i] = math.Float32frombits(u)
+	} else {
+		b.h[i] = uint16(u)
+	}
+}
+
+func (b *tbuf) val(i int) float32 { return refDecode(b.dt, b.bits(i)) }
+
+func (b *tbuf) set(i int, v float32) { b.setBits(i, refEncode(b.dt, v)) }
+
+func (b *tbuf) clone() *tbuf {
+	c := newTBuf(b.dt, b.len())
+	copy(c.f, b.f)
+	copy(c.h, b.h)
+	return c
+}
+
+var allDTypes = []DType{FP32, BF16, FP16}
+
+// unsafeHalfs copies out the elements of a 16-bit tensor in host memory
+// (a view of the engine's own buffers, say), little-endian.
+func unsafeHalfs(t Tensor) []uint16 {
+	b := t.hostBytes()
+	out := make([]uint16, t.count)
+	for i := range out {
+		out[i] = uint16(b[2*i]) | uint16(b[2*i+1])<<8
+	}
+	return out
+}
+
+// ---- ISA levels of the host kernels ------------------------------------------
+
+// forEachLevel runs fn as a subtest at every ISA level of the host kernels
+// that this machine supports (kernels.c compiles the hot loops for x86-64-v2,
+// AVX2 and AVX-512), then restores the default.
+//
+// The largest inputs run only at the default (best) level, where the
+// package runs; the other levels get smaller ones (fullSize reports which),
+// and TestKernelLevelsAgree compares every level with the baseline bit for
+// bit. This keeps `go test -race` of the package well under a minute.
+func forEachLevel(t *testing.T, fn func(t *testing.T)) {
+	best := setKernelLevel(-1)
+	defer func() { setKernelLevel(-1); atLevelBest = true }()
+	for l := 0; l <= best; l++ {
+		if got := setKernelLevel(l); got != l {
+			t.Fatalf("setKernelLevel(%d) = %d", l, got)
+		}
+		atLevelBest = l == best
+		t.Run(fmt.Sprintf("isa%d", l), fn)
+	}
+}
+
+// atLevelBest is false while forEachLevel runs a subtest below the best level.
+var atLevelBest = true
+
+// fullSize says whether a test should use its largest inputs (see forEachLevel).
+func fullSize() bool { return atLevelBest && !testing.Short() }
+
+// ---- a small model and the state a step changes ------------------------------
+
+// smallModel is a model of three parameters with memory, one of them never
+// reported when skip is set, and one frozen.
+func smallModel(dt DType, value float32) ([]Param, []*tbuf) {
+	sizes := []int{300, 7, 1000, 50}
+	ps := make([]Param, len(sizes))
+	bufs := make([]*tbuf, len(sizes))
+	for i, n := range sizes {
+		bufs[i] = newTBuf(dt, n)
+		for j := range n {
+			bufs[i].set(j, value+float32(j%7)/8)
+		}
+		ps[i] = Param{Name: fmt.Sprint("p", i), Count: n, DType: dt, Data: bufs[i].t()}
+	}
+	ps[3].Frozen = true
+	return ps, bufs
+}
+
+// engineState is everything a step may change, bit for bit.
+type engineState struct {
+	master, m, v, params []uint32
+	steps                []int
+	scale                float64
+}
+
+func snapshotState(e *Engine, params []*tbuf) engineState {
+	var st engineState
+	read := func(t Tensor) []uint32 {
+		if t.ptr == 0 {
+			return nil
+		}
+		out := make([]uint32, t.count)
+		for i, f := range t.hostFloats() {
+			out[i] = math.Float32bits(f)
+		}
+		return out
+	}
+	st.master, st.m, st.v = read(e.opt.master), read(e.opt.m), read(e.opt.v)
+	for _, p := range params {
+		for i := range p.len() {
+			st.params = append(st.params, p.bits(i))
+		}
+	}
+	st.steps = slices.Clone(e.opt.steps)
+	st.scale = e.opt.scaler.scale
+	return st
+}
+
+func (a engineState) equal(b engineState) bool {
+	return a.optimizerEqual(b) && slices.Equal(a.params, b.params)
+}
+
+// optimizerEqual compares the master, moments and step counts; a buffer
+// not made yet equals one of zeros (SGD's momentum is made by the first
+// step, and the step counts say it holds nothing yet).
+func (a engineState) optimizerEqual(b engineState) bool {
+	same := func(x, y []uint32) bool {
+		if x == nil || y == nil {
+			return !slices.ContainsFunc(x, func(u uint32) bool { return u != 0 }) &&
+				!slices.ContainsFunc(y, func(u uint32) bool { return u != 0 })
+		}
+		return slices.Equal(x, y)
+	}
+	return same(a.master, b.master) && same(a.m, b.m) && same(a.v, b.v) && slices.Equal(a.steps, b.steps)
 }

@@ -41,77 +41,6 @@ func refMax(s, x float32) float32 {
 
 // ---- test buffers --------------------------------------------------------------
 
-// tbuf is a host buffer of one dtype, allocated on the Go heap (the kernels
-// take raw addresses, so it must not live on a goroutine stack, which moves).
-type tbuf struct {
-	dt DType
-	f  []float32
-	h  []uint16
-}
-
-//go:noinline
-func newTBuf(dt DType, n int) *tbuf {
-	b := &tbuf{dt: dt}
-	if dt == FP32 {
-		b.f = make([]float32, n+1) // +1: a valid address even when n == 0
-		b.f = b.f[:n]
-	} else {
-		b.h = make([]uint16, n+1)
-		b.h = b.h[:n]
-	}
-	return b
-}
-
-// t views the buffer as a tensor.
-func (b *tbuf) t() Tensor {
-	if b.dt == FP32 {
-		return Float32s(b.f)
-	}
-	return Halfs(b.h, b.dt)
-}
-
-func (b *tbuf) len() int {
-	if b.dt == FP32 {
-		return len(b.f)
-	}
-	return len(b.h)
-}
-
-func (b *tbuf) ptr() uintptr {
-	if b.dt == FP32 {
-		return uintptr(unsafe.Pointer(unsafe.SliceData(b.f)))
-	}
-	return uintptr(unsafe.Pointer(unsafe.SliceData(b.h)))
-}
-
-func (b *tbuf) bits(i int) uint32 {
-	if b.dt == FP32 {
-		return math.Float32bits(b.f[i])
-	}
-	return uint32(b.h[i])
-}
-
-func (b *tbuf) setBits(i int, u uint32) {
-	if b.dt == FP32 {
-		b.f[i] = math.Float32frombits(u)
-	} else {
-		b.h[i] = uint16(u)
-	}
-}
-
-func (b *tbuf) val(i int) float32 { return refDecode(b.dt, b.bits(i)) }
-
-func (b *tbuf) set(i int, v float32) { b.setBits(i, refEncode(b.dt, v)) }
-
-func (b *tbuf) clone() *tbuf {
-	c := newTBuf(b.dt, b.len())
-	copy(c.f, b.f)
-	copy(c.h, b.h)
-	return c
-}
-
-var allDTypes = []DType{FP32, BF16, FP16}
-
 // randVal draws a finite value with a random sign and an exponent in
 // [emin, emax], with the full fp32 mantissa.
 func randVal(rng *rand.Rand, emin, emax int) float32 {
@@ -414,32 +343,6 @@ func testConvertRandom(t *testing.T) {
 }
 
 // ---- ISA levels ------------------------------------------------------------------
-
-// forEachLevel runs fn as a subtest at every ISA level of the host kernels
-// that this machine supports (kernels.c compiles the hot loops for x86-64-v2,
-// AVX2 and AVX-512), then restores the default.
-//
-// The largest inputs run only at the default (best) level, where the
-// package runs; the other levels get smaller ones (fullSize reports which),
-// and TestKernelLevelsAgree compares every level with the baseline bit for
-// bit. This keeps `go test -race` of the package well under a minute.
-func forEachLevel(t *testing.T, fn func(t *testing.T)) {
-	best := setKernelLevel(-1)
-	defer func() { setKernelLevel(-1); atLevelBest = true }()
-	for l := 0; l <= best; l++ {
-		if got := setKernelLevel(l); got != l {
-			t.Fatalf("setKernelLevel(%d) = %d", l, got)
-		}
-		atLevelBest = l == best
-		t.Run(fmt.Sprintf("isa%d", l), fn)
-	}
-}
-
-// atLevelBest is false while forEachLevel runs a subtest below the best level.
-var atLevelBest = true
-
-// fullSize says whether a test should use its largest inputs (see forEachLevel).
-func fullSize() bool { return atLevelBest && !testing.Short() }
 
 // Every ISA level gives the same bits as the baseline for every kernel and
 // dtype, on random data with specials and arbitrary bit patterns. NaN

@@ -246,15 +246,6 @@ func TestStage3EqualsStage2(t *testing.T) {
 	}
 }
 
-func unsafeHalfs(t Tensor) []uint16 {
-	b := t.hostBytes()
-	out := make([]uint16, t.count)
-	for i := range out {
-		out[i] = uint16(b[2*i]) | uint16(b[2*i+1])<<8
-	}
-	return out
-}
-
 // TestStage3MemoryAndPrefetch: in a traced run, after every Gather and
 // Release the parameter memory is the shard plus the gather buffers
 // (gathered or pooled), the gathered bytes are those of the buckets gathered
