@@ -9,7 +9,6 @@ import (
 	mrand "math/rand"
 	"math/rand/v2"
 	"os"
-	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -1312,26 +1311,6 @@ func gpuTrainEnv(d *cudaDevice) trainEnv {
 			}
 			return s.Sync()
 		},
-	}
-}
-
-// trainsAsCPU trains q with opt as cpu says on the host and as gpu says in
-// env, and fails t unless every step's parameters have the same bits.
-func trainsAsCPU(t *testing.T, env trainEnv, q *quadTask, opt AdamW, cpu, gpu trainRun) {
-	t.Helper()
-	cpuParams, cpuFinal := trainEngine(t, q, cpu, opt)
-	gpuParams, gpuFinal := trainEngineOn(t, env, q, gpu, opt)
-	for st := range cpuParams {
-		for i, want := range cpuParams[st] {
-			if got := gpuParams[st][i]; math.Float64bits(got) != math.Float64bits(want) {
-				t.Fatalf("%+v step %d: element %d = %v on the GPU, %v on the CPU (%+v)", gpu, st, i, got, want, cpu)
-			}
-		}
-	}
-	for rank := range cpuFinal {
-		if !slices.Equal(gpuFinal[rank], cpuFinal[rank]) {
-			t.Fatalf("%+v: rank %d's final parameters differ from the CPU path's (%+v)", gpu, rank, cpu)
-		}
 	}
 }
 
