@@ -21,7 +21,8 @@ import (
 // builders and checks that several test files use; stream gates; test
 // buffers and the ISA levels of the host kernels; and a small model with the
 // state a step changes; the training runs; and the body of the offload
-// benchmarks. A helper that only one test file uses stays in that file.
+// benchmarks. harness_cuda_test.go holds the part that names the CUDA
+// device. A helper that only one test file uses stays in that file.
 
 // ---- seeds -------------------------------------------------------------------
 
@@ -744,7 +745,7 @@ type trainRun struct {
 
 // trainEnv is where trainEngine runs: the group, the streams, and the
 // parameters' and gradients' memory (the host's here, a GPU's in
-// cuda_test.go).
+// harness_cuda_test.go).
 type trainEnv struct {
 	group  func(world int) ([]Comm, error)
 	stream func() (Stream, error)
