@@ -19,7 +19,7 @@ import (
 // The tests' shared harness: seeds; running ranks (eachRank, onEngines, and
 // runEngine and rankLoop over a runSpec and its workload); the small
 // builders and checks that several test files use; stream gates; test
-// buffers and the ISA levels of the host kernels; and a small model with the
+// buffers and the ISA levels of the host kernels; a small model with the
 // state a step changes; the training runs; and the body of the offload
 // benchmarks. harness_cuda_test.go holds the part that names the CUDA
 // device. A helper that only one test file uses stays in that file.
