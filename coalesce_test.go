@@ -3,27 +3,11 @@ package zero
 import (
 	"errors"
 	"fmt"
-	"math"
 	mrand "math/rand"
 	"math/rand/v2"
 	"testing"
 	"time"
 )
-
-// sameShards reports the first step, rank and element where two runs'
-// shards differ in their bits.
-func sameShards(a, b []rankResult) error {
-	for rank := range a {
-		for st := range a[rank].shard {
-			for i, x := range a[rank].shard[st] {
-				if y := b[rank].shard[st][i]; math.Float32bits(x) != math.Float32bits(y) {
-					return fmt.Errorf("rank %d step %d: shard[%d] = %x, want %x", rank, st, i, math.Float32bits(y), math.Float32bits(x))
-				}
-			}
-		}
-	}
-	return nil
-}
 
 // TestCoalesceEqualsZeRO1: a coalesced window gives ZeRO-1's bits on the
 // same inputs (the same arithmetic: a local fp32 sum, then one reduction),

@@ -9,7 +9,6 @@ import (
 	mrand "math/rand"
 	"math/rand/v2"
 	"os"
-	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -22,27 +21,6 @@ import (
 // loader and error tests run everywhere. scripts/gpu-test.sh runs them on a
 // GPU host, and the kernel tests again under compute-sanitizer.
 
-// needCUDA returns device 0 or skips.
-func needCUDA(t testing.TB) *cudaDevice {
-	t.Helper()
-	d, err := CUDA(0)
-	if err != nil {
-		skipOrFail(t, "no CUDA device: %v", err)
-	}
-	return d.(*cudaDevice)
-}
-
-// skipOrFail skips a GPU test, or fails it where ZERO_REQUIRE_GPU=1 (the GPU
-// host's runner sets it), so a host whose driver is too old cannot pass by
-// skipping everything.
-func skipOrFail(t testing.TB, format string, args ...any) {
-	t.Helper()
-	if os.Getenv("ZERO_REQUIRE_GPU") == "1" {
-		t.Fatalf("ZERO_REQUIRE_GPU=1: "+format, args...)
-	}
-	t.Skipf(format, args...)
-}
-
 // needNCCL loads NCCL or skips.
 func needNCCL(t testing.TB) int {
 	t.Helper()
@@ -53,20 +31,10 @@ func needNCCL(t testing.TB) int {
 	return v
 }
 
-func gpuStream(t testing.TB, d *cudaDevice) Stream {
-	t.Helper()
-	s, err := d.NewStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close() })
-	return s
-}
-
 // ---- host/device buffers ------------------------------------------------------
 
-// gbuf is the kernel tests' host buffer (kernels_test.go), with what the
-// GPU tests add to it.
+// gbuf is the kernel tests' host buffer (tbuf, harness_test.go), with what
+// the GPU tests add to it.
 type gbuf = tbuf
 
 func newGBuf(dt DType, n int) *gbuf { return newTBuf(dt, n) }
@@ -747,60 +715,6 @@ func TestCUDAGroupPeerFails(t *testing.T) {
 
 // ---- the engine on the GPU ---------------------------------------------------------
 
-// runEngineCUDA is runEngine (zero_test.go) on the one-GPU group: the same
-// protocol, with the gradients uploaded to device memory and written on CUDA
-// streams.
-func runEngineCUDA(t testing.TB, d *cudaDevice, r runSpec, params []Param, data workload, seed int64) []rankResult {
-	t.Helper()
-	comms, err := NewCUDALocalGroupTimeout(r.world, d, 60*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return runRanks(t, r, func(cfg Config, rank int, out *rankResult) error {
-		return runRankCUDA(d, cfg, comms[rank], r, params, data, seed, out)
-	})
-}
-
-func runRankCUDA(d *cudaDevice, cfg Config, comm Comm, r runSpec, params []Param, data workload, seed int64, out *rankResult) (err error) {
-	defer comm.Close()
-	up, err := d.NewStream()
-	if err != nil {
-		return err
-	}
-	defer up.Close()
-	// upload this rank's gradients: dev[step][backward][param]
-	dev := make([][][]Tensor, r.steps)
-	defer func() {
-		for _, s := range dev {
-			for _, k := range s {
-				for _, g := range k {
-					d.Free(g)
-				}
-			}
-		}
-	}()
-	for step := range r.steps {
-		dev[step] = make([][]Tensor, r.backwards)
-		for k := range r.backwards {
-			dev[step][k] = make([]Tensor, len(params))
-			for p, q := range params {
-				g, err := d.Alloc(q.Count, q.DType)
-				if err != nil {
-					return err
-				}
-				dev[step][k][p] = g
-				if err := d.copy(up, g, data[step][k][comm.Rank()][p].t); err != nil {
-					return err
-				}
-			}
-		}
-	}
-	if err := up.Sync(); err != nil {
-		return err
-	}
-	return rankLoop(cfg, comm, d, r, params, func(step, k, p int) Tensor { return dev[step][k][p] }, seed, out)
-}
-
 // TestCUDADifferentialMatrix: stages 1–3 × W 2, 4 × every dtype × overlap on
 // the one-GPU group give the bits of the CPU path (the same arithmetic in the
 // same order: flatten, rank-order reduce-scatter, copy-vs-add), for the
@@ -1285,52 +1199,6 @@ func TestCUDAKernelsOptimizerMatchHost(t *testing.T) {
 					}
 				}
 			}
-		}
-	}
-}
-
-// gpuTrainEnv runs trainEngineOn on the one-GPU group, with the parameters
-// and gradients in d's memory.
-func gpuTrainEnv(d *cudaDevice) trainEnv {
-	return trainEnv{
-		group:  func(world int) ([]Comm, error) { return NewCUDALocalGroupTimeout(world, d, 60*time.Second) },
-		stream: d.NewStream,
-		place: func(s Stream, b *tbuf) (Tensor, func(), error) {
-			x, err := d.Alloc(b.len(), b.dt)
-			if err != nil {
-				return Tensor{}, nil, err
-			}
-			if err := d.copy(s, x, b.t()); err != nil {
-				d.Free(x)
-				return Tensor{}, nil, err
-			}
-			return x, func() { d.Free(x) }, nil
-		},
-		fetch: func(s Stream, x Tensor, b *tbuf) error {
-			if err := d.copy(s, b.t(), x); err != nil {
-				return err
-			}
-			return s.Sync()
-		},
-	}
-}
-
-// trainsAsCPU trains q with opt as cpu says on the host and as gpu says in
-// env, and fails t unless every step's parameters have the same bits.
-func trainsAsCPU(t *testing.T, env trainEnv, q *quadTask, opt AdamW, cpu, gpu trainRun) {
-	t.Helper()
-	cpuParams, cpuFinal := trainEngine(t, q, cpu, opt)
-	gpuParams, gpuFinal := trainEngineOn(t, env, q, gpu, opt)
-	for st := range cpuParams {
-		for i, want := range cpuParams[st] {
-			if got := gpuParams[st][i]; math.Float64bits(got) != math.Float64bits(want) {
-				t.Fatalf("%+v step %d: element %d = %v on the GPU, %v on the CPU (%+v)", gpu, st, i, got, want, cpu)
-			}
-		}
-	}
-	for rank := range cpuFinal {
-		if !slices.Equal(gpuFinal[rank], cpuFinal[rank]) {
-			t.Fatalf("%+v: rank %d's final parameters differ from the CPU path's (%+v)", gpu, rank, cpu)
 		}
 	}
 }

@@ -325,8 +325,6 @@ func TestLocalGroupBadInput(t *testing.T) {
 	}
 }
 
-type fakeStream struct{ Stream }
-
 // TestCopyStream: the non-temporal copy of the all-gather and broadcast,
 // at sizes and alignments around its vector and 4 KiB thresholds.
 func TestCopyStream(t *testing.T) {

@@ -1,0 +1,203 @@
+package zero
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+)
+
+// The fakes that several test files share: a host device that keeps a
+// ledger of the engine's allocations, one that fails a chosen call, a
+// communicator on another device, and a stream of no device. A fake that
+// only one test file uses (faultyComm, leavingComm, countingComm,
+// abortingComm, …) stays in that file.
+
+// countingDevice is the host device with a ledger of the engine's live
+// allocations. Freed memory stays mapped until release, so a buffer freed
+// too early is reported by onFree instead of crashing the test.
+type countingDevice struct {
+	Device
+	mu     sync.Mutex
+	live   map[uintptr]int
+	frees  atomic.Int32
+	allocs atomic.Int32 // allocations ever made
+	freed  []Tensor
+	onFree func(Tensor)
+}
+
+func newCountingDevice() *countingDevice {
+	return &countingDevice{Device: CPU(), live: map[uintptr]int{}}
+}
+
+func (d *countingDevice) Alloc(n int, dt DType) (Tensor, error) {
+	t, err := d.Device.Alloc(n, dt)
+	d.allocs.Add(1)
+	if err == nil && t.ptr != 0 {
+		d.mu.Lock()
+		d.live[t.ptr] = t.Bytes()
+		d.mu.Unlock()
+	}
+	return t, err
+}
+
+func (d *countingDevice) Free(t Tensor) error {
+	if t.ptr == 0 {
+		return nil
+	}
+	if d.onFree != nil {
+		d.onFree(t)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, ok := d.live[t.ptr]; !ok {
+		return fmt.Errorf("free of %#x, which is not live", t.ptr)
+	}
+	delete(d.live, t.ptr)
+	d.freed = append(d.freed, t)
+	d.frees.Add(1)
+	return nil
+}
+
+func (d *countingDevice) liveBytes() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n := 0
+	for _, b := range d.live {
+		n += b
+	}
+	return n
+}
+
+func (d *countingDevice) release() {
+	for _, t := range d.freed {
+		d.Device.Free(t)
+	}
+}
+
+// onDevice gives a communicator another device (of the same kind).
+type onDevice struct {
+	Comm
+	dev Device
+}
+
+func (c onDevice) Device() Device { return c.dev }
+
+var errInjected = errors.New("injected device failure")
+
+// failingDevice is the host device whose n-th call (allocations and
+// kernels, counted from arm on) fails with errInjected, before it does
+// anything. It notes which call was the optimizer pass: the step's commit
+// point.
+type failingDevice struct {
+	Device
+	armed                     bool
+	calls, failAt, optimizeAt int
+	used                      []Tensor // the operands of the armed calls that ran
+}
+
+func (d *failingDevice) hit(operands ...Tensor) error {
+	if !d.armed {
+		return nil
+	}
+	d.calls++
+	if d.calls == d.failAt {
+		return errInjected
+	}
+	d.used = append(d.used, operands...)
+	return nil
+}
+
+// uses reports whether x overlaps an operand of an armed call.
+func (d *failingDevice) uses(x Tensor) bool {
+	for _, u := range d.used {
+		if u.ptr < x.ptr+uintptr(x.Bytes()) && x.ptr < u.ptr+uintptr(u.Bytes()) {
+			return true
+		}
+	}
+	return false
+}
+
+func (d *failingDevice) NewStream() (Stream, error) {
+	if err := d.hit(); err != nil {
+		return nil, err
+	}
+	return d.Device.NewStream()
+}
+
+func (d *failingDevice) Alloc(n int, dt DType) (Tensor, error) {
+	if err := d.hit(); err != nil {
+		return Tensor{}, err
+	}
+	return d.Device.Alloc(n, dt)
+}
+
+func (d *failingDevice) zero(s Stream, t Tensor) error {
+	if err := d.hit(t); err != nil {
+		return err
+	}
+	return d.Device.zero(s, t)
+}
+
+func (d *failingDevice) copy(s Stream, dst, src Tensor) error {
+	if err := d.hit(dst, src); err != nil {
+		return err
+	}
+	return d.Device.copy(s, dst, src)
+}
+
+func (d *failingDevice) flatten(s Stream, dst Tensor, segs []Segment, scale float32) error {
+	if err := d.hit(dst); err != nil {
+		return err
+	}
+	return d.Device.flatten(s, dst, segs, scale)
+}
+
+func (d *failingDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool, scale float32, flag Tensor) error {
+	if err := d.hit(acc); err != nil {
+		return err
+	}
+	return d.Device.accumulate(s, acc, segs, first, scale, flag)
+}
+
+func (d *failingDevice) cast(s Stream, dst, src Tensor, scale float32) error {
+	if err := d.hit(dst, src); err != nil {
+		return err
+	}
+	return d.Device.cast(s, dst, src, scale)
+}
+
+func (d *failingDevice) copyScaled(s Stream, dst, src Tensor, scale float32) error {
+	if err := d.hit(dst, src); err != nil {
+		return err
+	}
+	return d.Device.copyScaled(s, dst, src, scale)
+}
+
+func (d *failingDevice) sumSquares(s Stream, x Tensor, out *float64) error {
+	if err := d.hit(x); err != nil {
+		return err
+	}
+	return d.Device.sumSquares(s, x, out)
+}
+
+func (d *failingDevice) optimize(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32) error {
+	if err := d.hit(b.p, b.g, b.m, b.v, b.vmax, b.out); err != nil {
+		return err
+	}
+	if d.armed {
+		d.optimizeAt = d.calls
+	}
+	return d.Device.optimize(s, kind, b, ranges, gscale)
+}
+
+func (d *failingDevice) unflatten(s Stream, flat Tensor, segs []Segment) error {
+	if err := d.hit(flat); err != nil {
+		return err
+	}
+	return d.Device.unflatten(s, flat, segs)
+}
+
+// fakeStream is a stream that belongs to no device: engines and
+// collectives refuse it with ErrStream.
+type fakeStream struct{ Stream }

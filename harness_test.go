@@ -1,0 +1,1429 @@
+package zero
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand"
+	randv2 "math/rand/v2"
+	"os"
+	"runtime"
+	"slices"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+	"unsafe"
+)
+
+// The tests' shared harness: seeds; running ranks (eachRank, onEngines, and
+// runEngine and rankLoop over a runSpec and its workload); the small
+// builders and checks that several test files use; stream gates; test
+// buffers and the ISA levels of the host kernels; a small model with the
+// state a step changes; the training runs; and the body of the offload
+// benchmarks. harness_cuda_test.go holds the part that names the CUDA
+// device. A helper that only one test file uses stays in that file.
+
+// ---- seeds -------------------------------------------------------------------
+
+// testSeed gives fresh data every run; the seed is logged, and
+// ZERO_TEST_SEED=n replays a run (as testRNG does for the kernel tests).
+func testSeed(t testing.TB) int64 {
+	t.Helper()
+	return int64(seedFromEnv(t))
+}
+
+// seedFromEnv returns ZERO_TEST_SEED, or a fresh seed, and logs how to
+// replay it.
+func seedFromEnv(t testing.TB) uint64 {
+	t.Helper()
+	seed := uint64(time.Now().UnixNano()) &^ (1 << 63) // fits an int64 too
+	if s := os.Getenv("ZERO_TEST_SEED"); s != "" {
+		v, err := strconv.ParseUint(s, 10, 64)
+		if err != nil {
+			t.Fatalf("ZERO_TEST_SEED=%q: %v", s, err)
+		}
+		seed = v
+	}
+	t.Logf("seed %d (rerun with ZERO_TEST_SEED=%d)", seed, seed)
+	return seed
+}
+
+// testRNG is the math/rand/v2 source of the kernel tests, seeded as
+// testSeed is: fresh data every run, the seed logged, ZERO_TEST_SEED=n to
+// replay.
+func testRNG(t testing.TB) *randv2.Rand {
+	t.Helper()
+	seed := seedFromEnv(t)
+	return randv2.New(randv2.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+}
+
+// ---- running ranks -----------------------------------------------------------
+
+// eachRank runs fn for ranks 0..n−1, each on a goroutine of its own, and
+// returns their errors.
+func eachRank(n int, fn func(rank int) error) []error {
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for rank := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[rank] = fn(rank)
+		}()
+	}
+	wg.Wait()
+	return errs
+}
+
+// onEngines builds an engine per rank of a fresh in-process group, runs fn
+// on each rank's goroutine with a host stream, and returns the errors.
+func onEngines(world int, timeout time.Duration, cfg Config, params []Param, fn func(e *Engine, s *HostStream) error) []error {
+	comms, err := NewLocalGroupTimeout(world, timeout)
+	if err != nil {
+		return []error{err}
+	}
+	return eachRank(world, func(rank int) error {
+		e, err := New(cfg, comms[rank], params)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		s := NewHostStream()
+		defer s.Close()
+		return fn(e, s)
+	})
+}
+
+// testParams is a small model: sizes chosen so tiny buckets split it into
+// many buckets, some parameters larger than a bucket, and one empty.
+func testParams(d DType) []Param {
+	sizes := []int{300, 7, 1000, 0, 129, 64, 513, 1}
+	ps := make([]Param, len(sizes))
+	for i, n := range sizes {
+		ps[i] = Param{Name: fmt.Sprintf("p%d", i), Count: n, DType: d}
+	}
+	return ps
+}
+
+type runSpec struct {
+	stage     int
+	world     int
+	dtype     DType
+	comm      DType
+	overlap   bool
+	bucket    int
+	backwards int
+	predivide float64
+	accum     int // GradAccumSteps; 0 = count the backwards
+	reduction Reduction
+	steps     int
+	streams   int
+	shuffle   bool
+	boundary  bool // SetBoundary(true) before the last backward of a step
+	boundAll  bool // SetBoundary(true) before every backward
+	batch     bool // hand gradients over in random batches (GradsReady)
+	// window is "coalesce" (every backward of a step in a window) or
+	// "nosync" (all but the last backward in NoSync); windowEvery puts
+	// the window in every step, otherwise in the even steps only.
+	window      string
+	windowEvery bool
+	budget      int   // Config.CoalesceBudgetBytes
+	windowDType DType // Config.WindowDType
+	offload     bool  // Config.Offload
+	// poison writes junk into every view of the shard after each step's
+	// reads: the next window's first reductions must copy over it.
+	poison bool
+}
+
+func (r runSpec) String() string {
+	return fmt.Sprintf("z%d/w%d/%v/ov=%v/b%d/n%d/f%g", r.stage, r.world, r.dtype, r.overlap, r.bucket, r.backwards, r.predivide)
+}
+
+// grad is one rank's gradient of one parameter in one backward, in the
+// model dtype, with the exact float64 value of every element.
+type grad struct {
+	t   Tensor
+	ref []float64
+}
+
+func makeGrad(rng *rand.Rand, n int, d DType, scale float64) grad {
+	g := grad{ref: make([]float64, n)}
+	switch d {
+	case FP32:
+		x := make([]float32, n)
+		for i := range x {
+			x[i] = float32(rng.NormFloat64() * scale)
+			g.ref[i] = float64(x[i])
+		}
+		g.t = Float32s(x)
+	default:
+		x := make([]uint16, n)
+		for i := range x {
+			f := float32(rng.NormFloat64() * scale)
+			if d == BF16 {
+				x[i] = bf16FromFloat(f)
+				g.ref[i] = float64(floatFromBF16(x[i]))
+			} else {
+				x[i] = fp16FromFloat(f)
+				g.ref[i] = float64(floatFromFP16(x[i]))
+			}
+		}
+		g.t = Halfs(x, d)
+	}
+	return g
+}
+
+// workload holds data[step][backward][rank][param].
+type workload [][][][]grad
+
+func makeWorkload(rng *rand.Rand, r runSpec, params []Param) workload {
+	w := make(workload, r.steps)
+	for s := range w {
+		w[s] = make([][][]grad, r.backwards)
+		for k := range w[s] {
+			w[s][k] = make([][]grad, r.world)
+			for rank := range w[s][k] {
+				w[s][k][rank] = make([]grad, len(params))
+				for p, q := range params {
+					w[s][k][rank][p] = makeGrad(rng, q.Count, q.DType, 0.5+rng.Float64())
+				}
+			}
+		}
+	}
+	return w
+}
+
+// rankResult is what one rank read back after each step.
+type rankResult struct {
+	shard [][]float32   // per step
+	full  [][][]float32 // per step, per param
+	stats []Stats
+	plan  *Plan
+}
+
+// runEngine runs the backward protocol on every rank of an in-process group.
+func runEngine(t testing.TB, r runSpec, params []Param, data workload, seed int64) []rankResult {
+	t.Helper()
+	comms, err := NewLocalGroupTimeout(r.world, 20*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return runRanks(t, r, func(cfg Config, rank int, out *rankResult) error {
+		return runRank(cfg, comms[rank], r, params, data, seed, out)
+	})
+}
+
+// runRanks runs run on every rank with r's config and fails t on an error.
+func runRanks(t testing.TB, r runSpec, run func(cfg Config, rank int, out *rankResult) error) []rankResult {
+	t.Helper()
+	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Precision: PrecisionPolicy{CommDType: r.comm}, Grads: GradPolicy{PredivideFactor: r.predivide, AccumSteps: r.accum, Reduction: r.reduction}, Window: WindowPolicy{BudgetBytes: r.budget, DType: r.windowDType}, Offload: OffloadPolicy{Optimizer: r.offload}}
+	results := make([]rankResult, r.world)
+	for rank, err := range eachRank(r.world, func(rank int) error { return run(cfg, rank, &results[rank]) }) {
+		if err != nil {
+			t.Fatalf("%v: rank %d: %v", r, rank, err)
+		}
+	}
+	return results
+}
+
+func runRank(cfg Config, comm Comm, r runSpec, params []Param, data workload, seed int64, out *rankResult) error {
+	defer comm.Close()
+	grad := func(step, k, p int) Tensor { return data[step][k][comm.Rank()][p].t }
+	return rankLoop(cfg, comm, CPU(), r, params, grad, seed, out)
+}
+
+// rankLoop runs r's steps of the backward protocol on one rank with
+// r.streams producer streams of dev: grad gives the gradient of (step,
+// backward, param), handed over from the streams in turn, and out collects
+// what the rank reads back.
+func rankLoop(cfg Config, comm Comm, dev Device, r runSpec, params []Param, grad func(step, k, p int) Tensor, seed int64, out *rankResult) error {
+	e, err := New(cfg, comm, params)
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	streams := make([]Stream, max(r.streams, 1))
+	for i := range streams {
+		if streams[i], err = dev.NewStream(); err != nil {
+			return err
+		}
+		defer streams[i].Close()
+	}
+	nparams := len(params)
+	out.plan = e.Plan()
+	rng := rand.New(rand.NewSource(seed + int64(e.Rank())))
+	order := make([]int, nparams)
+	for step := range r.steps {
+		window := r.window != "" && (r.windowEvery || step%2 == 0)
+		if window && r.window == "coalesce" {
+			if err := e.BeginCoalesce(); err != nil {
+				return err
+			}
+		}
+		if window && r.window == "nosync" && r.backwards > 1 {
+			if err := e.BeginNoSync(); err != nil {
+				return err
+			}
+		}
+		for k := range r.backwards {
+			if window && r.window == "nosync" && r.backwards > 1 && k == r.backwards-1 {
+				if err := e.EndNoSync(); err != nil {
+					return err
+				}
+			}
+			for i := range order {
+				order[i] = nparams - 1 - i
+			}
+			if r.shuffle {
+				rng.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+			}
+			if r.boundAll || r.boundary && k == r.backwards-1 {
+				e.SetBoundary(true)
+			}
+			for i := 0; i < len(order); {
+				n := 1
+				if r.batch {
+					n = 1 + rng.Intn(len(order)-i)
+				}
+				batch := order[i : i+n]
+				gs := make([]Tensor, n)
+				for j, p := range batch {
+					gs[j] = grad(step, k, p)
+				}
+				if _, err := e.GradsReady(batch, gs, streams[i%len(streams)]); err != nil {
+					return err
+				}
+				i += n
+			}
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+		}
+		if window && r.window == "coalesce" {
+			if err := e.EndCoalesce(); err != nil {
+				return err
+			}
+		}
+		if err := e.Step(); err != nil {
+			return err
+		}
+		shard, err := e.GradShard()
+		if err != nil {
+			return err
+		}
+		full, err := e.FullGrads()
+		if err != nil {
+			return err
+		}
+		out.shard = append(out.shard, shard)
+		out.full = append(out.full, full)
+		out.stats = append(out.stats, e.Stats())
+		if r.poison {
+			for p := range params {
+				v, err := e.GradView(p)
+				if err != nil {
+					return err
+				}
+				junk := make([]float32, v.Count)
+				for i := range junk {
+					junk[i] = 1e30
+				}
+				if err := v.Write(junk); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// producerRule fills one ZeRO-2 bucket on 2 ranks, reporting each gradient
+// through report, which writes it on stream s, one stream per gradient, and
+// hands it to the engine. One middle reporter is held back (hold): after
+// EndBackward the harness calls the release report returned for it. Waiting
+// on every producer, the mean must be right; with the wait narrowed to the
+// last producer, the test must see a wrong sum.
+func producerRule(t *testing.T, params []Param, group func(int) ([]Comm, error), dev Device, report func(e *Engine, p int, grad Tensor, s Stream, hold bool) (release func(), err error)) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	r := runSpec{stage: 2, world: 2, dtype: FP32, backwards: 1, steps: 1}
+	data := makeWorkload(rng, r, params)
+	held := len(params) - 2 - rng.Intn(len(params)-2) // reported neither first nor last
+	t.Logf("holding the stream of parameter %d", held)
+	run := func(narrow bool) error {
+		waitOnlyLastProducer = narrow
+		defer func() { waitOnlyLastProducer = false }()
+		comms, err := group(2)
+		if err != nil {
+			return err
+		}
+		res := make([][][]float32, 2)
+		errs := eachRank(2, func(rank int) error {
+			defer comms[rank].Close()
+			e, err := New(Config{Stage: 2, BucketBytes: 64 << 20, Overlap: true}, comms[rank], params)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			var release func()
+			for p := len(params) - 1; p >= 0; p-- {
+				s, err := dev.NewStream()
+				if err != nil {
+					return err
+				}
+				defer s.Close()
+				rel, err := report(e, p, data[0][0][rank][p].t, s, p == held)
+				if err != nil {
+					return err
+				}
+				if p == held {
+					release = rel
+				}
+			}
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+			if release != nil {
+				release()
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			res[rank], err = e.FullGrads()
+			return err
+		})
+		for _, err := range errs {
+			if err != nil {
+				return err
+			}
+		}
+		for p := range params {
+			for i, got := range res[0][p] {
+				want := (data[0][0][0][p].ref[i] + data[0][0][1][p].ref[i]) / 2
+				if math.Abs(float64(got)-want) > 1e-6*(1+math.Abs(want)) {
+					return fmt.Errorf("param %d[%d] = %g, want %g", p, i, got, want)
+				}
+			}
+		}
+		return nil
+	}
+	if err := run(false); err != nil {
+		t.Fatalf("waiting on every producer stream: %v", err)
+	}
+	if err := run(true); err == nil {
+		t.Fatal("with the wait narrowed to the last producer stream the sum was still right: the test cannot see the bug")
+	} else {
+		t.Logf("narrowed wait, as expected: %v", err)
+	}
+}
+
+// ---- small builders and checks ----------------------------------------------
+
+// backward reports every parameter of params from s and ends the backward.
+func backward(e *Engine, s Stream, grads []Tensor) error {
+	for p := len(grads) - 1; p >= 0; p-- {
+		if _, err := e.GradReady(p, grads[p], s); err != nil {
+			return err
+		}
+	}
+	return e.EndBackward()
+}
+
+// constGrads is one gradient per parameter, every element v.
+func constGrads(params []Param, v float32) []Tensor {
+	out := make([]Tensor, len(params))
+	for p, q := range params {
+		x := make([]float32, q.Count)
+		for i := range x {
+			x[i] = v
+		}
+		out[p] = Float32s(x)
+	}
+	return out
+}
+
+// wantAll checks that every element of every parameter's full gradient is want.
+func wantAll(full [][]float32, want float32) error {
+	for p, g := range full {
+		for i, v := range g {
+			if v != want {
+				return fmt.Errorf("param %d[%d] = %g, want %g", p, i, v, want)
+			}
+		}
+	}
+	return nil
+}
+
+func everyRankIs(t *testing.T, what string, errs []error, want error) {
+	t.Helper()
+	for r, err := range errs {
+		if !errors.Is(err, want) {
+			t.Errorf("%s: rank %d: %v, want %v", what, r, err, want)
+		}
+	}
+}
+
+// with is v changed by edit: an optimizer made by its constructor with
+// some fields set, in one expression.
+func with[T any](v T, edit func(*T)) T {
+	edit(&v)
+	return v
+}
+
+// closeTo fails t unless got is within rel·|want| + abs of want.
+func closeTo(t *testing.T, what string, got, want, rel, abs float64) {
+	t.Helper()
+	if d := math.Abs(got - want); !(d <= rel*math.Abs(want)+abs) {
+		t.Fatalf("%s = %.9g, want %.9g (|diff| %.3g > %.3g)", what, got, want, d, rel*math.Abs(want)+abs)
+	}
+}
+
+// sameShards reports the first step, rank and element where two runs'
+// shards differ in their bits.
+func sameShards(a, b []rankResult) error {
+	for rank := range a {
+		for st := range a[rank].shard {
+			for i, x := range a[rank].shard[st] {
+				if y := b[rank].shard[st][i]; math.Float32bits(x) != math.Float32bits(y) {
+					return fmt.Errorf("rank %d step %d: shard[%d] = %x, want %x", rank, st, i, math.Float32bits(y), math.Float32bits(x))
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// ---- stream gates ------------------------------------------------------------
+
+// settle waits until none of the streams can move on by itself: each is
+// idle or blocked on an event that has not fired. A test that holds one
+// stream with a gate calls it before opening the gate, so whatever the
+// others would run without waiting for the gated work has run by then.
+func settle(t testing.TB, streams ...Stream) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for _, s := range streams {
+		hs := s.(*HostStream)
+		for !hs.settled() {
+			if time.Now().After(deadline) {
+				t.Fatal("a stream did not settle within 20 s")
+			}
+			time.Sleep(50 * time.Microsecond)
+		}
+	}
+}
+
+// settleBehind waits until s has run everything it can before gated opens:
+// until it is idle, or waits on an event of gated. (Blocked on any other
+// stream's event it may still have work to run: that stream will fire.)
+func settleBehind(t testing.TB, s, gated *HostStream) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		if w := s.blockedOn.Load(); w != nil && w.s == gated && w.s.done.Load() < w.seq {
+			return
+		}
+		s.mu.Lock()
+		idle := len(s.queue) == 0 && s.idle
+		s.mu.Unlock()
+		if idle {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a stream did not settle within 20 s")
+		}
+		time.Sleep(50 * time.Microsecond)
+	}
+}
+
+// gateStream returns a host stream held by a task that runs when open is called.
+func gateStream() (s *HostStream, open func()) {
+	s = NewHostStream()
+	gate := make(chan struct{})
+	s.Launch(func() error { <-gate; return nil })
+	var once sync.Once
+	return s, func() { once.Do(func() { close(gate) }) }
+}
+
+// waitedOn reports whether a Sync waits on s's work now.
+func (s *HostStream) waitedOn() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.syncers > 0
+}
+
+// ---- test buffers ------------------------------------------------------------
+
+// tbuf is a host buffer of one dtype, allocated on the Go heap (the kernels
+// take raw addresses, so it must not live on a goroutine stack, which moves).
+type tbuf struct {
+	dt DType
+	f  []float32
+	h  []uint16
+}
+
+//go:noinline
+func newTBuf(dt DType, n int) *tbuf {
+	b := &tbuf{dt: dt}
+	if dt == FP32 {
+		b.f = make([]float32, n+1) // +1: a valid address even when n == 0
+		b.f = b.f[:n]
+	} else {
+		b.h = make([]uint16, n+1)
+		b.h = b.h[:n]
+	}
+	return b
+}
+
+// t views the buffer as a tensor.
+func (b *tbuf) t() Tensor {
+	if b.dt == FP32 {
+		return Float32s(b.f)
+	}
+	return Halfs(b.h, b.dt)
+}
+
+func (b *tbuf) len() int {
+	if b.dt == FP32 {
+		return len(b.f)
+	}
+	return len(b.h)
+}
+
+func (b *tbuf) ptr() uintptr {
+	if b.dt == FP32 {
+		return uintptr(unsafe.Pointer(unsafe.SliceData(b.f)))
+	}
+	return uintptr(unsafe.Pointer(unsafe.SliceData(b.h)))
+}
+
+func (b *tbuf) bits(i int) uint32 {
+	if b.dt == FP32 {
+		return math.Float32bits(b.f[i])
+	}
+	return uint32(b.h[i])
+}
+
+func (b *tbuf) setBits(i int, u uint32) {
+	if b.dt == FP32 {
+		b.f[i] = math.Float32frombits(u)
+	} else {
+		b.h[i] = uint16(u)
+	}
+}
+
+func (b *tbuf) val(i int) float32 { return refDecode(b.dt, b.bits(i)) }
+
+func (b *tbuf) set(i int, v float32) { b.setBits(i, refEncode(b.dt, v)) }
+
+func (b *tbuf) clone() *tbuf {
+	c := newTBuf(b.dt, b.len())
+	copy(c.f, b.f)
+	copy(c.h, b.h)
+	return c
+}
+
+var allDTypes = []DType{FP32, BF16, FP16}
+
+// unsafeHalfs copies out the elements of a 16-bit tensor in host memory
+// (a view of the engine's own buffers, say), little-endian.
+func unsafeHalfs(t Tensor) []uint16 {
+	b := t.hostBytes()
+	out := make([]uint16, t.count)
+	for i := range out {
+		out[i] = uint16(b[2*i]) | uint16(b[2*i+1])<<8
+	}
+	return out
+}
+
+// ---- ISA levels of the host kernels ------------------------------------------
+
+// forEachLevel runs fn as a subtest at every ISA level of the host kernels
+// that this machine supports (kernels.c compiles the hot loops for x86-64-v2,
+// AVX2 and AVX-512), then restores the default.
+//
+// The largest inputs run only at the default (best) level, where the
+// package runs; the other levels get smaller ones (fullSize reports which),
+// and TestKernelLevelsAgree compares every level with the baseline bit for
+// bit. This keeps `go test -race` of the package well under a minute.
+func forEachLevel(t *testing.T, fn func(t *testing.T)) {
+	best := setKernelLevel(-1)
+	defer func() { setKernelLevel(-1); atLevelBest = true }()
+	for l := 0; l <= best; l++ {
+		if got := setKernelLevel(l); got != l {
+			t.Fatalf("setKernelLevel(%d) = %d", l, got)
+		}
+		atLevelBest = l == best
+		t.Run(fmt.Sprintf("isa%d", l), fn)
+	}
+}
+
+// atLevelBest is false while forEachLevel runs a subtest below the best level.
+var atLevelBest = true
+
+// fullSize says whether a test should use its largest inputs (see forEachLevel).
+func fullSize() bool { return atLevelBest && !testing.Short() }
+
+// ---- a small model and the state a step changes ------------------------------
+
+// smallModel is a model of three parameters with memory, one of them never
+// reported when skip is set, and one frozen.
+func smallModel(dt DType, value float32) ([]Param, []*tbuf) {
+	sizes := []int{300, 7, 1000, 50}
+	ps := make([]Param, len(sizes))
+	bufs := make([]*tbuf, len(sizes))
+	for i, n := range sizes {
+		bufs[i] = newTBuf(dt, n)
+		for j := range n {
+			bufs[i].set(j, value+float32(j%7)/8)
+		}
+		ps[i] = Param{Name: fmt.Sprint("p", i), Count: n, DType: dt, Data: bufs[i].t()}
+	}
+	ps[3].Frozen = true
+	return ps, bufs
+}
+
+// engineState is everything a step may change, bit for bit.
+type engineState struct {
+	master, m, v, params []uint32
+	steps                []int
+	scale                float64
+}
+
+func snapshotState(e *Engine, params []*tbuf) engineState {
+	var st engineState
+	read := func(t Tensor) []uint32 {
+		if t.ptr == 0 {
+			return nil
+		}
+		out := make([]uint32, t.count)
+		for i, f := range t.hostFloats() {
+			out[i] = math.Float32bits(f)
+		}
+		return out
+	}
+	st.master, st.m, st.v = read(e.opt.master), read(e.opt.m), read(e.opt.v)
+	for _, p := range params {
+		for i := range p.len() {
+			st.params = append(st.params, p.bits(i))
+		}
+	}
+	st.steps = slices.Clone(e.opt.steps)
+	st.scale = e.opt.scaler.scale
+	return st
+}
+
+func (a engineState) equal(b engineState) bool {
+	return a.optimizerEqual(b) && slices.Equal(a.params, b.params)
+}
+
+// optimizerEqual compares the master, moments and step counts; a buffer
+// not made yet equals one of zeros (SGD's momentum is made by the first
+// step, and the step counts say it holds nothing yet).
+func (a engineState) optimizerEqual(b engineState) bool {
+	same := func(x, y []uint32) bool {
+		if x == nil || y == nil {
+			return !slices.ContainsFunc(x, func(u uint32) bool { return u != 0 }) &&
+				!slices.ContainsFunc(y, func(u uint32) bool { return u != 0 })
+		}
+		return slices.Equal(x, y)
+	}
+	return same(a.master, b.master) && same(a.m, b.m) && same(a.v, b.v) && slices.Equal(a.steps, b.steps)
+}
+
+// ---- training runs -----------------------------------------------------------
+
+// trainRun is one configuration of the equivalence test.
+type trainRun struct {
+	stage, world, backwards int
+	dtype                   DType
+	bucket                  int
+	overlap                 bool
+	offload                 bool
+}
+
+// trainEnv is where trainEngine runs: the group, the streams, and the
+// parameters' and gradients' memory (the host's here, a GPU's in
+// harness_cuda_test.go).
+type trainEnv struct {
+	group  func(world int) ([]Comm, error)
+	stream func() (Stream, error)
+	// place returns memory holding b's elements (written on s) and what
+	// frees it once the engine is done with it.
+	place func(s Stream, b *tbuf) (Tensor, func(), error)
+	// fetch brings x's elements into b, the buffer x was placed from.
+	fetch func(s Stream, x Tensor, b *tbuf) error
+}
+
+var hostTrain = trainEnv{
+	group:  func(world int) ([]Comm, error) { return NewLocalGroupTimeout(world, 20*time.Second) },
+	stream: func() (Stream, error) { return NewHostStream(), nil },
+	place:  func(_ Stream, b *tbuf) (Tensor, func(), error) { return b.t(), func() {}, nil },
+	fetch:  func(Stream, Tensor, *tbuf) error { return nil }, // b is x's memory
+}
+
+// trainEngine trains q on r.world in-process ranks and returns rank 0's
+// parameters (as float64) and losses after every step, and every rank's
+// final parameter bits.
+func trainEngine(t *testing.T, q *quadTask, r trainRun, opt AdamW) (params [][]float64, final [][]uint32) {
+	return trainEngineOn(t, hostTrain, q, r, opt)
+}
+
+func trainEngineOn(t *testing.T, env trainEnv, q *quadTask, r trainRun, opt AdamW) (params [][]float64, final [][]uint32) {
+	t.Helper()
+	steps := len(q.a)
+	comms, err := env.group(r.world)
+	if err != nil {
+		t.Fatal(err)
+	}
+	final = make([][]uint32, r.world)
+	params = make([][]float64, steps+1)
+	errs := eachRank(r.world, func(rank int) error {
+		defer comms[rank].Close()
+		s0, err := env.stream()
+		if err != nil {
+			return err
+		}
+		defer s0.Close()
+		s1, err := env.stream()
+		if err != nil {
+			return err
+		}
+		defer s1.Close()
+		data := make([]*tbuf, len(q.sizes))
+		mem := make([]Tensor, len(q.sizes))
+		ps := make([]Param, len(q.sizes))
+		off := 0
+		for p, n := range q.sizes {
+			data[p] = newTBuf(r.dtype, n)
+			for i := range n {
+				x := q.theta0[off+i]
+				if rank > 0 {
+					x = 100 // rank 0's values must win the broadcast
+				}
+				data[p].set(i, float32(x))
+			}
+			x, free, err := env.place(s0, data[p])
+			if err != nil {
+				return err
+			}
+			defer free()
+			mem[p] = x
+			ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: r.dtype, Data: x}
+			off += n
+		}
+		if err := s0.Sync(); err != nil {
+			return err
+		}
+		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Optimizer: OptimizerPolicy{Groups: []Optimizer{opt}}, Offload: OffloadPolicy{Optimizer: r.offload}}
+		e, err := New(cfg, comms[rank], ps)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		read := func() []float64 {
+			var out []float64
+			for p, b := range data {
+				if err := env.fetch(s0, mem[p], b); err != nil {
+					t.Error(err)
+				}
+				for i := range b.len() {
+					out = append(out, float64(b.val(i)))
+				}
+			}
+			return out
+		}
+		if rank == 0 {
+			params[0] = read()
+		}
+		var frees []func()
+		for st := range steps {
+			for k := range r.backwards {
+				sample := k*r.world + rank
+				theta := read()
+				off := len(theta)
+				for p := len(q.sizes) - 1; p >= 0; p-- { // backward order, two streams
+					off -= q.sizes[p]
+					g := newTBuf(r.dtype, q.sizes[p])
+					for i := range q.sizes[p] {
+						j := off + i
+						d := float32(theta[j]) - float32(q.t[st][sample][j])
+						g.set(i, float32(q.a[st][sample][j])*d)
+					}
+					s := []Stream{s0, s1}[p%2]
+					x, free, err := env.place(s, g)
+					if err != nil {
+						return err
+					}
+					frees = append(frees, free)
+					if _, err := e.GradReady(p, x, s); err != nil {
+						return err
+					}
+				}
+				if err := e.EndBackward(); err != nil {
+					return err
+				}
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			for _, free := range frees { // Step has waited for the reductions
+				free()
+			}
+			frees = frees[:0]
+			if st := e.Stats(); st.Skipped {
+				return fmt.Errorf("step skipped: norm %g", st.GradNorm)
+			}
+			if rank == 0 {
+				params[st+1] = read()
+			}
+		}
+		for p, b := range data {
+			if err := env.fetch(s0, mem[p], b); err != nil {
+				return err
+			}
+			for i := range b.len() {
+				final[rank] = append(final[rank], b.bits(i))
+			}
+		}
+		return nil
+	})
+	for rank, err := range errs {
+		if err != nil {
+			t.Fatalf("%+v rank %d: %v", r, rank, err)
+		}
+	}
+	return params, final
+}
+
+// trainsAsCPU trains q with opt as cpu says on the host and as gpu says in
+// env, and fails t unless every step's parameters have the same bits.
+func trainsAsCPU(t *testing.T, env trainEnv, q *quadTask, opt AdamW, cpu, gpu trainRun) {
+	t.Helper()
+	cpuParams, cpuFinal := trainEngine(t, q, cpu, opt)
+	gpuParams, gpuFinal := trainEngineOn(t, env, q, gpu, opt)
+	for st := range cpuParams {
+		for i, want := range cpuParams[st] {
+			if got := gpuParams[st][i]; math.Float64bits(got) != math.Float64bits(want) {
+				t.Fatalf("%+v step %d: element %d = %v on the GPU, %v on the CPU (%+v)", gpu, st, i, got, want, cpu)
+			}
+		}
+	}
+	for rank := range cpuFinal {
+		if !slices.Equal(gpuFinal[rank], cpuFinal[rank]) {
+			t.Fatalf("%+v: rank %d's final parameters differ from the CPU path's (%+v)", gpu, rank, cpu)
+		}
+	}
+}
+
+// z3Run is one configuration of the stage-3 trainer.
+type z3Run struct {
+	stage, world int
+	dtype        DType
+	bucket       int
+	prefetch     int  // Config.PrefetchBytes
+	live         int  // Config.LiveParamBytes
+	sharded      bool // build with Param.Init instead of Data
+	steps        int
+	backwards    int  // per step (0: 1)
+	window       bool // the step's backwards in a coalesced window
+	overlap      bool
+	clip         float64
+	lossScale    LossScale
+	offload      bool
+	// order gives the layers' forward order in a step (nil: 0, 1, 2, …)
+	order func(step int) []int
+	// check, if set, sees the parameter memory after every Gather and
+	// Release on rank 0.
+	check func(e *Engine, what string) error
+}
+
+// z3Result is what a run leaves: every rank's final parameters (bits, read
+// through Gather at stage 3 and from their memory below it) and rank 0's
+// stats after each step.
+type z3Result struct {
+	final [][]uint32
+	stats []Stats
+}
+
+// trainZ3 trains q with AdamW as TestTrainingEquivalence does, reading the
+// parameters layer by layer: at stage 3 each layer is gathered for its
+// forward and released after it, and gathered again in backward (in reverse)
+// while its gradient is computed; below stage 3 they are read from their
+// memory.
+func trainZ3(t *testing.T, q *quadTask, r z3Run) z3Result {
+	t.Helper()
+	comms, _ := NewLocalGroupTimeout(r.world, 20*time.Second)
+	res := z3Result{final: make([][]uint32, r.world)}
+	errs := eachRank(r.world, func(rank int) error {
+		defer comms[rank].Close()
+		n := len(q.sizes)
+		data := make([]*tbuf, n)
+		ps := make([]Param, n)
+		offs := make([]int, n)
+		off := 0
+		for p, size := range q.sizes {
+			offs[p] = off
+			ps[p] = Param{Name: fmt.Sprint("w", p), Count: size, DType: r.dtype}
+			if r.sharded {
+				base := off
+				ps[p].Init = func(dst []float32, at int) error {
+					for i := range dst {
+						dst[i] = float32(q.theta0[base+at+i])
+					}
+					return nil
+				}
+			} else {
+				data[p] = newTBuf(r.dtype, size)
+				for i := range size {
+					x := q.theta0[off+i]
+					if rank > 0 {
+						x = 100 // rank 0's values must win the broadcast
+					}
+					data[p].set(i, float32(x))
+				}
+				ps[p].Data = data[p].t()
+			}
+			off += size
+		}
+		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Precision: PrecisionPolicy{LossScale: r.lossScale}, Optimizer: OptimizerPolicy{Groups: []Optimizer{with(NewAdamW(0.01), func(o *AdamW) { o.WeightDecay = 0.01 })}, Clip: r.clip}, Params: ParamPolicy{PrefetchBytes: r.prefetch, LiveParamBytes: r.live}, Offload: OffloadPolicy{Optimizer: r.offload}}
+		e, err := New(cfg, comms[rank], ps)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		if r.stage == 3 && !r.sharded {
+			for _, b := range data { // the framework may free them: the engine must not read them again
+				for i := range b.len() {
+					b.set(i, float32(math.NaN()))
+				}
+			}
+		}
+		s := NewHostStream()
+		defer s.Close()
+		check := func(what string) error {
+			if rank == 0 && r.check != nil {
+				return r.check(e, what)
+			}
+			return nil
+		}
+		// read returns layer p's values as the forward sees them.
+		read := func(p int) ([]float64, error) {
+			out := make([]float64, q.sizes[p])
+			if r.stage < 3 {
+				for i := range out {
+					out[i] = float64(data[p].val(i))
+				}
+				return out, nil
+			}
+			views, err := e.Gather(s, p)
+			if err != nil {
+				return nil, err
+			}
+			if err := check(fmt.Sprintf("gather %d", p)); err != nil {
+				return nil, err
+			}
+			if err := s.Sync(); err != nil { // the host reads the view now
+				return nil, err
+			}
+			v := &tbuf{dt: r.dtype}
+			if r.dtype == FP32 {
+				v.f = views[0].hostFloats()
+			} else {
+				v.h = unsafeHalfs(views[0])
+			}
+			for i := range out {
+				out[i] = float64(v.val(i))
+			}
+			if err := e.Release(s, p); err != nil {
+				return nil, err
+			}
+			return out, check(fmt.Sprintf("release %d", p))
+		}
+		for st := range r.steps {
+			order := make([]int, n)
+			for i := range order {
+				order[i] = i
+			}
+			if r.order != nil {
+				order = r.order(st)
+			}
+			if r.window {
+				if err := e.BeginCoalesce(); err != nil {
+					return err
+				}
+			}
+			scale := float32(e.LossScale())
+			for b := range max(r.backwards, 1) {
+				for p := range order { // forward
+					if _, err := read(order[p]); err != nil {
+						return err
+					}
+				}
+				sample := b*r.world + rank
+				for k := len(order) - 1; k >= 0; k-- { // backward
+					p := order[k]
+					theta, err := read(p)
+					if err != nil {
+						return err
+					}
+					g := newTBuf(r.dtype, q.sizes[p])
+					for i := range q.sizes[p] {
+						j := offs[p] + i
+						d := float32(theta[i]) - float32(q.t[st][sample][j])
+						g.set(i, float32(q.a[st][sample][j])*d*scale)
+					}
+					if _, err := e.GradReady(p, g.t(), s); err != nil {
+						return err
+					}
+				}
+				if err := e.EndBackward(); err != nil {
+					return err
+				}
+			}
+			if r.window {
+				if err := e.EndCoalesce(); err != nil {
+					return err
+				}
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			if rank == 0 {
+				res.stats = append(res.stats, e.Stats())
+			}
+		}
+		for p := range n {
+			theta, err := read(p)
+			if err != nil {
+				return err
+			}
+			for _, x := range theta {
+				res.final[rank] = append(res.final[rank], refEncodeBits(r.dtype, float32(x)))
+			}
+		}
+		return nil
+	})
+	for rank, err := range errs {
+		if err != nil {
+			t.Fatalf("%+v rank %d: %v", r, rank, err)
+		}
+	}
+	return res
+}
+
+// optCase is a training run of a few fp32 or 16-bit parameters on 2
+// ranks: grad gives the true (unscaled) gradient of element j of parameter
+// p in backward k of step st on rank; the run hands it over times the
+// engine's loss scale, as a trainer that scaled its loss would. before runs
+// on every rank before each step's backwards (SetGroup, say).
+type optCase struct {
+	cfg       Config
+	sizes     []int
+	dt        DType
+	init      func(p, j int) float32
+	backwards int
+	steps     int
+	grad      func(st, k, rank, p, j int) float64
+	before    func(e *Engine, st int) error
+}
+
+// optTrace is what an optCase run left: the fp32 master of every element
+// after each step, put together from both ranks' shards, and each rank's
+// stats per step.
+type optTrace struct {
+	master [][][]float64 // [step][param][element]
+	stats  [2][]Stats
+}
+
+func runOpt(t *testing.T, c optCase) optTrace {
+	t.Helper()
+	tr := optTrace{master: make([][][]float64, c.steps)}
+	for st := range tr.master {
+		tr.master[st] = make([][]float64, len(c.sizes))
+		for p, n := range c.sizes {
+			tr.master[st][p] = make([]float64, n)
+		}
+	}
+	comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+	errs := eachRank(2, func(rank int) error {
+		ps := make([]Param, len(c.sizes))
+		for p, n := range c.sizes {
+			b := newTBuf(c.dt, n)
+			for j := range n {
+				b.set(j, c.init(p, j))
+			}
+			ps[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: c.dt, Data: b.t(), Group: min(p, len(c.cfg.Optimizer.Groups)-1)}
+		}
+		e, err := New(c.cfg, comms[rank], ps)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		s := NewHostStream()
+		defer s.Close()
+		for st := range c.steps {
+			if c.before != nil {
+				if err := c.before(e, st); err != nil {
+					return err
+				}
+			}
+			for k := range c.backwards {
+				scale := e.LossScale()
+				for p := len(ps) - 1; p >= 0; p-- {
+					g := newTBuf(c.dt, ps[p].Count)
+					for j := range g.len() {
+						g.set(j, float32(c.grad(st, k, rank, p, j)*scale))
+					}
+					if _, err := e.GradReady(p, g.t(), s); err != nil {
+						return err
+					}
+				}
+				if err := e.EndBackward(); err != nil {
+					return err
+				}
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			tr.stats[rank] = append(tr.stats[rank], e.Stats())
+			master := e.opt.master.hostFloats()
+			for p := range ps {
+				rg := e.plan.shardRange(p, rank)
+				for i := range rg.Count {
+					tr.master[st][p][rg.ParamOffset+i] = float64(master[rg.ShardOffset+i])
+				}
+			}
+		}
+		return nil
+	})
+	everyRankIs(t, "optimizer run", errs, nil)
+	return tr
+}
+
+// memoryRun trains one AdamW step of a model of layers × (hidden² weight +
+// hidden bias) in bf16 on world ranks and returns rank 0's stats and plan.
+func memoryRun(t testing.TB, stage, world, layers, hidden, bucket int) (Stats, *Plan) {
+	var params []Param
+	for l := range layers {
+		w, bias := newTBuf(BF16, hidden*hidden), newTBuf(BF16, hidden)
+		params = append(params, Param{Name: fmt.Sprint("w", l), Count: hidden * hidden, DType: BF16, Data: w.t()},
+			Param{Name: fmt.Sprint("b", l), Count: hidden, DType: BF16, Data: bias.t()})
+	}
+	comms, _ := NewLocalGroupTimeout(world, 20*time.Second)
+	var stats Stats
+	var plan *Plan
+	errs := eachRank(world, func(rank int) error {
+		defer comms[rank].Close()
+		e, err := New(Config{Stage: stage, BucketBytes: bucket, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}, comms[rank], params)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		s := NewHostStream()
+		defer s.Close()
+		for p := len(params) - 1; p >= 0; p-- {
+			g := newTBuf(BF16, params[p].Count)
+			for i := range g.len() {
+				g.set(i, 0.01)
+			}
+			if _, err := e.GradReady(p, g.t(), s); err != nil {
+				return err
+			}
+			if err := s.Sync(); err != nil { // g is reused by nobody, but keep it alive
+				return err
+			}
+		}
+		if err := e.EndBackward(); err != nil {
+			return err
+		}
+		if err := e.Step(); err != nil {
+			return err
+		}
+		if rank == 0 {
+			stats, plan = e.Stats(), e.Plan()
+		}
+		return nil
+	})
+	for _, err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	return stats, plan
+}
+
+// ---- the offload benchmarks ----------------------------------------------------
+
+// offloadBench is a model and a backward for benchOffloadStep: layers ×
+// (hidden² + hidden) bf16 parameters on world ranks of group; param makes a
+// parameter's memory, backward enqueues on s the compute that writes layer
+// gradient p's n elements and returns them; setup (optional) runs for every
+// rank and parameter before the ranks start.
+type offloadBench struct {
+	world, layers, hidden, backwards int
+	group                            func(n int) ([]Comm, error)
+	stream                           func() (Stream, error)
+	param                            func(n int) (Tensor, error)
+	backward                         func(s Stream, rank, k, p, n int) (Tensor, error)
+	setup                            func(rank, p, n int)
+}
+
+// benchOffloadStep times ZeRO-2 AdamW steps of m without and with offload
+// and reports the metrics that BenchmarkOffloadStep (bench_test.go) lists.
+func benchOffloadStep(b *testing.B, m offloadBench) {
+	var params []Param
+	for range m.layers {
+		params = append(params, Param{Count: m.hidden * m.hidden, DType: BF16}, Param{Count: m.hidden, DType: BF16})
+	}
+	for _, offload := range []bool{false, true} {
+		b.Run(fmt.Sprintf("offload=%v", offload), func(b *testing.B) {
+			comms, err := m.group(m.world)
+			if err != nil {
+				b.Fatal(err)
+			}
+			engines := make([]*Engine, m.world)
+			streams := make([]Stream, m.world)
+			cfgs := make([][]Param, m.world)
+			for r := range m.world {
+				cfgs[r] = append([]Param(nil), params...)
+				for p := range cfgs[r] {
+					if cfgs[r][p].Data, err = m.param(params[p].Count); err != nil {
+						b.Fatal(err)
+					}
+					if m.setup != nil {
+						m.setup(r, p, params[p].Count)
+					}
+				}
+			}
+			var wg sync.WaitGroup
+			for r := range m.world {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					var err error
+					// a layer (weight and bias) a bucket
+					engines[r], err = New(Config{Stage: 2, BucketBytes: (m.hidden*m.hidden + m.hidden) * 2, Overlap: true, Optimizer: OptimizerPolicy{Groups: []Optimizer{with(NewAdamW(1e-4), func(o *AdamW) { o.WeightDecay = 0.01 })}}, Offload: OffloadPolicy{Optimizer: offload}}, comms[r], cfgs[r])
+					if err == nil {
+						streams[r], err = m.stream()
+					}
+					if err != nil {
+						b.Error(err)
+					}
+				}()
+			}
+			wg.Wait()
+			defer func() {
+				for r := range m.world {
+					if engines[r] != nil {
+						engines[r].Close()
+					}
+					if streams[r] != nil {
+						streams[r].Close()
+					}
+					comms[r].Close()
+				}
+			}()
+			if b.Failed() {
+				return
+			}
+			step := func() {
+				for r := range m.world {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						e, s := engines[r], streams[r]
+						for k := range m.backwards {
+							for p := len(params) - 1; p >= 0; p-- {
+								g, err := m.backward(s, r, k, p, params[p].Count)
+								if err == nil {
+									_, err = e.GradReady(p, g, s)
+								}
+								if err != nil {
+									b.Error(err)
+									return
+								}
+							}
+							if err := e.EndBackward(); err != nil {
+								b.Error(err)
+								return
+							}
+						}
+						if err := e.Step(); err != nil {
+							b.Error(err)
+						}
+					}()
+				}
+				wg.Wait()
+			}
+			step() // the first step allocates the moments
+			var opt, gradCopy, exposed, paramCopy time.Duration
+			b.ResetTimer()
+			start := time.Now()
+			for range b.N {
+				step()
+				st := engines[0].Stats()
+				opt += st.OptimizerTime
+				gradCopy += st.GradCopyTime
+				exposed += st.GradCopyExposed
+				paramCopy += st.ParamCopyTime
+			}
+			elapsed := time.Since(start)
+			b.StopTimer()
+			if b.Failed() {
+				return
+			}
+			n := float64(b.N)
+			shard := engines[0].Plan().ShardElems
+			b.ReportMetric(elapsed.Seconds()*1e3/n, "step_ms")
+			b.ReportMetric(opt.Seconds()*1e3/n, "optimizer_ms")
+			b.ReportMetric(30*float64(shard)*n/opt.Seconds()/1e9, "adamw-GB/s")
+			if offload || engines[0].dev == CPU() {
+				b.ReportMetric(30*float64(shard)/yardOptSeconds(shard, m.world)/1e9, "yard-GB/s")
+			}
+			if offload {
+				st := engines[0].Stats()
+				b.ReportMetric(gradCopy.Seconds()*1e3/n, "grad_copy_ms")
+				b.ReportMetric(1-float64(exposed)/float64(gradCopy), "copy_hidden")
+				b.ReportMetric(paramCopy.Seconds()*1e3/n, "param_copy_ms")
+				b.ReportMetric(float64(st.HostBytes)/(1<<20), "host_MiB")
+				b.ReportMetric(float64(st.HostPinnedBytes)/float64(st.HostBytes), "pinned_share")
+				b.ReportMetric(float64(st.DeviceBytesSaved)/(1<<20), "saved_MiB")
+				b.ReportMetric(float64(len(engines[0].Plan().Buckets)), "buckets")
+			}
+		})
+	}
+}
+
+// yardOptSeconds times yardOptPass over fresh fp32 buffers of n elements
+// (p, g, m, v, staggered by 4 KiB + 64 B) and a bf16 out, on both cores,
+// for ranks ranks at once as the engines' passes run: the best of 3.
+func yardOptSeconds(n, ranks int) float64 {
+	const stagger = 1040
+	all := make([][]float32, ranks)
+	out := make([][]uint16, ranks)
+	for r := range ranks {
+		all[r], out[r] = make([]float32, 4*(n+stagger)), make([]uint16, n)
+	}
+	best := math.Inf(1)
+	for range 3 {
+		t0 := time.Now()
+		var wg sync.WaitGroup
+		for r := range ranks {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				at := func(k int) uintptr { return uintptr(unsafe.Pointer(&all[r][k*(n+stagger)])) }
+				parallelRange(n, func(lo, hi int) {
+					yardstick(yardOptPass, uintptr(unsafe.Pointer(&out[r][0])), at(0), at(1), at(2), at(3), lo, hi)
+				})
+			}()
+		}
+		wg.Wait()
+		best = min(best, time.Since(t0).Seconds())
+	}
+	runtime.KeepAlive(all)
+	runtime.KeepAlive(out)
+	return best
+}
