@@ -10,6 +10,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -172,9 +173,19 @@ func listenBootstrap(addr string) (net.Listener, error) {
 // ln. It returns when every rank got the payload, or ErrTimeout naming the
 // ranks that did not come before the deadline.
 func serveBootstrap(ln net.Listener, world int, payload []byte, timeout time.Duration) error {
+	conns, err := serveBootstrapKeep(ln, world, payload, timeout)
+	closeAll(conns)
+	return err
+}
+
+// serveBootstrapKeep is serveBootstrap that keeps the connection to every
+// rank it served open (index: the rank; nil for rank 0), for the abort
+// relay.
+func serveBootstrapKeep(ln net.Listener, world int, payload []byte, timeout time.Duration) ([]net.Conn, error) {
 	defer ln.Close()
 	deadline := time.Now().Add(timeout)
 	served := make([]bool, world)
+	conns := make([]net.Conn, world)
 	left := world - 1
 	if tl, ok := ln.(*net.TCPListener); ok {
 		_ = tl.SetDeadline(deadline)
@@ -184,26 +195,38 @@ func serveBootstrap(ln net.Listener, world int, payload []byte, timeout time.Dur
 		if err != nil {
 			var ne net.Error
 			if (errors.As(err, &ne) && ne.Timeout()) || time.Now().After(deadline) {
-				return errorf(ErrTimeout, "rank 0 waited %v for ranks %s to fetch the NCCL id from %s; start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE", timeout, missingRanks(served), ln.Addr())
+				closeAll(conns)
+				return nil, errorf(ErrTimeout, "rank 0 waited %v for ranks %s to fetch the NCCL id from %s; start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE", timeout, missingRanks(served), ln.Addr())
 			}
 			if errors.Is(err, net.ErrClosed) {
-				return errorf(ErrConfig, "rank 0: the bootstrap listener was closed: %v", err)
+				closeAll(conns)
+				return nil, errorf(ErrConfig, "rank 0: the bootstrap listener was closed: %v", err)
 			}
 			time.Sleep(10 * time.Millisecond) // a transient accept error (e.g. out of descriptors)
 			continue
 		}
 		rank, ok := serveOne(conn, world, payload, served, deadline)
-		if ok {
-			served[rank] = true
-			left--
+		if !ok {
+			conn.Close()
+			continue
+		}
+		_ = conn.SetDeadline(time.Time{})
+		served[rank], conns[rank] = true, conn
+		left--
+	}
+	return conns, nil
+}
+
+func closeAll(conns []net.Conn) {
+	for _, c := range conns {
+		if c != nil {
+			c.Close()
 		}
 	}
-	return nil
 }
 
 // serveOne answers one client; it reports the rank it served.
 func serveOne(conn net.Conn, world int, payload []byte, served []bool, deadline time.Time) (int, bool) {
-	defer conn.Close()
 	_ = conn.SetDeadline(minTime(deadline, time.Now().Add(10*time.Second)))
 	var hello [len(bootMagic) + 12]byte
 	if _, err := io.ReadFull(conn, hello[:]); err != nil || string(hello[:len(bootMagic)]) != bootMagic {
@@ -236,34 +259,50 @@ func serveOne(conn net.Conn, world int, payload []byte, served []bool, deadline 
 // fetchBootstrap gets rank 0's payload. It retries while rank 0 is not up
 // yet, until the timeout.
 func fetchBootstrap(addr string, rank, world int, timeout time.Duration) ([]byte, error) {
+	body, conn, err := fetchBootstrapKeep(addr, rank, world, timeout)
+	if conn != nil {
+		conn.Close()
+	}
+	return body, err
+}
+
+// fetchBootstrapKeep is fetchBootstrap that keeps the connection to rank 0
+// open, for the abort relay.
+func fetchBootstrapKeep(addr string, rank, world int, timeout time.Duration) ([]byte, net.Conn, error) {
 	deadline := time.Now().Add(timeout)
 	backoff := 20 * time.Millisecond
 	var last error
 	for {
-		body, retry, err := fetchOnce(addr, rank, world, deadline)
+		body, conn, retry, err := fetchOnce(addr, rank, world, deadline)
 		if err == nil {
-			return body, nil
+			_ = conn.SetDeadline(time.Time{})
+			return body, conn, nil
 		}
 		if !retry {
-			return nil, err
+			return nil, nil, err
 		}
 		last = err
 		if time.Now().Add(backoff).After(deadline) {
-			return nil, errorf(ErrTimeout, "rank %d could not fetch the NCCL id from rank 0 at %s within %v (last error: %v); check MASTER_ADDR/MASTER_PORT and that rank 0 is running", rank, addr, timeout, last)
+			return nil, nil, errorf(ErrTimeout, "rank %d could not fetch the NCCL id from rank 0 at %s within %v (last error: %v); check MASTER_ADDR/MASTER_PORT and that rank 0 is running", rank, addr, timeout, last)
 		}
 		time.Sleep(backoff)
 		backoff = min(2*backoff, time.Second)
 	}
 }
 
-// fetchOnce makes one attempt; retry says whether another may succeed.
-func fetchOnce(addr string, rank, world int, deadline time.Time) ([]byte, bool, error) {
+// fetchOnce makes one attempt; retry says whether another may succeed. On
+// success the connection stays open.
+func fetchOnce(addr string, rank, world int, deadline time.Time) (body []byte, conn net.Conn, retry bool, err error) {
 	d := net.Dialer{Deadline: minTime(deadline, time.Now().Add(5*time.Second))}
-	conn, err := d.Dial("tcp", addr)
-	if err != nil {
-		return nil, true, err
+	if conn, err = d.Dial("tcp", addr); err != nil {
+		return nil, nil, true, err
 	}
-	defer conn.Close()
+	defer func() {
+		if err != nil {
+			conn.Close()
+			conn = nil
+		}
+	}()
 	_ = conn.SetDeadline(minTime(deadline, time.Now().Add(10*time.Second)))
 	var hello bytes.Buffer
 	hello.WriteString(bootMagic)
@@ -271,24 +310,24 @@ func fetchOnce(addr string, rank, world int, deadline time.Time) ([]byte, bool, 
 		_ = binary.Write(&hello, binary.BigEndian, uint32(v))
 	}
 	if _, err := conn.Write(hello.Bytes()); err != nil {
-		return nil, true, err
+		return nil, conn, true, err
 	}
 	var head [5]byte
 	if _, err := io.ReadFull(conn, head[:]); err != nil {
-		return nil, true, err // rank 0 closed on us (busy, restarting): try again
+		return nil, conn, true, err // rank 0 closed on us (busy, restarting): try again
 	}
 	n := binary.BigEndian.Uint32(head[1:])
 	if n > maxBootBody {
-		return nil, false, errorf(ErrConfig, "rank %d: bootstrap reply of %d bytes from %s; is MASTER_PORT another service?", rank, n, addr)
+		return nil, conn, false, errorf(ErrConfig, "rank %d: bootstrap reply of %d bytes from %s; is MASTER_PORT another service?", rank, n, addr)
 	}
-	body := make([]byte, n)
+	body = make([]byte, n)
 	if _, err := io.ReadFull(conn, body); err != nil {
-		return nil, true, err
+		return nil, conn, true, err
 	}
 	if head[0] != bootOK {
-		return nil, false, errorf(ErrConfig, "rank %d: rank 0 at %s refused: %s", rank, addr, body)
+		return nil, conn, false, errorf(ErrConfig, "rank %d: rank 0 at %s refused: %s", rank, addr, body)
 	}
-	return body, false, nil
+	return body, conn, false, nil
 }
 
 func missingRanks(served []bool) string {
@@ -315,4 +354,109 @@ func minTime(a, b time.Time) time.Time {
 		return a
 	}
 	return b
+}
+
+// ---- the abort relay ------------------------------------------------------
+//
+// NCCL's ncclCommAbort frees only the rank that calls it; its peers would
+// wait in their collectives until their watchdogs time out. The bootstrap's
+// connections stay open after the id exchange, a star around rank 0, and
+// carry aborts: a rank that aborts sends
+//	magic[4] "ZABT" | rank u32 | length u32 | reason
+// to rank 0 (rank 0 to every rank), and rank 0 relays a rank's notice to
+// every other rank. A closed connection is not a notice: at the end of a
+// run ranks close in any order.
+
+const (
+	abortMagic     = "ZABT"
+	maxAbortReason = 1 << 12
+)
+
+// abortRelay is one rank's end of the star.
+type abortRelay struct {
+	rank   int
+	mu     sync.Mutex
+	conns  []net.Conn // rank 0: one per other rank (by rank); the others: rank 0's alone
+	sent   bool       // this rank has told the group already
+	onPeer func(from int, reason string)
+	wg     sync.WaitGroup
+}
+
+// newAbortRelay starts reading the connections; onPeer runs (once per
+// notice, on a reader's goroutine) when another rank aborts.
+func newAbortRelay(rank int, conns []net.Conn, onPeer func(from int, reason string)) *abortRelay {
+	r := &abortRelay{rank: rank, conns: conns, onPeer: onPeer}
+	for _, c := range conns {
+		if c != nil {
+			r.wg.Add(1)
+			go r.read(c)
+		}
+	}
+	return r
+}
+
+// abort tells every other rank that this one aborted, once.
+func (r *abortRelay) abort(reason string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.sent {
+		return
+	}
+	r.sent = true
+	r.sendLocked(r.rank, reason, -1)
+}
+
+// sendLocked writes a notice from rank from to every connection but the one
+// to rank skip.
+func (r *abortRelay) sendLocked(from int, reason string, skip int) {
+	if len(reason) > maxAbortReason {
+		reason = reason[:maxAbortReason]
+	}
+	msg := make([]byte, 0, 12+len(reason))
+	msg = append(msg, abortMagic...)
+	msg = binary.BigEndian.AppendUint32(msg, uint32(from))
+	msg = binary.BigEndian.AppendUint32(msg, uint32(len(reason)))
+	msg = append(msg, reason...)
+	for i, c := range r.conns {
+		if c != nil && !(r.rank == 0 && i == skip) {
+			_ = c.SetWriteDeadline(time.Now().Add(5 * time.Second))
+			_, _ = c.Write(msg) // a rank that is gone needs no notice
+		}
+	}
+}
+
+// read waits for notices on c until it closes.
+func (r *abortRelay) read(c net.Conn) {
+	defer r.wg.Done()
+	for {
+		var head [12]byte
+		if _, err := io.ReadFull(c, head[:]); err != nil || string(head[:4]) != abortMagic {
+			return
+		}
+		from := int(binary.BigEndian.Uint32(head[4:]))
+		n := binary.BigEndian.Uint32(head[8:])
+		if n > maxAbortReason {
+			return
+		}
+		reason := make([]byte, n)
+		if _, err := io.ReadFull(c, reason); err != nil {
+			return
+		}
+		r.mu.Lock()
+		relay := r.rank == 0 && !r.sent
+		if relay {
+			r.sent = true
+			r.sendLocked(from, string(reason), from)
+		}
+		r.mu.Unlock()
+		r.onPeer(from, string(reason))
+	}
+}
+
+// close closes the connections and waits for the readers.
+func (r *abortRelay) close() {
+	r.mu.Lock()
+	closeAll(r.conns)
+	r.mu.Unlock()
+	r.wg.Wait()
 }

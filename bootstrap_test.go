@@ -3,6 +3,7 @@ package zero
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math/rand"
 	"net"
 	"strings"
@@ -228,5 +229,82 @@ func TestNCCLConfigCheck(t *testing.T) {
 	c := NCCLConfig{World: 1}
 	if err := c.check(); err != nil || c.Timeout != DefaultTimeout || c.BootstrapTimeout <= 0 {
 		t.Fatalf("defaults: %+v, %v", c, err)
+	}
+}
+
+// fakeRelayComm stands for a rank's communicator on the abort relay: it
+// records the peer aborts it hears.
+type fakeRelayComm struct {
+	heard chan string
+}
+
+// TestAbortRelay: over the bootstrap's connections, kept open after the id
+// exchange, an abort by any rank (rank 0 or another) reaches every other
+// rank within a second, once, naming who aborted and why; closing the
+// connections at the end of a run is no abort.
+func TestAbortRelay(t *testing.T) {
+	const world = 4
+	for _, aborter := range []int{0, 2} {
+		addr := freeLoopbackPort(t)
+		conns := make([][]net.Conn, world)
+		errs := make([]error, world)
+		var wg sync.WaitGroup
+		for r := 1; r < world; r++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				var c net.Conn
+				_, c, errs[r] = fetchBootstrapKeep(addr, r, world, 10*time.Second)
+				conns[r] = []net.Conn{c}
+			}()
+		}
+		ln, err := listenBootstrap(addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if conns[0], err = serveBootstrapKeep(ln, world, []byte("id"), 10*time.Second); err != nil {
+			t.Fatal(err)
+		}
+		wg.Wait()
+		for _, err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		fakes := make([]fakeRelayComm, world)
+		relays := make([]*abortRelay, world)
+		for r := range world {
+			fakes[r] = fakeRelayComm{heard: make(chan string, world)}
+			relays[r] = newAbortRelay(r, conns[r], func(from int, reason string) {
+				fakes[r].heard <- fmt.Sprintf("rank %d: %s", from, reason)
+			})
+		}
+		start := time.Now()
+		relays[aborter].abort("out of patience")
+		want := fmt.Sprintf("rank %d: out of patience", aborter)
+		for r := range world {
+			if r == aborter {
+				continue
+			}
+			select {
+			case got := <-fakes[r].heard:
+				if got != want {
+					t.Errorf("aborter %d: rank %d heard %q, want %q", aborter, r, got, want)
+				}
+			case <-time.After(time.Second):
+				t.Fatalf("aborter %d: rank %d heard nothing within a second", aborter, r)
+			}
+		}
+		t.Logf("aborter %d: every rank heard within %v", aborter, time.Since(start))
+		for _, r := range relays {
+			r.close()
+		}
+		for r := range world {
+			select {
+			case got := <-fakes[r].heard:
+				t.Errorf("aborter %d: rank %d heard %q more", aborter, r, got)
+			default:
+			}
+		}
 	}
 }

@@ -230,9 +230,9 @@ type pipeline struct {
 	nextIssue int           // reductions are issued in bucket order on every rank
 	unflushed bool          // a backward ended with local buckets since the last flush
 
-	reducing    map[Stream]Event // the last reduction issued on each stream since the last sync
-	sent        CommCounters     // the collectives issued since the last takeStats
-	reduceTimes spans            // the reductions since the last Step
+	reducing map[Stream]Event // the last reduction issued on each stream since the last sync
+	sent     CommCounters     // the collectives issued since the last takeStats
+	clock    stopwatch        // times the reductions since the last Step
 }
 
 type streamEvent struct {
@@ -334,7 +334,7 @@ func (d *deviceSink) land(rs Stream, mine Tensor, offset int, first bool, scale 
 	if err := d.dev.accumulate(rs, d.sum, []Segment{{Src: mine, Offset: offset}}, first, scale, d.raised); err != nil {
 		return landing{read: fence(rs)}, err
 	}
-	done, err := rs.Record()
+	done, err := record(rs)
 	if err != nil {
 		return landing{read: fence(rs)}, err
 	}
@@ -637,7 +637,7 @@ func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 	} else if err := pl.zeroGaps(b, rs, buf, pl.reported); err != nil {
 		return err
 	}
-	start, err := rs.Record()
+	start, err := pl.clock.mark(rs)
 	if err != nil {
 		return err
 	}
@@ -649,8 +649,15 @@ func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 	l, err := pl.sink.land(rs, mine, bp.ShardOffset, bs.copyFirst, pl.spec.postscale)
 	if err != nil {
 		freeAt = l.read
+		pl.clock.release(start)
 		return err
 	}
+	end, err := pl.clock.mark(rs) // after the sum where it runs on rs, the reduce-scatter's end where not
+	if err != nil {
+		pl.clock.release(start)
+		return err
+	}
+	pl.clock.add(start, end)
 	for _, p := range l.pending {
 		pl.reducing[p.stream] = p.event
 	}
@@ -663,7 +670,6 @@ func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 		pl.localPoolOf(bs.local).put(bs.local, l.reduced)
 		bs.local = nil
 	}
-	pl.reduceTimes = append(pl.reduceTimes, [2]Event{start, l.reduced})
 	return nil
 }
 
@@ -851,7 +857,7 @@ func (pl *pipeline) owesFlushAtStep() bool       { return pl.unflushed }
 // report fills the step's reduction figures and starts the next window's.
 func (pl *pipeline) report(st *Stats) error {
 	var err error
-	if st.ReduceTime, err = pl.reduceTimes.take(); err != nil {
+	if st.ReduceTime, err = pl.clock.take(); err != nil {
 		return err
 	}
 	st.Collectives = st.Collectives.Add(pl.sent)

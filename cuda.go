@@ -404,6 +404,25 @@ func (s *cudaStream) record(timing bool) (*cudaEvent, error) {
 // Record records a timed event on the stream.
 func (s *cudaStream) Record() (Event, error) { return s.record(true) }
 
+// recordTimed re-records reuse, a timed event of this device, or records a
+// new timed one.
+func (s *cudaStream) recordTimed(reuse Event) (Event, error) {
+	e, ok := reuse.(*cudaEvent)
+	if !ok || !e.timing || e.dev != s.dev {
+		return s.record(true)
+	}
+	if s.closed.Load() {
+		return nil, errorf(ErrClosed, "Record on a closed stream of %s", s.dev.Name())
+	}
+	h := C.uintptr_t(e.h)
+	code := C.zc_record(s.dev.dev(), C.uintptr_t(s.h), 1, &h)
+	runtime.KeepAlive(e)
+	if code != 0 {
+		return nil, s.dev.err("cudaEventRecord", code)
+	}
+	return e, nil
+}
+
 // recordUntimed re-records reuse, an untimed event of this device, or
 // records a new untimed one.
 func (s *cudaStream) recordUntimed(reuse Event) (Event, error) {
@@ -505,13 +524,23 @@ type cudaEvent struct {
 }
 
 type cudaEventHandle struct {
-	dev C.int
-	h   C.uintptr_t
+	dev    C.int
+	h      C.uintptr_t
+	timing bool
 }
+
+// timedEventsCollected counts the timed events the garbage collector
+// destroyed: a steady state recycles its own (stopwatch) and adds none.
+var timedEventsCollected atomic.Int64
 
 func newCUDAEvent(d *cudaDevice, h uintptr, timing bool) *cudaEvent {
 	e := &cudaEvent{dev: d, h: h, timing: timing}
-	runtime.AddCleanup(e, func(x cudaEventHandle) { C.zc_event_destroy(x.dev, x.h) }, cudaEventHandle{d.dev(), C.uintptr_t(h)})
+	runtime.AddCleanup(e, func(x cudaEventHandle) {
+		if x.timing {
+			timedEventsCollected.Add(1)
+		}
+		C.zc_event_destroy(x.dev, x.h)
+	}, cudaEventHandle{d.dev(), C.uintptr_t(h), timing})
 	return e
 }
 

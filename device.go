@@ -1,6 +1,7 @@
 package zero
 
 import (
+	"errors"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -101,6 +102,9 @@ func (h *hostDevice) Alloc(count int, d DType) (Tensor, error) {
 	}
 	size := count*d.Size() + stagger
 	mem, err := unix.Mmap(-1, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if errors.Is(err, unix.ENOMEM) {
+		return Tensor{}, errorf(ErrOutOfMemory, "Alloc: mmap of %d bytes: %v; lower BucketBytes, StagingBuffers or the model size, or free host memory", size, err)
+	}
 	if err != nil {
 		return Tensor{}, errorf(ErrConfig, "Alloc: mmap of %d bytes: %v; lower BucketBytes or the model size", size, err)
 	}
@@ -132,8 +136,11 @@ func (h *hostDevice) Free(t Tensor) error {
 func (*hostDevice) memoryStats() []GPUMemory { return nil }
 
 func (*hostDevice) checkStream(s Stream) error {
-	_, err := hostStreamOf(s)
-	return err
+	hs, err := hostStreamOf(s)
+	if err != nil {
+		return err
+	}
+	return hs.usable()
 }
 
 func hostStreamOf(s Stream) (*HostStream, error) {

@@ -973,6 +973,10 @@ func (m *fzModel) check(rr *fzRank, i int, op fzOp, want string, got fzOut) {
 	if m.off {
 		return
 	}
+	if errors.Is(got.err, ErrCollective) { // a fatal failure, whatever its cause
+		m.off = true
+		return
+	}
 	switch got.class {
 	case "ok", "ErrProtocol", "ErrClosed", "ErrDuplicateGrad", "omitted":
 	default:

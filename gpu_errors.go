@@ -24,8 +24,14 @@ func (e *CUDAError) Error() string {
 	return fmt.Sprintf("%v: %s%s: %s (%d): %s%s", ErrCUDA, e.Op, dev, e.Name, e.Code, e.Text, cudaHint(e.Code))
 }
 
-// Unwrap makes errors.Is(err, ErrCUDA) true.
-func (e *CUDAError) Unwrap() error { return ErrCUDA }
+// Unwrap makes errors.Is(err, ErrCUDA) true, and errors.Is(err,
+// ErrOutOfMemory) for an allocation the device could not satisfy.
+func (e *CUDAError) Unwrap() []error {
+	if e.Code == 2 { // cudaErrorMemoryAllocation, CUDA_ERROR_OUT_OF_MEMORY
+		return []error{ErrCUDA, ErrOutOfMemory}
+	}
+	return []error{ErrCUDA}
+}
 
 // cudaHint adds what to do for the errors a user can act on.
 func cudaHint(code int) string {

@@ -10,6 +10,7 @@ import "C"
 import (
 	"fmt"
 	"runtime"
+	"sync/atomic"
 	"time"
 )
 
@@ -82,8 +83,9 @@ type cudaSlot struct {
 }
 
 type cudaLocalComm struct {
-	g    *cudaGroup
-	rank int
+	g      *cudaGroup
+	rank   int
+	closed atomic.Bool // this rank closed its communicator
 	collectives
 	counters
 }
@@ -94,8 +96,13 @@ func (c *cudaLocalComm) Device() Device         { return c.g.dev }
 func (c *cudaLocalComm) Counters() CommCounters { return c.snapshot() }
 
 func (c *cudaLocalComm) Close() error {
+	c.closed.Store(true)
 	c.g.abort(errorf(ErrPeerFailed, "rank %d closed its communicator", c.rank))
 	return nil
+}
+
+func (c *cudaLocalComm) abort(reason error) {
+	c.g.abort(fmt.Errorf("%w: %w", ErrPeerFailed, reason))
 }
 
 // collective publishes this rank's call and meets the peers; the last to
@@ -108,6 +115,9 @@ func (c *cudaLocalComm) collective(s Stream, a collArgs, payload int, ts ...Tens
 	}
 	if err := g.dev.deviceOnly(a.kind.String(), ts...); err != nil {
 		return err
+	}
+	if c.closed.Load() {
+		return errorf(ErrClosed, "rank %d closed its communicator", c.rank)
 	}
 	if err := g.abortErr(); err != nil {
 		return err

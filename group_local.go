@@ -1,6 +1,11 @@
 package zero
 
 import (
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -109,9 +114,10 @@ func (g *localGroup) meet(rank int, seq uint64, a *collArgs) (*rendezvous, error
 }
 
 type localComm struct {
-	g    *localGroup
-	rank int
-	seq  uint64 // collectives issued by this rank
+	g      *localGroup
+	rank   int
+	seq    uint64      // collectives issued by this rank
+	closed atomic.Bool // this rank closed its communicator
 	collectives
 	counters
 }
@@ -123,8 +129,22 @@ func (c *localComm) Device() Device { return hostDev }
 func (c *localComm) Counters() CommCounters { return c.snapshot() }
 
 func (c *localComm) Close() error {
+	c.closed.Store(true)
 	c.g.abort(errorf(ErrPeerFailed, "rank %d closed its communicator", c.rank))
 	return nil
+}
+
+func (c *localComm) abort(reason error) {
+	c.g.abort(fmt.Errorf("%w: %w", ErrPeerFailed, reason))
+}
+
+// ownErr is what this rank sees of a failed collective: ErrClosed once it
+// closed its communicator itself, not a peer's failure.
+func (c *localComm) ownErr(err error) error {
+	if err != nil && c.closed.Load() {
+		return errorf(ErrClosed, "rank %d closed its communicator", c.rank)
+	}
+	return err
 }
 
 func (c *localComm) enqueue(s Stream, x collective) error {
@@ -133,7 +153,7 @@ func (c *localComm) enqueue(s Stream, x collective) error {
 		return err
 	}
 	if err := c.g.abortErr(); err != nil {
-		return err
+		return c.ownErr(err)
 	}
 	c.add(x.kind, x.payload(), c.g.n)
 	seq := c.seq
@@ -141,7 +161,7 @@ func (c *localComm) enqueue(s Stream, x collective) error {
 	return hs.Launch(func() error {
 		err := c.run(seq, x.args())
 		keepAlive(x.send, x.recv)
-		return err
+		return c.ownErr(err)
 	})
 }
 
@@ -209,4 +229,47 @@ func splitRange(count, n, r int) (int, int) {
 		hi = count
 	}
 	return lo, hi
+}
+
+// RunLocal runs fn on the n ranks of a new in-process group
+// (NewLocalGroup), one goroutine each, and returns when every rank has
+// returned: nil, or every failed rank's error joined ("rank r: …"). When a
+// rank fails (or panics), RunLocal aborts the group, so that the other
+// ranks' blocked and later collectives fail at once instead of at the
+// group's timeout. Each rank's Comm is closed when its fn returns.
+func RunLocal(n int, fn func(comm Comm) error) error {
+	comms, err := NewLocalGroup(n)
+	if err != nil {
+		return err
+	}
+	return RunRanks(comms, fn)
+}
+
+// RunRanks is RunLocal over communicators the caller made (a group with its
+// own timeout, the one-GPU group), one rank per element of comms.
+func RunRanks(comms []Comm, fn func(comm Comm) error) error {
+	if len(comms) == 0 {
+		return errorf(ErrConfig, "RunRanks with no communicators; pass one per rank")
+	}
+	errs := make([]error, len(comms))
+	var wg sync.WaitGroup
+	for r, comm := range comms {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer comm.Close()
+			defer func() {
+				if p := recover(); p != nil {
+					errs[r] = fmt.Errorf("%w: rank %d panicked: %v\n%s", ErrAborted, r, p, debug.Stack())
+				}
+				if errs[r] != nil {
+					errs[r] = fmt.Errorf("rank %d: %w", r, errs[r])
+					AbortComm(comm, errs[r])
+				}
+			}()
+			errs[r] = fn(comm)
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
 }

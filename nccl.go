@@ -2,6 +2,7 @@ package zero
 
 import (
 	"fmt"
+	"math"
 	"sync"
 	"time"
 )
@@ -41,6 +42,29 @@ func (l *abortLatch) abortErr() error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.reason
+}
+
+// aborter is a communicator that can be aborted from any goroutine: its
+// blocked and later collectives, and its peers', fail promptly. The in-process
+// groups and NCCL are.
+type aborter interface {
+	abort(reason error)
+}
+
+// AbortComm aborts comm from any goroutine: every blocked and later
+// collective of every rank of its group fails promptly, with an error
+// wrapping ErrPeerFailed and reason, instead of waiting for the group's
+// timeout. The in-process groups and NCCL (whose peers hear it through the
+// bootstrap's connections) support it; a Comm of the caller's own is
+// aborted through its Abort(error) method if it has one, and otherwise
+// AbortComm does nothing. Engine.Abort calls it.
+func AbortComm(comm Comm, reason error) {
+	switch c := comm.(type) {
+	case aborter:
+		c.abort(reason)
+	case interface{ Abort(error) }:
+		c.Abort(reason)
+	}
 }
 
 // Comm is one rank's communicator. Collectives are enqueued on a stream of
@@ -257,4 +281,75 @@ func checkCollective(name string, op ReduceOp, ts ...Tensor) error {
 		}
 	}
 	return nil
+}
+
+// AllReduceScalars reduces a few of the caller's own values (a loss, a
+// metric) across the ranks of comm with op, in float64 and the same on
+// every rank: each rank's values travel in one all-gather as (mantissa
+// high, mantissa low, exponent), 48 of float64's 53 bits and its whole
+// range, and every rank combines them in rank order in float64. OpAvg divides the sum by the world size. It is a collective on
+// comm: every rank calls it, at the same point between the engine's calls
+// (which share comm). Its traffic is not in the engine's stats.
+func AllReduceScalars(comm Comm, op ReduceOp, values ...float64) ([]float64, error) {
+	if comm == nil {
+		return nil, errorf(ErrConfig, "AllReduceScalars: nil Comm")
+	}
+	if op < OpSum || op > OpMax {
+		return nil, errorf(ErrConfig, "AllReduceScalars: op %v; use OpSum, OpAvg or OpMax", op)
+	}
+	const words = 3
+	n, world, rank, dev := len(values), comm.Size(), comm.Rank(), comm.Device()
+	if n == 0 {
+		return nil, nil
+	}
+	s, err := dev.NewStream()
+	if err != nil {
+		return nil, err
+	}
+	defer s.Close()
+	buf, err := dev.Alloc(words*n*world, FP32)
+	if err != nil {
+		return nil, err
+	}
+	defer dev.Free(buf)
+	mine := make([]float32, words*n)
+	for i, v := range values {
+		m, exp := math.Frexp(v)
+		hi := float32(m)
+		mine[words*i], mine[words*i+1], mine[words*i+2] = hi, float32(m-float64(hi)), float32(exp)
+	}
+	part := buf.slice(rank*words*n, words*n)
+	all := make([]float32, buf.count)
+	err = dev.copy(s, part, Float32s(mine))
+	if err == nil {
+		err = comm.AllGather(s, part, buf)
+	}
+	if err == nil {
+		err = dev.copy(s, Float32s(all), buf)
+	}
+	if err == nil {
+		err = s.Sync()
+	}
+	if err != nil {
+		return nil, err
+	}
+	out := make([]float64, n)
+	for i := range out {
+		for r := range world {
+			w := all[(r*n+i)*words:]
+			v := math.Ldexp(float64(w[0])+float64(w[1]), int(w[2]))
+			switch {
+			case r == 0:
+				out[i] = v
+			case op == OpMax:
+				out[i] = math.Max(out[i], v)
+			default:
+				out[i] += v
+			}
+		}
+		if op == OpAvg {
+			out[i] /= float64(world)
+		}
+	}
+	return out, nil
 }

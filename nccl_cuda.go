@@ -132,10 +132,16 @@ func NewNCCL(cfg NCCLConfig) (Comm, error) {
 	if !ok {
 		return nil, errorf(ErrDevice, "NewNCCL: device %s is not a CUDA device", deviceName(dev))
 	}
-	id, err := ncclBootstrap(&cfg)
+	id, conns, err := ncclBootstrap(&cfg)
 	if err != nil {
 		return nil, err
 	}
+	closeConns := true
+	defer func() {
+		if closeConns {
+			closeAll(conns)
+		}
+	}()
 	var h C.uintptr_t
 	cid := (*C.char)(C.CBytes(id))
 	defer C.free(unsafe.Pointer(cid))
@@ -152,30 +158,38 @@ func NewNCCL(cfg NCCLConfig) (Comm, error) {
 		return c.batch(s, ncclOp{kind: x.kind, dtype: x.send.dtype, op: x.op, root: x.root, send: x.send, recv: x.recv,
 			count: min(x.send.count, x.recv.count), payload: x.payload()})
 	}}
+	closeConns = false
+	c.relay = newAbortRelay(cfg.Rank, conns, func(from int, reason string) {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		c.abortLocked(errorf(ErrPeerFailed, "rank %d aborted: %s", from, reason))
+	})
 	go c.watchdog(watchdogPoll(cfg.Timeout))
 	return c, nil
 }
 
-// ncclBootstrap returns the unique id: made by rank 0 and served to the
-// others, fetched by the others.
-func ncclBootstrap(cfg *NCCLConfig) ([]byte, error) {
+// ncclBootstrap returns the unique id, made by rank 0 and served to the
+// others, fetched by the others, and the connections the abort relay keeps:
+// rank 0's to every other rank, each other rank's to rank 0.
+func ncclBootstrap(cfg *NCCLConfig) ([]byte, []net.Conn, error) {
 	addr := net.JoinHostPort(cfg.MasterAddr, strconv.Itoa(cfg.MasterPort))
 	if cfg.Rank != 0 {
-		id, err := fetchBootstrap(addr, cfg.Rank, cfg.World, cfg.BootstrapTimeout)
+		id, conn, err := fetchBootstrapKeep(addr, cfg.Rank, cfg.World, cfg.BootstrapTimeout)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		if len(id) != 128 {
-			return nil, errorf(ErrConfig, "rank %d: rank 0 at %s sent %d bytes, not a 128-byte NCCL id", cfg.Rank, addr, len(id))
+			conn.Close()
+			return nil, nil, errorf(ErrConfig, "rank %d: rank 0 at %s sent %d bytes, not a 128-byte NCCL id", cfg.Rank, addr, len(id))
 		}
-		return id, nil
+		return id, []net.Conn{conn}, nil
 	}
 	var ln net.Listener
 	if cfg.World > 1 {
 		var err error
 		// listen before making the id, so a busy port fails at once
 		if ln, err = listenBootstrap(net.JoinHostPort("", strconv.Itoa(cfg.MasterPort))); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
 	id := make([]byte, 128)
@@ -183,14 +197,16 @@ func ncclBootstrap(cfg *NCCLConfig) ([]byte, error) {
 		if ln != nil {
 			ln.Close()
 		}
-		return nil, ncclErr("ncclGetUniqueId", 0, 0, code)
+		return nil, nil, ncclErr("ncclGetUniqueId", 0, 0, code)
 	}
+	var conns []net.Conn
 	if ln != nil {
-		if err := serveBootstrap(ln, cfg.World, id, cfg.BootstrapTimeout); err != nil {
-			return nil, err
+		var err error
+		if conns, err = serveBootstrapKeep(ln, cfg.World, id, cfg.BootstrapTimeout); err != nil {
+			return nil, nil, err
 		}
 	}
-	return id, nil
+	return id, conns, nil
 }
 
 func watchdogPoll(timeout time.Duration) time.Duration {
@@ -211,6 +227,7 @@ type ncclComm struct {
 	idleEvents []Event         // fired batch events, to record again
 	cops       [4]C.zc_nccl_op // the C form of a batch, reused
 
+	relay   *abortRelay // tells the other ranks of an abort, and hears theirs
 	stop    chan struct{}
 	stopped chan struct{}
 	collectives
@@ -345,7 +362,11 @@ func (c *ncclComm) watchdog(poll time.Duration) {
 			return
 		}
 		c.checkLocked()
+		failed := c.failed
 		c.mu.Unlock()
+		if failed != nil && c.relay != nil { // the peers need not wait for their own timeouts
+			c.relay.abort(failed.Error())
+		}
 	}
 }
 
@@ -390,11 +411,16 @@ func (c *ncclComm) abortLocked(reason error) {
 	c.pending = nil
 }
 
-// abort aborts the communicator from outside (tests, a failing engine).
+// abort aborts the communicator from outside (Engine.Abort, AbortComm,
+// tests) and tells the other ranks through the relay, so their collectives
+// fail at once instead of at their watchdog's timeout.
 func (c *ncclComm) abort(reason error) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	c.abortLocked(reason)
+	c.mu.Unlock()
+	if c.relay != nil {
+		c.relay.abort(reason.Error())
+	}
 }
 
 // Close stops the watchdog and destroys the communicator (flushing its
@@ -410,6 +436,9 @@ func (c *ncclComm) Close() error {
 	c.mu.Unlock()
 	close(c.stop)
 	<-c.stopped
+	if c.relay != nil {
+		c.relay.close()
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.failed != nil || c.h == 0 {

@@ -38,7 +38,7 @@ type offload struct {
 	// the optimizer's state, allocated here.
 	saved int64
 
-	gradCopies, paramCopies spans // the window's copies to the host, its step's to the device
+	gradCopies, paramCopies stopwatch // the window's copies to the host, its step's to the device
 	// marks is a stream of the device that only waits for the producers
 	// of a backward (their last events, in producers) and then records
 	// backwardEnd: the device's time when the window's last backward had
@@ -90,7 +90,7 @@ func (o *offload) hostBytes() (held, locked int64) { return o.mem.bytes, o.mem.l
 // the host stream: copy when first, add after, times scale, raising the
 // flag on inf or NaN (the device accumulate's arithmetic, on the host).
 func (o *offload) land(rs Stream, mine Tensor, offset int, first bool, scale float32) (landing, error) {
-	reduced, err := rs.Record()
+	reduced, err := record(rs)
 	if err != nil {
 		return landing{read: fence(rs)}, err
 	}
@@ -111,18 +111,22 @@ func (o *offload) land(rs Stream, mine Tensor, offset int, first bool, scale flo
 	if err := o.copy.Wait(reduced); err != nil {
 		return fail(err)
 	}
-	start, err := o.copy.Record()
+	start, err := o.gradCopies.mark(o.copy)
 	if err != nil {
 		return fail(err)
 	}
 	if err := o.dev.copy(o.copy, dst, mine); err != nil {
 		return fail(err)
 	}
-	copied, err := o.copy.Record()
+	copied, err := record(o.copy)
 	if err != nil {
 		return fail(err)
 	}
-	o.gradCopies = append(o.gradCopies, [2]Event{start, copied})
+	end, err := o.gradCopies.mark(o.copy)
+	if err != nil {
+		return fail(err)
+	}
+	o.gradCopies.add(start, end)
 	if err := o.stream.Wait(copied); err != nil {
 		return fail(err)
 	}
@@ -157,16 +161,19 @@ func (o *offload) transfer(dst, src Tensor, after Event, timed bool) (Event, err
 	var start Event
 	var err error
 	if timed {
-		if start, err = o.copy.Record(); err != nil {
+		if start, err = o.paramCopies.mark(o.copy); err != nil {
 			return nil, err
 		}
 	}
 	if err := o.dev.copy(o.copy, dst, src); err != nil {
 		return nil, err
 	}
-	done, err := o.copy.Record()
+	done, err := record(o.copy)
 	if err == nil && timed {
-		o.paramCopies = append(o.paramCopies, [2]Event{start, done})
+		var end Event
+		if end, err = o.paramCopies.mark(o.copy); err == nil {
+			o.paramCopies.add(start, end)
+		}
 	}
 	return done, err
 }
@@ -197,7 +204,7 @@ func (o *offload) loadMaster(s Stream, master, model Tensor) error {
 			return err
 		}
 	}
-	ev, err := s.Record()
+	ev, err := record(s)
 	if err == nil {
 		ev, err = o.transfer(o.host, model, ev, false)
 	}
@@ -263,28 +270,25 @@ func (o *offload) endBackward() error {
 		}
 	}
 	clear(o.producers)
+	o.gradCopies.release(o.backwardEnd) // the last backward's mark: a later one replaces it
 	var err error
-	o.backwardEnd, err = o.marks.Record()
+	o.backwardEnd, err = o.gradCopies.mark(o.marks)
 	return err
 }
 
 // discard forgets the producers of a dropped backward (DiscardGrads).
 func (o *offload) discard() {
 	clear(o.producers)
+	o.gradCopies.release(o.backwardEnd)
 	o.backwardEnd = nil
 }
 
 // gradCopyTimes sums the window's copies to the host, and the part of them
 // that ran after its last backward ended, and empties them.
 func (o *offload) gradCopyTimes() (total, exposed time.Duration, err error) {
-	for _, sp := range o.gradCopies {
-		d, err := Elapsed(sp[0], sp[1])
-		if err != nil {
-			return 0, 0, err
-		}
-		total += d
+	for _, sp := range o.gradCopies.spans {
 		if o.backwardEnd == nil {
-			continue
+			break
 		}
 		from, err := Elapsed(o.backwardEnd, sp[0])
 		if err != nil {
@@ -296,7 +300,10 @@ func (o *offload) gradCopyTimes() (total, exposed time.Duration, err error) {
 		}
 		exposed += max(0, to-max(0, from))
 	}
-	o.gradCopies = o.gradCopies[:0]
+	if total, err = o.gradCopies.take(); err != nil {
+		return 0, 0, err
+	}
+	o.gradCopies.release(o.backwardEnd)
 	o.backwardEnd = nil
 	return total, exposed, nil
 }

@@ -114,6 +114,7 @@ type optState struct {
 	gather        *bufferPool // model-dtype bucket buffers the parameters are gathered in
 	mem           memoryMeter // the optimizer's device bytes
 	sent          CommCounters
+	clock         stopwatch  // times the pass and the all-gather
 	last          stepResult // the last step's, for the stats
 }
 
@@ -305,8 +306,8 @@ func (o *optState) step(grads Tensor, readScale float32, used []bool, overflowFl
 	if err := ss.Sync(); err != nil {
 		return res, err
 	}
-	// Each rank's sum of squares travels exactly, as a mantissa split in
-	// two fp32 halves and an exponent, in one all-gather with the overflow
+	// Each rank's sum of squares travels as a mantissa split in two fp32
+	// halves (48 of its 53 bits) and an exponent (its whole range), in one all-gather with the overflow
 	// flag; every rank adds them in rank order in float64. A sum across
 	// ranks in fp32 would overflow for finite gradients whose norm passes
 	// 1.8e19.
@@ -364,7 +365,7 @@ func (o *optState) step(grads Tensor, readScale float32, used []bool, overflowFl
 		return res, err
 	}
 	b := optTensors{p: o.master, g: grads, m: o.m, v: o.v, vmax: o.vmax}
-	t0, err := ss.Record()
+	t0, err := o.clock.mark(ss)
 	if err != nil {
 		return res, err
 	}
@@ -379,10 +380,10 @@ func (o *optState) step(grads Tensor, readScale float32, used []bool, overflowFl
 		}
 	}
 	o.scaler.update(false)
-	t1, err := ss.Record()
+	t1, err := o.clock.mark(ss)
 	var g0 Event
 	if err == nil {
-		g0, err = s.Record()
+		g0, err = o.clock.mark(s)
 	}
 	if err == nil && !o.sharedModel { // stage 3 keeps its shard: the next gathers read it
 		err = o.gatherParams(used, ready)
@@ -392,7 +393,7 @@ func (o *optState) step(grads Tensor, readScale float32, used []bool, overflowFl
 	}
 	var t2 Event
 	if err == nil {
-		t2, err = s.Record()
+		t2, err = o.clock.mark(s)
 	}
 	if err == nil { // the parameters are written before Step returns
 		err = t2.Sync()
@@ -402,6 +403,9 @@ func (o *optState) step(grads Tensor, readScale float32, used []bool, overflowFl
 	}
 	if err == nil {
 		res.gatherTime, err = Elapsed(g0, t2)
+	}
+	if err == nil {
+		o.clock.release(t0, t1, g0, t2)
 	}
 	o.last = res
 	return res, err
@@ -441,7 +445,7 @@ func (o *optState) gatherParams(used []bool, ready []Event) error {
 		}
 		var done Event
 		if err == nil {
-			done, err = s.Record()
+			done, err = record(s)
 		}
 		o.gather.put(buf, done)
 		if err != nil {

@@ -1,6 +1,9 @@
 package zero
 
-import "errors"
+import (
+	"errors"
+	"slices"
+)
 
 // ZeRO-3 parameters. Each rank keeps its shard of every bucket's parameters
 // in the model dtype (the plan's shard layout, the optimizer's output).
@@ -12,11 +15,12 @@ import "errors"
 
 // gathered is the state of one bucket's gathered copy.
 type gathered struct {
-	buf        *buffer // nil while the bucket is not gathered
-	ready      Event   // fires when the all-gather has landed
-	users      []Event // one per Release: the user's stream, done with the view
-	refs       int     // parameters' references
-	prefetched bool    // gathered ahead, not yet asked for
+	buf        *buffer  // nil while the bucket is not gathered
+	ready      Event    // fires when the all-gather has landed
+	users      []Event  // one per Release: the user's stream, done with the view
+	holders    []Stream // the streams that gathered it: Close waits for them while views are out
+	refs       int      // parameters' references
+	prefetched bool     // gathered ahead, not yet asked for
 }
 
 // paramState is a stage-3 engine's parameter memory.
@@ -48,7 +52,7 @@ type paramState struct {
 
 	prefetchBytes, liveBytes int64 // 0: no limit on the live bytes
 
-	times spans        // the window's gathers, for the stats
+	times stopwatch    // the window's gathers, for the stats
 	sent  CommCounters // the window's gathers, for the stats
 }
 
@@ -105,7 +109,7 @@ func loadShard(ld loadSpec, pool *bufferPool, into Tensor) error {
 		}
 		var done Event
 		if err == nil {
-			done, err = s.Record()
+			done, err = record(s)
 		}
 		pool.put(buf, done)
 		if err != nil {
@@ -231,6 +235,9 @@ func (ps *paramState) gather(s Stream, list []int) ([]Tensor, error) {
 				return nil, err
 			}
 			waited = b
+			if !slices.Contains(g.holders, s) {
+				g.holders = append(g.holders, s)
+			}
 		}
 		g.refs++
 		ps.refs[p]++
@@ -252,7 +259,7 @@ func (ps *paramState) release(s Stream, list []int) (refused, err error) {
 			return errorf(ErrProtocol, "Release of parameter %d (%q), which is not gathered (or released already); release what Gather returned, once", p, ps.params[p].Name), nil
 		}
 	}
-	used, err := s.Record()
+	used, err := record(s)
 	if err != nil {
 		return nil, err
 	}
@@ -299,25 +306,28 @@ func (ps *paramState) gatherBucket(b int) error {
 		return err
 	}
 	g := &st.buckets[b]
-	var start Event
+	var start, ready, end Event
 	err = s.Wait(buf.free)
 	if err == nil {
-		start, err = s.Record()
+		start, err = st.times.mark(s)
 	}
 	if err == nil {
 		err = ps.comm.AllGather(s, st.shard.slice(bp.ShardOffset, bp.Shard), buf.t.slice(0, bp.Padded))
 	}
-	var ready Event
 	if err == nil {
 		ps.sent.add(KindAllGather, bp.Padded*ps.plan.modelDType().Size(), ps.world)
-		ready, err = s.Record()
+		ready, err = record(s)
+	}
+	if err == nil {
+		end, err = st.times.mark(s)
 	}
 	if err != nil {
+		st.times.release(start)
 		st.pool.put(buf, fence(s))
 		return err
 	}
+	st.times.add(start, end)
 	g.buf, g.ready, g.users = buf, ready, g.users[:0]
-	st.times = append(st.times, [2]Event{start, ready})
 	st.gatheredBytes += int64(buf.t.Bytes())
 	return nil
 }
@@ -332,13 +342,13 @@ func (ps *paramState) dropBucket(b int) error {
 			return err
 		}
 	}
-	free, err := s.Record()
+	free, err := record(s)
 	if err != nil {
 		free = fence(s)
 	}
 	st.pool.put(g.buf, free)
 	st.gatheredBytes -= int64(g.buf.t.Bytes())
-	*g = gathered{users: g.users[:0]}
+	*g = gathered{users: g.users[:0], holders: g.holders[:0]}
 	return err
 }
 
@@ -417,7 +427,7 @@ func (ps *paramState) endWindow() error {
 			}
 		}
 	}
-	ev, err := ps.gs.Record()
+	ev, err := record(ps.gs)
 	if err == nil {
 		err = ps.rs.Wait(ev)
 	}
@@ -448,6 +458,11 @@ func (st *paramState) close() error {
 		}
 		if g.ready != nil {
 			errs = append(errs, g.ready.Sync())
+		}
+		if g.refs > 0 { // views still out: their streams may still read them
+			for _, h := range g.holders {
+				h.Sync() // the caller's stream: its errors are the caller's
+			}
 		}
 		st.pool.put(g.buf, nil)
 		g.buf = nil
@@ -492,7 +507,7 @@ func readParams(dev Device, s, rs Stream, plan *Plan, params []Param, ps *paramS
 	if ps == nil {
 		return out, nil
 	}
-	ev, err := rs.Record()
+	ev, err := record(rs)
 	if err == nil {
 		err = s.Wait(ev)
 	}
@@ -546,7 +561,7 @@ func (ps *paramState) report(st *Stats) error {
 // afterStep starts the next window: its first buckets prefetched from the
 // updated shard, once the step's writes on rs are done.
 func (ps *paramState) afterStep() error {
-	ev, err := ps.rs.Record()
+	ev, err := record(ps.rs)
 	if err == nil {
 		err = ps.gs.Wait(ev)
 	}

@@ -1,6 +1,8 @@
 package zero
 
 import (
+	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -173,6 +175,28 @@ func (s *HostStream) enqueue(op hostOp) (uint64, error) {
 	return s.enqueued, nil
 }
 
+// usable refuses a stream that is closed or has failed: work enqueued on
+// it would never run, and the engine would fail with it.
+func (s *HostStream) usable() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case s.closed:
+		return errorf(ErrStream, "the stream is closed; pass an open stream")
+	case s.err != nil:
+		return fmt.Errorf("%w: the stream failed before this call (its work is skipped); fix the work that failed, or pass another stream: %w", ErrStream, s.err)
+	}
+	return nil
+}
+
+// failedWith reports whether the stream failed with err (or an error that
+// wraps it).
+func (s *HostStream) failedWith(err error) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.err != nil && errors.Is(err, s.err)
+}
+
 // Launch enqueues host work. It is skipped once the stream has failed; an
 // error it returns makes the stream fail.
 func (s *HostStream) Launch(fn func() error) error {
@@ -228,6 +252,24 @@ func (s *HostStream) Record() (Event, error) {
 		return nil, err
 	}
 	e.hostWait = hostWait{s, seq}
+	return e, nil
+}
+
+// recordTimed points reuse (or a new event) at the work enqueued so far,
+// with its time.
+func (s *HostStream) recordTimed(reuse Event) (Event, error) {
+	e, _ := reuse.(*hostEvent)
+	if e == nil {
+		e = &hostEvent{}
+	}
+	seq, err := s.enqueue(hostOp{control: true, fn: func() error {
+		e.at = time.Now()
+		return nil
+	}})
+	if err != nil {
+		return nil, err
+	}
+	e.hostWait, e.timed = hostWait{s, seq}, true
 	return e, nil
 }
 
@@ -345,28 +387,83 @@ func (e *hostEvent) elapsedSince(start Event) (time.Duration, error) {
 	return e.at.Sub(se.at), nil
 }
 
-// spans are (start, end) event pairs of work whose time the stats sum.
-type spans [][2]Event
+// stopwatch times spans of stream work for the stats with timed events it
+// recycles: mark hands one out, take measures the spans and takes their
+// events back, so a steady state creates none (a CUDA event made per
+// reduction would be destroyed only by the garbage collector). Its events
+// are for timing only: a fence is recorded apart (mark's untimed twin,
+// record), since a recycled event will mark another point.
+type stopwatch struct {
+	free  []Event
+	spans [][2]Event
+}
 
-// take sums the spans' times and empties them.
-func (sp *spans) take() (time.Duration, error) {
+// timedRecorder is a stream that can re-record a timed event of its own
+// kind (or record a new one when reuse is nil or of another kind).
+type timedRecorder interface {
+	recordTimed(reuse Event) (Event, error)
+}
+
+// mark records a timed event on s, reusing a recycled one where s can.
+func (w *stopwatch) mark(s Stream) (Event, error) {
+	t, ok := s.(timedRecorder)
+	if !ok {
+		return s.Record()
+	}
+	var reuse Event
+	if n := len(w.free); n > 0 {
+		reuse, w.free = w.free[n-1], w.free[:n-1]
+	}
+	ev, err := t.recordTimed(reuse)
+	if err != nil && reuse != nil {
+		w.free = append(w.free, reuse)
+	}
+	return ev, err
+}
+
+// add counts the work between start and end, two of mark's events.
+func (w *stopwatch) add(start, end Event) { w.spans = append(w.spans, [2]Event{start, end}) }
+
+// take sums the spans' times, empties them and takes their events back.
+func (w *stopwatch) take() (time.Duration, error) {
 	var d time.Duration
-	for _, ev := range *sp {
+	for _, ev := range w.spans {
 		t, err := Elapsed(ev[0], ev[1])
 		if err != nil {
 			return 0, err
 		}
 		d += t
 	}
-	*sp = (*sp)[:0]
+	for _, ev := range w.spans {
+		w.release(ev[0], ev[1])
+	}
+	w.spans = w.spans[:0]
 	return d, nil
+}
+
+// release takes back marks that no span holds and nothing waits for.
+func (w *stopwatch) release(evs ...Event) {
+	for _, ev := range evs {
+		if ev != nil {
+			w.free = append(w.free, ev)
+		}
+	}
+}
+
+// record returns a new event after the work enqueued on s so far, untimed
+// where s can: a fence that others wait on, never recycled.
+func record(s Stream) (Event, error) {
+	if u, ok := s.(untimedRecorder); ok {
+		return u.recordUntimed(nil)
+	}
+	return s.Record()
 }
 
 // fence returns an event after the work enqueued on s so far, for buffers
 // that a failed operation leaves in use; where s cannot record one it
 // waits for s instead and returns nil.
 func fence(s Stream) Event {
-	ev, err := s.Record()
+	ev, err := record(s)
 	if err != nil {
 		s.Sync() // its error went to the caller that failed
 		return nil

@@ -3,6 +3,7 @@ package zero
 import (
 	"errors"
 	"fmt"
+	"sync/atomic"
 )
 
 // Engine is one rank's ZeRO engine. Its methods are called from the rank's
@@ -55,6 +56,11 @@ type Engine struct {
 	stats     Stats
 	failed    error
 	closed    bool
+	// aborted holds Abort's reason; it is set from any goroutine.
+	aborted atomic.Pointer[error]
+	// callerStreams are the streams the caller handed over since the last
+	// Step: a failure that came from one of them is the framework's.
+	callerStreams map[Stream]struct{}
 }
 
 // stageModes is how each stage reduces its buckets: ZeRO-1 sums locally
@@ -76,7 +82,8 @@ func New(cfg Config, comm Comm, params []Param) (*Engine, error) {
 	if _, err := cfg.resolve(params); err != nil {
 		return nil, err
 	}
-	e := &Engine{cfg: cfg, comm: comm, dev: comm.Device(), params: append([]Param(nil), params...), rank: comm.Rank(), world: comm.Size()}
+	e := &Engine{cfg: cfg, comm: comm, dev: comm.Device(), params: append([]Param(nil), params...), rank: comm.Rank(), world: comm.Size(),
+		callerStreams: map[Stream]struct{}{}}
 	if err := e.init(); err != nil {
 		e.Close()
 		return nil, err
@@ -184,24 +191,60 @@ func (e *Engine) Rank() int { return e.rank }
 func (e *Engine) World() int { return e.world }
 
 func (e *Engine) usable(op string) error {
+	if reason := e.aborted.Load(); reason != nil {
+		return fmt.Errorf("%w: %s after Abort: %w", ErrAborted, op, *reason)
+	}
 	if e.closed {
 		return errorf(ErrClosed, "%s after Close", op)
 	}
 	if e.failed != nil {
-		return errorf(ErrCollective, "%s: the engine failed earlier and cannot continue: %v", op, e.failed)
+		return fmt.Errorf("%w: %s: the engine failed earlier and cannot go on (Close it): %w", ErrCollective, op, e.failed)
 	}
 	return nil
 }
 
-// fail makes the engine refuse every later call with err. It waits for the
-// engine's own streams, so no work of the failed call still writes the
-// caller's memory once it returns.
+// fail makes the engine refuse every later call. It waits for the engine's
+// own streams, so no work of the failed call still writes the caller's
+// memory once it returns, and returns err as a fatal error: one that
+// errors.Is finds as ErrCollective and as its cause.
 func (e *Engine) fail(err error) error {
+	if errors.Is(err, ErrCollective) {
+		return err // failed already
+	}
+	var kinds []error
+	if reason := e.aborted.Load(); reason != nil && !errors.Is(err, ErrAborted) {
+		kinds = append(kinds, ErrAborted)
+	}
+	for s := range e.callerStreams {
+		if hs, ok := s.(*HostStream); ok && hs.failedWith(err) && !errors.Is(err, ErrStream) {
+			kinds = append(kinds, ErrStream) // the framework's stream failed, not the engine
+			break
+		}
+	}
+	f := &failure{cause: err, kinds: kinds}
 	if e.failed == nil {
-		e.failed = err
+		e.failed = f
 		e.drain()
 	}
-	return err
+	return f
+}
+
+// Abort makes every call of this engine that is blocked, and every later
+// one but Close, return promptly with an error wrapping ErrAborted (and
+// reason), and tells the other ranks through the communicator, so that
+// their blocked and later collectives fail at once with ErrPeerFailed
+// instead of waiting for the group's timeout. It is safe from any
+// goroutine and returns at once. The in-process groups and NCCL carry the
+// abort to every rank; a Comm of the caller's own is told through an
+// Abort(error) method if it has one. Close the engine afterwards, from its
+// own goroutine.
+func (e *Engine) Abort(reason error) {
+	if reason == nil {
+		reason = errors.New("no reason given")
+	}
+	if e.aborted.CompareAndSwap(nil, &reason) {
+		AbortComm(e.comm, fmt.Errorf("rank %d aborted: %w", e.rank, reason))
+	}
 }
 
 // drain waits for the work on the engine's streams; their errors went to
@@ -259,6 +302,7 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 	}
 	e.inBackward = true
 	e.lastStream = stream
+	e.callerStreams[stream] = struct{}{}
 	taken, err := e.pl.takeBatch(params, grads, stream)
 	if err != nil {
 		return nil, e.fail(err)
@@ -447,6 +491,7 @@ func (e *Engine) Step() error {
 		return e.fail(err)
 	}
 	e.stats = st
+	clear(e.callerStreams)
 	e.stepIndex++
 	e.discarded = false
 	e.backwards = 0
@@ -549,7 +594,7 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 	if err := e.comm.AllGather(e.gatherStream, send, all); err != nil {
 		return nil, e.fail(err)
 	}
-	gathered, err := e.gatherStream.Record()
+	gathered, err := record(e.gatherStream)
 	if err != nil {
 		return nil, e.fail(err)
 	}
@@ -722,7 +767,14 @@ func (e *Engine) checkGather(op string, s Stream, ps []int) error {
 	if e.ps == nil {
 		return errorf(ErrProtocol, "%s: the parameters were registered without memory; give Param.Data or Param.Init", op)
 	}
-	return e.ps.check(op, s, ps)
+	if err := e.ps.check(op, s, ps); err != nil {
+		return err
+	}
+	if err := e.dev.checkStream(s); err != nil {
+		return err
+	}
+	e.callerStreams[s] = struct{}{}
+	return nil
 }
 
 // ---- coalesced windows and NoSync -----------------------------------------------
@@ -812,8 +864,9 @@ func (e *Engine) within(begin, fn, end func() error) error {
 // ---- the end ---------------------------------------------------------------------
 
 // Close waits for the work the engine enqueued (pending reductions, and
-// reads of gradients into a bucket that never filled) and frees the
-// engine's memory. It does not close the communicator. Closing twice does
+// reads of gradients into a bucket that never filled) and, at stage 3, for
+// the streams that still hold gathered views, and frees the engine's
+// memory. It does not close the communicator. Closing twice does
 // nothing.
 func (e *Engine) Close() error {
 	if e.closed {
