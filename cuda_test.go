@@ -9,6 +9,7 @@ import (
 	mrand "math/rand"
 	"math/rand/v2"
 	"os"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -1381,4 +1382,75 @@ func TestCUDACoalesceMatchesCPU(t *testing.T) {
 		}
 	}
 	t.Logf("%d window configurations bit-identical to the CPU path", n)
+}
+
+// TestCUDATimedEventsRecycled: a steady-state training loop (AdamW, with
+// and without offload, stage 2 and 3) creates no timed event that the
+// garbage collector must destroy: every span's events are recycled.
+func TestCUDATimedEventsRecycled(t *testing.T) {
+	d := needCUDA(t)
+	collected := func() int64 {
+		for range 3 {
+			runtime.GC()
+			time.Sleep(20 * time.Millisecond) // cleanups run on their own goroutine
+		}
+		return timedEventsCollected.Load()
+	}
+	for _, stage := range []int{2, 3} {
+		for _, offload := range []bool{false, true} {
+			comms, err := NewCUDALocalGroupTimeout(1, d, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			sizes := []int{300, 64, 1000}
+			params := make([]Param, len(sizes))
+			grads := make([]Tensor, len(sizes))
+			for p, n := range sizes {
+				data, err := d.Alloc(n, FP32)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer d.Free(data)
+				if grads[p], err = d.Alloc(n, FP32); err != nil {
+					t.Fatal(err)
+				}
+				defer d.Free(grads[p])
+				params[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: FP32, Data: data}
+			}
+			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: true, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}},
+				Offload: OffloadPolicy{Optimizer: offload}}, comms[0], params)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := gpuStream(t, d)
+			step := func() {
+				if stage == 3 {
+					if _, err := e.Gather(s, 0, 1, 2); err != nil {
+						t.Fatal(err)
+					}
+					if err := e.Release(s, 0, 1, 2); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if err := backward(e, s, grads); err != nil {
+					t.Fatal(err)
+				}
+				if err := e.Step(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for range 5 { // the pools fill
+				step()
+			}
+			before := collected()
+			for range 20 {
+				step()
+			}
+			if after := collected(); after != before {
+				t.Errorf("stage %d offload %v: 20 steps left %d timed events to the garbage collector", stage, offload, after-before)
+			}
+			e.Close()
+			comms[0].Close()
+		}
+	}
 }

@@ -2,7 +2,6 @@ package zero_test
 
 import (
 	"fmt"
-	"sync"
 
 	"zero"
 )
@@ -11,24 +10,22 @@ import (
 // over two backwards. Each rank keeps its shard of the mean gradient and
 // reads its part of parameter w through a view.
 func Example() {
-	comms, err := zero.NewLocalGroup(2)
-	if err != nil {
-		panic(err)
-	}
 	params := []zero.Param{
 		{Name: "w", Count: 6, DType: zero.FP32},
 		{Name: "b", Count: 2, DType: zero.FP32},
 	}
-	out := make([]string, len(comms))
-	var wg sync.WaitGroup
-	for r, comm := range comms {
-		wg.Add(1)
-		go func() { // one goroutine per rank
-			defer wg.Done()
-			out[r] = trainStep(comm, params)
-		}()
+	out := make([]string, 2)
+	// RunLocal runs one goroutine per rank of an in-process group, joins
+	// their errors, and aborts the others as soon as one fails.
+	err := zero.RunLocal(2, func(comm zero.Comm) error {
+		var err error
+		out[comm.Rank()], err = trainStep(comm, params)
+		return err
+	})
+	if err != nil {
+		fmt.Println(err)
+		return
 	}
-	wg.Wait()
 	fmt.Print(out[0], out[1])
 	// Output:
 	// rank 0: w[0:1] = [2.25]
@@ -37,12 +34,12 @@ func Example() {
 
 // trainStep is one rank's step: two backwards, Step, and a read of its part
 // of w's gradient.
-func trainStep(comm zero.Comm, params []zero.Param) string {
+func trainStep(comm zero.Comm, params []zero.Param) (string, error) {
 	// Align 1 lets this tiny model split across both ranks; the default
 	// (64 elements) suits real models.
 	e, err := zero.New(zero.Config{Stage: 2, BucketBytes: 1 << 20, Align: 1}, comm, params)
 	if err != nil {
-		return err.Error()
+		return "", err
 	}
 	defer e.Close()
 	stream := zero.NewHostStream() // the stream the framework's backward runs on
@@ -57,24 +54,24 @@ func trainStep(comm zero.Comm, params []zero.Param) string {
 				g[i] = float32(k * (comm.Rank() + 1) * (i + 1))
 			}
 			if _, err := e.GradReady(p, zero.Float32s(g), stream); err != nil {
-				return err.Error()
+				return "", err
 			}
 		}
 		if err := e.EndBackward(); err != nil {
-			return err.Error()
+			return "", err
 		}
 	}
 	// The mean over 2 ranks and 2 backwards: (1+2)·(1+2)·(i+1)/4.
 	if err := e.Step(); err != nil {
-		return err.Error()
+		return "", err
 	}
 	w, err := e.GradView(0)
 	if err != nil {
-		return err.Error()
+		return "", err
 	}
 	got := make([]float32, w.Count)
 	if err := w.Read(got); err != nil {
-		return err.Error()
+		return "", err
 	}
-	return fmt.Sprintf("rank %d: w[%d:%d] = %v\n", e.Rank(), w.ParamOffset, w.ParamOffset+w.Count, got)
+	return fmt.Sprintf("rank %d: w[%d:%d] = %v\n", e.Rank(), w.ParamOffset, w.ParamOffset+w.Count, got), nil
 }

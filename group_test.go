@@ -2,8 +2,11 @@ package zero
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"math/rand"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -475,4 +478,89 @@ func TestAbortWaitsForPeersReadingMyBuffers(t *testing.T) {
 		return dev.Free(buf)
 	})
 	everyRankIs(t, "broadcast, then rank 1 leaves", errs, nil)
+}
+
+// TestRunLocal: every rank runs and their errors come back joined, each
+// naming its rank; a rank that fails, or panics, aborts the group, so the
+// others, blocked in a collective with the default timeout of five
+// minutes, return within a second.
+func TestRunLocal(t *testing.T) {
+	var ran atomic.Int32
+	if err := RunLocal(3, func(c Comm) error { ran.Add(1); return nil }); err != nil || ran.Load() != 3 {
+		t.Fatalf("three ranks that succeed: %v, %d ran", err, ran.Load())
+	}
+	boom := errors.New("rank 1's data loader failed")
+	for _, fails := range []func(){func() { panic("a bug in rank 1") }, nil} {
+		start := time.Now()
+		err := RunLocal(3, func(c Comm) error {
+			if c.Rank() == 1 {
+				time.Sleep(20 * time.Millisecond)
+				if fails != nil {
+					fails()
+				}
+				return boom
+			}
+			buf, err := c.Device().Alloc(64, FP32)
+			if err != nil {
+				return err
+			}
+			defer c.Device().Free(buf)
+			s := NewHostStream()
+			defer s.Close()
+			if err := c.AllReduce(s, buf, OpSum); err != nil { // waits for rank 1, which never comes
+				return err
+			}
+			return s.Sync()
+		})
+		if took := time.Since(start); took > time.Second {
+			t.Errorf("the ranks returned after %v; want within a second of rank 1's failure", took)
+		}
+		if fails == nil && !errors.Is(err, boom) || fails != nil && !errors.Is(err, ErrAborted) {
+			t.Errorf("rank 1's failure is not in %v", err)
+		}
+		for _, r := range []int{0, 1, 2} {
+			if !strings.Contains(err.Error(), fmt.Sprintf("rank %d: ", r)) {
+				t.Errorf("rank %d's error is not named in %v", r, err)
+			}
+		}
+		if !errors.Is(err, ErrPeerFailed) {
+			t.Errorf("the other ranks' errors (%v) do not say a peer failed", err)
+		}
+	}
+}
+
+// TestAllReduceScalars: a few of the caller's float64s reduced across 3
+// ranks, as sum, average and max, against float64 in rank order: to 48
+// bits, over the whole float64 range, the same on every rank.
+func TestAllReduceScalars(t *testing.T) {
+	value := func(r, i int) float64 { return []float64{0.1, 1e300, -3e-300, math.Pi}[i] * float64(r+1) }
+	got := make([][3][]float64, 3)
+	err := RunLocal(3, func(c Comm) error {
+		vals := []float64{value(c.Rank(), 0), value(c.Rank(), 1), value(c.Rank(), 2), value(c.Rank(), 3)}
+		for k, op := range []ReduceOp{OpSum, OpAvg, OpMax} {
+			out, err := AllReduceScalars(c, op, vals...)
+			if err != nil {
+				return err
+			}
+			got[c.Rank()][k] = out
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 4 {
+		sum, mx := 0.0, math.Inf(-1)
+		for r := range 3 {
+			sum += value(r, i)
+			mx = max(mx, value(r, i))
+		}
+		for k, want := range []float64{sum, sum / 3, mx} {
+			for r := range 3 {
+				if g := got[r][k][i]; math.Abs(g-want) > math.Abs(want)*0x1p-46 || g != got[0][k][i] {
+					t.Errorf("value %d op %d rank %d: %g, want %g (and rank 0's %g)", i, k, r, g, want, got[0][k][i])
+				}
+			}
+		}
+	}
 }

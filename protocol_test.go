@@ -886,3 +886,63 @@ func TestBoundaryInsideABackward(t *testing.T) {
 		}
 	}
 }
+
+// TestAbortFreesEveryRank: Abort from another goroutine, while rank 0 is
+// blocked in Step waiting for rank 1 (which is busy elsewhere) and the
+// group's timeout is the default five minutes, makes rank 0's Step return
+// within a second (ErrAborted and ErrCollective), and rank 1's next
+// collective fail at once (ErrPeerFailed), on every stage.
+func TestAbortFreesEveryRank(t *testing.T) {
+	params := testParams(FP32)
+	for _, stage := range []int{1, 2, 3} {
+		comms, _ := NewLocalGroup(2) // the default timeout: five minutes
+		var e0 *Engine
+		ready := make(chan struct{})
+		var results [2]error
+		var took [2]time.Duration
+		var wg sync.WaitGroup
+		rank1 := make(chan struct{})
+		for r := range 2 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				e, err := New(Config{Stage: stage, BucketBytes: 1024}, comms[r], params)
+				if err != nil {
+					results[r] = err
+					if r == 0 {
+						close(ready)
+					}
+					return
+				}
+				defer e.Close()
+				s := NewHostStream()
+				defer s.Close()
+				if err := backward(e, s, constGrads(params, 1)); err != nil {
+					results[r] = err
+					return
+				}
+				if r == 0 {
+					e0 = e
+					close(ready)
+				} else {
+					<-rank1 // busy elsewhere until rank 0 was aborted
+				}
+				start := time.Now()
+				results[r] = e.Step()
+				took[r] = time.Since(start)
+			}()
+		}
+		<-ready
+		time.Sleep(50 * time.Millisecond) // rank 0 is blocked in Step by now
+		e0.Abort(errors.New("the trainer gives up"))
+		time.Sleep(50 * time.Millisecond)
+		close(rank1)
+		wg.Wait()
+		if !errors.Is(results[0], ErrAborted) || !errors.Is(results[0], ErrCollective) || took[0] > time.Second+100*time.Millisecond {
+			t.Errorf("stage %d: rank 0's Step returned %v after %v; want ErrAborted and ErrCollective within a second", stage, results[0], took[0])
+		}
+		if !errors.Is(results[1], ErrPeerFailed) || took[1] > time.Second {
+			t.Errorf("stage %d: rank 1's Step returned %v after %v; want ErrPeerFailed at once", stage, results[1], took[1])
+		}
+	}
+}

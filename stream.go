@@ -394,8 +394,18 @@ func (e *hostEvent) elapsedSince(start Event) (time.Duration, error) {
 // are for timing only: a fence is recorded apart (mark's untimed twin,
 // record), since a recycled event will mark another point.
 type stopwatch struct {
-	free  []Event
+	free  [2][]Event // host events, and the device's
 	spans [][2]Event
+}
+
+// eventSide is where a stream's or an event's kind of event lives: 0 on
+// the host, 1 on a device.
+func eventSide(x any) int {
+	switch x.(type) {
+	case *HostStream, *hostEvent:
+		return 0
+	}
+	return 1
 }
 
 // timedRecorder is a stream that can re-record a timed event of its own
@@ -410,13 +420,14 @@ func (w *stopwatch) mark(s Stream) (Event, error) {
 	if !ok {
 		return s.Record()
 	}
+	side := eventSide(s)
 	var reuse Event
-	if n := len(w.free); n > 0 {
-		reuse, w.free = w.free[n-1], w.free[:n-1]
+	if n := len(w.free[side]); n > 0 {
+		reuse, w.free[side] = w.free[side][n-1], w.free[side][:n-1]
 	}
 	ev, err := t.recordTimed(reuse)
 	if err != nil && reuse != nil {
-		w.free = append(w.free, reuse)
+		w.free[side] = append(w.free[side], reuse)
 	}
 	return ev, err
 }
@@ -445,7 +456,8 @@ func (w *stopwatch) take() (time.Duration, error) {
 func (w *stopwatch) release(evs ...Event) {
 	for _, ev := range evs {
 		if ev != nil {
-			w.free = append(w.free, ev)
+			side := eventSide(ev)
+			w.free[side] = append(w.free[side], ev)
 		}
 	}
 }

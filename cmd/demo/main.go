@@ -18,7 +18,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"zero"
@@ -219,25 +218,11 @@ func runRow(o options, m *model, stage int, mode string, n int) (Row, error) {
 	if mode == coalesceBudget {
 		cfg.Window.BudgetBytes = int(2 * m.count) // half the fp32 gradient
 	}
-	comms, err := zero.NewLocalGroup(o.world)
-	if err != nil {
-		return Row{}, err
-	}
 	outs := make([]rankOut, o.world)
-	errs := make([]error, o.world)
-	var wg sync.WaitGroup
-	for r := range o.world {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[r] = runRank(o, m, cfg, comms[r], mode, n, &outs[r])
-		}()
-	}
-	wg.Wait()
-	for r, err := range errs {
-		if err != nil {
-			return Row{}, fmt.Errorf("rank %d: %w", r, err)
-		}
+	if err := zero.RunLocal(o.world, func(comm zero.Comm) error {
+		return runRank(o, m, cfg, comm, mode, n, &outs[comm.Rank()])
+	}); err != nil {
+		return Row{}, err
 	}
 	st, c := outs[0].stats, outs[0].stats.Collectives
 	var walls []float64

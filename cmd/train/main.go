@@ -13,7 +13,6 @@ import (
 	"math"
 	"math/rand"
 	"os"
-	"sync"
 	"time"
 
 	"zero"
@@ -262,25 +261,15 @@ func run(out io.Writer, c config) (result, error) {
 			c.in, c.hidden, c.world, c.stage, offload, c.lr, c.batch, c.accum)
 	}
 	var res result
-	errs := make([]error, c.world)
-	var wg sync.WaitGroup
-	for r := range c.world {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer comms[r].Close()
-			var rec *result
-			if r == 0 {
-				rec = &res
-			}
-			errs[r] = trainRank(c, comms[r], data, rec)
-			if errs[r] != nil {
-				comms[r].Close() // the peers' collectives fail instead of waiting
-			}
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	// one goroutine per rank; a rank that fails aborts the others at once
+	err = zero.RunRanks(comms, func(comm zero.Comm) error {
+		var rec *result
+		if comm.Rank() == 0 {
+			rec = &res
+		}
+		return trainRank(c, comm, data, rec)
+	})
+	if err != nil {
 		return res, err
 	}
 	if out != nil {
@@ -418,7 +407,6 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 	for p, n := range m.sizes() {
 		g64[p] = make([]float64, n)
 	}
-	lossBuf := make([]float32, 1)
 	for st := range c.steps {
 		t0 := time.Now()
 		waited = 0
@@ -481,11 +469,8 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		}
 		wall, stepWaited := time.Since(t0), waited
 		// the global batch's mean loss: the mean of the ranks' means
-		lossBuf[0] = float32(loss)
-		if err := comm.AllReduce(outStream, zero.Float32s(lossBuf), zero.OpAvg); err != nil {
-			return err
-		}
-		if err := outStream.Sync(); err != nil {
+		global, err := zero.AllReduceScalars(comm, zero.OpAvg, loss)
+		if err != nil {
 			return err
 		}
 		if err := read(); err != nil { // every rank: at stage 3 it gathers
@@ -493,7 +478,7 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		}
 		if rec != nil {
 			record()
-			rec.loss = append(rec.loss, float64(lossBuf[0]))
+			rec.loss = append(rec.loss, global[0])
 			rec.stats = append(rec.stats, stats)
 			rec.wall = append(rec.wall, wall)
 			rec.waited = append(rec.waited, stepWaited)
