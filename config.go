@@ -79,6 +79,21 @@ type OptimizerPolicy struct {
 	// Clip is the largest global gradient norm (0: no clipping): the
 	// gradient is scaled by 1/max(1, norm/Clip).
 	Clip float64 `zero:"match"`
+	// Schedule, if set, gives every group's settings step by step (a
+	// learning-rate schedule; OneCycle's momentum): see Schedule.
+	Schedule Schedule `zero:"match"`
+}
+
+// Schedule gives the optimizer groups' settings step by step. Before each
+// step's optimizer pass, group g runs with At(t, base), where t counts the
+// optimizer steps taken so far (a skipped step does not advance it, as in
+// DeepSpeed) and base is the group's settings from Config or the last
+// SetGroup. At must depend on its arguments alone, so every rank gets the
+// same settings; its result must be of base's kind and pass its checks.
+// The schedule's own settings are part of the settings record (its
+// exported fields, compared across ranks), and t is saved in checkpoints.
+type Schedule interface {
+	At(t int, base Optimizer) Optimizer
 }
 
 // WindowPolicy is the coalesced window and NoSync.
@@ -440,12 +455,30 @@ func (o *OptimizerPolicy) check(params []Param) error {
 			return err
 		}
 	}
+	if o.Schedule != nil {
+		for g, opt := range o.Groups {
+			if err := checkScheduled(o.Schedule, 0, g, opt); err != nil {
+				return err
+			}
+		}
+	}
 	for i, p := range params {
 		if p.Group < 0 || p.Group >= len(o.Groups) {
 			return errorf(ErrParam, "parameter %d (%q) is in group %d; the groups are 0..%d", i, p.Name, p.Group, len(o.Groups)-1)
 		}
 	}
 	return nil
+}
+
+// checkScheduled refuses a schedule whose settings for step t of group g
+// are not of the group's kind or do not pass their checks.
+func checkScheduled(sched Schedule, t, g int, base Optimizer) error {
+	at := fmt.Sprintf("Optimizer.Schedule (%T) at step %d for group %d", sched, t, g)
+	opt := sched.At(t, base)
+	if opt == nil || opt.kind() != base.kind() {
+		return errorf(ErrConfig, "%s gave %T for a group of %T; give settings of the group's kind", at, opt, base)
+	}
+	return opt.check(at)
 }
 
 // checkParams checks the parameter list and returns the model dtype.
@@ -626,6 +659,20 @@ func appendSettings(out []Setting, prefix string, v reflect.Value, class Setting
 		switch {
 		case !tagged && f.Type.Kind() == reflect.Struct:
 			out = appendSettings(out, path+".", fv, class)
+		case f.Type.Kind() == reflect.Interface && f.Type != reflect.TypeOf((*Optimizer)(nil)).Elem():
+			at := path
+			sv := fv.Elem()
+			if !sv.IsValid() {
+				out = append(out, Setting{Path: at, Value: "none", Class: c})
+				continue
+			}
+			for sv.Kind() == reflect.Pointer {
+				sv = sv.Elem()
+			}
+			out = append(out, Setting{Path: at, Value: sv.Type().Name(), Class: c})
+			if sv.Kind() == reflect.Struct {
+				out = appendSettings(out, at+".", sv, c)
+			}
 		case f.Type == reflect.TypeOf([]Optimizer(nil)):
 			for g := range fv.Len() {
 				at := fmt.Sprintf("%s[%d]", path, g)

@@ -159,6 +159,8 @@ func TestSettingsMismatch(t *testing.T) {
 				}
 			} else if s.Path == "Optimizer.Groups" {
 				continue
+			} else if s.Path == "Optimizer.Schedule" {
+				cfg.Optimizer.Schedule, changed = rampLR{Every: 2}, true
 			} else {
 				var leaf reflect.Value
 				settingPath(reflect.ValueOf(&cfg).Elem(), s.Path, func(v reflect.Value) { leaf = v })
@@ -449,3 +451,70 @@ func TestConfigChecksComeFirst(t *testing.T) {
 		}
 	}
 }
+
+// rampLR multiplies a group's rate by t+1, every Every steps up to 4×: a
+// schedule for the tests.
+type rampLR struct {
+	Every int `zero:"match"`
+}
+
+func (r rampLR) At(t int, base Optimizer) Optimizer {
+	f := float64(min(t/max(r.Every, 1)+1, 4))
+	switch o := base.(type) {
+	case SGD:
+		o.LR *= f
+		return o
+	case AdamW:
+		o.LR *= f
+		return o
+	}
+	return base
+}
+
+// TestScheduleDrivesTheGroups: a schedule's rate is the one each step runs
+// with, counted in steps taken (a skipped step does not advance it), on
+// top of SetGroup's base; a schedule that gives settings of another kind is
+// refused at New.
+func TestScheduleDrivesTheGroups(t *testing.T) {
+	sizes := []int{300, 7}
+	init := func(p, j int) float32 { return 0 }
+	grad := func(st, k, rank, p, j int) float64 {
+		if st == 2 && rank == 1 && p == 0 && j == 3 {
+			return math.Inf(1) // step 2 skips
+		}
+		return 0.25
+	}
+	tr := runOpt(t, optCase{
+		cfg:   Config{Stage: 2, BucketBytes: 1024, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.5)}, Schedule: rampLR{Every: 1}}},
+		sizes: sizes, dt: FP32, backwards: 1, steps: 5, grad: grad, init: init,
+		before: func(e *Engine, st int) error {
+			if st == 4 {
+				return e.SetGroup(0, NewSGD(1))
+			}
+			return nil
+		},
+	})
+	// rates: step 0 ×1, step 1 ×2, step 2 skipped, step 3 ×3, step 4 (base 1) ×4
+	want, p := 0.0, 0.0
+	for st, lr := range []float64{0.5, 1, 0, 1.5, 4} {
+		p -= lr * 0.25
+		if st == 2 {
+			if !tr.stats[0][st].Skipped {
+				t.Fatalf("step 2 did not skip")
+			}
+		}
+		want = p
+		closeTo(t, fmt.Sprintf("step %d", st), tr.master[st][0][0], want, 1e-6, 1e-7)
+	}
+	comms, _ := NewLocalGroup(1)
+	bad := Config{Stage: 2, BucketBytes: 1024, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.1)}, Schedule: badSchedule{}}}
+	ps := []Param{{Name: "a", Count: 4, DType: FP32, Data: Float32s(make([]float32, 4))}}
+	if _, err := New(bad, comms[0], ps); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "Optimizer.Schedule") {
+		t.Fatalf("a schedule that gives SGD for an AdamW group: %v, want ErrConfig naming it", err)
+	}
+}
+
+// badSchedule gives SGD whatever the group.
+type badSchedule struct{}
+
+func (badSchedule) At(int, Optimizer) Optimizer { return NewSGD(1) }

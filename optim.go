@@ -94,12 +94,17 @@ type optState struct {
 	s      Stream // the engine's reduce stream: the step's collectives and device work
 	home   optimizerHome
 
-	groups []Optimizer
-	kind   optKind
-	master Tensor // fp32, the plan's shard layout
-	m, v   Tensor // AdamW moments; m is SGD's momentum buffer
-	vmax   Tensor // AdamW amsgrad
-	model  Tensor // model dtype: the new parameters, gathered from here
+	groups   []Optimizer // the settings the pass runs with
+	base     []Optimizer // the settings given at New or by SetGroup
+	schedule Schedule    // nil: groups are base
+	// scheduled counts the optimizer steps taken (skipped ones not), the
+	// schedule's t
+	scheduled int
+	kind      optKind
+	master    Tensor // fp32, the plan's shard layout
+	m, v      Tensor // AdamW moments; m is SGD's momentum buffer
+	vmax      Tensor // AdamW amsgrad
+	model     Tensor // model dtype: the new parameters, gathered from here
 	// sharedModel: model is the stage-3 parameter shard, not the optimizer's
 	sharedModel bool
 	steps       []int // per parameter: optimizer steps taken
@@ -191,9 +196,10 @@ type optimizerSpec struct {
 func newOptimizer(sp optimizerSpec) (*optState, error) {
 	groups := sp.cfg.Optimizer.Groups
 	o := &optState{dev: sp.dev, comm: sp.comm, plan: sp.plan, params: sp.params, rank: sp.comm.Rank(), world: sp.comm.Size(), s: sp.s, home: sp.home,
-		groups: append([]Optimizer(nil), groups...), kind: groups[0].kind(), steps: make([]int, len(sp.params)),
+		groups: append([]Optimizer(nil), groups...), base: append([]Optimizer(nil), groups...), schedule: sp.cfg.Optimizer.Schedule,
+		kind: groups[0].kind(), steps: make([]int, len(sp.params)),
 		scaler: newLossScaler(sp.cfg.Precision.LossScale), clip: sp.cfg.Optimizer.Clip, keepNonFinite: sp.cfg.Precision.KeepNonFinite}
-	o.groupsDigest = recordDigest(groupsRecord(o.groups), "")
+	o.groupsDigest = recordDigest(groupsRecord(o.base), "")
 	if o.home == nil {
 		o.home = deviceHome{dev: o.dev, mem: &o.mem}
 	}
@@ -230,7 +236,7 @@ func newOptimizer(sp optimizerSpec) (*optState, error) {
 
 // currentGroups are the groups' settings as SetGroup left them; digest
 // hashes them; lossScale is the scale of the next backwards.
-func (o *optState) currentGroups() []Optimizer { return o.groups }
+func (o *optState) currentGroups() []Optimizer { return o.base }
 func (o *optState) digest() uint64             { return o.groupsDigest }
 func (o *optState) lossScale() float64         { return o.scaler.scale }
 
@@ -245,8 +251,13 @@ func (o *optState) setGroup(g int, opt Optimizer) error {
 	if err := opt.check(fmt.Sprintf("SetGroup(%d)", g)); err != nil {
 		return err
 	}
-	o.groups[g] = opt
-	o.groupsDigest = recordDigest(groupsRecord(o.groups), "")
+	if o.schedule != nil {
+		if err := checkScheduled(o.schedule, o.scheduled, g, opt); err != nil {
+			return err
+		}
+	}
+	o.base[g], o.groups[g] = opt, opt
+	o.groupsDigest = recordDigest(groupsRecord(o.base), "")
 	return nil
 }
 
@@ -348,6 +359,14 @@ func (o *optState) step(grads Tensor, readScale float32, used []bool, overflowFl
 		coef = res.norm / o.clip
 	}
 	gscale := float32(float64(readScale) / o.scaler.scale / coef)
+	if o.schedule != nil {
+		for g := range o.groups {
+			if err := checkScheduled(o.schedule, o.scheduled, g, o.base[g]); err != nil {
+				return res, err
+			}
+			o.groups[g] = o.schedule.At(o.scheduled, o.base[g])
+		}
+	}
 	o.ranges = o.ranges[:0]
 	for p, q := range o.params {
 		if !used[p] || o.plan.ParamBucket[p] < 0 {
@@ -380,6 +399,7 @@ func (o *optState) step(grads Tensor, readScale float32, used []bool, overflowFl
 		}
 	}
 	o.scaler.update(false)
+	o.scheduled++
 	t1, err := o.clock.mark(ss)
 	var g0 Event
 	if err == nil {
