@@ -852,7 +852,14 @@ func (pl *pipeline) takeOverflow(s Stream) (float32, error) {
 func (pl *pipeline) stageMode(b int) bucketMode  { return pl.spec.modes[b] }
 func (pl *pipeline) setMode(b int, m bucketMode) { pl.buckets[b].mode = m }
 func (pl *pipeline) residentBytes() int64        { return pl.mem.cur }
-func (pl *pipeline) owesFlushAtStep() bool       { return pl.unflushed }
+
+// reducesOn reports whether s carries a reduction issued since the last
+// sync (without Overlap reductions run on the caller's stream).
+func (pl *pipeline) reducesOn(s Stream) bool {
+	_, ok := pl.reducing[s]
+	return ok
+}
+func (pl *pipeline) owesFlushAtStep() bool { return pl.unflushed }
 
 // report fills the step's reduction figures and starts the next window's.
 func (pl *pipeline) report(st *Stats) error {

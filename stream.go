@@ -189,6 +189,13 @@ func (s *HostStream) usable() error {
 	return nil
 }
 
+// failure is the stream's sticky error, or nil.
+func (s *HostStream) failure() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.err
+}
+
 // failedWith reports whether the stream failed with err (or an error that
 // wraps it).
 func (s *HostStream) failedWith(err error) bool {

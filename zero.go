@@ -229,6 +229,24 @@ func (e *Engine) fail(err error) error {
 	return f
 }
 
+// ownFailure tells a caller's stream that failed by itself (a refusal:
+// err) from one that carries a reduction of the engine (without Overlap)
+// or failed waiting on the engine's own failed work: the engine's failure
+// (fatal).
+func (e *Engine) ownFailure(err error, caller Stream) error {
+	if e.pl.reducesOn(caller) { // a reduction it carries is lost with it
+		return e.fail(err)
+	}
+	for _, s := range e.streams {
+		if hs, ok := s.(*HostStream); ok {
+			if own := hs.failure(); own != nil {
+				return e.fail(own)
+			}
+		}
+	}
+	return err
+}
+
 // Abort makes every call of this engine that is blocked, and every later
 // one but Close, return promptly with an error wrapping ErrAborted (and
 // reason), and tells the other ranks through the communicator, so that
@@ -337,7 +355,7 @@ func (e *Engine) checkGrads(params []int, grads []Tensor, stream Stream) error {
 		return errorf(ErrStream, "GradReady: nil stream; pass the stream that wrote the gradient")
 	}
 	if err := e.dev.checkStream(stream); err != nil {
-		return err
+		return e.ownFailure(err, stream)
 	}
 	for i, param := range params {
 		if param < 0 || param >= len(e.params) {
@@ -771,7 +789,7 @@ func (e *Engine) checkGather(op string, s Stream, ps []int) error {
 		return err
 	}
 	if err := e.dev.checkStream(s); err != nil {
-		return err
+		return e.ownFailure(err, s)
 	}
 	e.callerStreams[s] = struct{}{}
 	return nil
