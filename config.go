@@ -93,6 +93,7 @@ type OptimizerPolicy struct {
 // The schedule's own settings are part of the settings record (its
 // exported fields, compared across ranks), and t is saved in checkpoints.
 type Schedule interface {
+	// At is a group's settings for step t, from its base settings.
 	At(t int, base Optimizer) Optimizer
 }
 
