@@ -308,17 +308,25 @@ type landing struct {
 }
 
 // deviceSink keeps the shard in device memory and sums each reduction into
-// it on the reduction's own stream.
+// it on the reduction's stream: in place in fp32, or for a 16-bit shard
+// (Precision.ShardDType) through an fp32 scratch of one bucket's shard.
 type deviceSink struct {
 	dev         Device
 	sum, raised Tensor // the shard and the flag
+	scratch     Tensor // fp32, the largest bucket shard: a 16-bit shard's sums
+	scratchFree Event  // the last use of scratch (reductions may run on several streams)
 }
 
-func newDeviceSink(dev Device, n int) (*deviceSink, error) {
+func newDeviceSink(dev Device, plan *Plan, dt DType) (*deviceSink, error) {
 	d := &deviceSink{dev: dev}
 	var err error
-	if d.sum, err = dev.Alloc(n, FP32); err != nil {
+	if d.sum, err = dev.Alloc(plan.ShardElems, dt); err != nil {
 		return d, err
+	}
+	if dt != FP32 {
+		if d.scratch, err = dev.Alloc(maxShardElems(plan), FP32); err != nil {
+			return d, err
+		}
 	}
 	d.raised, err = dev.Alloc(1, FP32)
 	return d, err
@@ -328,21 +336,56 @@ func (d *deviceSink) shard() Tensor                           { return d.sum }
 func (d *deviceSink) flag() Tensor                            { return d.raised }
 func (d *deviceSink) side(s Stream) (Device, Stream)          { return d.dev, s }
 func (d *deviceSink) onDevice(Stream, Tensor) (Tensor, error) { return d.sum, nil }
-func (d *deviceSink) deviceBytes() int64                      { return int64(d.sum.Bytes()) }
+func (d *deviceSink) deviceBytes() int64                      { return int64(d.sum.Bytes() + d.scratch.Bytes()) }
 
 func (d *deviceSink) land(rs Stream, mine Tensor, offset int, first bool, scale float32) (landing, error) {
-	if err := d.dev.accumulate(rs, d.sum, []Segment{{Src: mine, Offset: offset}}, first, scale, d.raised); err != nil {
+	var err error
+	if d.sum.dtype == FP32 {
+		err = d.dev.accumulate(rs, d.sum, []Segment{{Src: mine, Offset: offset}}, first, scale, d.raised)
+	} else if err = rs.Wait(d.scratchFree); err == nil {
+		err = land16(d.dev, rs, d.sum.slice(offset, mine.count), d.scratch, mine, first, scale, d.raised)
+	}
+	if err != nil {
 		return landing{read: fence(rs)}, err
 	}
 	done, err := record(rs)
 	if err != nil {
 		return landing{read: fence(rs)}, err
 	}
+	if d.scratch.ptr != 0 {
+		d.scratchFree = done
+	}
 	return landing{read: done, reduced: done, pending: []streamEvent{{rs, done}}}, nil
 }
 
 func (d *deviceSink) close() error {
-	return errors.Join(d.dev.Free(d.sum), d.dev.Free(d.raised))
+	return errors.Join(d.dev.Free(d.sum), d.dev.Free(d.scratch), d.dev.Free(d.raised))
+}
+
+// land16 sums mine (this rank's reduced part of a bucket) into part, its
+// place in a 16-bit shard, through the fp32 scratch: the part widened (when
+// not first), the accumulate (which raises flag on inf or NaN), the sum
+// rounded back, each reduction rounded once to the shard's dtype.
+func land16(d Device, s Stream, part, scratch, mine Tensor, first bool, scale float32, flag Tensor) error {
+	sc := scratch.slice(0, part.count)
+	if !first {
+		if err := d.cast(s, sc, part, 1); err != nil {
+			return err
+		}
+	}
+	if err := d.accumulate(s, sc, []Segment{{Src: mine, Offset: 0}}, first, scale, flag); err != nil {
+		return err
+	}
+	return d.cast(s, part, sc, 1)
+}
+
+// maxShardElems is the largest bucket shard of the plan.
+func maxShardElems(p *Plan) int {
+	n := 0
+	for _, b := range p.Buckets {
+		n = max(n, b.Shard)
+	}
+	return n
 }
 
 // takeBatch enqueues on stream the reads of a batch of gradients (grads[i]

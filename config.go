@@ -47,6 +47,12 @@ type Config struct {
 type PrecisionPolicy struct {
 	// CommDType is the dtype on the wire: the model dtype (default) or FP32.
 	CommDType DType `zero:"match"`
+	// ShardDType is the dtype the reduced gradient shard is summed in: FP32
+	// (default) or the model dtype, half the shard's memory, each reduction
+	// rounded to it as it lands (DeepSpeed's grad_accum_dtype; its ZeRO-2
+	// default for bf16). The optimizer reads it through an fp32 scratch of
+	// one bucket's shard.
+	ShardDType DType `zero:"reshard"`
 	// LossScale is the loss scaling (dynamic for fp16 by default).
 	LossScale LossScale
 	// KeepNonFinite steps even when a gradient is inf or NaN with fp32 or
@@ -386,6 +392,12 @@ func (p *PrecisionPolicy) resolve(model DType) error {
 	}
 	if p.CommDType != model && p.CommDType != FP32 {
 		return errorf(ErrConfig, "Precision.CommDType %v with %v gradients; use the model dtype or FP32", p.CommDType, model)
+	}
+	if p.ShardDType == 0 {
+		p.ShardDType = FP32
+	}
+	if p.ShardDType != model && p.ShardDType != FP32 {
+		return errorf(ErrConfig, "Precision.ShardDType %v with %v gradients; use FP32 or the model dtype", p.ShardDType, model)
 	}
 	return p.LossScale.resolve(model)
 }

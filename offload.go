@@ -1,9 +1,7 @@
 package zero
 
 import (
-	"cmp"
 	"errors"
-	"slices"
 	"time"
 )
 
@@ -33,6 +31,7 @@ type offload struct {
 	meter   memoryMeter // the landing pool's (hostMemory counts every host byte)
 
 	sum, raised Tensor // the host shard and the overflow flag
+	scratch     Tensor // fp32, the largest bucket shard, for a 16-bit shard
 	host        Tensor // the host's model-dtype copy of the new parameters
 	// saved is the device memory this engine does not hold: the shard and
 	// the optimizer's state, allocated here.
@@ -48,22 +47,24 @@ type offload struct {
 	backwardEnd Event
 }
 
-func newOffload(dev Device, plan *Plan, copyStream Stream, commDType DType, keep int) (*offload, error) {
+func newOffload(dev Device, plan *Plan, copyStream Stream, commDType, shardDType DType, keep int) (*offload, error) {
 	mem, err := newHostMemory(dev)
 	if err != nil {
 		return nil, err
 	}
-	maxShard := 0
-	for _, b := range plan.Buckets {
-		maxShard = max(maxShard, b.Shard)
-	}
+	maxShard := maxShardElems(plan)
 	o := &offload{dev: dev, plan: plan, mem: mem, copy: copyStream, stream: NewHostStream(), maxLand: maxShard, keep: keep, producers: map[Stream]Event{}}
 	o.landing = newBufferPool(mem, commDType, &o.meter)
 	if o.marks, err = dev.NewStream(); err != nil {
 		return o, err
 	}
-	if o.sum, err = o.Alloc(plan.ShardElems, FP32); err != nil {
+	if o.sum, err = o.Alloc(plan.ShardElems, shardDType); err != nil {
 		return o, err
+	}
+	if shardDType != FP32 { // a 16-bit shard's sums, and the optimizer's gradient, bucket by bucket
+		if o.scratch, err = mem.Alloc(maxShard, FP32); err != nil {
+			return o, err
+		}
 	}
 	if o.raised, err = mem.Alloc(1, FP32); err != nil {
 		return o, err
@@ -130,7 +131,12 @@ func (o *offload) land(rs Stream, mine Tensor, offset int, first bool, scale flo
 	if err := o.stream.Wait(copied); err != nil {
 		return fail(err)
 	}
-	if err := hostDev.accumulate(o.stream, o.sum, []Segment{{Src: dst, Offset: offset}}, first, scale, o.raised); err != nil {
+	if o.sum.dtype == FP32 {
+		err = hostDev.accumulate(o.stream, o.sum, []Segment{{Src: dst, Offset: offset}}, first, scale, o.raised)
+	} else { // the host stream runs one landing at a time: one scratch serves them all
+		err = land16(hostDev, o.stream, o.sum.slice(offset, dst.count), o.scratch, dst, first, scale, o.raised)
+	}
+	if err != nil {
 		return fail(err)
 	}
 	added, err := o.stream.recordUntimed(nil)
@@ -227,36 +233,36 @@ func (o *offload) loadMaster(s Stream, master, model Tensor) error {
 // nothing in the bucket).
 func (o *offload) pass(_ Stream, kind optKind, b optTensors, ranges []optRange, gscale float32, model Tensor) ([]Event, error) {
 	b.out = o.host
-	slices.SortFunc(ranges, func(x, y optRange) int { return cmp.Compare(x.offset, y.offset) })
 	ready := make([]Event, len(o.plan.Buckets))
-	rs := ranges
-	var part []optRange
-	for bi, bp := range o.plan.Buckets {
-		lo, hi := int64(bp.ShardOffset), int64(bp.ShardOffset+bp.Shard)
-		part = part[:0]
-		for len(rs) > 0 && rs[0].offset < hi {
-			r := rs[0]
-			r.offset -= lo
-			part = append(part, r)
-			rs = rs[1:]
+	err := eachBucket(o.plan, ranges, func(bi int, bp BucketPlan, part []optRange) error {
+		sub := b.slice(bp.ShardOffset, bp.Shard)
+		run := func(g Tensor) error {
+			sub.g = g
+			return hostDev.optimize(o.stream, kind, sub, part, gscale)
 		}
-		if len(part) == 0 {
-			continue
+		var err error
+		if b.g.dtype == FP32 {
+			err = run(sub.g)
+		} else {
+			err = widened(hostDev, o.stream, b.g, o.scratch, bp, run)
 		}
-		first, last := part[0].offset, part[len(part)-1].offset+part[len(part)-1].count
-		if err := hostDev.optimize(o.stream, kind, b.slice(bp.ShardOffset, bp.Shard), part, gscale); err != nil {
-			return nil, err
+		if err != nil {
+			return err
 		}
 		written, err := o.stream.recordUntimed(nil)
 		if err != nil {
-			return nil, err
+			return err
 		}
+		first, last := part[0].offset, part[len(part)-1].offset+part[len(part)-1].count
 		at, n := bp.ShardOffset+int(first), int(last-first)
-		if ready[bi], err = o.transfer(model.slice(at, n), o.host.slice(at, n), written, true); err != nil {
-			return nil, err
-		}
-	}
-	return ready, nil
+		ready[bi], err = o.transfer(model.slice(at, n), o.host.slice(at, n), written, true)
+		return err
+	})
+	return ready, err
+}
+
+func (o *offload) squares(_ Stream, g Tensor) (float64, error) {
+	return squaresOf(hostDev, o.stream, o.plan, g, o.scratch)
 }
 
 // ---- backward marks and stats -------------------------------------------------------
@@ -312,7 +318,7 @@ func (o *offload) gradCopyTimes() (total, exposed time.Duration, err error) {
 // next step's.
 func (o *offload) report(st *Stats) error {
 	st.HostBytes, st.HostPinnedBytes = o.mem.bytes, o.mem.locked
-	st.HostGradBytes = int64(o.sum.Bytes()) + int64(o.landing.held*o.maxLand*o.landing.dtype.Size())
+	st.HostGradBytes = int64(o.sum.Bytes()+o.scratch.Bytes()) + int64(o.landing.held*o.maxLand*o.landing.dtype.Size())
 	st.DeviceBytesSaved = o.saved
 	var err error
 	if st.GradCopyTime, st.GradCopyExposed, err = o.gradCopyTimes(); err != nil {
@@ -326,7 +332,7 @@ func (o *offload) report(st *Stats) error {
 // the host stream and the marks; the caller has waited for the work that
 // used them, and the shard and the state were freed by their owners.
 func (o *offload) shutdown() error {
-	errs := []error{o.landing.trim(0), o.mem.Free(o.host), o.stream.Close()}
+	errs := []error{o.landing.trim(0), o.mem.Free(o.host), o.mem.Free(o.scratch), o.stream.Close()}
 	if o.marks != nil {
 		errs = append(errs, o.marks.Close())
 	}

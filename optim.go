@@ -1,9 +1,11 @@
 package zero
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"time"
 )
 
@@ -133,21 +135,88 @@ type optimizerHome interface {
 	// loadMaster fills master from the model-dtype shard model (device
 	// memory, written on s) and waits for it.
 	loadMaster(s Stream, master, model Tensor) error
+	// squares is the sum of squares of the gradient shard g (fp32, or the
+	// 16-bit ShardDType, read bucket by bucket through an fp32 scratch).
+	squares(s Stream, g Tensor) (float64, error)
 	// pass runs the fused optimizer over b's ranges and leaves the new
 	// model-dtype parameters in model, on the device. It returns, per
 	// bucket, the event after which model holds them there; nil: in order
-	// on s.
+	// on s. A 16-bit gradient shard b.g is read bucket by bucket through an
+	// fp32 scratch.
 	pass(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32, model Tensor) ([]Event, error)
+}
+
+// eachBucket calls fn, in bucket order, for every bucket that holds one of
+// ranges (sorted here by offset), with those ranges rebased to the bucket's
+// part of the shard.
+func eachBucket(plan *Plan, ranges []optRange, fn func(bi int, bp BucketPlan, part []optRange) error) error {
+	slices.SortFunc(ranges, func(x, y optRange) int { return cmp.Compare(x.offset, y.offset) })
+	var part []optRange
+	for bi, bp := range plan.Buckets {
+		lo, hi := int64(bp.ShardOffset), int64(bp.ShardOffset+bp.Shard)
+		part = part[:0]
+		for len(ranges) > 0 && ranges[0].offset < hi {
+			r := ranges[0]
+			r.offset -= lo
+			part = append(part, r)
+			ranges = ranges[1:]
+		}
+		if len(part) == 0 {
+			continue
+		}
+		if err := fn(bi, bp, part); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// widened runs fn on d's stream s with bucket bi's part of a 16-bit shard
+// g widened into scratch (fp32); fn gets the widened part.
+func widened(d Device, s Stream, g, scratch Tensor, bp BucketPlan, fn func(part Tensor) error) error {
+	part := scratch.slice(0, bp.Shard)
+	if err := d.cast(s, part, g.slice(bp.ShardOffset, bp.Shard), 1); err != nil {
+		return err
+	}
+	return fn(part)
+}
+
+// squaresOf sums the squares of g on d's stream s: in one pass where g is
+// fp32, bucket by bucket through scratch where it is 16-bit (the sums added
+// in bucket order, in float64).
+func squaresOf(d Device, s Stream, plan *Plan, g, scratch Tensor) (float64, error) {
+	if g.dtype == FP32 {
+		var x float64
+		if err := d.sumSquares(s, g, &x); err != nil {
+			return 0, err
+		}
+		return x, s.Sync()
+	}
+	total := 0.0
+	for _, bp := range plan.Buckets {
+		var x float64
+		err := widened(d, s, g, scratch, bp, func(part Tensor) error { return d.sumSquares(s, part, &x) })
+		if err == nil {
+			err = s.Sync()
+		}
+		if err != nil {
+			return 0, err
+		}
+		total += x
+	}
+	return total, nil
 }
 
 // deviceHome keeps the state in device memory and runs the pass on the
 // engine's stream.
 type deviceHome struct {
-	dev Device
-	mem *memoryMeter // the optimizer's device bytes
+	dev     Device
+	plan    *Plan
+	mem     *memoryMeter // the optimizer's device bytes
+	scratch Tensor       // fp32, the largest bucket shard, for a 16-bit gradient shard
 }
 
-func (h deviceHome) Alloc(n int, d DType) (Tensor, error) {
+func (h *deviceHome) Alloc(n int, d DType) (Tensor, error) {
 	t, err := h.dev.Alloc(n, d)
 	if err == nil {
 		h.mem.add(int64(t.Bytes()))
@@ -155,24 +224,57 @@ func (h deviceHome) Alloc(n int, d DType) (Tensor, error) {
 	return t, err
 }
 
-func (h deviceHome) Free(t Tensor) error {
+func (h *deviceHome) Free(t Tensor) error {
 	h.mem.add(-int64(t.Bytes()))
 	return h.dev.Free(t)
 }
 
-func (h deviceHome) side(s Stream) (Device, Stream) { return h.dev, s }
+func (h *deviceHome) side(s Stream) (Device, Stream) { return h.dev, s }
 
-func (h deviceHome) loadMaster(s Stream, master, model Tensor) error {
+func (h *deviceHome) loadMaster(s Stream, master, model Tensor) error {
 	if err := h.dev.cast(s, master, model, 1); err != nil {
 		return err
 	}
 	return s.Sync()
 }
 
-func (h deviceHome) pass(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32, model Tensor) ([]Event, error) {
-	b.out = model
-	return nil, h.dev.optimize(s, kind, b, ranges, gscale)
+// scratchFor is the fp32 scratch a 16-bit gradient shard is read through.
+func (h *deviceHome) scratchFor(g Tensor) (Tensor, error) {
+	if g.dtype == FP32 || h.scratch.ptr != 0 {
+		return h.scratch, nil
+	}
+	var err error
+	h.scratch, err = h.Alloc(maxShardElems(h.plan), FP32)
+	return h.scratch, err
 }
+
+func (h *deviceHome) squares(s Stream, g Tensor) (float64, error) {
+	scratch, err := h.scratchFor(g)
+	if err != nil {
+		return 0, err
+	}
+	return squaresOf(h.dev, s, h.plan, g, scratch)
+}
+
+func (h *deviceHome) pass(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32, model Tensor) ([]Event, error) {
+	b.out = model
+	if b.g.dtype == FP32 {
+		return nil, h.dev.optimize(s, kind, b, ranges, gscale)
+	}
+	scratch, err := h.scratchFor(b.g)
+	if err != nil {
+		return nil, err
+	}
+	return nil, eachBucket(h.plan, ranges, func(_ int, bp BucketPlan, part []optRange) error {
+		return widened(h.dev, s, b.g, scratch, bp, func(g Tensor) error {
+			sub := b.slice(bp.ShardOffset, bp.Shard)
+			sub.g = g
+			return h.dev.optimize(s, kind, sub, part, gscale)
+		})
+	})
+}
+
+func (h *deviceHome) close() error { return h.Free(h.scratch) }
 
 // optimizerSpec is what the optimizer needs of the engine.
 type optimizerSpec struct {
@@ -201,7 +303,7 @@ func newOptimizer(sp optimizerSpec) (*optState, error) {
 		scaler: newLossScaler(sp.cfg.Precision.LossScale), clip: sp.cfg.Optimizer.Clip, keepNonFinite: sp.cfg.Precision.KeepNonFinite}
 	o.groupsDigest = recordDigest(groupsRecord(o.base), "")
 	if o.home == nil {
-		o.home = deviceHome{dev: o.dev, mem: &o.mem}
+		o.home = &deviceHome{dev: o.dev, plan: o.plan, mem: &o.mem}
 	}
 	n, dt := sp.plan.ShardElems, sp.plan.modelDType()
 	o.gather = newBufferPool(o.dev, dt, &o.mem)
@@ -308,13 +410,10 @@ const normWords = 4
 // the loss scale.
 func (o *optState) step(grads Tensor, readScale float32, used []bool, overflowFlag float32) (stepResult, error) {
 	s := o.s
-	sd, ss := o.home.side(s)
+	_, ss := o.home.side(s)
 	res := stepResult{scale: o.scaler.scale}
-	var sumsq float64
-	if err := sd.sumSquares(ss, grads, &sumsq); err != nil {
-		return res, err
-	}
-	if err := ss.Sync(); err != nil {
+	sumsq, err := o.home.squares(ss, grads)
+	if err != nil {
 		return res, err
 	}
 	// Each rank's sum of squares travels as a mantissa split in two fp32
@@ -502,6 +601,9 @@ func (o *optState) close() error {
 		if t.ptr != 0 {
 			errs = append(errs, o.home.Free(t))
 		}
+	}
+	if h, ok := o.home.(*deviceHome); ok {
+		errs = append(errs, h.close())
 	}
 	return errors.Join(errs...)
 }

@@ -110,7 +110,7 @@ func (e *Engine) init() error {
 	var err error
 	var home optimizerHome
 	if e.cfg.Offload.Optimizer {
-		off, err := newOffload(e.dev, e.plan, e.copyStream, e.cfg.Precision.CommDType, e.cfg.StagingBuffers)
+		off, err := newOffload(e.dev, e.plan, e.copyStream, e.cfg.Precision.CommDType, e.cfg.Precision.ShardDType, e.cfg.StagingBuffers)
 		if err != nil {
 			if off != nil { // no pipeline owns its shard yet
 				err = errors.Join(err, off.close(), off.shutdown())
@@ -121,7 +121,7 @@ func (e *Engine) init() error {
 		e.streams = append(e.streams, e.off.hostStream())
 		sk, home = e.off, e.off
 	} else {
-		ds, err := newDeviceSink(e.dev, e.plan.ShardElems)
+		ds, err := newDeviceSink(e.dev, e.plan, e.cfg.Precision.ShardDType)
 		if err != nil {
 			return errors.Join(err, ds.close())
 		}
@@ -580,13 +580,37 @@ func (e *Engine) GradShard() ([]float32, error) {
 	return out, nil
 }
 
-// copyScaled copies between host memory and d's, times scale, on s, and
+// copyScaled copies between host fp32 memory and d's (fp32, or the
+// shard's 16-bit dtype, through an fp32 copy on d), times scale, on s, and
 // waits for it.
 func (e *Engine) copyScaled(d Device, s Stream, dst, src Tensor, scale float32) error {
-	if err := d.copyScaled(s, dst, src, scale); err != nil {
-		return e.fail(err)
+	wide := func(t Tensor) (Tensor, error) { return d.Alloc(t.count, FP32) }
+	var err error
+	switch {
+	case src.dtype != FP32: // d's 16-bit memory to the host
+		var tmp Tensor
+		if tmp, err = wide(src); err == nil {
+			err = d.cast(s, tmp, src, 1)
+			if err == nil {
+				err = d.copyScaled(s, dst, tmp, scale)
+			}
+			err = errors.Join(err, s.Sync(), d.Free(tmp))
+		}
+	case dst.dtype != FP32: // the host into d's 16-bit memory
+		var tmp Tensor
+		if tmp, err = wide(dst); err == nil {
+			err = d.copyScaled(s, tmp, src, scale)
+			if err == nil {
+				err = d.cast(s, dst, tmp, 1)
+			}
+			err = errors.Join(err, s.Sync(), d.Free(tmp))
+		}
+	default:
+		if err = d.copyScaled(s, dst, src, scale); err == nil {
+			err = s.Sync()
+		}
 	}
-	if err := s.Sync(); err != nil {
+	if err != nil {
 		return e.fail(err)
 	}
 	return nil
@@ -599,7 +623,7 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 	if err := e.readable("FullGrads"); err != nil {
 		return nil, err
 	}
-	all, err := e.dev.Alloc(e.plan.ShardElems*e.world, FP32)
+	all, err := e.dev.Alloc(e.plan.ShardElems*e.world, e.pl.gradShard().dtype)
 	if err != nil {
 		return nil, err
 	}
