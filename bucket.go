@@ -217,8 +217,9 @@ type pipeline struct {
 
 	stagingPool *bufferPool // comm dtype, MaxBucket elements each
 	localPool   *bufferPool // fp32, one bucket's elements each
-	windowPool  *bufferPool // windowDType, when it is 16-bit: a window's local sums
+	windowPool  *bufferPool // windowDType, a bucket's padded elements each: a window's local sums
 	buckets     []bucketState
+	stageLocal  int // buckets local in the stage's own mode (ZeRO-1's), whose sums are kept
 
 	batch struct { // GradsReady's grouping, kept from call to call
 		order  []int   // buckets of the batch
@@ -233,6 +234,7 @@ type pipeline struct {
 	reducing map[Stream]Event // the last reduction issued on each stream since the last sync
 	sent     CommCounters     // the collectives issued since the last takeStats
 	clock    stopwatch        // times the reductions since the last Step
+	ends     *backwardEnd     // the engine's: when the window's last backward ended
 }
 
 type streamEvent struct {
@@ -256,8 +258,8 @@ type bucketState struct {
 // bug of seed 002. Only the test that shows the rule is needed sets it.
 var waitOnlyLastProducer = false
 
-func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream Stream, sk sink) (*pipeline, error) {
-	pl := &pipeline{spec: spec, plan: plan, dev: dev, comm: comm, stream: stream, reducing: map[Stream]Event{}, sink: sk}
+func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream Stream, sk sink, ends *backwardEnd) (*pipeline, error) {
+	pl := &pipeline{spec: spec, plan: plan, dev: dev, comm: comm, stream: stream, reducing: map[Stream]Event{}, sink: sk, ends: ends}
 	pl.stagingPool = newBufferPool(dev, spec.commDType, &pl.mem)
 	pl.localPool = newBufferPool(dev, FP32, &pl.mem)
 	pl.windowPool = newBufferPool(dev, spec.windowDType, &pl.mem)
@@ -268,6 +270,9 @@ func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream St
 	pl.buckets = make([]bucketState, len(plan.Buckets))
 	for i := range pl.buckets {
 		pl.buckets[i] = bucketState{mode: spec.modes[i], producers: map[Stream]Event{}, copyFirst: true}
+		if spec.modes[i] == local {
+			pl.stageLocal++
+		}
 	}
 	n := len(plan.counts)
 	pl.reported, pl.dirty, pl.writer = make([]bool, n), make([]bool, n), make([]streamEvent, n)
@@ -463,11 +468,13 @@ func (pl *pipeline) take(b int, idx []int, params []int, grads []Tensor, stream 
 func (pl *pipeline) addLocal(b int, idx []int, params []int, grads []Tensor, stream Stream) error {
 	bs := &pl.buckets[b]
 	if bs.local == nil {
-		pool := pl.localPool
-		if pl.spec.modes[b] != local && pl.spec.windowDType != FP32 {
-			pool = pl.windowPool // a window's bucket, summed in the model dtype
+		pool, n := pl.localPool, pl.plan.Buckets[b].Elems
+		if pl.spec.modes[b] != local {
+			// a window's bucket, summed in the window's dtype, padded so
+			// that sums in the comm dtype are reduced where they are
+			pool, n = pl.windowPool, pl.plan.Buckets[b].Padded
 		}
-		acc, err := pool.get(pl.plan.Buckets[b].Elems)
+		acc, err := pool.get(n)
 		if err != nil {
 			return err
 		}
@@ -635,13 +642,17 @@ func (pl *pipeline) endBackward() {
 func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 	bp, bs := &pl.plan.Buckets[b], &pl.buckets[b]
 	st := bs.stage
-	if st == nil {
+	if bs.mode == local && pl.reducesInPlace(bs.local) {
+		// The window's sums are already in the comm dtype: they are the
+		// reduce-scatter's buffer, and no staging buffer is taken.
+		st, bs.local = bs.local, nil
+	} else if st == nil {
 		if st, err = pl.stagingPool.get(pl.plan.MaxBucket()); err != nil {
 			return err
 		}
 	}
 	bs.stage = nil
-	freeAt := Event(nil) // on a failure, when the staging buffer may be reused
+	freeAt := Event(nil) // on a failure, when the buffer may be reused
 	defer func() {
 		if err != nil {
 			// What was enqueued before the failure may still use the
@@ -650,7 +661,7 @@ func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 			if freeAt == nil {
 				freeAt = fence(rs)
 			}
-			pl.stagingPool.put(st, freeAt)
+			st.release(freeAt)
 		}
 	}()
 	if err := rs.Wait(st.free); err != nil {
@@ -673,7 +684,15 @@ func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 		}
 	}
 	buf := st.t.slice(0, bp.Padded)
-	if bs.mode == local {
+	if st.from != pl.stagingPool {
+		err = pl.zeroGaps(b, rs, buf, pl.dirty)
+		for _, p := range bp.Params {
+			pl.dirty[p] = false
+		}
+		if err != nil {
+			return err
+		}
+	} else if bs.mode == local {
 		if err := pl.flattenLocal(b, rs, buf); err != nil {
 			return err
 		}
@@ -708,20 +727,18 @@ func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 	bs.reduced = l.reduced
 	clear(bs.producers)
 	bs.last = nil
-	pl.stagingPool.put(st, l.read)
+	st.release(l.read)
 	if bs.local != nil {
-		pl.localPoolOf(bs.local).put(bs.local, l.reduced)
+		bs.local.release(l.reduced)
 		bs.local = nil
 	}
 	return nil
 }
 
-// localPoolOf is the pool a local accumulator came from.
-func (pl *pipeline) localPoolOf(b *buffer) *bufferPool {
-	if b.t.dtype != FP32 {
-		return pl.windowPool
-	}
-	return pl.localPool
+// reducesInPlace reports whether a local sum is reduced where it is: a
+// window's sums in the comm dtype, with no pre-scale to apply.
+func (pl *pipeline) reducesInPlace(sum *buffer) bool {
+	return sum != nil && sum.from == pl.windowPool && sum.t.dtype == pl.spec.commDType && pl.spec.prescale == 1
 }
 
 // flattenLocal casts bucket b's local fp32 sums into its staging buffer
@@ -804,11 +821,11 @@ func (pl *pipeline) discard() error {
 		clear(bs.producers)
 		bs.last = nil
 		if bs.stage != nil {
-			pl.stagingPool.put(bs.stage, nil)
+			bs.stage.release(nil)
 			bs.stage = nil
 		}
 		if bs.local != nil {
-			pl.localPoolOf(bs.local).put(bs.local, nil)
+			bs.local.release(nil)
 			bs.local = nil
 		}
 	}
@@ -829,6 +846,18 @@ func (pl *pipeline) newWindow() {
 	clear(pl.writer) // their writes were flushed
 }
 
+// releaseWindowSums frees the idle buffers only a window uses (its sums,
+// and the fp32 ones beyond ZeRO-1's own sums), as a backward begins
+// outside a window: a training loop that uses windows keeps them from step
+// to step, one that stopped gives them back. Nothing idle, it costs a
+// comparison.
+func (pl *pipeline) releaseWindowSums() error {
+	if pl.windowPool.bytes == 0 && pl.localPool.held <= pl.stageLocal {
+		return nil
+	}
+	return errors.Join(pl.windowPool.trim(0), pl.localPool.trim(pl.stageLocal))
+}
+
 // trim frees pooled buffers beyond the initial staging buffers.
 func (pl *pipeline) trim() error {
 	return errors.Join(pl.stagingPool.trim(pl.spec.staging), pl.localPool.trim(0), pl.windowPool.trim(0))
@@ -845,11 +874,11 @@ func (pl *pipeline) close() error {
 			errs = append(errs, ev.Sync())
 		}
 		if bs.stage != nil {
-			pl.stagingPool.put(bs.stage, nil)
+			bs.stage.release(nil)
 			bs.stage = nil
 		}
 		if bs.local != nil {
-			pl.localPoolOf(bs.local).put(bs.local, nil)
+			bs.local.release(nil)
 			bs.local = nil
 		}
 	}
@@ -892,9 +921,9 @@ func (pl *pipeline) takeOverflow(s Stream) (float32, error) {
 
 // stageMode is bucket b's own mode; setMode sets the mode it runs in (a
 // window's).
-func (pl *pipeline) stageMode(b int) bucketMode  { return pl.spec.modes[b] }
-func (pl *pipeline) setMode(b int, m bucketMode) { pl.buckets[b].mode = m }
-func (pl *pipeline) residentBytes() int64        { return pl.mem.cur }
+func (pl *pipeline) stageMode(b int) bucketMode         { return pl.spec.modes[b] }
+func (pl *pipeline) setMode(b int, m bucketMode)        { pl.buckets[b].mode = m }
+func (pl *pipeline) residentBytes() (held, inUse int64) { return pl.mem.cur, pl.mem.inUse }
 
 // reducesOn reports whether s carries a reduction issued since the last
 // sync (without Overlap reductions run on the caller's stream).
@@ -907,15 +936,19 @@ func (pl *pipeline) owesFlushAtStep() bool { return pl.unflushed }
 // report fills the step's reduction figures and starts the next window's.
 func (pl *pipeline) report(st *Stats) error {
 	var err error
+	if _, st.ExposedReduceTime, st.LongestReduceTime, err = pl.ends.exposure(&pl.clock); err != nil {
+		return err
+	}
 	if st.ReduceTime, err = pl.clock.take(); err != nil {
 		return err
 	}
 	st.Collectives = st.Collectives.Add(pl.sent)
 	st.StagingBuffers = pl.stagingPool.held
 	st.PeakGradBytes, st.ResidentGradBytes = pl.mem.peak, pl.mem.cur
+	st.PeakGradBytesInUse, st.GradBytesInUse = pl.mem.peakInUse, pl.mem.inUse
 	st.PooledGradBytes = pl.stagingPool.bytes + pl.localPool.bytes + pl.windowPool.bytes
 	pl.sent = CommCounters{}
-	pl.mem.peak = pl.mem.cur
+	pl.mem.restart()
 	return nil
 }
 

@@ -16,9 +16,9 @@ type window struct {
 	active    bool  // inside BeginCoalesce/EndCoalesce
 	noSync    bool  // inside BeginNoSync/EndNoSync
 	flushNext bool  // NoSync ended: the next backward reduces (DDP's rule)
-	// resident is the gradient memory held when the window's last backward
-	// ended, before its flush, for the stats.
-	resident int64
+	// resident and inUse are the gradient memory held and in use when the
+	// window's last backward ended, before its flush, for the stats.
+	resident, inUse int64
 }
 
 func newWindow(pl *pipeline, plan *Plan, cfg WindowPolicy) window {
@@ -39,7 +39,7 @@ func (w *window) localInWindow() []bool {
 	for b := len(inWindow) - 1; b >= 0; b-- {
 		size := int64(w.plan.Buckets[b].Elems) * 4
 		if w.pl.stageMode(b) != local {
-			size = int64(w.plan.Buckets[b].Elems * w.dtype.Size())
+			size = int64(w.plan.Buckets[b].Padded * w.dtype.Size())
 		}
 		if w.budget > 0 && used+size > w.budget {
 			break
@@ -115,7 +115,7 @@ func (w *window) begin(noSync bool) {
 // endCoalesce reduces each local bucket once, on rs, and restores the
 // modes.
 func (w *window) endCoalesce(rs Stream) error {
-	w.resident = w.pl.residentBytes()
+	w.resident, w.inUse = w.pl.residentBytes()
 	if err := w.pl.flushLocal(rs); err != nil {
 		return err
 	}
@@ -143,7 +143,7 @@ func (w *window) abandon() {
 // notes the memory held then, for the stats.
 func (w *window) flushing() bool {
 	if w.flushNext {
-		w.resident = w.pl.residentBytes()
+		w.resident, w.inUse = w.pl.residentBytes()
 	}
 	return w.flushNext
 }
@@ -158,7 +158,7 @@ func (w *window) afterFlush() {
 
 // report fills the window's figures and starts the next window's.
 func (w *window) report(st *Stats) error {
-	st.WindowResidentBytes = w.resident
-	w.resident = 0
+	st.WindowResidentBytes, st.WindowGradBytesInUse = w.resident, w.inUse
+	w.resident, w.inUse = 0, 0
 	return nil
 }

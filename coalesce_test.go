@@ -230,12 +230,12 @@ func TestCoalesceWindowDType(t *testing.T) {
 				}
 				accum := int64(0)
 				for _, b := range narrow[0].plan.Buckets {
-					accum += int64(b.Elems)
+					accum += int64(b.Padded)
 				}
 				w, n := wide[0].stats[1].WindowResidentBytes, narrow[0].stats[1].WindowResidentBytes
 				// the narrow window also holds one fp32 scratch bucket
 				if saved := w - n; saved < 2*accum-int64(4*narrow[0].plan.MaxBucket()) || saved > 2*accum {
-					t.Errorf("%v: the window holds %d bytes in %v, %d in fp32; want about 2 bytes × %d elements less", r, n, dt, w, accum)
+					t.Errorf("%v: the window holds %d bytes in %v, %d in fp32; want about 2 bytes × %d (padded) elements less", r, n, dt, w, accum)
 				}
 			}
 		}
@@ -264,15 +264,15 @@ func TestWindowMemory(t *testing.T) {
 				size := wdt.Size()
 				if half { // exactly the sums of the last half of the buckets
 					for b := len(plan.Buckets) / 2; b < len(plan.Buckets); b++ {
-						r.budget += size * plan.Buckets[b].Elems
+						r.budget += size * plan.Buckets[b].Padded
 					}
 				}
 				local, sums := 0, 0
 				for b := len(plan.Buckets) - 1; b >= 0; b-- {
-					if r.budget > 0 && sums+size*plan.Buckets[b].Elems > r.budget {
+					if r.budget > 0 && sums+size*plan.Buckets[b].Padded > r.budget {
 						break
 					}
-					sums += size * plan.Buckets[b].Elems
+					sums += size * plan.Buckets[b].Padded
 					local++
 				}
 				if half && (local == 0 || local == len(plan.Buckets)) {

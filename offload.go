@@ -2,7 +2,6 @@ package zero
 
 import (
 	"errors"
-	"time"
 )
 
 // CPU offload (Config.Offload.Optimizer): the fp32 gradient shard, the
@@ -37,27 +36,18 @@ type offload struct {
 	// the optimizer's state, allocated here.
 	saved int64
 
-	gradCopies, paramCopies stopwatch // the window's copies to the host, its step's to the device
-	// marks is a stream of the device that only waits for the producers
-	// of a backward (their last events, in producers) and then records
-	// backwardEnd: the device's time when the window's last backward had
-	// produced its last gradient.
-	marks       Stream
-	producers   map[Stream]Event
-	backwardEnd Event
+	gradCopies, paramCopies stopwatch    // the window's copies to the host, its step's to the device
+	ends                    *backwardEnd // the engine's: when the window's last backward ended
 }
 
-func newOffload(dev Device, plan *Plan, copyStream Stream, commDType, shardDType DType, keep int) (*offload, error) {
+func newOffload(dev Device, plan *Plan, copyStream Stream, commDType, shardDType DType, keep int, ends *backwardEnd) (*offload, error) {
 	mem, err := newHostMemory(dev)
 	if err != nil {
 		return nil, err
 	}
 	maxShard := maxShardElems(plan)
-	o := &offload{dev: dev, plan: plan, mem: mem, copy: copyStream, stream: NewHostStream(), maxLand: maxShard, keep: keep, producers: map[Stream]Event{}}
+	o := &offload{dev: dev, plan: plan, mem: mem, copy: copyStream, stream: NewHostStream(), maxLand: maxShard, keep: keep, ends: ends}
 	o.landing = newBufferPool(mem, commDType, &o.meter)
-	if o.marks, err = dev.NewStream(); err != nil {
-		return o, err
-	}
 	if o.sum, err = o.Alloc(plan.ShardElems, shardDType); err != nil {
 		return o, err
 	}
@@ -83,7 +73,6 @@ func (o *offload) drainHost() error                { return o.stream.Sync() }
 func (o *offload) hostStream() *HostStream         { return o.stream }
 func (o *offload) landingBuffers() (held, n int)   { return o.landing.held, o.maxLand }
 func (o *offload) trim() error                     { return o.landing.trim(o.keep) }
-func (o *offload) produced(s Stream, ev Event)     { o.producers[s] = ev }
 func (o *offload) hostBytes() (held, locked int64) { return o.mem.bytes, o.mem.locked }
 
 // land copies mine, this rank's reduced part of a bucket, to the host once
@@ -265,54 +254,7 @@ func (o *offload) squares(_ Stream, g Tensor) (float64, error) {
 	return squaresOf(hostDev, o.stream, o.plan, g, o.scratch)
 }
 
-// ---- backward marks and stats -------------------------------------------------------
-
-// endBackward marks the end of a backward on the device's clock: after
-// its producers' last events.
-func (o *offload) endBackward() error {
-	for _, ev := range o.producers {
-		if err := o.marks.Wait(ev); err != nil {
-			return err
-		}
-	}
-	clear(o.producers)
-	o.gradCopies.release(o.backwardEnd) // the last backward's mark: a later one replaces it
-	var err error
-	o.backwardEnd, err = o.gradCopies.mark(o.marks)
-	return err
-}
-
-// discard forgets the producers of a dropped backward (DiscardGrads).
-func (o *offload) discard() {
-	clear(o.producers)
-	o.gradCopies.release(o.backwardEnd)
-	o.backwardEnd = nil
-}
-
-// gradCopyTimes sums the window's copies to the host, and the part of them
-// that ran after its last backward ended, and empties them.
-func (o *offload) gradCopyTimes() (total, exposed time.Duration, err error) {
-	for _, sp := range o.gradCopies.spans {
-		if o.backwardEnd == nil {
-			break
-		}
-		from, err := Elapsed(o.backwardEnd, sp[0])
-		if err != nil {
-			return 0, 0, err
-		}
-		to, err := Elapsed(o.backwardEnd, sp[1])
-		if err != nil {
-			return 0, 0, err
-		}
-		exposed += max(0, to-max(0, from))
-	}
-	if total, err = o.gradCopies.take(); err != nil {
-		return 0, 0, err
-	}
-	o.gradCopies.release(o.backwardEnd)
-	o.backwardEnd = nil
-	return total, exposed, nil
-}
+// ---- stats -------------------------------------------------------------------------
 
 // report fills the step's host figures and its copy times, and starts the
 // next step's.
@@ -321,7 +263,10 @@ func (o *offload) report(st *Stats) error {
 	st.HostGradBytes = int64(o.sum.Bytes()+o.scratch.Bytes()) + int64(o.landing.held*o.maxLand*o.landing.dtype.Size())
 	st.DeviceBytesSaved = o.saved
 	var err error
-	if st.GradCopyTime, st.GradCopyExposed, err = o.gradCopyTimes(); err != nil {
+	if st.GradCopyExposed, _, _, err = o.ends.exposure(&o.gradCopies); err != nil {
+		return err
+	}
+	if st.GradCopyTime, err = o.gradCopies.take(); err != nil {
 		return err
 	}
 	st.ParamCopyTime, err = o.paramCopies.take()
@@ -329,12 +274,8 @@ func (o *offload) report(st *Stats) error {
 }
 
 // shutdown frees the landing buffers and the host's model copy, and stops
-// the host stream and the marks; the caller has waited for the work that
-// used them, and the shard and the state were freed by their owners.
+// the host stream; the caller has waited for the work that used them, and
+// the shard and the state were freed by their owners.
 func (o *offload) shutdown() error {
-	errs := []error{o.landing.trim(0), o.mem.Free(o.host), o.mem.Free(o.scratch), o.stream.Close()}
-	if o.marks != nil {
-		errs = append(errs, o.marks.Close())
-	}
-	return errors.Join(errs...)
+	return errors.Join(o.landing.trim(0), o.mem.Free(o.host), o.mem.Free(o.scratch), o.stream.Close())
 }

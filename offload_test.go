@@ -591,7 +591,7 @@ func TestOffloadBackwardEndMark(t *testing.T) {
 	if err := e.EndBackward(); err != nil {
 		t.Fatal(err)
 	}
-	mark := e.off.backwardEnd
+	mark := e.ends.at
 	time.Sleep(20 * time.Millisecond)
 	open()
 	if err := e.Step(); err != nil {

@@ -12,7 +12,12 @@ type allocator interface {
 type buffer struct {
 	t    Tensor
 	free Event
+	from *bufferPool
 }
+
+// release gives the buffer back to its pool; free fires when its last
+// user is done with it.
+func (b *buffer) release(free Event) { b.from.put(b, free) }
 
 // bufferPool keeps buffers of one dtype between uses, by element count, so
 // the steady state allocates nothing. Buffers of one size come back
@@ -38,6 +43,7 @@ func (p *bufferPool) get(n int) (*buffer, error) {
 		b := q[0]
 		p.idle[n] = q[1:]
 		p.bytes -= int64(b.t.Bytes())
+		p.mem.use(int64(b.t.Bytes()))
 		return b, nil
 	}
 	if err := p.grow(n, 1); err != nil {
@@ -54,8 +60,9 @@ func (p *bufferPool) grow(n, k int) error {
 			return err
 		}
 		p.held++
-		p.mem.add(int64(t.Bytes()))
-		p.put(&buffer{t: t}, nil)
+		p.mem.hold(int64(t.Bytes()))
+		p.mem.use(int64(t.Bytes())) // put counts it out again
+		p.put(&buffer{t: t, from: p}, nil)
 	}
 	return nil
 }
@@ -66,6 +73,7 @@ func (p *bufferPool) put(b *buffer, free Event) {
 	n := b.t.count
 	p.idle[n] = append(p.idle[n], b)
 	p.bytes += int64(b.t.Bytes())
+	p.mem.use(-int64(b.t.Bytes()))
 }
 
 // trim frees idle buffers, the longest idle first, until the pool holds
@@ -83,7 +91,7 @@ func (p *bufferPool) trim(keep int) error {
 				}
 			}
 			p.bytes -= int64(b.t.Bytes())
-			p.mem.add(-int64(b.t.Bytes()))
+			p.mem.hold(-int64(b.t.Bytes()))
 			if err := p.dev.Free(b.t); err != nil && first == nil {
 				first = err
 			}
@@ -94,12 +102,36 @@ func (p *bufferPool) trim(keep int) error {
 	return first
 }
 
-// memoryMeter tracks the bytes of gradient memory held and their peak.
+// memoryMeter tracks the bytes a component holds (allocated: in use or
+// idle in its pools) and the part in use (allocated less pooled, what
+// PyTorch's memory_allocated counts, its cache being the pools), with the
+// peak of each. A buffer counts as in use from get until put, even if the
+// work put waits for is still running: PyTorch counts a freed tensor the
+// same way.
 type memoryMeter struct {
-	cur, peak int64
+	cur, peak        int64 // held
+	inUse, peakInUse int64 // held less pooled
 }
 
+// add counts n bytes allocated and in use (negative: freed).
 func (m *memoryMeter) add(n int64) {
+	m.hold(n)
+	m.use(n)
+}
+
+// hold counts n bytes allocated idle, or (negative) an idle buffer freed.
+func (m *memoryMeter) hold(n int64) {
 	m.cur += n
 	m.peak = max(m.peak, m.cur)
+}
+
+// use moves n bytes into use (negative: back to a pool).
+func (m *memoryMeter) use(n int64) {
+	m.inUse += n
+	m.peakInUse = max(m.peakInUse, m.inUse)
+}
+
+// restart starts the peaks again from what is held and in use now.
+func (m *memoryMeter) restart() {
+	m.peak, m.peakInUse = m.cur, m.inUse
 }

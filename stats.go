@@ -38,10 +38,10 @@ type Stats struct {
 	// Config.StagingBuffers only when buckets complete out of order.
 	StagingBuffers int
 	// PeakGradBytes and ResidentGradBytes count the gradient memory the
-	// engine holds on the device: the fp32 shard (on the host with
-	// Offload), the staging buffers and local accumulators, in use or
-	// pooled. The peak is over the window; it starts
-	// again from the resident bytes at Step.
+	// engine holds on the device: the shard (on the host with Offload), the
+	// staging buffers, the local sums and the scratch they need, in use or
+	// pooled. The peak is over the window; it starts again from the
+	// resident bytes at Step.
 	PeakGradBytes     int64
 	ResidentGradBytes int64 // see PeakGradBytes
 	// WindowResidentBytes is the gradient memory held at the end of a
@@ -49,9 +49,23 @@ type Stats struct {
 	// shard, the local sums and the staging buffers (0 without a window).
 	WindowResidentBytes int64
 	// PooledGradBytes is the part of ResidentGradBytes that the pools hold
-	// idle at the end of the step, kept for the next window; TrimPools frees
-	// what is beyond the configured staging buffers.
+	// idle at the end of the step, kept for the next window: a window's
+	// sums stay pooled until a backward begins outside a window, and
+	// TrimPools frees what is beyond the configured staging buffers.
 	PooledGradBytes int64
+	// The same figures less what the pools hold idle: the memory in use,
+	// as PyTorch's memory_allocated counts it (its caching allocator being
+	// the pools). GradBytesInUse is ResidentGradBytes − PooledGradBytes.
+	PeakGradBytesInUse   int64 // see PeakGradBytes
+	WindowGradBytesInUse int64 // see WindowResidentBytes
+	GradBytesInUse       int64 // see ResidentGradBytes
+	// ExposedReduceTime is the time from the end of the window's last
+	// backward (its last EndBackward) to the end of its last reduction: the
+	// part of the reductions backward did not hide. LongestReduceTime is
+	// the longest single bucket's reduction, the least exposure overlap can
+	// reach (the last bucket can only start when backward ends).
+	ExposedReduceTime time.Duration
+	LongestReduceTime time.Duration // see ExposedReduceTime
 	// Overflow is set when a reduced gradient on this rank was inf or NaN.
 	Overflow bool
 	// With an optimizer: Skipped is set when every rank skipped the step

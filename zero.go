@@ -35,8 +35,9 @@ type Engine struct {
 	ps        *paramState // stage 3 with parameter memory: the parameter shards
 	reporters []statsReporter
 
-	events eventPool // the window's producer events, untimed
-	one    struct {  // GradReady's batch of one
+	events eventPool    // the window's producer events, untimed
+	ends   *backwardEnd // when the window's last backward ended, for the exposed times
+	one    struct {     // GradReady's batch of one
 		param [1]int
 		grad  [1]Tensor
 	}
@@ -100,6 +101,11 @@ func (e *Engine) init() error {
 		}
 		e.streams = append(e.streams, *s)
 	}
+	var err error
+	if e.ends, err = newBackwardEnd(e.dev); err != nil {
+		return err
+	}
+	e.streams = append(e.streams, e.ends.marks)
 	if err := checkSettings(e.dev, e.comm, e.reduceStream, settingsRecord(e.cfg, e.params, e.world)); err != nil {
 		return err
 	}
@@ -107,10 +113,9 @@ func (e *Engine) init() error {
 	// with offload the host, which is then both the pipeline's sink and the
 	// optimizer's home.
 	var sk sink
-	var err error
 	var home optimizerHome
 	if e.cfg.Offload.Optimizer {
-		off, err := newOffload(e.dev, e.plan, e.copyStream, e.cfg.Precision.CommDType, e.cfg.Precision.ShardDType, e.cfg.StagingBuffers)
+		off, err := newOffload(e.dev, e.plan, e.copyStream, e.cfg.Precision.CommDType, e.cfg.Precision.ShardDType, e.cfg.StagingBuffers, e.ends)
 		if err != nil {
 			if off != nil { // no pipeline owns its shard yet
 				err = errors.Join(err, off.close(), off.shutdown())
@@ -146,7 +151,7 @@ func (e *Engine) init() error {
 	spec := pipelineSpec{rank: e.rank, world: e.world, commDType: e.cfg.Precision.CommDType, overlap: e.cfg.Overlap,
 		staging: e.cfg.StagingBuffers, modes: modes, windowDType: e.cfg.Window.DType,
 		prescale: float32(1 / f), reduceOp: reduceOp, postscale: postscale}
-	if e.pl, err = newPipeline(spec, e.plan, e.dev, e.comm, e.reduceStream, sk); err != nil {
+	if e.pl, err = newPipeline(spec, e.plan, e.dev, e.comm, e.reduceStream, sk, e.ends); err != nil {
 		return err
 	}
 	e.win = newWindow(e.pl, e.plan, e.cfg.Window)
@@ -315,8 +320,15 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 	if err := e.checkGrads(params, grads, stream); err != nil {
 		return nil, err
 	}
-	if !e.inBackward && e.win.startsFlush() {
-		e.boundary = true // the backward after NoSync reduces as it goes
+	if !e.inBackward {
+		if e.win.startsFlush() {
+			e.boundary = true // the backward after NoSync reduces as it goes
+		}
+		if !e.win.open() {
+			if err := e.pl.releaseWindowSums(); err != nil {
+				return nil, e.fail(err)
+			}
+		}
 	}
 	e.inBackward = true
 	e.lastStream = stream
@@ -333,9 +345,7 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 		return nil, e.fail(err)
 	}
 	e.pl.producedBatch(params, stream, ev)
-	if e.off != nil {
-		e.off.produced(stream, ev)
-	}
+	e.ends.produced(stream, ev)
 	for _, p := range params {
 		e.usedWindow[p] = true
 	}
@@ -402,10 +412,8 @@ func (e *Engine) EndBackward() error {
 		return e.fail(divergence("EndBackward", e.backwards, err))
 	}
 	e.pl.endBackward()
-	if e.off != nil {
-		if err := e.off.endBackward(); err != nil {
-			return e.fail(err)
-		}
+	if err := e.ends.mark(); err != nil {
+		return e.fail(err)
 	}
 	if e.boundary {
 		e.win.afterFlush()
@@ -433,9 +441,7 @@ func (e *Engine) DiscardGrads() error {
 	if err := e.pl.discard(); err != nil {
 		return e.fail(err)
 	}
-	if e.off != nil {
-		e.off.discard()
-	}
+	e.ends.restart()
 	e.events.recycle() // every producer event was synced
 	e.inBackward, e.boundary, e.lastStream = false, false, nil
 	e.backwards = 0
@@ -509,6 +515,7 @@ func (e *Engine) Step() error {
 		return e.fail(err)
 	}
 	e.stats = st
+	e.ends.restart()
 	clear(e.callerStreams)
 	e.stepIndex++
 	e.discarded = false
@@ -936,6 +943,9 @@ func (e *Engine) Close() error {
 	}
 	if e.check != nil {
 		errs = append(errs, e.check.close())
+	}
+	if e.ends != nil {
+		errs = append(errs, e.ends.close())
 	}
 	return errors.Join(errs...)
 }
