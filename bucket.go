@@ -936,7 +936,7 @@ func (pl *pipeline) owesFlushAtStep() bool { return pl.unflushed }
 // report fills the step's reduction figures and starts the next window's.
 func (pl *pipeline) report(st *Stats) error {
 	var err error
-	if _, st.ExposedReduceTime, st.LongestReduceTime, err = pl.ends.exposure(&pl.clock); err != nil {
+	if _, st.ExposedReduceTime, st.LastReduceTime, err = pl.ends.exposure(&pl.clock); err != nil {
 		return err
 	}
 	if st.ReduceTime, err = pl.clock.take(); err != nil {

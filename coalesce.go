@@ -126,6 +126,7 @@ func (w *window) endCoalesce(rs Stream) error {
 
 // endNoSync ends NoSync: the next backward reduces what it accumulated.
 func (w *window) endNoSync() {
+	w.resident, w.inUse = w.pl.residentBytes()
 	w.noSync = false
 	w.flushNext = true
 }
@@ -139,14 +140,8 @@ func (w *window) abandon() {
 	w.active, w.noSync = false, false
 }
 
-// flushing reports whether NoSync ended and its flush is still to come; it
-// notes the memory held then, for the stats.
-func (w *window) flushing() bool {
-	if w.flushNext {
-		w.resident, w.inUse = w.pl.residentBytes()
-	}
-	return w.flushNext
-}
+// flushing reports whether NoSync ended and its flush is still to come.
+func (w *window) flushing() bool { return w.flushNext }
 
 // afterFlush ends a NoSync's reduction: the modes return to the stage's.
 func (w *window) afterFlush() {

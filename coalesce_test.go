@@ -439,3 +439,62 @@ func TestWindowClosesOnError(t *testing.T) {
 		}
 	}
 }
+
+// TestWindowSumsReusedClean: a window's pooled sums come back holding the
+// last window's values; a member no rank reports in the next window must
+// still reduce to zero, with sums reduced in place (comm dtype) or through
+// a staging buffer (fp32 sums).
+func TestWindowSumsReusedClean(t *testing.T) {
+	params := []Param{{Name: "a", Count: 300, DType: BF16}, {Name: "b", Count: 77, DType: BF16}, {Name: "c", Count: 500, DType: BF16}}
+	for _, wdt := range []DType{BF16, FP32} {
+		cfg := Config{Stage: 2, BucketBytes: 1 << 20, Overlap: true}
+		cfg.Window.DType = wdt
+		full := make([][][]float32, 2)
+		errs := onEngines(2, time.Minute, cfg, params, func(e *Engine, s *HostStream) error {
+			grads := bf16Grads(params, 1)
+			for step, skip := range []int{-1, 1} { // the second window leaves out b
+				err := e.Coalesce(func() error {
+					for range 2 {
+						for p := len(params) - 1; p >= 0; p-- {
+							if p == skip {
+								continue
+							}
+							if _, err := e.GradReady(p, grads[p], s); err != nil {
+								return err
+							}
+						}
+						if err := e.EndBackward(); err != nil {
+							return err
+						}
+					}
+					return nil
+				})
+				if err == nil {
+					err = e.Step()
+				}
+				if err != nil {
+					return fmt.Errorf("step %d: %w", step, err)
+				}
+			}
+			g, err := e.FullGrads()
+			full[e.Rank()] = g
+			return err
+		})
+		for _, err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		for rank, g := range full {
+			for p := range params {
+				want := float32(1) // the mean of a window of 2 backwards of ones
+				if p == 1 {
+					want = 0
+				}
+				if err := wantAll(g[p:p+1], want); err != nil {
+					t.Errorf("window sums %v, rank %d, %s: %v", wdt, rank, params[p].Name, err)
+				}
+			}
+		}
+	}
+}

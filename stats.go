@@ -60,12 +60,14 @@ type Stats struct {
 	WindowGradBytesInUse int64 // see WindowResidentBytes
 	GradBytesInUse       int64 // see ResidentGradBytes
 	// ExposedReduceTime is the time from the end of the window's last
-	// backward (its last EndBackward) to the end of its last reduction: the
-	// part of the reductions backward did not hide. LongestReduceTime is
-	// the longest single bucket's reduction, the least exposure overlap can
-	// reach (the last bucket can only start when backward ends).
+	// backward (its last gradient produced, on every stream that produced
+	// in it) to the end of its last reduction: the part of the reductions
+	// backward did not hide (with a window, the flush is all of it).
+	// LastReduceTime is the last reduction's own time: the last bucket can
+	// only be reduced once backward has produced it, so no overlap exposes
+	// less.
 	ExposedReduceTime time.Duration
-	LongestReduceTime time.Duration // see ExposedReduceTime
+	LastReduceTime    time.Duration // see ExposedReduceTime
 	// Overflow is set when a reduced gradient on this rank was inf or NaN.
 	Overflow bool
 	// With an optimizer: Skipped is set when every rank skipped the step

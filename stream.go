@@ -535,18 +535,31 @@ func (b *backwardEnd) restart() {
 }
 
 // exposure measures spans (a stopwatch's, not yet taken) against the
-// mark: the sum of their parts after it, the latest end after it (0 when
-// every span ended before it, or no backward ended), and the longest span.
-func (b *backwardEnd) exposure(w *stopwatch) (after, tail, longest time.Duration, err error) {
+// mark: the sum of their parts after it; how long after it the last span
+// ended (0 when every span ended before it, or no backward ended); and the
+// last span's own length, the least exposure overlap can reach (the last
+// bucket is produced when backward ends).
+func (b *backwardEnd) exposure(w *stopwatch) (after, tail, last time.Duration, err error) {
+	var lastEnd Event
 	for _, sp := range w.spans {
-		d, err := Elapsed(sp[0], sp[1])
-		if err != nil {
+		if lastEnd != nil {
+			d, err := Elapsed(lastEnd, sp[1])
+			if err != nil {
+				return 0, 0, 0, err
+			}
+			if d < 0 {
+				continue
+			}
+		}
+		lastEnd = sp[1]
+		if last, err = Elapsed(sp[0], sp[1]); err != nil {
 			return 0, 0, 0, err
 		}
-		longest = max(longest, d)
-		if b.at == nil {
-			continue
-		}
+	}
+	if b.at == nil {
+		return 0, 0, last, nil
+	}
+	for _, sp := range w.spans {
 		from, err := Elapsed(b.at, sp[0])
 		if err != nil {
 			return 0, 0, 0, err
@@ -558,7 +571,7 @@ func (b *backwardEnd) exposure(w *stopwatch) (after, tail, longest time.Duration
 		after += max(0, to-max(0, from))
 		tail = max(tail, to)
 	}
-	return after, tail, longest, nil
+	return after, tail, last, nil
 }
 
 func (b *backwardEnd) close() error {

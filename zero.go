@@ -483,7 +483,6 @@ func (e *Engine) Step() error {
 		return err
 	}
 	if e.pl.owesFlushAtStep() {
-		e.win.flushing() // notes the memory held, for the stats
 		if err := e.pl.flushLocal(e.reduceStream); err != nil {
 			return e.fail(err)
 		}

@@ -129,6 +129,24 @@ MUTANTS = [
      "\tclear(pl.dirty)\n\tpl.unflushed = false\n",
      "\tpl.unflushed = false\n",
      "TestDiscardGrads"),
+    # gradient memory and exposure (shard dtype issue)
+    ("window-sums-never-released", "bucket.go",
+     "\tif pl.windowPool.bytes == 0 && pl.localPool.held <= pl.stageLocal {\n\t\treturn nil",
+     "\tif true {\n\t\treturn nil",
+     "TestWindowSumsReleased"),
+    ("pool-put-still-in-use", "pool.go",
+     "\tp.bytes += int64(b.t.Bytes())\n\tp.mem.use(-int64(b.t.Bytes()))",
+     "\tp.bytes += int64(b.t.Bytes())",
+     "TestWindowSumsReleased"),
+    ("exposure-ignores-mark", "stream.go",
+     "\t\tafter += max(0, to-max(0, from))\n\t\ttail = max(tail, to)",
+     "\t\tafter += max(0, to-max(0, from))\n\t\ttail = max(tail, to-from)",
+     "TestExposedReduceTime"),
+    ("in-place-flush-keeps-stale-members", "bucket.go",
+     "\t\terr = pl.zeroGaps(b, rs, buf, pl.dirty)",
+     "\t\terr = nil",
+     "TestWindowSumsReusedClean"),
+
 ]
 
 

@@ -37,10 +37,12 @@ type options struct {
 	world, layers, hidden int
 	ns, stages            []int
 	modes                 []string
-	steps                 int  // timed steps per row, after one warm-up step
-	bucketBytes           int  // 0: one layer per bucket
-	rounds                int  // hash rounds per gradient element: the backward's compute
-	overlap               bool // Config.Overlap
+	steps                 int        // timed steps per row, after one warm-up step
+	bucketBytes           int        // 0: one layer per bucket
+	rounds                int        // hash rounds per gradient element: the backward's compute
+	overlap               bool       // Config.Overlap
+	windowDType           zero.DType // Window.DType: of a window's local sums
+	shardDType            zero.DType // Precision.ShardDType: of the reduced gradient shard
 }
 
 // Row is one line of the table (and one JSON object).
@@ -48,20 +50,28 @@ type Row struct {
 	Stage int    `json:"stage"`
 	Mode  string `json:"mode"`
 	N     int    `json:"n"`
-	// Gradient memory per rank, in bytes: PeakGradBytes, the bytes held at
-	// the end of the last backward before the flush (measured:
-	// WindowResidentBytes; baseline: ResidentGradBytes, see the footnote),
-	// ResidentGradBytes at Step, and the idle pooled part of it.
+	// Gradient memory per rank, in bytes, held (in use or idle in the
+	// pools): PeakGradBytes, the bytes held at the end of the last backward
+	// before the flush (measured: WindowResidentBytes; baseline:
+	// ResidentGradBytes, see the footnote), ResidentGradBytes at Step, and
+	// the idle pooled part of it.
 	PeakBytes              int64 `json:"peak_window_bytes"`
 	WindowResidentBytes    int64 `json:"window_resident_bytes"`
 	WindowResidentMeasured bool  `json:"window_resident_measured"`
 	FlushResidentBytes     int64 `json:"flush_resident_bytes"`
 	PooledBytes            int64 `json:"pooled_bytes"`
+	// The same in use (the pools' idle buffers left out, as PyTorch's
+	// memory_allocated leaves out its cache).
+	PeakInUseBytes   int64 `json:"peak_in_use_bytes"`
+	WindowInUseBytes int64 `json:"window_in_use_bytes"`
+	FlushInUseBytes  int64 `json:"flush_in_use_bytes"`
 	// Timing of rank 0: the median step wall time, every timed step's, and
-	// the last step's ReduceTime.
-	WallMs   float64   `json:"wall_ms"`
-	WallsMs  []float64 `json:"walls_ms"`
-	ReduceMs float64   `json:"reduce_ms"`
+	// the last step's ReduceTime, ExposedReduceTime and LastReduceTime.
+	WallMs    float64   `json:"wall_ms"`
+	WallsMs   []float64 `json:"walls_ms"`
+	ReduceMs  float64   `json:"reduce_ms"`
+	ExposedMs float64   `json:"exposed_ms"`
+	BucketMs  float64   `json:"last_bucket_ms"`
 	// Collectives of the last step on rank 0, by kind.
 	ReduceScatters int64 `json:"reduce_scatters"`
 	AllReduces     int64 `json:"all_reduces"`
@@ -79,9 +89,11 @@ type Row struct {
 	// float64 mean on a sample, relative to the mean of |g|.
 	MaxErr float64 `json:"max_err"`
 	// The setup, so JSON rows stand alone.
-	World  int   `json:"world"`
-	Params int64 `json:"params"`
-	Steps  int   `json:"steps"`
+	World       int    `json:"world"`
+	Params      int64  `json:"params"`
+	Steps       int    `json:"steps"`
+	WindowDType string `json:"window_dtype"`
+	ShardDType  string `json:"shard_dtype"`
 }
 
 func main() {
@@ -97,6 +109,8 @@ func main() {
 	bucketMiB := flag.Float64("bucket", 0, "bucket size in MiB (0: one layer per bucket)")
 	flag.IntVar(&o.rounds, "rounds", 1, "hash rounds per gradient element: the synthetic backward's compute (about 2 µs per KiB at 1)")
 	flag.BoolVar(&o.overlap, "overlap", true, "reduce on the engine's own stream (Config.Overlap)")
+	windowDType := flag.String("window-dtype", "fp32", "dtype of a window's local sums (Window.DType): fp32 or bf16")
+	shardDType := flag.String("shard-dtype", "fp32", "dtype of the reduced gradient shard (Precision.ShardDType): fp32 or bf16")
 	asJSON := flag.Bool("json", false, "print one JSON object per row instead of the table")
 	quiet := flag.Bool("q", false, "no progress on stderr")
 	flag.Parse()
@@ -105,6 +119,12 @@ func main() {
 	}
 	o.bucketBytes = int(*bucketMiB * (1 << 20))
 	var err error
+	if o.windowDType, err = dtypeFlag("window-dtype", *windowDType); err != nil {
+		fail(err)
+	}
+	if o.shardDType, err = dtypeFlag("shard-dtype", *shardDType); err != nil {
+		fail(err)
+	}
 	if o.ns, err = ints(*ns); err != nil {
 		fail(err)
 	}
@@ -212,11 +232,12 @@ type rankOut struct {
 
 func runRow(o options, m *model, stage int, mode string, n int) (Row, error) {
 	cfg := zero.Config{Stage: stage, BucketBytes: o.bucketBytes, Overlap: o.overlap}
+	cfg.Window.DType, cfg.Precision.ShardDType = o.windowDType, o.shardDType
 	if cfg.BucketBytes == 0 {
 		cfg.BucketBytes = m.layerBytes()
 	}
 	if mode == coalesceBudget {
-		cfg.Window.BudgetBytes = int(2 * m.count) // half the fp32 gradient
+		cfg.Window.BudgetBytes = int(m.count) * o.windowDType.Size() / 2 // half a gradient in the window's dtype
 	}
 	outs := make([]rankOut, o.world)
 	if err := zero.RunLocal(o.world, func(comm zero.Comm) error {
@@ -233,37 +254,54 @@ func runRow(o options, m *model, stage int, mode string, n int) (Row, error) {
 		Stage: stage, Mode: mode, N: n,
 		PeakBytes: st.PeakGradBytes, WindowResidentBytes: st.WindowResidentBytes, WindowResidentMeasured: st.WindowResidentBytes > 0,
 		FlushResidentBytes: st.ResidentGradBytes, PooledBytes: st.PooledGradBytes,
+		PeakInUseBytes: st.PeakGradBytesInUse, WindowInUseBytes: st.WindowGradBytesInUse, FlushInUseBytes: st.GradBytesInUse,
 		WallMs: median(walls), WallsMs: walls, ReduceMs: ms(st.ReduceTime),
+		ExposedMs: ms(st.ExposedReduceTime), BucketMs: ms(st.LastReduceTime),
 		ReduceScatters: c[zero.KindReduceScatter].Calls, AllReduces: c[zero.KindAllReduce].Calls, AllGathers: c[zero.KindAllGather].Calls,
 		GradPayloadBytes:   c[zero.KindReduceScatter].PayloadBytes + c[zero.KindAllReduce].PayloadBytes,
 		GradWireBytes:      c[zero.KindReduceScatter].WireBytes + c[zero.KindAllReduce].WireBytes,
 		GatherPayloadBytes: c[zero.KindAllGather].PayloadBytes, GatherWireBytes: c[zero.KindAllGather].WireBytes,
-		Buckets: len(outs[0].plan.Buckets), LocalBuckets: localBuckets(outs[0].plan, cfg.Window.BudgetBytes),
+		Buckets: len(outs[0].plan.Buckets), LocalBuckets: localBuckets(outs[0].plan, cfg),
 		MaxErr: maxError(m, outs[0].full, o.world, n, o.rounds),
-		World:  o.world, Params: m.count, Steps: o.steps,
+		World:  o.world, Params: m.count, Steps: o.steps, WindowDType: o.windowDType.String(), ShardDType: o.shardDType.String(),
 	}
 	if !row.WindowResidentMeasured {
 		// No window: memory only grows into the pools, and Step allocates
 		// nothing after the warm-up, so Step's resident bytes are those of
 		// the last backward's end.
-		row.WindowResidentBytes = st.ResidentGradBytes
+		row.WindowResidentBytes, row.WindowInUseBytes = st.ResidentGradBytes, st.GradBytesInUse
 	}
 	return row, nil
 }
 
 // localBuckets counts the buckets a window makes local: the engine's rule,
-// from the last produced down while their fp32 sums fit the budget.
-func localBuckets(p *zero.Plan, budget int) int {
+// from the last produced down while their sums fit the budget (ZeRO-1's own
+// in fp32, the others' in the window's dtype, padded).
+func localBuckets(p *zero.Plan, cfg zero.Config) int {
 	used, n := 0, 0
 	for b := len(p.Buckets) - 1; b >= 0; b-- {
 		size := 4 * p.Buckets[b].Elems
-		if budget > 0 && used+size > budget {
+		if cfg.Stage != 1 {
+			size = cfg.Window.DType.Size() * p.Buckets[b].Padded
+		}
+		if cfg.Window.BudgetBytes > 0 && used+size > cfg.Window.BudgetBytes {
 			break
 		}
 		used += size
 		n++
 	}
 	return n
+}
+
+// dtypeFlag reads a dtype flag.
+func dtypeFlag(name, v string) (zero.DType, error) {
+	switch v {
+	case "fp32":
+		return zero.FP32, nil
+	case "bf16":
+		return zero.BF16, nil
+	}
+	return 0, fmt.Errorf("-%s %q: want fp32 or bf16 (the model is bf16)", name, v)
 }
 
 func runRank(o options, m *model, cfg zero.Config, comm zero.Comm, mode string, n int, out *rankOut) (err error) {
@@ -484,36 +522,40 @@ func printTable(w io.Writer, o options, m *model, rows []Row) {
 	if o.bucketBytes > 0 {
 		bucket = fmt.Sprintf("%.1f MiB buckets", mib(int64(o.bucketBytes)))
 	}
-	fmt.Fprintf(w, "zero demo: %d ranks in one process, MLP %d×%d (%.1fM params, %.1f MiB of bf16 gradient per backward), %s (%d), overlap %v; %s\n\n",
-		o.world, m.layers, m.hidden, float64(m.count)/1e6, mib(2*m.count), bucket, rows[0].Buckets, o.overlap, host())
-	fmt.Fprintln(w, "| stage | mode | N | peak window MiB | window resident MiB | flush resident MiB | pooled MiB | wall ms | collectives | payload MiB | wire MiB | gather MiB | max err |")
-	fmt.Fprintln(w, "|---|---|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|")
+	fmt.Fprintf(w, "zero demo: %d ranks in one process, MLP %d×%d (%.1fM params, %.1f MiB of bf16 gradient per backward), %s (%d), overlap %v, window sums %v, shard %v; %s\n\n",
+		o.world, m.layers, m.hidden, float64(m.count)/1e6, mib(2*m.count), bucket, rows[0].Buckets, o.overlap, o.windowDType, o.shardDType, host())
+	fmt.Fprintln(w, "| stage | mode | N | in use: peak / window / flush MiB | held: peak / window / flush MiB | pooled MiB | wall ms | exposed ms | bucket ms | collectives | payload MiB | wire MiB | gather MiB | max err |")
+	fmt.Fprintln(w, "|---|---|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|")
 	for _, r := range rows {
-		resident := fmt.Sprintf("%.1f", mib(r.WindowResidentBytes))
+		mark := ""
 		if !r.WindowResidentMeasured {
-			resident += "¹"
+			mark = "¹"
 		}
 		gather := "–"
 		if r.AllGathers > 0 {
 			gather = fmt.Sprintf("%.1f", mib(r.GatherPayloadBytes))
 		}
-		fmt.Fprintf(w, "| ZeRO-%d | %s | %d | %.1f | %s | %.1f | %.1f | %.1f | %s | %.1f | %.1f | %s | %.1e |\n",
-			r.Stage, r.Mode, r.N, mib(r.PeakBytes), resident, mib(r.FlushResidentBytes), mib(r.PooledBytes), r.WallMs,
-			collectives(r), mib(r.GradPayloadBytes), mib(r.GradWireBytes), gather, r.MaxErr)
+		fmt.Fprintf(w, "| ZeRO-%d | %s | %d | %.1f / %.1f%s / %.1f | %.1f / %.1f%s / %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.1f | %.1f | %s | %.1e |\n",
+			r.Stage, r.Mode, r.N, mib(r.PeakInUseBytes), mib(r.WindowInUseBytes), mark, mib(r.FlushInUseBytes),
+			mib(r.PeakBytes), mib(r.WindowResidentBytes), mark, mib(r.FlushResidentBytes), mib(r.PooledBytes),
+			r.WallMs, r.ExposedMs, r.BucketMs, collectives(r), mib(r.GradPayloadBytes), mib(r.GradWireBytes), gather, r.MaxErr)
 	}
 	fmt.Fprintf(w, `
 Per rank, for one step of N backwards; wall ms is rank 0's median of %d steps after a warm-up step. Memory is
-the engine's gradient memory (the fp32 shard, fp32 local sums, bf16 bucket staging), peak over the window.
-Window resident: held at the end of the last backward, before the flush (Stats.WindowResidentBytes).
-¹ Baseline has no window: Step's resident bytes stand in; the pools only grow and Step allocates nothing
-after the warm-up, so they equal the last backward's end. Flush resident: at Step, after the flush;
-pooled is its idle part (local sums and staging kept for the next window; TrimPools frees them).
+the engine's gradient memory (the shard, local sums, bucket staging and the scratch they need): in use, as
+PyTorch's memory_allocated counts tensors, and held, the pools' idle buffers included (PyTorch's cache).
+Peak is over the window; window: at the end of the last backward, before the flush; flush: at Step.
+¹ Baseline has no window: Step's figures stand in; the pools only grow and Step allocates nothing after the
+warm-up, so they equal the last backward's end. Pooled is the idle part at Step (a window's sums are kept
+for the next window until a backward begins outside one; TrimPools frees them).
+Exposed: from the end of the last backward (its last gradient produced) to the end of the last reduction
+(Stats.ExposedReduceTime); bucket: the last bucket's own reduction, which overlap cannot hide.
 Collectives: RS reduce-scatter, AR all-reduce (one: Step's 8- or 12-byte check that every rank took N
 backwards), AG stage 3's parameter all-gathers (forward and backward gather each layer; a layer released
 just before its next use stays gathered). Payload and wire (ring model) are the RS and AR; gather MiB is
-the AG payload. coalesce_budget: CoalesceBudgetBytes = half the fp32 gradient; the buckets backward
-produces last are local, the others reduce every backward (no effect at stage 1, whose buckets are all
-local). Max err: against the float64 mean on a sample, relative to mean |g|.
+the AG payload. coalesce_budget: Window.BudgetBytes = half a gradient in the window's dtype; the buckets
+backward produces last are local, the others reduce every backward (no effect at stage 1, whose buckets
+are all local). Max err: against the float64 mean on a sample, relative to mean |g|.
 `, o.steps)
 }
 
