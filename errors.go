@@ -34,6 +34,10 @@ var (
 	ErrCUDA        = errors.New("zero: CUDA error")
 	ErrNCCL        = errors.New("zero: NCCL error")
 	ErrDevice      = errors.New("zero: no such device")
+	// ErrCheckpoint: a checkpoint could not be written, or is missing,
+	// incomplete, damaged, of a newer format or of another model; the
+	// message names the file and what to do.
+	ErrCheckpoint = errors.New("zero: checkpoint")
 )
 
 func errorf(kind error, format string, args ...any) error {

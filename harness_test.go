@@ -130,6 +130,7 @@ type runSpec struct {
 	windowEvery bool
 	budget      int   // Config.CoalesceBudgetBytes
 	windowDType DType // Config.WindowDType
+	shard       DType // Precision.ShardDType (0: fp32)
 	offload     bool  // Config.Offload
 	// poison writes junk into every view of the shard after each step's
 	// reads: the next window's first reductions must copy over it.
@@ -217,7 +218,7 @@ func runEngine(t testing.TB, r runSpec, params []Param, data workload, seed int6
 // runRanks runs run on every rank with r's config and fails t on an error.
 func runRanks(t testing.TB, r runSpec, run func(cfg Config, rank int, out *rankResult) error) []rankResult {
 	t.Helper()
-	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Precision: PrecisionPolicy{CommDType: r.comm}, Grads: GradPolicy{PredivideFactor: r.predivide, AccumSteps: r.accum, Reduction: r.reduction}, Window: WindowPolicy{BudgetBytes: r.budget, DType: r.windowDType}, Offload: OffloadPolicy{Optimizer: r.offload}}
+	cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Precision: PrecisionPolicy{CommDType: r.comm, ShardDType: r.shard}, Grads: GradPolicy{PredivideFactor: r.predivide, AccumSteps: r.accum, Reduction: r.reduction}, Window: WindowPolicy{BudgetBytes: r.budget, DType: r.windowDType}, Offload: OffloadPolicy{Optimizer: r.offload}}
 	results := make([]rankResult, r.world)
 	for rank, err := range eachRank(r.world, func(rank int) error { return run(cfg, rank, &results[rank]) }) {
 		if err != nil {

@@ -607,3 +607,171 @@ func (o *optState) close() error {
 	}
 	return errors.Join(errs...)
 }
+
+// ---- checkpoint state -----------------------------------------------------------
+
+// stateTensor is a tensor of state in the plan's shard layout, and where
+// it is read and written (the home's side, or the device for the
+// model-dtype shard).
+type stateTensor struct {
+	name string
+	t    Tensor
+	dev  Device
+	s    Stream
+}
+
+// scalerState is the loss scaler's state in a checkpoint.
+type scalerState struct {
+	Scale         float64 `json:"scale"`
+	CurHysteresis int     `json:"cur_hysteresis"`
+	Iter          int     `json:"iter"`
+	LastOverflow  int     `json:"last_overflow"`
+}
+
+// optGroup is one group's settings in a checkpoint: one of the two.
+type optGroup struct {
+	AdamW *AdamW `json:"adamw,omitempty"`
+	SGD   *SGD   `json:"sgd,omitempty"`
+}
+
+// optCheckpoint is the optimizer's state apart from its tensors.
+type optCheckpoint struct {
+	Kind      string      `json:"kind"`
+	Groups    []optGroup  `json:"groups"`    // as SetGroup left them
+	Steps     []int       `json:"steps"`     // per parameter: optimizer steps taken
+	Scheduled int         `json:"scheduled"` // the schedule's t
+	Scaler    scalerState `json:"loss_scaler"`
+}
+
+// stateTensors lists the tensors a checkpoint holds: the fp32 master and
+// the moments that exist, then the model-dtype shard (at stage 3 the
+// parameter shard).
+func (o *optState) stateTensors() []stateTensor {
+	d, s := o.home.side(o.s)
+	var out []stateTensor
+	for _, x := range []struct {
+		name string
+		t    Tensor
+	}{{"master", o.master}, {"m", o.m}, {"v", o.v}, {"vmax", o.vmax}} {
+		if x.t.ptr != 0 || (x.name == "master" && x.t.count == 0) {
+			out = append(out, stateTensor{x.name, x.t, d, s})
+		}
+	}
+	return append(out, stateTensor{"model", o.model, o.dev, o.s})
+}
+
+func (o *optState) checkpointState() optCheckpoint {
+	c := optCheckpoint{Kind: "adamw", Steps: slices.Clone(o.steps), Scheduled: o.scheduled,
+		Scaler: scalerState{o.scaler.scale, o.scaler.curHysteresis, o.scaler.iter, o.scaler.lastOverflow}}
+	if o.kind == optSGD {
+		c.Kind = "sgd"
+	}
+	for _, g := range o.base {
+		switch g := g.(type) {
+		case AdamW:
+			c.Groups = append(c.Groups, optGroup{AdamW: &g})
+		case SGD:
+			c.Groups = append(c.Groups, optGroup{SGD: &g})
+		}
+	}
+	return c
+}
+
+// restorable checks a checkpoint's optimizer state against this engine's
+// and returns its groups, ready to be set.
+func (o *optState) restorable(c optCheckpoint) ([]Optimizer, error) {
+	if len(c.Steps) != len(o.params) {
+		return nil, errorf(ErrCheckpoint, "the checkpoint counts steps of %d parameters, the engine has %d", len(c.Steps), len(o.params))
+	}
+	want := "adamw"
+	if o.kind == optSGD {
+		want = "sgd"
+	}
+	if c.Kind != want {
+		return nil, errorf(ErrCheckpoint, "the checkpoint's optimizer is %s, the engine's %s; build the engine with the checkpoint's optimizer, or load with WeightsOnly", c.Kind, want)
+	}
+	if len(c.Groups) != len(o.groups) {
+		return nil, errorf(ErrCheckpoint, "the checkpoint has %d optimizer groups, the engine %d", len(c.Groups), len(o.groups))
+	}
+	groups := make([]Optimizer, len(c.Groups))
+	for i, g := range c.Groups {
+		switch {
+		case g.AdamW != nil && o.kind == optAdamW:
+			a := *g.AdamW
+			a.set = true
+			groups[i] = a
+		case g.SGD != nil && o.kind == optSGD:
+			s := *g.SGD
+			s.set = true
+			groups[i] = s
+		default:
+			return nil, errorf(ErrCheckpoint, "the checkpoint's group %d is not a %s group", i, want)
+		}
+		if err := groups[i].check(fmt.Sprintf("the checkpoint's group %d", i)); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrCheckpoint, err)
+		}
+	}
+	return groups, nil
+}
+
+// prepareLoad allocates the state tensors the loaded groups need (SGD's
+// momentum, amsgrad's maximum) before anything is overwritten, and returns
+// every state tensor to fill.
+func (o *optState) prepareLoad(groups []Optimizer) ([]stateTensor, error) {
+	momentum, amsgrad := o.kind == optAdamW, false
+	for _, g := range groups {
+		switch g := g.(type) {
+		case SGD:
+			momentum = momentum || g.Momentum != 0
+		case AdamW:
+			amsgrad = amsgrad || g.AMSGrad
+		}
+	}
+	n := o.plan.ShardElems
+	for _, x := range []struct {
+		t    *Tensor
+		want bool
+	}{{&o.m, momentum}, {&o.vmax, amsgrad}} {
+		if x.want && x.t.ptr == 0 && n > 0 {
+			var err error
+			if *x.t, err = o.home.Alloc(n, FP32); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return o.stateTensors(), nil
+}
+
+// restore sets what a checkpoint holds beside its tensors (weightsOnly:
+// the engine's own groups, no steps taken, the scaler as New left it).
+func (o *optState) restore(c optCheckpoint, groups []Optimizer, weightsOnly bool, fresh lossScaler) error {
+	if weightsOnly {
+		clear(o.steps)
+		o.scheduled, o.scaler = 0, fresh
+		return nil
+	}
+	copy(o.steps, c.Steps)
+	o.scheduled = c.Scheduled
+	o.scaler.scale, o.scaler.curHysteresis, o.scaler.iter, o.scaler.lastOverflow = c.Scaler.Scale, c.Scaler.CurHysteresis, c.Scaler.Iter, c.Scaler.LastOverflow
+	copy(o.base, groups)
+	copy(o.groups, groups)
+	o.groupsDigest = recordDigest(groupsRecord(o.base), "")
+	return nil
+}
+
+// publish writes the loaded parameters into their memory: below stage 3,
+// gathered from the model-dtype shard as a step does; at stage 3 the
+// shard is the parameters.
+func (o *optState) publish() error {
+	if o.sharedModel {
+		return o.s.Sync()
+	}
+	used := make([]bool, len(o.params))
+	for p := range used {
+		used[p] = true
+	}
+	if err := o.gatherParams(used, nil); err != nil {
+		return err
+	}
+	return o.s.Sync()
+}

@@ -570,3 +570,21 @@ func (ps *paramState) afterStep() error {
 	}
 	return err
 }
+
+// dropGathered gives back every gathered bucket before the shard is
+// overwritten (a checkpoint's load; nothing may be held): the gathers wait
+// for nothing more, and the next ones read the new shard.
+func (ps *paramState) dropGathered() error {
+	for b := range ps.buckets {
+		if ps.buckets[b].buf != nil {
+			if err := ps.dropBucket(b); err != nil {
+				return err
+			}
+		}
+	}
+	ev, err := record(ps.gs)
+	if err == nil {
+		err = ps.rs.Wait(ev) // the shard's new values are written after the gathers' reads
+	}
+	return err
+}

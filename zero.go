@@ -37,6 +37,7 @@ type Engine struct {
 
 	events eventPool    // the window's producer events, untimed
 	ends   *backwardEnd // when the window's last backward ended, for the exposed times
+	files  ckptFS       // the file layer of checkpoints; nil: the operating system's
 	one    struct {     // GradReady's batch of one
 		param [1]int
 		grad  [1]Tensor
@@ -907,6 +908,89 @@ func (e *Engine) within(begin, fn, end func() error) error {
 		return errors.Join(err, discarded)
 	}
 	return end()
+}
+
+// ---- checkpoints -------------------------------------------------------------------
+
+// Save writes a checkpoint of the engine's state into dir (checkpoint.go):
+// the fp32 master, the optimizer's moments and step counts, its groups as
+// SetGroup left them, the loss scaler, the step count, the model-dtype
+// shard (at stage 3 the parameters), the offloaded host state, and
+// opt.Client, this rank's own bytes. Every rank calls it between steps
+// (not inside a backward, a window or NoSync, and with nothing gathered at
+// stage 3). dir is a directory all ranks share; the checkpoint becomes
+// dir/step-N and dir/latest names it once every rank has written its
+// part. It needs an optimizer: without one the engine holds no training
+// state.
+func (e *Engine) Save(dir string, opt SaveOptions) error {
+	ce, err := e.checkpointable("Save")
+	if err != nil {
+		return err
+	}
+	if err := ce.save(dir, opt); err != nil {
+		if errors.Is(err, ErrCheckpoint) || errors.Is(err, ErrConfig) {
+			return err
+		}
+		return e.fail(err)
+	}
+	return nil
+}
+
+// Load replaces the engine's state with the checkpoint in dir (a
+// checkpoint directory, or one whose latest names one) and returns this
+// rank's Client bytes. It is a load into an engine New has built, with the
+// same parameters (names, shapes, dtypes, groups), because New is where the
+// settings are checked across ranks and the memory is laid out: the
+// checkpoint fills that memory, whatever world size, stage or bucket size
+// wrote it (state is found by parameter). Set Params.NoBroadcast in the
+// Config when you will load: the broadcast of the initial values is then
+// wasted. The optimizer's groups are restored (SetGroup after Load
+// overrides them), as is the step count; Optimizer.Clip and Schedule come
+// from the engine's Config. Every rank calls it between steps. A damaged,
+// incomplete or foreign checkpoint is refused (ErrCheckpoint, naming the
+// file) before anything changes; an I/O error after every file was
+// checked is fatal.
+func (e *Engine) Load(dir string, opt LoadOptions) ([]byte, error) {
+	ce, err := e.checkpointable("Load")
+	if err != nil {
+		return nil, err
+	}
+	client, step, fatal, err := ce.load(dir, opt, newLossScaler(e.cfg.Precision.LossScale))
+	if err != nil {
+		if fatal {
+			return nil, e.fail(err)
+		}
+		return nil, err
+	}
+	e.stepIndex = step
+	return client, nil
+}
+
+// checkpointable refuses a save or load where the state is not at rest.
+func (e *Engine) checkpointable(op string) (*ckptEngine, error) {
+	if err := e.usable(op); err != nil {
+		return nil, err
+	}
+	switch {
+	case e.opt == nil:
+		return nil, errorf(ErrConfig, "%s without an optimizer: the engine holds no training state; set Optimizer.Groups", op)
+	case e.inBackward || e.backwards > 0:
+		return nil, errorf(ErrProtocol, "%s after a backward: call it between steps (after Step, before the next backward)", op)
+	case e.win.open() || e.win.startsFlush():
+		return nil, errorf(ErrProtocol, "%s inside a Coalesce window or NoSync: call it between steps", op)
+	case e.ps != nil && e.ps.stillGathered() > 0:
+		return nil, errorf(ErrProtocol, "%s with %d gathered parameter views out: Release them first", op, e.ps.stillGathered())
+	}
+	return &ckptEngine{fs: e.ckptFS(), comm: e.comm, rank: e.rank, world: e.world, stage: e.cfg.Stage, plan: e.plan,
+		params: e.params, settings: e.Settings(), opt: e.opt, ps: e.ps, step: e.stepIndex}, nil
+}
+
+// ckptFS is the file layer checkpoints use (a test's, where one is set).
+func (e *Engine) ckptFS() ckptFS {
+	if e.files != nil {
+		return e.files
+	}
+	return osFS{}
 }
 
 // ---- the end ---------------------------------------------------------------------

@@ -1,0 +1,772 @@
+package zero
+
+import (
+	"encoding/json"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"unsafe"
+)
+
+// Checkpoints. A checkpoint is a directory, dir/step-N, holding one file
+// per rank (its state tensors in its shard layout, and the caller's bytes;
+// ckptfile.go) and manifest.json, written last. dir/latest names the newest
+// complete one. Saving writes into dir/.partial-step-N, every file under a
+// temporary name, fsynced and renamed; once every rank has succeeded (a
+// collective of the outcomes), rank 0 renames the directory into place,
+// writes the manifest and then the latest pointer, each durably. A crash
+// or a failed rank at any moment leaves latest on the last complete
+// checkpoint, and the new one without a manifest: visibly incomplete.
+//
+// The manifest describes the layout by bucket (which parameter sits where
+// in each bucket, and each bucket's shard size and place), so state is
+// found by parameter and element range, never by flat offset: a
+// checkpoint loads into another plan (another world size, stage, bucket
+// size or alignment) as well as into its own.
+
+// SaveOptions are the choices of a Save.
+type SaveOptions struct {
+	// Client is this rank's own state (a data position, an RNG's state, an
+	// epoch), committed with the engine's and returned by Load.
+	Client []byte
+	// Keep is how many complete checkpoints dir keeps, the newest; older
+	// ones are removed once the new one is complete. 0 keeps 2.
+	Keep int
+}
+
+// LoadOptions are the choices of a Load.
+type LoadOptions struct {
+	// WeightsOnly loads the parameters (the fp32 master and the model-dtype
+	// values) and starts the optimizer afresh: moments zero, no steps
+	// taken, the loss scale and the groups as the engine's Config sets
+	// them (DeepSpeed's load_module_only, for a fine-tuning restart).
+	WeightsOnly bool
+}
+
+const (
+	ckptFormat   = "zero-checkpoint"
+	ckptManifest = "manifest.json"
+	ckptLatest   = "latest"
+	ckptPartial  = ".partial-"
+)
+
+// ckptParam is a parameter as the manifest records it.
+type ckptParam struct {
+	Name   string `json:"name"`
+	Shape  []int  `json:"shape,omitempty"`
+	Count  int    `json:"count"`
+	DType  string `json:"dtype"`
+	Group  int    `json:"group"`
+	Frozen bool   `json:"frozen,omitempty"`
+}
+
+// ckptBucket is a bucket of the layout: Members are (parameter, offset in
+// the bucket); rank r holds elements [r·Shard, (r+1)·Shard) of it at
+// ShardOffset of its shard.
+type ckptBucket struct {
+	Shard       int      `json:"shard"`
+	ShardOffset int      `json:"shard_offset"`
+	Members     [][2]int `json:"members"`
+}
+
+type ckptLayout struct {
+	World      int          `json:"world"`
+	ShardElems int          `json:"shard_elems"`
+	Buckets    []ckptBucket `json:"buckets"`
+}
+
+type ckptSetting struct {
+	Path  string `json:"path"`
+	Value string `json:"value"`
+	Class string `json:"class"`
+}
+
+type ckptFileInfo struct {
+	Name  string `json:"name"`
+	Rank  int    `json:"rank"`
+	Bytes int64  `json:"bytes"`
+	CRC   uint32 `json:"crc32c"`
+}
+
+// ckptManifestData is manifest.json.
+type ckptManifestData struct {
+	Format    string         `json:"format"`
+	Version   int            `json:"version"`
+	Step      int            `json:"step"` // steps the engine had taken
+	Stage     int            `json:"stage"`
+	Params    []ckptParam    `json:"params"`
+	Layout    ckptLayout     `json:"layout"`
+	Settings  []ckptSetting  `json:"settings"`
+	Optimizer optCheckpoint  `json:"optimizer"`
+	Files     []ckptFileInfo `json:"files"`
+}
+
+// ckptEngine is what a checkpoint needs of the engine.
+type ckptEngine struct {
+	fs          ckptFS
+	comm        Comm
+	rank, world int
+	stage       int
+	plan        *Plan
+	params      []Param
+	settings    []Setting
+	opt         *optState
+	ps          *paramState // nil below stage 3
+	step        int
+}
+
+func rankFileName(r int) string { return fmt.Sprintf("rank-%05d.bin", r) }
+
+// agree runs one collective of the ranks' outcomes: every rank learns
+// whether any failed; vals (the same length on every rank) are summed.
+func (ce *ckptEngine) agree(failed bool, vals ...float64) (bool, []float64, error) {
+	f := 0.0
+	if failed {
+		f = 1
+	}
+	out, err := AllReduceScalars(ce.comm, OpSum, append([]float64{f}, vals...)...)
+	if err != nil {
+		return false, nil, err
+	}
+	return out[0] != 0, out[1:], nil
+}
+
+// manifestFor describes the engine's model, layout and settings.
+func (ce *ckptEngine) manifestFor() ckptManifestData {
+	m := ckptManifestData{Format: ckptFormat, Version: ckptVersion, Step: ce.step, Stage: ce.stage,
+		Optimizer: ce.opt.checkpointState()}
+	for _, p := range ce.params {
+		m.Params = append(m.Params, ckptParam{Name: p.Name, Shape: slices.Clone(p.Shape), Count: p.Count, DType: p.DType.String(), Group: p.Group, Frozen: p.Frozen})
+	}
+	m.Layout = ckptLayout{World: ce.world, ShardElems: ce.plan.ShardElems}
+	for _, bp := range ce.plan.Buckets {
+		b := ckptBucket{Shard: bp.Shard, ShardOffset: bp.ShardOffset}
+		for _, p := range bp.Params {
+			b.Members = append(b.Members, [2]int{p, ce.plan.ParamOffset[p]})
+		}
+		m.Layout.Buckets = append(m.Layout.Buckets, b)
+	}
+	for _, s := range ce.settings {
+		m.Settings = append(m.Settings, ckptSetting{s.Path, s.Value, s.Class.String()})
+	}
+	return m
+}
+
+// ---- save --------------------------------------------------------------------
+
+// save writes a checkpoint of the engine under dir; every rank calls it.
+func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
+	keep := opt.Keep
+	if keep == 0 {
+		keep = 2
+	}
+	if keep < 0 {
+		return errorf(ErrConfig, "SaveOptions.Keep %d; keep at least 1 checkpoint (0 keeps 2)", keep)
+	}
+	// Rank 0 names the checkpoint (a name not taken yet) and makes its
+	// partial directory; every rank learns both outcomes.
+	var suffix float64
+	var err0 error
+	if ce.rank == 0 {
+		var k int
+		k, err0 = ce.freshName(dir)
+		suffix = float64(k)
+	}
+	failed, vals, err := ce.agree(err0 != nil, suffix)
+	if err != nil {
+		return err
+	}
+	if failed {
+		return ckptPeerError(err0, "could not create the checkpoint's directory in "+dir)
+	}
+	name := ckptName(ce.step, int(vals[0]))
+	partial := filepath.Join(dir, ckptPartial+name)
+
+	// Every rank writes its file; rank 0 gathers sizes and checksums.
+	size, crc, errw := ce.writeRankFile(partial, opt.Client)
+	report := make([]float64, 2*ce.world)
+	if errw == nil {
+		report[2*ce.rank], report[2*ce.rank+1] = float64(size), float64(crc)
+	}
+	failed, vals, err = ce.agree(errw != nil, report...)
+	if err != nil {
+		return err
+	}
+	if failed {
+		if ce.rank == 0 {
+			ce.fs.RemoveAll(partial) // best effort: it was never complete
+		}
+		return ckptPeerError(errw, "a rank could not write its part of the checkpoint")
+	}
+	// Rank 0 commits: the directory into place, the manifest, the pointer.
+	var errc error
+	if ce.rank == 0 {
+		m := ce.manifestFor()
+		for r := range ce.world {
+			m.Files = append(m.Files, ckptFileInfo{Name: rankFileName(r), Rank: r, Bytes: int64(vals[2*r]), CRC: uint32(vals[2*r+1])})
+		}
+		errc = ce.commit(dir, name, partial, m, keep)
+	}
+	failed, _, err = ce.agree(errc != nil)
+	if err != nil {
+		return err
+	}
+	if failed {
+		return ckptPeerError(errc, "rank 0 could not commit the checkpoint")
+	}
+	return nil
+}
+
+func ckptName(step, k int) string {
+	name := fmt.Sprintf("step-%08d", step)
+	if k > 0 {
+		name += "." + strconv.Itoa(k)
+	}
+	return name
+}
+
+// ckptPeerError is this rank's own error, or, where another rank failed,
+// one that says so.
+func ckptPeerError(own error, what string) error {
+	if own != nil {
+		return own
+	}
+	return errorf(ErrCheckpoint, "%s (see that rank's error); the previous checkpoint is untouched", what)
+}
+
+// freshName picks the suffix of a name no checkpoint has, clears stale
+// partial directories, and makes this save's partial directory.
+func (ce *ckptEngine) freshName(dir string) (int, error) {
+	if err := ce.fs.MkdirAll(dir); err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrCheckpoint, err)
+	}
+	ents, err := ce.fs.ReadDir(dir)
+	if err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrCheckpoint, err)
+	}
+	taken := map[string]bool{}
+	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), ckptPartial) {
+			if err := ce.fs.RemoveAll(filepath.Join(dir, e.Name())); err != nil {
+				return 0, fmt.Errorf("%w: %w", ErrCheckpoint, err)
+			}
+			continue
+		}
+		taken[e.Name()] = true
+	}
+	k := 0
+	for taken[ckptName(ce.step, k)] {
+		k++
+	}
+	if err := ce.fs.MkdirAll(filepath.Join(dir, ckptPartial+ckptName(ce.step, k))); err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrCheckpoint, err)
+	}
+	return k, nil
+}
+
+// writeRankFile streams this rank's state into partial/rank-R.bin, through
+// a temporary name, and returns the file's size and CRC32C.
+func (ce *ckptEngine) writeRankFile(partial string, client []byte) (int64, uint32, error) {
+	name := filepath.Join(partial, rankFileName(ce.rank))
+	tmp := name + ".tmp"
+	f, err := ce.fs.Create(tmp)
+	if err != nil {
+		return 0, 0, fmt.Errorf("%w: %w", ErrCheckpoint, err)
+	}
+	footer := ckptFooter{Rank: ce.rank, World: ce.world, ShardElems: int64(ce.plan.ShardElems)}
+	for p := range ce.params {
+		if r := ce.plan.shardRange(p, ce.rank); r.Count > 0 {
+			footer.Segments = append(footer.Segments, ckptSegment{int64(p), int64(r.ParamOffset), int64(r.Count), int64(r.ShardOffset)})
+		}
+	}
+	w := newRankWriter(f, name, footer)
+	var buf []byte
+	for _, st := range ce.opt.stateTensors() {
+		if buf == nil {
+			buf = make([]byte, ckptChunk)
+		}
+		if err = writeState(w, st, buf); err != nil {
+			break
+		}
+	}
+	if err == nil {
+		w.begin("client", 0)
+		err = w.add(client)
+		w.end()
+	}
+	var size int64
+	var crc uint32
+	if err == nil {
+		size, crc, err = w.finish()
+	}
+	if cerr := f.Close(); err == nil && cerr != nil {
+		err = fmt.Errorf("%w: %w", ErrCheckpoint, cerr)
+	}
+	if err == nil {
+		if err = ce.fs.Rename(tmp, name); err != nil {
+			err = fmt.Errorf("%w: %w", ErrCheckpoint, err)
+		}
+	}
+	return size, crc, err
+}
+
+// writeState streams one state tensor, a chunk at a time: read in place
+// on the host, copied through buf from a device.
+func writeState(w *rankWriter, st stateTensor, buf []byte) error {
+	w.begin(st.name, st.t.dtype)
+	defer w.end()
+	if err := st.s.Sync(); err != nil { // the state's last writes
+		return err
+	}
+	size := st.t.dtype.Size()
+	per := len(buf) / size
+	_, onHost := st.dev.(*hostDevice)
+	for off := 0; off < st.t.count; off += per {
+		n := min(per, st.t.count-off)
+		part := st.t.slice(off, n)
+		var b []byte
+		if onHost {
+			b = part.hostBytes()
+		} else {
+			b = buf[:n*size]
+			if err := st.dev.copy(st.s, hostTensor(b, st.t.dtype), part); err != nil {
+				return err
+			}
+			if err := st.s.Sync(); err != nil {
+				return err
+			}
+		}
+		if err := w.add(b); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// hostTensor views b as a host tensor of dtype dt.
+func hostTensor(b []byte, dt DType) Tensor {
+	if len(b) == 0 {
+		return Tensor{dtype: dt}
+	}
+	return Tensor{ptr: uintptr(unsafe.Pointer(&b[0])), count: len(b) / dt.Size(), dtype: dt, keep: b}
+}
+
+// commit moves a checkpoint whose rank files are all written into place:
+// the partial directory's renames made durable, the directory renamed,
+// the manifest written (from then on it is complete), the latest pointer
+// moved to it, and the checkpoints beyond keep removed.
+func (ce *ckptEngine) commit(dir, name, partial string, m ckptManifestData, keep int) error {
+	wrap := func(err error) error {
+		if err == nil {
+			return nil
+		}
+		return fmt.Errorf("%w: committing %s: %w; the previous checkpoint is untouched", ErrCheckpoint, filepath.Join(dir, name), err)
+	}
+	final := filepath.Join(dir, name)
+	if err := ce.fs.SyncDir(partial); err != nil {
+		return wrap(err)
+	}
+	if err := ce.fs.Rename(partial, final); err != nil {
+		return wrap(err)
+	}
+	if err := ce.fs.SyncDir(dir); err != nil {
+		return wrap(err)
+	}
+	data, err := json.MarshalIndent(&m, "", " ")
+	if err != nil {
+		return wrap(err)
+	}
+	if err := writeFileDurably(ce.fs, filepath.Join(final, ckptManifest), data); err != nil {
+		return wrap(err)
+	}
+	if err := writeFileDurably(ce.fs, filepath.Join(dir, ckptLatest), []byte(name+"\n")); err != nil {
+		return wrap(err)
+	}
+	return wrap(ce.prune(dir, name, keep))
+}
+
+// prune removes the complete checkpoints beyond the newest keep (name, just
+// written, among them), and any incomplete ones (no manifest), which no
+// load would take.
+func (ce *ckptEngine) prune(dir, name string, keep int) error {
+	ents, err := ce.fs.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	var complete []string
+	for _, e := range ents {
+		if !e.IsDir() || !strings.HasPrefix(e.Name(), "step-") || e.Name() == name {
+			continue
+		}
+		if _, err := ce.fs.ReadFile(filepath.Join(dir, e.Name(), ckptManifest)); err != nil {
+			if err := ce.fs.RemoveAll(filepath.Join(dir, e.Name())); err != nil {
+				return err
+			}
+			continue
+		}
+		complete = append(complete, e.Name())
+	}
+	slices.SortFunc(complete, compareCkptNames)
+	for len(complete) > keep-1 {
+		if err := ce.fs.RemoveAll(filepath.Join(dir, complete[0])); err != nil {
+			return err
+		}
+		complete = complete[1:]
+	}
+	return nil
+}
+
+// compareCkptNames orders step-N and step-N.k by N, then k.
+func compareCkptNames(a, b string) int {
+	parse := func(s string) (int, int) {
+		s = strings.TrimPrefix(s, "step-")
+		n, k, _ := strings.Cut(s, ".")
+		x, _ := strconv.Atoi(n)
+		y, _ := strconv.Atoi(k)
+		return x, y
+	}
+	an, ak := parse(a)
+	bn, bk := parse(b)
+	if an != bn {
+		return an - bn
+	}
+	return ak - bk
+}
+
+// ---- load --------------------------------------------------------------------
+
+// findCheckpoint resolves dir: a checkpoint directory itself, or a
+// directory whose latest names one.
+func findCheckpoint(fsys ckptFS, dir string) (string, ckptManifestData, error) {
+	var m ckptManifestData
+	at := dir
+	data, err := fsys.ReadFile(filepath.Join(dir, ckptManifest))
+	if err != nil {
+		latest, lerr := fsys.ReadFile(filepath.Join(dir, ckptLatest))
+		if lerr != nil {
+			return "", m, errorf(ErrCheckpoint, "%s holds no checkpoint (no %s, no %s); pass a checkpoint directory or the directory Save wrote into", dir, ckptManifest, ckptLatest)
+		}
+		at = filepath.Join(dir, strings.TrimSpace(string(latest)))
+		if data, err = fsys.ReadFile(filepath.Join(at, ckptManifest)); err != nil {
+			return "", m, errorf(ErrCheckpoint, "%s: the checkpoint %s names is incomplete (no %s): its save never finished; load another", dir, ckptLatest, ckptManifest)
+		}
+	}
+	if err := json.Unmarshal(data, &m); err != nil {
+		return "", m, errorf(ErrCheckpoint, "%s: %v; the manifest is damaged: load another checkpoint", filepath.Join(at, ckptManifest), err)
+	}
+	if m.Format != ckptFormat {
+		return "", m, errorf(ErrCheckpoint, "%s: not a zero checkpoint manifest", filepath.Join(at, ckptManifest))
+	}
+	if m.Version > ckptVersion {
+		return "", m, errorf(ErrCheckpoint, "%s: format version %d, newer than this library's %d; load it with a newer zero", filepath.Join(at, ckptManifest), m.Version, ckptVersion)
+	}
+	return at, m, nil
+}
+
+// checkModel refuses a checkpoint of another model, or with settings that
+// must match and differ. The optimizer's settings are state (restored, or
+// the engine's own with WeightsOnly) and may differ; so may the layout
+// (world size, stage, buckets): state is found by parameter.
+func (ce *ckptEngine) checkModel(at string, m ckptManifestData) error {
+	where := filepath.Join(at, ckptManifest)
+	if len(m.Params) != len(ce.params) {
+		return errorf(ErrCheckpoint, "%s: a model of %d parameters, the engine has %d; load a checkpoint of this model", where, len(m.Params), len(ce.params))
+	}
+	for i, q := range ce.params {
+		p := m.Params[i]
+		if p.Name != q.Name || p.Count != q.Count || p.DType != q.DType.String() || p.Group != q.Group || p.Frozen != q.Frozen ||
+			(len(p.Shape) > 0 && len(q.Shape) > 0 && !slices.Equal(p.Shape, q.Shape)) {
+			return errorf(ErrCheckpoint, "%s: parameter %d is %q %v %d %s (group %d, frozen %v), the engine's is %q %v %d %v (group %d, frozen %v); load a checkpoint of this model",
+				where, i, p.Name, p.Shape, p.Count, p.DType, p.Group, p.Frozen, q.Name, q.Shape, q.Count, q.DType, q.Group, q.Frozen)
+		}
+	}
+	saved := map[string]ckptSetting{}
+	for _, s := range m.Settings {
+		saved[s.Path] = s
+	}
+	for _, s := range ce.settings {
+		if s.Class != MustMatch || strings.HasPrefix(s.Path, "Optimizer.") || strings.HasPrefix(s.Path, "Model[") {
+			continue
+		}
+		if o, ok := saved[s.Path]; ok && o.Value != s.Value {
+			return errorf(ErrCheckpoint, "%s: %s was %s when saved, the engine has %s; it must match: set it as saved", where, s.Path, o.Value, s.Value)
+		}
+	}
+	if len(m.Files) != m.Layout.World {
+		return errorf(ErrCheckpoint, "%s: %d files for %d ranks; the manifest is damaged", where, len(m.Files), m.Layout.World)
+	}
+	return nil
+}
+
+// source is where part of a parameter lies in a checkpoint: elements
+// [paramOffset, paramOffset+count) in rank's shard at shardOffset.
+type source struct {
+	rank, paramOffset, count, shardOffset int
+}
+
+// loader reads a checkpoint's state into this rank's plan.
+type loader struct {
+	ce      *ckptEngine
+	at      string
+	m       ckptManifestData
+	pieces  [][]source // per parameter, sorted by paramOffset
+	readers map[int]*rankReader
+}
+
+func newLoader(ce *ckptEngine, at string, m ckptManifestData) (*loader, error) {
+	ld := &loader{ce: ce, at: at, m: m, pieces: make([][]source, len(ce.params)), readers: map[int]*rankReader{}}
+	for bi, b := range m.Layout.Buckets {
+		if b.Shard <= 0 && len(b.Members) > 0 {
+			return nil, errorf(ErrCheckpoint, "%s: bucket %d has no shard; the manifest is damaged", at, bi)
+		}
+		for _, mem := range b.Members {
+			p, o := mem[0], mem[1]
+			if p < 0 || p >= len(ce.params) || o < 0 {
+				return nil, errorf(ErrCheckpoint, "%s: bucket %d lists parameter %d at %d; the manifest is damaged", at, bi, p, o)
+			}
+			c := ce.params[p].Count
+			for r := o / b.Shard; r < m.Layout.World && r*b.Shard < o+c; r++ {
+				lo, hi := max(o, r*b.Shard), min(o+c, (r+1)*b.Shard)
+				ld.pieces[p] = append(ld.pieces[p], source{rank: r, paramOffset: lo - o, count: hi - lo, shardOffset: b.ShardOffset + lo - r*b.Shard})
+			}
+		}
+	}
+	for p := range ld.pieces {
+		slices.SortFunc(ld.pieces[p], func(x, y source) int { return x.paramOffset - y.paramOffset })
+	}
+	return ld, nil
+}
+
+// need lists the ranks whose files hold part of this rank's shard, and the
+// client bytes (this rank's own file, where the checkpoint had this rank).
+func (ld *loader) need() []int {
+	set := map[int]bool{}
+	if ld.ce.rank < ld.m.Layout.World {
+		set[ld.ce.rank] = true
+	}
+	for p := range ld.ce.params {
+		r := ld.ce.plan.shardRange(p, ld.ce.rank)
+		if r.Count == 0 {
+			continue
+		}
+		for _, s := range ld.pieces[p] {
+			if s.paramOffset < r.ParamOffset+r.Count && r.ParamOffset < s.paramOffset+s.count {
+				set[s.rank] = true
+			}
+		}
+	}
+	out := make([]int, 0, len(set))
+	for r := range set {
+		out = append(out, r)
+	}
+	slices.Sort(out)
+	return out
+}
+
+// verify opens every file this rank needs and checks it whole against the
+// manifest's size and CRC32C, before anything of the engine changes.
+func (ld *loader) verify() error {
+	for _, r := range ld.need() {
+		fi := ld.m.Files[r]
+		name := filepath.Join(ld.at, fi.Name)
+		rr, err := openRankFile(ld.ce.fs, name, fi.Bytes)
+		if err != nil {
+			return err
+		}
+		ld.readers[r] = rr
+		if rr.footer.Rank != r || rr.footer.World != ld.m.Layout.World {
+			return rr.corrupt("rank %d of %d, the manifest lists it as rank %d of %d", rr.footer.Rank, rr.footer.World, r, ld.m.Layout.World)
+		}
+		crc, err := fileCRC(rr, fi.Bytes)
+		if err != nil {
+			return err
+		}
+		if crc != fi.CRC {
+			return rr.corrupt("its checksum is %08x, the manifest says %08x", crc, fi.CRC)
+		}
+	}
+	return nil
+}
+
+// fileCRC reads a whole file in order and returns its CRC32C.
+func fileCRC(rr *rankReader, size int64) (uint32, error) {
+	buf := make([]byte, ckptChunk)
+	crc := uint32(0)
+	for off := int64(0); off < size; off += ckptChunk {
+		b := buf[:min(ckptChunk, size-off)]
+		if _, err := rr.f.ReadAt(b, off); err != nil && err != io.EOF {
+			return 0, rr.corrupt("reading it: %v", err)
+		}
+		crc = crc32.Update(crc, castagnoli, b)
+	}
+	return crc, nil
+}
+
+// fill writes state tensor st from the checkpoint's section of the same
+// name, a chunk of this rank's shard at a time; elements no parameter
+// holds (padding) are zero. zero fills it with zeros instead.
+func (ld *loader) fill(st stateTensor, zero bool) error {
+	size := st.t.dtype.Size()
+	buf := make([]byte, ckptChunk)
+	per := len(buf) / size
+	type seg struct{ p, po, so, n int }
+	var segs []seg
+	for p := range ld.ce.params {
+		if r := ld.ce.plan.shardRange(p, ld.ce.rank); r.Count > 0 {
+			segs = append(segs, seg{p, r.ParamOffset, r.ShardOffset, r.Count})
+		}
+	}
+	slices.SortFunc(segs, func(x, y seg) int { return x.so - y.so })
+	for off := 0; off < st.t.count; off += per {
+		n := min(per, st.t.count-off)
+		b := buf[:n*size]
+		clear(b)
+		if !zero {
+			for _, sg := range segs {
+				lo, hi := max(off, sg.so), min(off+n, sg.so+sg.n)
+				if lo >= hi {
+					continue
+				}
+				// param elements [lo−so+po, hi−so+po) go to b at lo−off
+				if err := ld.readParam(st, sg.p, lo-sg.so+sg.po, hi-lo, b[(lo-off)*size:(hi-off)*size]); err != nil {
+					return err
+				}
+			}
+		}
+		if err := st.dev.copy(st.s, st.t.slice(off, n), hostTensor(b, st.t.dtype)); err != nil {
+			return err
+		}
+		if err := st.s.Sync(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// readParam reads count elements of parameter p from element from, of
+// section st.name, into dst, from whichever ranks' files hold them.
+func (ld *loader) readParam(st stateTensor, p, from, count int, dst []byte) error {
+	size := st.t.dtype.Size()
+	for _, s := range ld.pieces[p] {
+		lo, hi := max(from, s.paramOffset), min(from+count, s.paramOffset+s.count)
+		if lo >= hi {
+			continue
+		}
+		rr := ld.readers[s.rank]
+		sec, ok := rr.footer.section(st.name)
+		if !ok || sec.DType != st.t.dtype.String() {
+			return rr.corrupt("no %s section of %v", st.name, st.t.dtype)
+		}
+		at := int64(s.shardOffset+lo-s.paramOffset) * int64(size)
+		if err := rr.read(sec, at, dst[(lo-from)*size:(hi-from)*size]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// client returns this rank's bytes (nil where the checkpoint had fewer
+// ranks).
+func (ld *loader) client() ([]byte, error) {
+	rr, ok := ld.readers[ld.ce.rank]
+	if !ok {
+		return nil, nil
+	}
+	sec, ok := rr.footer.section("client")
+	if !ok {
+		return nil, rr.corrupt("no client section")
+	}
+	b := make([]byte, sec.Bytes)
+	return b, rr.read(sec, 0, b)
+}
+
+func (ld *loader) close() {
+	for _, rr := range ld.readers {
+		rr.close()
+	}
+}
+
+// has reports whether the checkpoint holds section name (it lists the
+// sections of rank 0's file, which every rank wrote alike).
+func (ld *loader) has(name string) bool {
+	for _, rr := range ld.readers {
+		_, ok := rr.footer.section(name)
+		return ok
+	}
+	return false
+}
+
+// load replaces the engine's state with the checkpoint's; every rank calls
+// it. Nothing changes until every rank has found and checked every file it
+// needs; a failure after that (an I/O error while filling) is fatal for
+// the engine, the caller's error says so.
+func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (client []byte, step int, fatal bool, err error) {
+	at, m, err := findCheckpoint(ce.fs, dir)
+	var ld *loader
+	var groups []Optimizer
+	if err == nil {
+		err = ce.checkModel(at, m)
+	}
+	if err == nil {
+		ld, err = newLoader(ce, at, m)
+	}
+	if err == nil && !opt.WeightsOnly {
+		groups, err = ce.opt.restorable(m.Optimizer)
+	}
+	if err == nil {
+		err = ld.verify()
+	}
+	if ld != nil {
+		defer ld.close()
+	}
+	failed, _, cerr := ce.agree(err != nil)
+	if cerr != nil {
+		return nil, 0, true, cerr
+	}
+	if failed {
+		return nil, 0, false, ckptPeerError(err, "a rank could not read its part of the checkpoint; nothing was loaded")
+	}
+	// Committed: fill the state.
+	if opt.WeightsOnly {
+		groups = ce.opt.base
+	}
+	states, err := ce.opt.prepareLoad(groups)
+	if err == nil && ce.ps != nil {
+		err = ce.ps.dropGathered()
+	}
+	for i := 0; err == nil && i < len(states); i++ {
+		st := states[i]
+		skip := opt.WeightsOnly && st.name != "master" && st.name != "model"
+		err = ld.fill(st, skip || !ld.has(st.name))
+	}
+	if err == nil {
+		client, err = ld.client()
+	}
+	if err == nil {
+		err = ce.opt.restore(m.Optimizer, groups, opt.WeightsOnly, fresh)
+	}
+	failed, _, cerr = ce.agree(err != nil)
+	if cerr != nil {
+		return nil, 0, true, cerr
+	}
+	if failed {
+		return nil, 0, true, ckptPeerError(err, "a rank failed while filling its state from the checkpoint")
+	}
+	if err := ce.opt.publish(); err != nil {
+		return nil, 0, true, err
+	}
+	if ce.ps != nil {
+		if err := ce.ps.afterStep(); err != nil {
+			return nil, 0, true, err
+		}
+	}
+	step = m.Step
+	if opt.WeightsOnly {
+		step = 0
+	}
+	return client, step, false, nil
+}

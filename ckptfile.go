@@ -1,0 +1,290 @@
+package zero
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"hash/crc32"
+	"io"
+)
+
+// A rank's checkpoint file: its sections (one tensor each, in the shard
+// layout of the plan that wrote it, and the caller's bytes), then a JSON
+// footer that says where each section lies, with a CRC32C per chunk of it,
+// and which parameter ranges the shard holds; then a fixed trailer that
+// points at the footer. Written in one pass, front to back; read from any
+// offset, each chunk checked against its CRC before its bytes are used.
+// Parameter ranges, never flat offsets, say what the bytes are, so another
+// plan (another world size, stage or bucket size) can find its part.
+
+const (
+	ckptChunk      = 8 << 20 // bytes per CRC, and per read or write
+	ckptTrailerLen = 24
+	ckptRankMagic  = "zero-rank"
+	ckptTrailerTag = "ZCK1"
+	// ckptVersion is the format version, of the files and the manifest. A
+	// reader refuses a newer one.
+	ckptVersion = 1
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// ckptSegment says that elements [ParamOffset, ParamOffset+Count) of
+// parameter Param sit at [ShardOffset, ShardOffset+Count) of the file's
+// shard sections.
+type ckptSegment struct {
+	Param, ParamOffset, Count, ShardOffset int64
+}
+
+// MarshalJSON writes a segment as four numbers: a model has many.
+func (s ckptSegment) MarshalJSON() ([]byte, error) {
+	return json.Marshal([4]int64{s.Param, s.ParamOffset, s.Count, s.ShardOffset})
+}
+
+func (s *ckptSegment) UnmarshalJSON(b []byte) error {
+	var v [4]int64
+	if err := json.Unmarshal(b, &v); err != nil {
+		return err
+	}
+	*s = ckptSegment{v[0], v[1], v[2], v[3]}
+	return nil
+}
+
+// ckptSection is where one section lies in a rank file.
+type ckptSection struct {
+	Name   string   `json:"name"`
+	DType  string   `json:"dtype"` // "" for the caller's bytes
+	Offset int64    `json:"offset"`
+	Bytes  int64    `json:"bytes"`
+	CRC    []uint32 `json:"crc32c"` // one per ckptChunk of the section
+}
+
+// ckptFooter is a rank file's table of contents.
+type ckptFooter struct {
+	Magic      string        `json:"magic"`
+	Version    int           `json:"version"`
+	Rank       int           `json:"rank"`
+	World      int           `json:"world"`
+	ShardElems int64         `json:"shard_elems"`
+	Segments   []ckptSegment `json:"segments"`
+	Sections   []ckptSection `json:"sections"`
+}
+
+func (f *ckptFooter) section(name string) (*ckptSection, bool) {
+	for i := range f.Sections {
+		if f.Sections[i].Name == name {
+			return &f.Sections[i], true
+		}
+	}
+	return nil, false
+}
+
+// rankWriter writes a rank file front to back and keeps the CRC of all of
+// it, for the manifest.
+type rankWriter struct {
+	f      ckptFile
+	name   string
+	off    int64
+	crc    uint32 // of the whole file so far
+	footer ckptFooter
+	sec    *ckptSection // the section being written
+	chunk  uint32       // CRC of the section's current chunk
+	inChk  int64        // bytes in the current chunk
+}
+
+func newRankWriter(f ckptFile, name string, footer ckptFooter) *rankWriter {
+	footer.Magic, footer.Version = ckptRankMagic, ckptVersion
+	return &rankWriter{f: f, name: name, footer: footer}
+}
+
+func (w *rankWriter) write(p []byte) error {
+	if _, err := w.f.Write(p); err != nil {
+		return fmt.Errorf("%w: writing %s: %w", ErrCheckpoint, w.name, err)
+	}
+	w.crc = crc32.Update(w.crc, castagnoli, p)
+	w.off += int64(len(p))
+	return nil
+}
+
+// begin starts a section.
+func (w *rankWriter) begin(name string, dt DType) {
+	d := ""
+	if dt != 0 {
+		d = dt.String()
+	}
+	w.footer.Sections = append(w.footer.Sections, ckptSection{Name: name, DType: d, Offset: w.off})
+	w.sec = &w.footer.Sections[len(w.footer.Sections)-1]
+	w.chunk, w.inChk = 0, 0
+}
+
+// add appends p to the current section, a chunk's CRC at a time.
+func (w *rankWriter) add(p []byte) error {
+	if err := w.write(p); err != nil {
+		return err
+	}
+	w.sec.Bytes += int64(len(p))
+	for len(p) > 0 {
+		n := min(int64(len(p)), ckptChunk-w.inChk)
+		w.chunk = crc32.Update(w.chunk, castagnoli, p[:n])
+		w.inChk += n
+		p = p[n:]
+		if w.inChk == ckptChunk {
+			w.sec.CRC = append(w.sec.CRC, w.chunk)
+			w.chunk, w.inChk = 0, 0
+		}
+	}
+	return nil
+}
+
+// end closes the current section.
+func (w *rankWriter) end() {
+	if w.inChk > 0 {
+		w.sec.CRC = append(w.sec.CRC, w.chunk)
+	}
+	w.sec = nil
+}
+
+// finish writes the footer and the trailer and fsyncs the file; it
+// returns the file's size and CRC.
+func (w *rankWriter) finish() (int64, uint32, error) {
+	foot, err := json.Marshal(&w.footer)
+	if err != nil {
+		return 0, 0, err
+	}
+	at := w.off
+	if err := w.write(foot); err != nil {
+		return 0, 0, err
+	}
+	var tr [ckptTrailerLen]byte
+	binary.LittleEndian.PutUint64(tr[0:], uint64(at))
+	binary.LittleEndian.PutUint64(tr[8:], uint64(len(foot)))
+	binary.LittleEndian.PutUint32(tr[16:], crc32.Checksum(foot, castagnoli))
+	copy(tr[20:], ckptTrailerTag)
+	if err := w.write(tr[:]); err != nil {
+		return 0, 0, err
+	}
+	if err := w.f.Sync(); err != nil {
+		return 0, 0, fmt.Errorf("%w: fsync of %s: %w", ErrCheckpoint, w.name, err)
+	}
+	return w.off, w.crc, nil
+}
+
+// rankReader reads a rank file's sections, checking each chunk.
+type rankReader struct {
+	f      ckptFile
+	name   string
+	footer ckptFooter
+	buf    []byte // one chunk
+}
+
+// openRankFile opens name and reads its footer; want is the size the
+// manifest recorded (a truncated or grown file is refused before any read).
+func openRankFile(fsys ckptFS, name string, want int64) (*rankReader, error) {
+	f, err := fsys.Open(name)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s: %w; the checkpoint is missing a rank's file: load another checkpoint", ErrCheckpoint, name, err)
+	}
+	r := &rankReader{f: f, name: name}
+	if err := r.readFooter(want); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return r, nil
+}
+
+func (r *rankReader) corrupt(format string, args ...any) error {
+	return fmt.Errorf("%w: %s: %s; the file is damaged: load another checkpoint", ErrCheckpoint, r.name, fmt.Sprintf(format, args...))
+}
+
+func (r *rankReader) readFooter(want int64) error {
+	size, err := r.f.Size()
+	if err != nil {
+		return fmt.Errorf("%w: %s: %w", ErrCheckpoint, r.name, err)
+	}
+	if size != want {
+		return r.corrupt("%d bytes, the manifest says %d", size, want)
+	}
+	if size < ckptTrailerLen {
+		return r.corrupt("too short for a checkpoint file")
+	}
+	var tr [ckptTrailerLen]byte
+	if _, err := r.f.ReadAt(tr[:], size-ckptTrailerLen); err != nil {
+		return r.corrupt("reading its trailer: %v", err)
+	}
+	at, n := int64(binary.LittleEndian.Uint64(tr[0:])), int64(binary.LittleEndian.Uint64(tr[8:]))
+	if string(tr[20:]) != ckptTrailerTag || at < 0 || n < 0 || at+n != size-ckptTrailerLen {
+		return r.corrupt("no valid trailer")
+	}
+	foot := make([]byte, n)
+	if _, err := r.f.ReadAt(foot, at); err != nil {
+		return r.corrupt("reading its footer: %v", err)
+	}
+	if crc32.Checksum(foot, castagnoli) != binary.LittleEndian.Uint32(tr[16:]) {
+		return r.corrupt("its footer fails its checksum")
+	}
+	if err := json.Unmarshal(foot, &r.footer); err != nil {
+		return r.corrupt("its footer: %v", err)
+	}
+	if r.footer.Magic != ckptRankMagic {
+		return r.corrupt("not a zero rank file")
+	}
+	if r.footer.Version > ckptVersion {
+		return fmt.Errorf("%w: %s: format version %d, newer than this library's %d; load it with a newer zero", ErrCheckpoint, r.name, r.footer.Version, ckptVersion)
+	}
+	for _, s := range r.footer.Sections {
+		if s.Offset < 0 || s.Bytes < 0 || s.Offset+s.Bytes > at || int64(len(s.CRC)) != (s.Bytes+ckptChunk-1)/ckptChunk {
+			return r.corrupt("section %q lies outside the file", s.Name)
+		}
+	}
+	return nil
+}
+
+// chunk reads chunk c of section s and checks it; the bytes are valid
+// until the next call.
+func (r *rankReader) chunk(s *ckptSection, c int64) ([]byte, error) {
+	if r.buf == nil {
+		r.buf = make([]byte, ckptChunk)
+	}
+	lo := c * ckptChunk
+	b := r.buf[:min(ckptChunk, s.Bytes-lo)]
+	if _, err := r.f.ReadAt(b, s.Offset+lo); err != nil && err != io.EOF {
+		return nil, r.corrupt("reading section %q: %v", s.Name, err)
+	}
+	if crc32.Checksum(b, castagnoli) != s.CRC[c] {
+		return nil, r.corrupt("section %q fails its checksum in bytes %d-%d", s.Name, lo, lo+int64(len(b)))
+	}
+	return b, nil
+}
+
+// read fills p with bytes [off, off+len(p)) of section s, reading and
+// checking every chunk they touch.
+func (r *rankReader) read(s *ckptSection, off int64, p []byte) error {
+	if off < 0 || off+int64(len(p)) > s.Bytes {
+		return r.corrupt("section %q has %d bytes, %d wanted at %d", s.Name, s.Bytes, len(p), off)
+	}
+	for len(p) > 0 {
+		c := off / ckptChunk
+		b, err := r.chunk(s, c)
+		if err != nil {
+			return err
+		}
+		k := copy(p, b[off-c*ckptChunk:])
+		p, off = p[k:], off+int64(k)
+	}
+	return nil
+}
+
+// verify reads every section whole and checks every chunk.
+func (r *rankReader) verify() error {
+	for i := range r.footer.Sections {
+		s := &r.footer.Sections[i]
+		for c := range int64(len(s.CRC)) {
+			if _, err := r.chunk(s, c); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func (r *rankReader) close() error { return r.f.Close() }
