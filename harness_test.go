@@ -444,6 +444,20 @@ func constGrads(params []Param, v float32) []Tensor {
 	return out
 }
 
+// bf16Grads is one bf16 gradient per parameter, every element v (exact in
+// bf16).
+func bf16Grads(params []Param, v float32) []Tensor {
+	out := make([]Tensor, len(params))
+	for p, q := range params {
+		x := make([]uint16, q.Count)
+		for i := range x {
+			x[i] = uint16(refEncode(BF16, v))
+		}
+		out[p] = Halfs(x, BF16)
+	}
+	return out
+}
+
 // wantAll checks that every element of every parameter's full gradient is want.
 func wantAll(full [][]float32, want float32) error {
 	for p, g := range full {

@@ -6,20 +6,6 @@ import (
 	"time"
 )
 
-// bf16Grads is one bf16 gradient per parameter, every element v (exact in
-// bf16).
-func bf16Grads(params []Param, v float32) []Tensor {
-	out := make([]Tensor, len(params))
-	for p, q := range params {
-		x := make([]uint16, q.Count)
-		for i := range x {
-			x[i] = uint16(refEncode(BF16, v))
-		}
-		out[p] = Halfs(x, BF16)
-	}
-	return out
-}
-
 // TestWindowSumsReleased: a window's sums stay pooled from window to window
 // (a steady loop of windows allocates nothing), are freed when a backward
 // begins outside a window (the steps without one hold the shard and the
