@@ -45,6 +45,12 @@ type LoadOptions struct {
 	// taken, the loss scale and the groups as the engine's Config sets
 	// them (DeepSpeed's load_module_only, for a fine-tuning restart).
 	WeightsOnly bool
+	// KeepConfigGroups restores everything but the optimizer groups'
+	// settings, which stay as this engine's Config sets them: the
+	// hyperparameters of a resumed run (a new learning rate or weight
+	// decay), with the moments, step counts and loss scale it saved.
+	// SetGroup after Load changes a single group the same way.
+	KeepConfigGroups bool
 }
 
 const (
@@ -103,6 +109,28 @@ type ckptManifestData struct {
 	Settings  []ckptSetting  `json:"settings"`
 	Optimizer optCheckpoint  `json:"optimizer"`
 	Files     []ckptFileInfo `json:"files"`
+	// Checksum is the CRC32C of the manifest as written with Checksum 0: a
+	// damaged value is found before it places state anywhere.
+	Checksum uint32 `json:"crc32c"`
+}
+
+// sealManifest writes m's checksum into it and returns its bytes.
+func sealManifest(m *ckptManifestData) ([]byte, error) {
+	m.Checksum = 0
+	data, err := json.MarshalIndent(m, "", " ")
+	if err != nil {
+		return nil, err
+	}
+	m.Checksum = crc32.Checksum(data, castagnoli)
+	return json.MarshalIndent(m, "", " ")
+}
+
+// sealed reports whether m's values are those its checksum was taken of.
+func sealed(m ckptManifestData) bool {
+	want := m.Checksum
+	m.Checksum = 0
+	data, err := json.MarshalIndent(&m, "", " ")
+	return err == nil && crc32.Checksum(data, castagnoli) == want
 }
 
 // ckptEngine is what a checkpoint needs of the engine.
@@ -367,6 +395,9 @@ func (ce *ckptEngine) commit(dir, name, partial string, m ckptManifestData, keep
 		return fmt.Errorf("%w: committing %s: %w; the previous checkpoint is untouched", ErrCheckpoint, filepath.Join(dir, name), err)
 	}
 	final := filepath.Join(dir, name)
+	if err := ce.sharedByAll(partial, m.Files); err != nil {
+		return err
+	}
 	if err := ce.fs.SyncDir(partial); err != nil {
 		return wrap(err)
 	}
@@ -376,7 +407,7 @@ func (ce *ckptEngine) commit(dir, name, partial string, m ckptManifestData, keep
 	if err := ce.fs.SyncDir(dir); err != nil {
 		return wrap(err)
 	}
-	data, err := json.MarshalIndent(&m, "", " ")
+	data, err := sealManifest(&m)
 	if err != nil {
 		return wrap(err)
 	}
@@ -387,6 +418,26 @@ func (ce *ckptEngine) commit(dir, name, partial string, m ckptManifestData, keep
 		return wrap(err)
 	}
 	return wrap(ce.prune(dir, name, keep))
+}
+
+// sharedByAll checks that rank 0 sees every rank's file as that rank
+// wrote it: a checkpoint is one directory every rank sees. On disks local
+// to each node, the files of another node's ranks are missing here.
+func (ce *ckptEngine) sharedByAll(partial string, files []ckptFileInfo) error {
+	for _, fi := range files {
+		name := filepath.Join(partial, fi.Name)
+		f, err := ce.fs.Open(name)
+		var size int64
+		if err == nil {
+			size, err = f.Size()
+			f.Close()
+		}
+		if err != nil || size != fi.Bytes {
+			return errorf(ErrCheckpoint, "rank %d wrote %s (%d bytes), rank 0 does not see it there (%v, %d bytes): save into a directory every rank shares (a network or parallel file system); the previous checkpoint is untouched",
+				fi.Rank, name, fi.Bytes, err, size)
+		}
+	}
+	return nil
 }
 
 // prune removes the complete checkpoints beyond the newest keep (name, just
@@ -451,6 +502,9 @@ func findCheckpoint(fsys ckptFS, dir string) (string, ckptManifestData, error) {
 			return "", m, errorf(ErrCheckpoint, "%s holds no checkpoint (no %s, no %s); pass a checkpoint directory or the directory Save wrote into", dir, ckptManifest, ckptLatest)
 		}
 		at = filepath.Join(dir, strings.TrimSpace(string(latest)))
+		if _, err := fsys.ReadDir(at); err != nil || strings.TrimSpace(string(latest)) == "" {
+			return "", m, errorf(ErrCheckpoint, "%s names %q, which is not a checkpoint directory (%v): %s is damaged; pass a checkpoint directory instead", filepath.Join(dir, ckptLatest), strings.TrimSpace(string(latest)), err, ckptLatest)
+		}
 		if data, err = fsys.ReadFile(filepath.Join(at, ckptManifest)); err != nil {
 			return "", m, errorf(ErrCheckpoint, "%s: the checkpoint %s names is incomplete (no %s): its save never finished; load another", dir, ckptLatest, ckptManifest)
 		}
@@ -463,6 +517,9 @@ func findCheckpoint(fsys ckptFS, dir string) (string, ckptManifestData, error) {
 	}
 	if m.Version > ckptVersion {
 		return "", m, errorf(ErrCheckpoint, "%s: format version %d, newer than this library's %d; load it with a newer zero", filepath.Join(at, ckptManifest), m.Version, ckptVersion)
+	}
+	if !sealed(m) {
+		return "", m, errorf(ErrCheckpoint, "%s: its values do not match its checksum; the manifest is damaged: load another checkpoint", filepath.Join(at, ckptManifest))
 	}
 	return at, m, nil
 }
@@ -731,8 +788,8 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (clien
 		return nil, 0, false, ckptPeerError(err, "a rank could not read its part of the checkpoint; nothing was loaded")
 	}
 	// Committed: fill the state.
-	if opt.WeightsOnly {
-		groups = ce.opt.base
+	if opt.WeightsOnly || opt.KeepConfigGroups {
+		groups = ce.opt.currentGroups()
 	}
 	states, err := ce.opt.prepareLoad(groups)
 	if err == nil && ce.ps != nil {

@@ -1,6 +1,7 @@
 package zero
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -137,11 +138,28 @@ func (a ckptState) diff(b ckptState) string {
 	return ""
 }
 
-// ckptTrain builds engines for c on 2 ranks, loads from load (if set),
-// trains steps [from, to), saves into save (if set) and returns each
-// rank's state at the end. setGroupAt halves the rate before that step.
+// ckptRun is one run of the checkpoint tests: engines for c on 2 ranks,
+// a load from load (if set) with loadOpt, then edit (if set), steps
+// [from, to), a save into save (if set). setGroupAt halves the rate
+// before step 2. initial, if set, gives each parameter's values.
+type ckptRun struct {
+	c          ckptCase
+	from, to   int
+	load, save string
+	loadOpt    LoadOptions
+	config     func(*Config)
+	edit       func(*Engine) error
+	initial    [][]float32
+}
+
 func ckptTrain(t *testing.T, c ckptCase, from, to int, load, save string) []ckptState {
 	t.Helper()
+	return ckptRun{c: c, from: from, to: to, load: load, save: save}.run(t)
+}
+
+func (cr ckptRun) run(t *testing.T) []ckptState {
+	t.Helper()
+	c, from, to, load, save := cr.c, cr.from, cr.to, cr.load, cr.save
 	const world = 2
 	comms, err := NewLocalGroup(world)
 	if err != nil {
@@ -156,9 +174,16 @@ func ckptTrain(t *testing.T, c ckptCase, from, to int, load, save string) []ckpt
 			for i := range x {
 				x[i] = float32(i%17)*0.03 - 0.2 + float32(p)*0.01
 			}
+			if cr.initial != nil {
+				copy(x, cr.initial[p])
+			}
 			ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(x, c.dtype)}
 		}
-		e, err := New(c.config(), comms[rank], ps)
+		cfg := c.config()
+		if cr.config != nil {
+			cr.config(&cfg)
+		}
+		e, err := New(cfg, comms[rank], ps)
 		if err != nil {
 			return err
 		}
@@ -166,7 +191,7 @@ func ckptTrain(t *testing.T, c ckptCase, from, to int, load, save string) []ckpt
 		s := NewHostStream()
 		defer s.Close()
 		if load != "" {
-			client, err := e.Load(load, LoadOptions{})
+			client, err := e.Load(load, cr.loadOpt)
 			if err != nil {
 				return err
 			}
@@ -174,8 +199,13 @@ func ckptTrain(t *testing.T, c ckptCase, from, to int, load, save string) []ckpt
 				return fmt.Errorf("client bytes %q, want %q", client, want)
 			}
 		}
+		if cr.edit != nil {
+			if err := cr.edit(e); err != nil {
+				return err
+			}
+		}
 		for st := from; st < to; st++ {
-			if st == 2 { // a SetGroup before the save, kept by it
+			if st == 2 && cr.load == "" { // a SetGroup before the save, kept by it
 				g := e.opt.currentGroups()[0]
 				switch o := g.(type) {
 				case AdamW:
@@ -285,8 +315,11 @@ func TestCheckpointRefusals(t *testing.T) {
 		t.Fatal(err)
 	}
 	at := filepath.Join(base, string(latest[:len(latest)-1]))
-	copyDir := func() string {
-		d := t.TempDir()
+	copyDir := func() string { // into a directory of its own, with no latest
+		d := filepath.Join(t.TempDir(), "ck")
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
 		ents, _ := os.ReadDir(at)
 		for _, e := range ents {
 			b, err := os.ReadFile(filepath.Join(at, e.Name()))
@@ -314,30 +347,75 @@ func TestCheckpointRefusals(t *testing.T) {
 	flip := func(at int) func([]byte) []byte {
 		return func(b []byte) []byte { b[at] ^= 0x10; return b }
 	}
+	// edits the manifest's values and seals it again: a consistent manifest
+	// of something else
+	reseal := func(f func(*ckptManifestData)) func(string) {
+		return edit(ckptManifest, func(b []byte) []byte {
+			var m ckptManifestData
+			if err := json.Unmarshal(b, &m); err != nil {
+				t.Fatal(err)
+			}
+			f(&m)
+			out, err := sealManifest(&m)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return out
+		})
+	}
+	// flips the lowest bit of the byte after key: a digit becomes another
+	flipAfter := func(key string) func([]byte) []byte {
+		return func(b []byte) []byte {
+			i := strings.Index(string(b), key)
+			if i < 0 {
+				t.Fatalf("no %q", key)
+			}
+			b[i+len(key)] ^= 1
+			return b
+		}
+	}
+	pointer := func(f func([]byte) []byte) func(string) {
+		return func(d string) {
+			p := filepath.Join(filepath.Dir(d), ckptLatest)
+			if err := os.WriteFile(p, f([]byte(filepath.Base(d)+"\n")), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
 	for _, tc := range []struct {
 		name   string
 		damage func(string)
 		want   string
+		parent bool // load the parent directory, through latest
 	}{
-		{"truncated", edit("rank-00001.bin", func(b []byte) []byte { return b[:len(b)-5] }), "rank-00001.bin"},
-		{"flipped byte in a section", edit("rank-00000.bin", flip(100)), "rank-00000.bin"},
-		{"flipped byte in the footer", edit("rank-00001.bin", func(b []byte) []byte { b[len(b)-40] ^= 1; return b }), "rank-00001.bin"},
-		{"missing rank file", func(d string) { os.Remove(filepath.Join(d, "rank-00001.bin")) }, "rank-00001.bin"},
-		{"incomplete", func(d string) { os.Remove(filepath.Join(d, ckptManifest)) }, "no checkpoint"},
-		{"newer version", edit(ckptManifest, func(b []byte) []byte {
-			return []byte(replaceOnce(string(b), `"version": 1`, `"version": 2`))
-		}), "newer"},
-		{"another model", edit(ckptManifest, func(b []byte) []byte {
-			return []byte(replaceOnce(string(b), `"name": "w1"`, `"name": "x1"`))
-		}), "parameter 1"},
-		{"a setting that must match", edit(ckptManifest, func(b []byte) []byte {
-			return []byte(replaceOnce(string(b), `"path": "Grads.PredivideFactor",
-   "value": "1"`, `"path": "Grads.PredivideFactor",
-   "value": "2"`))
-		}), "Grads.PredivideFactor"},
+		{"rank file truncated", edit("rank-00001.bin", func(b []byte) []byte { return b[:len(b)-5] }), "rank-00001.bin", false},
+		{"rank file with a flipped byte in a section", edit("rank-00000.bin", flip(100)), "rank-00000.bin", false},
+		{"rank file with a flipped byte in the footer", edit("rank-00001.bin", func(b []byte) []byte { b[len(b)-40] ^= 1; return b }), "rank-00001.bin", false},
+		{"rank file missing", func(d string) { os.Remove(filepath.Join(d, "rank-00001.bin")) }, "rank-00001.bin", false},
+		{"manifest truncated", edit(ckptManifest, func(b []byte) []byte { return b[:len(b)/2] }), ckptManifest, false},
+		{"manifest with a flipped byte", edit(ckptManifest, flipAfter(`"step": `)), ckptManifest, false},
+		{"manifest missing: incomplete", func(d string) { os.Remove(filepath.Join(d, ckptManifest)) }, "no checkpoint", false},
+		{"latest truncated", pointer(func(b []byte) []byte { return b[:len(b)-3] }), ckptLatest, true},
+		{"latest with a flipped byte", pointer(func(b []byte) []byte { b[0] ^= 1; return b }), ckptLatest, true},
+		{"latest missing", func(string) {}, "no checkpoint", true},
+		{"a newer version", reseal(func(m *ckptManifestData) { m.Version = ckptVersion + 1 }), "newer", false},
+		{"another model", reseal(func(m *ckptManifestData) { m.Params[1].Name = "x1" }), "parameter 1", false},
+		{"another shape", reseal(func(m *ckptManifestData) { m.Params[2].Count++ }), "parameter 2", false},
+		{"another dtype", reseal(func(m *ckptManifestData) { m.Params[0].DType = "fp16" }), "parameter 0", false},
+		{"a setting that must match", reseal(func(m *ckptManifestData) {
+			for i := range m.Settings {
+				if m.Settings[i].Path == "Grads.PredivideFactor" {
+					m.Settings[i].Value = "2"
+				}
+			}
+		}), "Grads.PredivideFactor", false},
 	} {
 		d := copyDir()
 		tc.damage(d)
+		from := d
+		if tc.parent {
+			from = filepath.Dir(d)
+		}
 		comms, _ := NewLocalGroup(2)
 		errs := eachRank(2, func(rank int) error {
 			defer comms[rank].Close()
@@ -354,7 +432,7 @@ func TestCheckpointRefusals(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			_, lerr := e.Load(d, LoadOptions{})
+			_, lerr := e.Load(from, LoadOptions{})
 			after, err := readCkptState(e)
 			if err != nil {
 				return fmt.Errorf("the engine after a refused load: %w", err)
@@ -364,6 +442,7 @@ func TestCheckpointRefusals(t *testing.T) {
 			}
 			return lerr
 		})
+		t.Logf("%s: %v", tc.name, errs[0])
 		for rank, err := range errs {
 			if !errors.Is(err, ErrCheckpoint) || errors.Is(err, ErrCollective) {
 				t.Errorf("%s: rank %d: %v, want ErrCheckpoint and a usable engine", tc.name, rank, err)
@@ -380,4 +459,43 @@ func replaceOnce(s, old, new string) string {
 		panic("no " + old + " in the manifest")
 	}
 	return strings.Replace(s, old, new, 1)
+}
+
+// TestCheckpointLoadOptions: WeightsOnly gives the run of a fresh engine
+// built from the saved parameters (fp32: the master is the parameters);
+// KeepConfigGroups gives the run of a full load followed by SetGroup to
+// the engine's own group, with the moments and steps restored.
+func TestCheckpointLoadOptions(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: FP32}
+	dir := t.TempDir()
+	saved := ckptTrain(t, c, 0, 3, "", dir)
+	faster := func(cfg *Config) {
+		a := NewAdamW(3e-2)
+		a.AMSGrad = true
+		cfg.Optimizer.Groups = []Optimizer{a}
+	}
+	weights := ckptRun{c: c, from: 3, to: 5, load: dir, loadOpt: LoadOptions{WeightsOnly: true}, config: faster}.run(t)
+	fresh := ckptRun{c: c, from: 3, to: 5, config: faster, initial: saved[0].params}.run(t)
+	for rank := range weights {
+		if d := fresh[rank].diff(weights[rank]); d != "" {
+			t.Errorf("WeightsOnly rank %d: the run differs from a fresh engine's from the saved parameters: %s", rank, d)
+		}
+	}
+	kept := ckptRun{c: c, from: 3, to: 5, load: dir, loadOpt: LoadOptions{KeepConfigGroups: true}, config: faster}.run(t)
+	set := ckptRun{c: c, from: 3, to: 5, load: dir, config: faster, edit: func(e *Engine) error {
+		if g := e.opt.currentGroups()[0].(AdamW); g.LR != 1e-2/2 {
+			return fmt.Errorf("after a full load the rate is %v, want the saved %v", g.LR, 1e-2/2)
+		}
+		a := NewAdamW(3e-2)
+		a.AMSGrad = true
+		return e.SetGroup(0, a)
+	}}.run(t)
+	for rank := range kept {
+		if d := set[rank].diff(kept[rank]); d != "" {
+			t.Errorf("KeepConfigGroups rank %d: the run differs from a load and SetGroup: %s", rank, d)
+		}
+		if d := saved[rank].diff(kept[rank]); d == "" {
+			t.Errorf("KeepConfigGroups rank %d: two more steps changed nothing", rank)
+		}
+	}
 }

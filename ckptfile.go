@@ -288,3 +288,13 @@ func (r *rankReader) verify() error {
 }
 
 func (r *rankReader) close() error { return r.f.Close() }
+
+// stateTensor is a tensor of state in the plan's shard layout, and where
+// it is read and written (the home's side, or the device for the
+// model-dtype shard).
+type stateTensor struct {
+	name string
+	t    Tensor
+	dev  Device
+	s    Stream
+}

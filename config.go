@@ -232,6 +232,20 @@ func NewAdamW(lr float64) AdamW {
 	return AdamW{LR: lr, Beta1: 0.9, Beta2: 0.999, Eps: 1e-8, set: true}
 }
 
+// made marks a group read back from a checkpoint as made by its
+// constructor.
+func made(g Optimizer) Optimizer {
+	switch g := g.(type) {
+	case AdamW:
+		g.set = true
+		return g
+	case SGD:
+		g.set = true
+		return g
+	}
+	return g
+}
+
 // SGD is torch.optim.SGD: weight decay added to the gradient, momentum
 // with dampening, optionally Nesterov. Make it with NewSGD (a literal SGD{}
 // is refused, as AdamW{} is).

@@ -610,16 +610,6 @@ func (o *optState) close() error {
 
 // ---- checkpoint state -----------------------------------------------------------
 
-// stateTensor is a tensor of state in the plan's shard layout, and where
-// it is read and written (the home's side, or the device for the
-// model-dtype shard).
-type stateTensor struct {
-	name string
-	t    Tensor
-	dev  Device
-	s    Stream
-}
-
 // scalerState is the loss scaler's state in a checkpoint.
 type scalerState struct {
 	Scale         float64 `json:"scale"`
@@ -697,13 +687,9 @@ func (o *optState) restorable(c optCheckpoint) ([]Optimizer, error) {
 	for i, g := range c.Groups {
 		switch {
 		case g.AdamW != nil && o.kind == optAdamW:
-			a := *g.AdamW
-			a.set = true
-			groups[i] = a
+			groups[i] = made(*g.AdamW)
 		case g.SGD != nil && o.kind == optSGD:
-			s := *g.SGD
-			s.set = true
-			groups[i] = s
+			groups[i] = made(*g.SGD)
 		default:
 			return nil, errorf(ErrCheckpoint, "the checkpoint's group %d is not a %s group", i, want)
 		}

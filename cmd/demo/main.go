@@ -237,7 +237,9 @@ func runRow(o options, m *model, stage int, mode string, n int) (Row, error) {
 		cfg.BucketBytes = m.layerBytes()
 	}
 	if mode == coalesceBudget {
-		cfg.Window.BudgetBytes = int(m.count) * o.windowDType.Size() / 2 // half a gradient in the window's dtype
+		// half a gradient of a window's sums, and the padding of half the
+		// buckets (a granule of W × 64 elements at most each)
+		cfg.Window.BudgetBytes = (int(m.count) + m.layers*o.world*64) * sumsDType(cfg).Size() / 2
 	}
 	outs := make([]rankOut, o.world)
 	if err := zero.RunLocal(o.world, func(comm zero.Comm) error {
@@ -282,7 +284,7 @@ func localBuckets(p *zero.Plan, cfg zero.Config) int {
 	for b := len(p.Buckets) - 1; b >= 0; b-- {
 		size := 4 * p.Buckets[b].Elems
 		if cfg.Stage != 1 {
-			size = cfg.Window.DType.Size() * p.Buckets[b].Padded
+			size = sumsDType(cfg).Size() * p.Buckets[b].Padded
 		}
 		if cfg.Window.BudgetBytes > 0 && used+size > cfg.Window.BudgetBytes {
 			break
@@ -291,6 +293,15 @@ func localBuckets(p *zero.Plan, cfg zero.Config) int {
 		n++
 	}
 	return n
+}
+
+// sumsDType is the dtype of a window's local sums: ZeRO-1's own are fp32,
+// the others' in Window.DType (fp32 where unset).
+func sumsDType(cfg zero.Config) zero.DType {
+	if cfg.Stage == 1 || cfg.Window.DType == 0 {
+		return zero.FP32
+	}
+	return cfg.Window.DType
 }
 
 // dtypeFlag reads a dtype flag.
