@@ -251,7 +251,7 @@ func BenchmarkKernelAccumulateFP32(b *testing.B) {
 		segs := benchSegments(addrF32(src), 4)
 		flag := make([]float32, 1)
 		vsYardstick(b, 12*benchElems,
-			func() { accumulateHost(addrF32(acc), segs, FP32, false, 1, addrF32(flag)) },
+			func() { accumulateHost(addrF32(acc), FP32, segs, FP32, false, 1, addrF32(flag)) },
 			yardRange(yardAdd32, addrF32(acc), addrF32(src), 0, 0, 0), src, acc, flag)
 	})
 }
@@ -263,9 +263,26 @@ func BenchmarkKernelAccumulateBF16(b *testing.B) {
 		segs := benchSegments(addrU16(src), 2)
 		flag := make([]float32, 1)
 		vsYardstick(b, 10*benchElems,
-			func() { accumulateHost(addrF32(acc), segs, BF16, false, 0.125, addrF32(flag)) },
+			func() { accumulateHost(addrF32(acc), FP32, segs, BF16, false, 0.125, addrF32(flag)) },
 			yardRange(yardAdd16, addrF32(acc), addrU16(src), 0, 0, 0), src, acc, flag)
 	})
+}
+
+// accumulate into a 16-bit accumulator of the source's dtype with a
+// post-scale (add): 4 B read, 2 B written; the yardstick adds uint16s.
+func BenchmarkKernelAccumulate16(b *testing.B) {
+	for _, dt := range []DType{BF16, FP16} {
+		b.Run(dt.String(), func(b *testing.B) {
+			benchLevels(b, func(b *testing.B) {
+				src, acc := benchU16(0, dt), benchU16(5, dt)
+				segs := benchSegments(addrU16(src), 2)
+				flag := make([]float32, 1)
+				vsYardstick(b, 6*benchElems,
+					func() { accumulateHost(addrU16(acc), dt, segs, dt, false, 0.125, addrF32(flag)) },
+					yardRange(yardAdd16x16, addrU16(acc), addrU16(src), 0, 0, 0), src, acc, flag)
+			})
+		})
+	}
 }
 
 // cast, fp32 master shard -> bf16 parameters: 4 B read, 2 B written.

@@ -313,13 +313,11 @@ type landing struct {
 }
 
 // deviceSink keeps the shard in device memory and sums each reduction into
-// it on the reduction's stream: in place in fp32, or for a 16-bit shard
-// (Precision.ShardDType) through an fp32 scratch of one bucket's shard.
+// it on the reduction's stream, in its dtype: a 16-bit shard
+// (Precision.ShardDType) is summed in fp32 and rounded once by the kernel.
 type deviceSink struct {
 	dev         Device
 	sum, raised Tensor // the shard and the flag
-	scratch     Tensor // fp32, the largest bucket shard: a 16-bit shard's sums
-	scratchFree Event  // the last use of scratch (reductions may run on several streams)
 }
 
 func newDeviceSink(dev Device, plan *Plan, dt DType) (*deviceSink, error) {
@@ -327,11 +325,6 @@ func newDeviceSink(dev Device, plan *Plan, dt DType) (*deviceSink, error) {
 	var err error
 	if d.sum, err = dev.Alloc(plan.ShardElems, dt); err != nil {
 		return d, err
-	}
-	if dt != FP32 {
-		if d.scratch, err = dev.Alloc(maxShardElems(plan), FP32); err != nil {
-			return d, err
-		}
 	}
 	d.raised, err = dev.Alloc(1, FP32)
 	return d, err
@@ -341,47 +334,21 @@ func (d *deviceSink) shard() Tensor                           { return d.sum }
 func (d *deviceSink) flag() Tensor                            { return d.raised }
 func (d *deviceSink) side(s Stream) (Device, Stream)          { return d.dev, s }
 func (d *deviceSink) onDevice(Stream, Tensor) (Tensor, error) { return d.sum, nil }
-func (d *deviceSink) deviceBytes() int64                      { return int64(d.sum.Bytes() + d.scratch.Bytes()) }
+func (d *deviceSink) deviceBytes() int64                      { return int64(d.sum.Bytes()) }
 
 func (d *deviceSink) land(rs Stream, mine Tensor, offset int, first bool, scale float32) (landing, error) {
-	var err error
-	if d.sum.dtype == FP32 {
-		err = d.dev.accumulate(rs, d.sum, []Segment{{Src: mine, Offset: offset}}, first, scale, d.raised)
-	} else if err = rs.Wait(d.scratchFree); err == nil {
-		err = land16(d.dev, rs, d.sum.slice(offset, mine.count), d.scratch, mine, first, scale, d.raised)
-	}
-	if err != nil {
+	if err := d.dev.accumulate(rs, d.sum, []Segment{{Src: mine, Offset: offset}}, first, scale, d.raised); err != nil {
 		return landing{read: fence(rs)}, err
 	}
 	done, err := record(rs)
 	if err != nil {
 		return landing{read: fence(rs)}, err
 	}
-	if d.scratch.ptr != 0 {
-		d.scratchFree = done
-	}
 	return landing{read: done, reduced: done, pending: []streamEvent{{rs, done}}}, nil
 }
 
 func (d *deviceSink) close() error {
-	return errors.Join(d.dev.Free(d.sum), d.dev.Free(d.scratch), d.dev.Free(d.raised))
-}
-
-// land16 sums mine (this rank's reduced part of a bucket) into part, its
-// place in a 16-bit shard, through the fp32 scratch: the part widened (when
-// not first), the accumulate (which raises flag on inf or NaN), the sum
-// rounded back, each reduction rounded once to the shard's dtype.
-func land16(d Device, s Stream, part, scratch, mine Tensor, first bool, scale float32, flag Tensor) error {
-	sc := scratch.slice(0, part.count)
-	if !first {
-		if err := d.cast(s, sc, part, 1); err != nil {
-			return err
-		}
-	}
-	if err := d.accumulate(s, sc, []Segment{{Src: mine, Offset: 0}}, first, scale, flag); err != nil {
-		return err
-	}
-	return d.cast(s, part, sc, 1)
+	return errors.Join(d.dev.Free(d.sum), d.dev.Free(d.raised))
 }
 
 // maxShardElems is the largest bucket shard of the plan.
@@ -513,40 +480,13 @@ func (pl *pipeline) addLocal(b int, idx []int, params []int, grads []Tensor, str
 
 // addLocal16 sums into a 16-bit local accumulator as a framework's .grad
 // does: each backward's sum rounded to the model dtype. The first
-// gradients are cast in; the others go through an fp32 scratch bucket:
-// widen the sums, add, narrow back, one kernel call each for all of them.
+// gradients are cast in; the others summed in fp32 and rounded once.
 func (pl *pipeline) addLocal16(b int, first, add []Segment, stream Stream) error {
 	acc := pl.buckets[b].local.t
 	if err := pl.dev.flatten(stream, acc, first, 1); err != nil {
 		return err
 	}
-	if len(add) == 0 {
-		return nil
-	}
-	tmp, err := pl.localPool.get(pl.plan.MaxBucket()) // one size: every bucket shares one scratch
-	if err != nil {
-		return err
-	}
-	// the members' ranges of one buffer, as segments of the other
-	ranges := func(of Tensor) []Segment {
-		out := make([]Segment, len(add))
-		for i, sg := range add {
-			out[i] = Segment{Src: of.slice(sg.Offset, sg.Src.count), Offset: sg.Offset}
-		}
-		return out
-	}
-	err = stream.Wait(tmp.free)
-	if err == nil {
-		err = pl.dev.flatten(stream, tmp.t, ranges(acc), 1)
-	}
-	if err == nil {
-		err = pl.dev.accumulate(stream, tmp.t, add, false, 1, Tensor{})
-	}
-	if err == nil {
-		err = pl.dev.flatten(stream, acc, ranges(tmp.t), 1)
-	}
-	pl.localPool.put(tmp, fence(stream))
-	return err
+	return pl.dev.accumulate(stream, acc, add, false, 1, Tensor{})
 }
 
 // produced records ev, recorded on stream after take, as the bucket's

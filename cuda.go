@@ -682,8 +682,9 @@ func (d *cudaDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool
 	if err != nil {
 		return err
 	}
-	if acc.dtype != FP32 || (flag.ptr != 0 && flag.dtype != FP32) {
-		return errorf(ErrDType, "accumulate into %v with a %v flag; both are fp32", acc.dtype, flag.dtype)
+	if !acc.dtype.valid() || (flag.ptr != 0 && flag.dtype != FP32) {
+		return errorf(ErrDType, "accumulate into %v with a %v flag; use an fp32, bf16 or fp16 accumulator and an fp32 flag",
+			acc.dtype, flag.dtype)
 	}
 	if err := d.deviceOnly("accumulate", acc, flag); err != nil {
 		return err
@@ -698,8 +699,8 @@ func (d *cudaDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool
 	if first {
 		f = 1
 	}
-	code := C.zc_accumulate(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(acc.ptr), (*C.zc_seg)(unsafe.Pointer(&c[0])),
-		C.int(len(c)), cdtype(src), f, C.float(scale), C.uintptr_t(flag.ptr))
+	code := C.zc_accumulate(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(acc.ptr), cdtype(acc.dtype),
+		(*C.zc_seg)(unsafe.Pointer(&c[0])), C.int(len(c)), cdtype(src), f, C.float(scale), C.uintptr_t(flag.ptr))
 	return d.err("accumulate", code)
 }
 

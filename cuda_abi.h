@@ -157,7 +157,7 @@ static inline int zc_red_setup(zc_red_arg* a, const uintptr_t* dsts, int nout, c
  * d, s, t: dtype rows (zc_dt_index); o: op row (zc_op_index); c: 1 when a
  * scale other than 1 is applied; f: 1 for the first accumulate (copy).
  *   zc_flatten_<d><s><c>(char* dst, zc_segs_arg a, float scale)
- *   zc_acc_<s><c><f>(float* acc, zc_segs_arg a, float scale, float* flag)
+ *   zc_acc_<d><s><c><f>(char* acc, zc_segs_arg a, float scale, float* flag)   d: acc's dtype row
  *   zc_reduce_<t><o>(zc_red_arg a)        grid (x, nout)
  *   zc_allreduce_<t><o>(zc_red_arg a)
  *   zc_unflatten_<t>(const char* flat, zc_segs_arg a)   seg.src is the destination

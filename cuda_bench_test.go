@@ -89,6 +89,9 @@ func BenchmarkCUDAKernelBandwidth(b *testing.B) {
 		{"accumulate_bf16_add", 10 * n, func() error {
 			return d.accumulate(s, f32[0], []Segment{{Src: bf[0]}}, false, 0.25, flag)
 		}},
+		{"accumulate_bf16_into_bf16_add", 6 * n, func() error {
+			return d.accumulate(s, bf[1], []Segment{{Src: bf[0]}}, false, 0.25, flag)
+		}},
 		{"accumulate_f32_copy", 8 * n, func() error {
 			return d.accumulate(s, f32[0], []Segment{{Src: f32[1]}}, true, 0.25, flag)
 		}},

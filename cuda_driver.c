@@ -364,8 +364,8 @@ int zc_memcpy(int dev, uintptr_t s, uintptr_t dst, uintptr_t src, uint64_t bytes
 
 enum {
 	ZK_FLATTEN = 0,               /* 18: [d][s][c] */
-	ZK_ACC = ZK_FLATTEN + 18,     /* 12: [s][c][f] */
-	ZK_REDUCE = ZK_ACC + 12,      /* 9: [t][o] */
+	ZK_ACC = ZK_FLATTEN + 18,     /* 36: [d][s][c][f] */
+	ZK_REDUCE = ZK_ACC + 36,      /* 9: [t][o] */
 	ZK_ALLREDUCE = ZK_REDUCE + 9, /* 9: [t][o] */
 	ZK_UNFLATTEN = ZK_ALLREDUCE + 9, /* 3: [t] */
 	ZK_ADAMW = ZK_UNFLATTEN + 3,     /* 3: [out dtype] */
@@ -380,7 +380,8 @@ static void zk_name(int id, char* buf, size_t n) {
 	if (id < ZK_ACC)
 		snprintf(buf, n, "zc_flatten_%d%d%d", id / 6, id / 2 % 3, id % 2);
 	else if (id < ZK_REDUCE)
-		snprintf(buf, n, "zc_acc_%d%d%d", (id - ZK_ACC) / 4, (id - ZK_ACC) / 2 % 2, (id - ZK_ACC) % 2);
+		snprintf(buf, n, "zc_acc_%d%d%d%d", (id - ZK_ACC) / 12, (id - ZK_ACC) / 4 % 3, (id - ZK_ACC) / 2 % 2,
+		         (id - ZK_ACC) % 2);
 	else if (id < ZK_ALLREDUCE)
 		snprintf(buf, n, "zc_reduce_%d%d", (id - ZK_REDUCE) / 3, (id - ZK_REDUCE) % 3);
 	else if (id < ZK_UNFLATTEN)
@@ -606,11 +607,12 @@ int zc_flatten(int dev, uintptr_t s, uintptr_t dst, int dst_dtype, const zc_seg*
 	ZC_LEAVE(zc_run_segs(dev, (CUstream)s, segs, nseg, &b));
 }
 
-int zc_accumulate(int dev, uintptr_t s, uintptr_t acc, const zc_seg* segs, int nseg, int src_dtype, int first,
-                  float scale, uintptr_t flag) {
-	if (!zc_dtype_ok(src_dtype)) return ZC_ERR_BAD_DTYPE;
+int zc_accumulate(int dev, uintptr_t s, uintptr_t acc, int acc_dtype, const zc_seg* segs, int nseg, int src_dtype,
+                  int first, float scale, uintptr_t flag) {
+	if (!zc_dtype_ok(acc_dtype) || !zc_dtype_ok(src_dtype)) return ZC_ERR_BAD_DTYPE;
 	ZC_ENTER(dev);
-	zc_batch b = {ZK_ACC + zc_dt_index(src_dtype) * 4 + (scale != 1.0f) * 2 + (first != 0), acc, scale, flag};
+	zc_batch b = {ZK_ACC + zc_dt_index(acc_dtype) * 12 + zc_dt_index(src_dtype) * 4 + (scale != 1.0f) * 2 + (first != 0),
+	              acc, scale, flag};
 	ZC_LEAVE(zc_run_segs(dev, (CUstream)s, segs, nseg, &b));
 }
 

@@ -205,28 +205,64 @@ func TestCUDAKernelsAccumulateMatchHost(t *testing.T) {
 	for _, lay := range gpuLayouts {
 		for _, st := range allDTypes {
 			l := makeGPULayout(t, rng, d, s, st, lay.nseg, lay.maxLen, lay.aligned)
-			for _, first := range []bool{true, false} {
-				for _, scale := range []float32{1, 0.5, -3.75} {
-					init := newGBuf(FP32, l.total)
-					init.fill(rng, false)
-					want := init.clone()
-					hostFlag := newGBuf(FP32, 1)
-					accumulateHost(want.t().ptr, l.hsegs, st, first, scale, hostFlag.t().ptr)
-					acc := upload(t, d, s, init, 0)
-					if err := d.zero(s, flagDev); err != nil {
-						t.Fatal(err)
-					}
-					if err := d.accumulate(s, acc, l.dsegs, first, scale, flagDev); err != nil {
-						t.Fatal(err)
-					}
-					got := download(t, d, s, acc)
-					if i, ok := got.sameAs(want); !ok {
-						t.Fatalf("accumulate %s %v first=%v scale %v: element %d = %#x, host %#x", lay.name, st, first, scale, i, got.bits(i), want.bits(i))
-					}
-					if gf := download(t, d, s, flagDev); gf.f[0] != hostFlag.f[0] {
-						t.Fatalf("accumulate %s %v: overflow flag %v, host %v", lay.name, st, gf.f[0], hostFlag.f[0])
+			for _, at := range allDTypes { // the accumulator: fp32, or 16 bits rounded once
+				for _, first := range []bool{true, false} {
+					for _, scale := range []float32{1, 0.5, -3.75} {
+						init := newGBuf(at, l.total)
+						init.fill(rng, false)
+						want := init.clone()
+						hostFlag := newGBuf(FP32, 1)
+						accumulateHost(want.t().ptr, at, l.hsegs, st, first, scale, hostFlag.t().ptr)
+						acc := upload(t, d, s, init, 0)
+						if err := d.zero(s, flagDev); err != nil {
+							t.Fatal(err)
+						}
+						if err := d.accumulate(s, acc, l.dsegs, first, scale, flagDev); err != nil {
+							t.Fatal(err)
+						}
+						got := download(t, d, s, acc)
+						if i, ok := got.sameAs(want); !ok {
+							t.Fatalf("accumulate %s %v into %v first=%v scale %v: element %d = %#x, host %#x", lay.name, st, at,
+								first, scale, i, got.bits(i), want.bits(i))
+						}
+						if gf := download(t, d, s, flagDev); gf.f[0] != hostFlag.f[0] {
+							t.Fatalf("accumulate %s %v into %v: overflow flag %v, host %v", lay.name, st, at, gf.f[0], hostFlag.f[0])
+						}
 					}
 				}
+			}
+		}
+	}
+}
+
+// An fp16 accumulator's flag follows the stored value on the GPU as on the
+// host: 65504 + 16 is finite in fp32 but rounds to inf.
+func TestCUDAKernelsAccumulate16Overflow(t *testing.T) {
+	d := needCUDA(t)
+	s := gpuStream(t, d)
+	for _, n := range []int{1, 7, 4096, 4099} {
+		for _, c := range []struct {
+			src  float32
+			want bool
+		}{{16, true}, {15, false}} {
+			src, init := newGBuf(FP32, n), newGBuf(FP16, n)
+			for i := range n {
+				src.f[i] = 1
+				init.set(i, 2)
+			}
+			src.f[n-1] = c.src
+			init.set(n-1, 65504)
+			flag := newGBuf(FP32, 1)
+			dsrc, acc, dflag := upload(t, d, s, src, 0), upload(t, d, s, init, 0), upload(t, d, s, flag, 0)
+			if err := d.accumulate(s, acc, []Segment{{Src: dsrc}}, false, 1, dflag); err != nil {
+				t.Fatal(err)
+			}
+			got, gf := download(t, d, s, acc), download(t, d, s, dflag)
+			if (gf.f[0] != 0) != c.want {
+				t.Errorf("n %d: 65504 + %g: flag %v, want raised=%v", n, c.src, gf.f[0], c.want)
+			}
+			if wantBits := refEncode(FP16, 65504+c.src); got.bits(n-1) != wantBits || (n > 1 && got.bits(0) != refEncode(FP16, 3)) {
+				t.Errorf("n %d: 65504 + %g stored %#x (element 0 %#x), want %#x", n, c.src, got.bits(n-1), got.bits(0), wantBits)
 			}
 		}
 	}

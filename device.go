@@ -206,9 +206,13 @@ func (h *hostDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool
 	if len(segs) == 0 {
 		return nil
 	}
+	if !acc.dtype.valid() || (flag.ptr != 0 && flag.dtype != FP32) {
+		return errorf(ErrDType, "accumulate into %v with a %v flag; use an fp32, bf16 or fp16 accumulator and an fp32 flag",
+			acc.dtype, flag.dtype)
+	}
 	cs := segmentsOf(segs)
 	return h.launch(s, func() error {
-		accumulateHost(acc.ptr, cs, segs[0].Src.dtype, first, scale, flag.ptr)
+		accumulateHost(acc.ptr, acc.dtype, cs, segs[0].Src.dtype, first, scale, flag.ptr)
 		keepAliveSegments(segs)
 		keepAlive(acc, flag)
 		return nil

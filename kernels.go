@@ -14,9 +14,9 @@ static inline void zk_flatten_u(uintptr_t dst, int dt, const zero_seg* segs, int
                                 int64_t lo, int64_t hi) {
 	zero_flatten((void*)dst, dt, segs, nseg, st, scale, lo, hi);
 }
-static inline void zk_accumulate_u(uintptr_t acc, const zero_seg* segs, int nseg, int st, int first, float scale,
-                                   float* flag, int64_t lo, int64_t hi) {
-	zero_accumulate((float*)acc, segs, nseg, st, first, scale, flag, lo, hi);
+static inline void zk_accumulate_u(uintptr_t acc, int at, const zero_seg* segs, int nseg, int st, int first,
+                                   float scale, float* flag, int64_t lo, int64_t hi) {
+	zero_accumulate((void*)acc, at, segs, nseg, st, first, scale, flag, lo, hi);
 }
 static inline void zk_set_flag_u(uintptr_t flag) { *(float*)flag = 1.0f; }
 static inline void zk_cast_u(uintptr_t dst, int dt, uintptr_t src, int st, float scale, int64_t lo, int64_t hi) {
@@ -62,6 +62,7 @@ static inline uint32_t zk_yard_u(int kind, uintptr_t d, uintptr_t a, uintptr_t b
 	case 9: zero_yard_allsum4_32((float*)a, (float*)b, (float*)c, (float*)e, lo, hi); break;
 	case 10: zero_yard_inc32((float*)d, lo, hi); break;
 	case 11: zero_yard_optpass((uint16_t*)d, (float*)a, (const float*)b, (float*)c, (float*)e, lo, hi); break;
+	case 12: zero_yard_add16x16((uint16_t*)d, (const uint16_t*)a, lo, hi); break;
 	}
 	return 0;
 }
@@ -192,24 +193,26 @@ func flattenHost(dst uintptr, dstType DType, segs []segment, srcType DType, scal
 
 // accumulateRange runs zero_accumulate over [lo, hi) on the calling goroutine.
 // flag is a Go float32 the kernel sets to 1 on a non-finite result, or nil.
-func accumulateRange(acc uintptr, segs []segment, srcType DType, first bool, scale float32, flag *float32, lo, hi int64) {
+func accumulateRange(acc uintptr, accType DType, segs []segment, srcType DType, first bool, scale float32, flag *float32,
+	lo, hi int64) {
 	if len(segs) == 0 || lo >= hi {
 		return
 	}
-	C.zk_accumulate_u(C.uintptr_t(acc), (*C.zero_seg)(unsafe.Pointer(&segs[0])), C.int(len(segs)), C.int(srcType),
-		cbool(first), C.float(scale), (*C.float)(unsafe.Pointer(flag)), C.int64_t(lo), C.int64_t(hi))
+	C.zk_accumulate_u(C.uintptr_t(acc), C.int(accType), (*C.zero_seg)(unsafe.Pointer(&segs[0])), C.int(len(segs)),
+		C.int(srcType), cbool(first), C.float(scale), (*C.float)(unsafe.Pointer(flag)), C.int64_t(lo), C.int64_t(hi))
 }
 
-// accumulateHost is copy-vs-add into the fp32 buffer acc:
-// acc[j] = (first ? 0 : acc[j]) + float(src) * scale for every element j a
-// segment covers, in one pass (first copies, so acc's old contents, NaN
-// included, do not matter). If any result is inf or NaN it stores 1.0 into the
-// float32 at address flag (when flag is not 0); it never clears the flag.
-func accumulateHost(acc uintptr, segs []segment, srcType DType, first bool, scale float32, flag uintptr) {
+// accumulateHost is copy-vs-add into acc, of dtype accType (fp32, bf16 or
+// fp16): acc[j] = accType((first ? 0 : float(acc[j])) + float(src) * scale)
+// for every element j a segment covers, in one pass, the sum formed in fp32
+// and rounded once (first copies, so acc's old contents, NaN included, do not
+// matter). If any stored value is inf or NaN it stores 1.0 into the float32 at
+// address flag (when flag is not 0); it never clears the flag.
+func accumulateHost(acc uintptr, accType DType, segs []segment, srcType DType, first bool, scale float32, flag uintptr) {
 	lo, hi := segExtent(segs)
 	var flags [maxParts]float32 // one per part, so the parts never write one word
 	parts := parallelParts(int(hi-lo), func(k, a, b int) {
-		accumulateRange(acc, segs, srcType, first, scale, &flags[k], lo+int64(a), lo+int64(b))
+		accumulateRange(acc, accType, segs, srcType, first, scale, &flags[k], lo+int64(a), lo+int64(b))
 	})
 	if flag == 0 {
 		return
@@ -420,6 +423,7 @@ const (
 	yardAllSum4x32                 // a[i] = b[i] = c[i] = e[i] = a[i]+b[i]+c[i]+e[i], fp32
 	yardInc32                      // d[i] += 1, fp32 in place
 	yardOptPass                    // a (p), c (m), e (v) += b (g), d = a's high 16 bits: an optimizer's bytes
+	yardAdd16x16                   // d[i] += a[i], uint16 += uint16
 )
 
 // copyStream copies n bytes from src to dst with non-temporal stores.

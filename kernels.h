@@ -32,11 +32,13 @@ typedef struct {
 void zero_flatten(void* dst, int dst_dtype, const zero_seg* segs, int nseg, int src_dtype, float scale,
                   int64_t lo, int64_t hi);
 
-/* accumulate (copy-vs-add into fp32): for every covered j in [lo, hi):
- * v = load_src(...) * scale (skipped when scale == 1);
- * acc[j] = first ? v : acc[j] + v. If any result is inf or NaN, *flag = 1.0f
- * (flag may be NULL; it is never cleared). One pass. */
-void zero_accumulate(float* acc, const zero_seg* segs, int nseg, int src_dtype, int first, float scale,
+/* accumulate (copy-vs-add) into acc of acc_dtype (fp32, bf16 or fp16): for
+ * every covered j in [lo, hi): v = load_src(...) * scale (skipped when
+ * scale == 1); acc[j] = store_acc(first ? v : load_acc(acc, j) + v), the sum
+ * in fp32, rounded once to acc_dtype. If any stored value is inf or NaN,
+ * *flag = 1.0f (flag may be NULL; it is never cleared), so a 16-bit sum that
+ * rounds to inf raises it. One pass. Another acc_dtype does nothing. */
+void zero_accumulate(void* acc, int acc_dtype, const zero_seg* segs, int nseg, int src_dtype, int first, float scale,
                      float* flag, int64_t lo, int64_t hi);
 
 /* cast: dst[i] = cast_dst(load_src(src, i) * scale) for i in [lo, hi). */
@@ -99,6 +101,7 @@ void zero_yard_widen(uint32_t* dst, const uint16_t* src, int64_t lo, int64_t hi)
 void zero_yard_narrow(uint16_t* dst, const uint32_t* src, int64_t lo, int64_t hi);
 void zero_yard_add32(float* acc, const float* src, int64_t lo, int64_t hi);
 void zero_yard_add16(float* acc, const uint16_t* src, int64_t lo, int64_t hi);
+void zero_yard_add16x16(uint16_t* acc, const uint16_t* src, int64_t lo, int64_t hi);
 uint32_t zero_yard_read32(const uint32_t* x, int64_t lo, int64_t hi);
 void zero_yard_sum4_32(float* dst, const float* a, const float* b, const float* c, const float* d, int64_t lo,
                        int64_t hi);

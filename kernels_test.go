@@ -379,8 +379,14 @@ func TestKernelLevelsAgree(t *testing.T) {
 			}
 			acc := newTBuf(FP32, n)
 			fillRand(r, acc, true)
-			accumulateHost(acc.ptr(), []segment{{ptr: src.ptr(), count: int64(n)}}, st, false, 0.7, 0)
+			accumulateHost(acc.ptr(), FP32, []segment{{ptr: src.ptr(), count: int64(n)}}, st, false, 0.7, 0)
 			out = append(out, output{acc, false, fmt.Sprintf("accumulate %v", st)})
+			for _, at := range halfDTypes {
+				acc := newTBuf(at, n)
+				fillRand(r, acc, true)
+				accumulateHost(acc.ptr(), at, []segment{{ptr: src.ptr(), count: int64(n)}}, st, false, 0.7, 0)
+				out = append(out, output{acc, false, fmt.Sprintf("accumulate %v into %v", st, at)})
+			}
 			for _, op := range allOps {
 				bufs := make([]uintptr, 3)
 				keep := make([]*tbuf, 3)
@@ -646,13 +652,13 @@ func testAccumulate(t *testing.T) {
 					before := acc.clone()
 					flagBuf := newTBuf(FP32, 1)
 					if rng.IntN(2) == 0 {
-						accumulateHost(acc.ptr(), l.segs, st, first, scale, flagBuf.ptr())
+						accumulateHost(acc.ptr(), FP32, l.segs, st, first, scale, flagBuf.ptr())
 					} else {
 						// ragged pieces, one flag per piece, ORed
 						for lo := 0; lo < l.total; {
 							hi := min(l.total, lo+1+rng.IntN(l.total/3+1))
 							var f float32
-							accumulateRange(acc.ptr(), l.segs, st, first, scale, &f, int64(lo), int64(hi))
+							accumulateRange(acc.ptr(), FP32, l.segs, st, first, scale, &f, int64(lo), int64(hi))
 							if f != 0 {
 								flagBuf.f[0] = f
 							}
@@ -743,14 +749,14 @@ func testAccumulateFlag(t *testing.T) {
 			acc.f[pos] = c.acc
 			flag := newTBuf(FP32, 1)
 			segs := []segment{{ptr: src.ptr(), count: int64(n)}}
-			accumulateHost(acc.ptr(), segs, FP32, c.first, 1, flag.ptr())
+			accumulateHost(acc.ptr(), FP32, segs, FP32, c.first, 1, flag.ptr())
 			if (flag.f[0] != 0) != c.want {
 				t.Errorf("%s at %d: flag %g, want raised=%v", c.name, pos, flag.f[0], c.want)
 			}
 			if flag.f[0] != 0 && flag.f[0] != 1 {
 				t.Errorf("%s: flag %g, want 1", c.name, flag.f[0])
 			}
-			accumulateHost(acc.ptr(), segs, FP32, c.first, 1, 0) // no flag: must not crash
+			accumulateHost(acc.ptr(), FP32, segs, FP32, c.first, 1, 0) // no flag: must not crash
 		}
 	}
 	// the kernel never clears a raised flag
@@ -758,9 +764,225 @@ func testAccumulateFlag(t *testing.T) {
 	acc := newTBuf(FP32, 10)
 	flag := newTBuf(FP32, 1)
 	flag.f[0] = 1
-	accumulateHost(acc.ptr(), []segment{{ptr: src.ptr(), count: 10}}, FP32, false, 1, flag.ptr())
+	accumulateHost(acc.ptr(), FP32, []segment{{ptr: src.ptr(), count: 10}}, FP32, false, 1, flag.ptr())
 	if flag.f[0] != 1 {
 		t.Errorf("a raised flag was cleared")
+	}
+}
+
+// ---- accumulate into a 16-bit accumulator ------------------------------------------
+
+// halfDTypes are the 16-bit accumulator dtypes.
+var halfDTypes = []DType{BF16, FP16}
+
+// topBits is the exponent field of a 16-bit dtype: all ones is inf or NaN.
+func topBits(dt DType) uint32 {
+	if dt == BF16 {
+		return 0x7f80
+	}
+	return 0x7c00
+}
+
+// fillForAcc refills a layout's sources with values whose sums stay finite in
+// an accumulator of dtype at (an fp16 accumulator overflows on fp32 or bf16
+// data of the full range); with specials, about one in 64 is special.
+func fillForAcc(rng *rand.Rand, l *segLayout, at DType, specials bool) {
+	lo, hi := expRange(at)
+	for _, b := range l.srcs {
+		slo, shi := expRange(b.dt)
+		for i := 0; i < b.len(); i++ {
+			b.set(i, randVal(rng, max(lo, slo), min(hi, shi)))
+			if specials && rng.IntN(64) == 0 {
+				b.setBits(i, randSpecial(rng, b.dt))
+			}
+		}
+	}
+}
+
+// Copy-vs-add into a bf16 or fp16 accumulator: every element summed in fp32
+// and rounded once, the flag raised when a stored value is inf or NaN; in one
+// call, split across cores, and in ragged pieces.
+func TestAccumulate16(t *testing.T) { forEachLevel(t, testAccumulate16) }
+
+func testAccumulate16(t *testing.T) {
+	rng := testRNG(t)
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
+	for _, at := range halfDTypes {
+		for _, st := range allDTypes {
+			for _, first := range []bool{true, false} {
+				for _, scale := range testScales {
+					for _, large := range []bool{false, true} {
+						if large && !fullSize() && scale != testScales[2] {
+							continue
+						}
+						name := fmt.Sprintf("%v+=%v/first=%v/scale=%g/large=%v", at, st, first, scale, large)
+						specials := rng.IntN(2) == 0
+						// odd sizes and offsets, some past a kernel block (512)
+						sizes := randSizes(rng, 1+rng.IntN(6), 1100)
+						if large {
+							sizes = []int{rng.IntN(1000), parallelThreshold + rng.IntN(30_000), rng.IntN(1000)}
+							runtime.GOMAXPROCS(2 + rng.IntN(2))
+						}
+						l := makeSegLayout(rng, st, sizes, false)
+						fillForAcc(rng, l, at, specials)
+						acc := newTBuf(at, l.total)
+						fillRand(rng, acc, specials)
+						if first {
+							for j := range acc.h {
+								acc.h[j] = uint16(topBits(at)) | 0x41 // NaN: a copy must not read acc
+							}
+						}
+						before := acc.clone()
+						flagBuf := newTBuf(FP32, 1)
+						if rng.IntN(2) == 0 {
+							accumulateHost(acc.ptr(), at, l.segs, st, first, scale, flagBuf.ptr())
+						} else {
+							for lo := 0; lo < l.total; {
+								hi := min(l.total, lo+1+rng.IntN(l.total/3+1))
+								var f float32
+								accumulateRange(acc.ptr(), at, l.segs, st, first, scale, &f, int64(lo), int64(hi))
+								if f != 0 {
+									flagBuf.f[0] = f
+								}
+								lo = hi
+							}
+						}
+						checkAcc16(t, name, l, acc, before, first, scale, flagBuf.f[0])
+					}
+				}
+			}
+		}
+	}
+}
+
+// checkAcc16 checks acc against the fp32 sum rounded once (the reference
+// conversions of reference_test.go), against float64 within half an ulp of
+// the accumulator's dtype plus the fp32 roundings, and the flag against the
+// expected stored values.
+func checkAcc16(t *testing.T, name string, l *segLayout, acc, before *tbuf, first bool, scale, flag float32) {
+	t.Helper()
+	at := acc.dt
+	bad := 0
+	wantFlag := false
+	for j := 0; j < l.total; j++ {
+		src, i := l.covering(j)
+		if src == nil {
+			if acc.bits(j) != before.bits(j) && bad < 10 {
+				bad++
+				t.Errorf("%s: element %d in a gap was written", name, j)
+			}
+			continue
+		}
+		x := src.val(i)
+		v := refScale(x, scale)
+		sum := v
+		old := before.val(j)
+		if !first {
+			sum = float32(old + v)
+		}
+		want := refEncode(at, sum)
+		if want&topBits(at) == topBits(at) {
+			wantFlag = true
+		}
+		if !sameBits(at, acc.bits(j), want) {
+			if bad++; bad <= 10 {
+				t.Errorf("%s: element %d: acc %#x + src %#x -> %#x, want %#x (fp32 sum %g)", name, j, before.bits(j),
+					src.bits(i), acc.bits(j), want, sum)
+			}
+			continue
+		}
+		if want&topBits(at) == topBits(at) {
+			continue
+		}
+		base, w64 := 0.0, float64(x)*float64(scale)
+		if !first {
+			base = float64(old)
+		}
+		// half an ulp of the dtype, two fp32 roundings (scale, add), and in
+		// the subnormal ranges half the dtype's smallest step
+		rel := unitRoundoff(at) + 3*unitRoundoff(FP32)
+		if !near(acc.val(j), base+w64, math.Abs(base)+math.Abs(w64), rel, tinyOf(at)/2+2*tinyOf(FP32)) {
+			if bad++; bad <= 10 {
+				t.Errorf("%s: element %d: %g, float64 reference %g", name, j, acc.val(j), base+w64)
+			}
+		}
+	}
+	if wantFlag != (flag != 0) {
+		t.Errorf("%s: flag %g, but a stored value is inf or NaN: %v", name, flag, wantFlag)
+	}
+	if flag != 0 && flag != 1 {
+		t.Errorf("%s: flag %g, want 1", name, flag)
+	}
+}
+
+// The flag of a 16-bit accumulator follows the stored value: a finite fp32
+// sum that rounds to inf raises it, one that rounds to the largest finite
+// value does not; NaN and inf sources raise it in any part of a split.
+func TestAccumulate16Flag(t *testing.T) { forEachLevel(t, testAccumulate16Flag) }
+
+func testAccumulate16Flag(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(0))
+	runtime.GOMAXPROCS(3)
+	n := 500_000
+	if !fullSize() {
+		n = 3001
+	}
+	bf16Max := float32(refDecodeBF16(0x7f7f))
+	halfULP := float32(math.Ldexp(1, 119)) // half the gap below bf16's inf
+	for _, c := range []struct {
+		name  string
+		at    DType
+		acc   float32
+		src   uint32 // fp32 bits placed at position pos
+		first bool
+		scale float32
+		stor  uint16 // the stored value expected at pos
+		want  bool
+	}{
+		{"fp16 65504+16 rounds to inf", FP16, 65504, math.Float32bits(16), false, 1, 0x7c00, true},
+		{"fp16 65504+15 rounds to 65504", FP16, 65504, math.Float32bits(15), false, 1, 0x7bff, false},
+		{"fp16 -65504-8*2 scaled", FP16, -65504, math.Float32bits(-8), false, 2, 0xfc00, true},
+		{"fp16 copy of 65520 is inf", FP16, 0, math.Float32bits(65520), true, 1, 0x7c00, true},
+		{"fp16 copy of 65519 is finite", FP16, 0, math.Float32bits(65519), true, 1, 0x7bff, false},
+		{"fp16 nan source", FP16, 1, 0x7fc00000, false, 1, 0x7e00, true},
+		{"fp16 inf source", FP16, 1, 0xff800000, true, 1, 0xfc00, true},
+		{"fp16 finite", FP16, 1, math.Float32bits(2), false, 1, 0x4200, false},
+		{"bf16 max+half ulp rounds to inf", BF16, bf16Max, math.Float32bits(halfULP), false, 1, 0x7f80, true},
+		{"bf16 max+less stays", BF16, bf16Max, math.Float32bits(halfULP / 2), false, 1, 0x7f7f, false},
+		{"bf16 nan source", BF16, 1, 0xffc00000, false, 0.5, 0xffc0, true},
+		{"bf16 finite", BF16, 1, math.Float32bits(1), false, 1, 0x4000, false},
+	} {
+		for _, pos := range []int{0, n / 2, n - 1} {
+			src := newTBuf(FP32, n)
+			acc := newTBuf(c.at, n)
+			for i := range n {
+				src.f[i] = 1
+			}
+			src.setBits(pos, c.src)
+			acc.set(pos, c.acc)
+			flag := newTBuf(FP32, 1)
+			segs := []segment{{ptr: src.ptr(), count: int64(n)}}
+			accumulateHost(acc.ptr(), c.at, segs, FP32, c.first, c.scale, flag.ptr())
+			if (flag.f[0] != 0) != c.want {
+				t.Errorf("%s at %d: flag %g, want raised=%v", c.name, pos, flag.f[0], c.want)
+			}
+			if got := acc.h[pos]; !sameBits(c.at, uint32(got), uint32(c.stor)) {
+				t.Errorf("%s at %d: stored %#x, want %#x", c.name, pos, got, c.stor)
+			}
+		}
+	}
+	// a NaN already in the accumulator: an add raises the flag, a copy does not
+	for _, at := range halfDTypes {
+		for _, first := range []bool{false, true} {
+			src := newTBuf(BF16, 700)
+			acc := newTBuf(at, 700)
+			acc.h[333] = uint16(topBits(at)) | 1
+			flag := newTBuf(FP32, 1)
+			accumulateHost(acc.ptr(), at, []segment{{ptr: src.ptr(), count: 700}}, BF16, first, 1, flag.ptr())
+			if (flag.f[0] != 0) == first {
+				t.Errorf("%v acc with a NaN, first=%v: flag %g", at, first, flag.f[0])
+			}
+		}
 	}
 }
 

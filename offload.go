@@ -30,7 +30,7 @@ type offload struct {
 	meter   memoryMeter // the landing pool's (hostMemory counts every host byte)
 
 	sum, raised Tensor // the host shard and the overflow flag
-	scratch     Tensor // fp32, the largest bucket shard, for a 16-bit shard
+	scratch     Tensor // fp32, the largest bucket shard: a 16-bit shard widened for the optimizer
 	host        Tensor // the host's model-dtype copy of the new parameters
 	// saved is the device memory this engine does not hold: the shard and
 	// the optimizer's state, allocated here.
@@ -51,7 +51,7 @@ func newOffload(dev Device, plan *Plan, copyStream Stream, commDType, shardDType
 	if o.sum, err = o.Alloc(plan.ShardElems, shardDType); err != nil {
 		return o, err
 	}
-	if shardDType != FP32 { // a 16-bit shard's sums, and the optimizer's gradient, bucket by bucket
+	if shardDType != FP32 { // the optimizer reads a 16-bit shard widened, bucket by bucket
 		if o.scratch, err = mem.Alloc(maxShard, FP32); err != nil {
 			return o, err
 		}
@@ -120,12 +120,7 @@ func (o *offload) land(rs Stream, mine Tensor, offset int, first bool, scale flo
 	if err := o.stream.Wait(copied); err != nil {
 		return fail(err)
 	}
-	if o.sum.dtype == FP32 {
-		err = hostDev.accumulate(o.stream, o.sum, []Segment{{Src: dst, Offset: offset}}, first, scale, o.raised)
-	} else { // the host stream runs one landing at a time: one scratch serves them all
-		err = land16(hostDev, o.stream, o.sum.slice(offset, dst.count), o.scratch, dst, first, scale, o.raised)
-	}
-	if err != nil {
+	if err := hostDev.accumulate(o.stream, o.sum, []Segment{{Src: dst, Offset: offset}}, first, scale, o.raised); err != nil {
 		return fail(err)
 	}
 	added, err := o.stream.recordUntimed(nil)

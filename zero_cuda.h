@@ -105,12 +105,13 @@ int zc_memcpy(int dev, uintptr_t s, uintptr_t dst, uintptr_t src, uint64_t bytes
 int zc_flatten(int dev, uintptr_t s, uintptr_t dst, int dst_dtype, const zc_seg* segs, int nseg, int src_dtype,
                float scale);
 
-/* accumulate (copy-vs-add into fp32): acc[seg.offset + i] =
- * (first ? 0 : acc[..]) + float(seg.ptr[i]) * scale, one launch; sets the
- * fp32 at flag (device memory, may be 0) to 1.0 when a result is inf or NaN.
- * Same arithmetic as zero_accumulate. */
-int zc_accumulate(int dev, uintptr_t s, uintptr_t acc, const zc_seg* segs, int nseg, int src_dtype, int first,
-                  float scale, uintptr_t flag);
+/* accumulate (copy-vs-add) into acc of acc_dtype (fp32, bf16 or fp16):
+ * acc[seg.offset + i] = acc_dtype((first ? 0 : float(acc[..])) +
+ * float(seg.ptr[i]) * scale), the sum in fp32 rounded once, one launch; sets
+ * the fp32 at flag (device memory, may be 0) to 1.0 when a stored value is
+ * inf or NaN. Same arithmetic as zero_accumulate. */
+int zc_accumulate(int dev, uintptr_t s, uintptr_t acc, int acc_dtype, const zc_seg* segs, int nseg, int src_dtype,
+                  int first, float scale, uintptr_t flag);
 
 /* unflatten: seg.ptr[i] = flat[seg.offset + i] for every segment, one dtype,
  * one launch: the inverse of flatten. */

@@ -42,29 +42,39 @@ static void emu_flatten(char* dst, int dt, int st, const zc_dseg* d, int n, floa
 	}
 }
 
-template <int ST, bool SC, bool FIRST>
-static bool run_acc(float* acc, const zc_dseg* d, int n, float scale, int64_t blocks) {
+template <int AT, int ST, bool SC, bool FIRST>
+static bool run_acc(char* acc, const zc_dseg* d, int n, float scale, int64_t blocks) {
 	uint32_t bad = 0;
 	for (int64_t b = 0; b < blocks; b++) {
 		uint32_t block_bad = 0; /* __syncthreads_or over the block */
-		for (int t = 0; t < ZC_THREADS; t++) block_bad |= zc_accumulate_block<ST, SC, FIRST>(acc, d, n, scale, b, t);
+		for (int t = 0; t < ZC_THREADS; t++) block_bad |= zc_accumulate_block<AT, ST, SC, FIRST>(acc, d, n, scale, b, t);
 		bad |= block_bad;
 	}
 	return bad != 0;
 }
 
-template <int ST>
-static bool run_acc1(float* acc, const zc_dseg* d, int n, float scale, int first, int64_t blocks) {
+template <int AT, int ST>
+static bool run_acc2(char* acc, const zc_dseg* d, int n, float scale, int first, int64_t blocks) {
 	if (scale != 1.0f)
-		return first ? run_acc<ST, true, true>(acc, d, n, scale, blocks) : run_acc<ST, true, false>(acc, d, n, scale, blocks);
-	return first ? run_acc<ST, false, true>(acc, d, n, scale, blocks) : run_acc<ST, false, false>(acc, d, n, scale, blocks);
+		return first ? run_acc<AT, ST, true, true>(acc, d, n, scale, blocks) : run_acc<AT, ST, true, false>(acc, d, n, scale, blocks);
+	return first ? run_acc<AT, ST, false, true>(acc, d, n, scale, blocks) : run_acc<AT, ST, false, false>(acc, d, n, scale, blocks);
 }
 
-static bool emu_accumulate(float* acc, int st, const zc_dseg* d, int n, float scale, int first, int64_t blocks) {
+template <int AT>
+static bool run_acc1(char* acc, int st, const zc_dseg* d, int n, float scale, int first, int64_t blocks) {
 	switch (st) {
-	case ZERO_F32: return run_acc1<ZERO_F32>(acc, d, n, scale, first, blocks);
-	case ZERO_BF16: return run_acc1<ZERO_BF16>(acc, d, n, scale, first, blocks);
-	default: return run_acc1<ZERO_F16>(acc, d, n, scale, first, blocks);
+	case ZERO_F32: return run_acc2<AT, ZERO_F32>(acc, d, n, scale, first, blocks);
+	case ZERO_BF16: return run_acc2<AT, ZERO_BF16>(acc, d, n, scale, first, blocks);
+	default: return run_acc2<AT, ZERO_F16>(acc, d, n, scale, first, blocks);
+	}
+}
+
+/* An accumulate launch into acc of dtype at; true if a block raised the flag. */
+static bool emu_accumulate(char* acc, int at, int st, const zc_dseg* d, int n, float scale, int first, int64_t blocks) {
+	switch (at) {
+	case ZERO_F32: return run_acc1<ZERO_F32>(acc, st, d, n, scale, first, blocks);
+	case ZERO_BF16: return run_acc1<ZERO_BF16>(acc, st, d, n, scale, first, blocks);
+	default: return run_acc1<ZERO_F16>(acc, st, d, n, scale, first, blocks);
 	}
 }
 

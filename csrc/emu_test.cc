@@ -171,7 +171,7 @@ struct layout {
 	int64_t total;
 };
 
-static layout make_layout(int st, int nseg, int maxlen, bool aligned) {
+static layout make_layout(int st, int nseg, int maxlen, bool aligned, bool wild = true) {
 	layout l;
 	int64_t off = (int64_t)(rng() % 5);
 	for (int k = 0; k < nseg; k++) {
@@ -179,7 +179,7 @@ static layout make_layout(int st, int nseg, int maxlen, bool aligned) {
 		if (k == 0 && nseg > 1) n = 0; /* an empty segment too */
 		if (aligned) off = (off + 7) & ~(int64_t)7;
 		hbuf* b = new hbuf(st, n, aligned ? 0 : (int)(rng() % 8));
-		b->fill(true);
+		b->fill(wild);
 		l.src.push_back(b);
 		l.segs.push_back(zc_seg{(uintptr_t)b->p, n, off});
 		off += n + (int64_t)(rng() % 2) * (int64_t)(rng() % 40);
@@ -235,36 +235,93 @@ static void test_flatten_accumulate() {
 					check(ok, "flatten vs float64 reference", st * 10 + dt, at, ok ? 0 : got.bits(at), 0);
 				}
 			}
-			for (int first = 0; first <= 1; first++) {
-				for (float scale : scales) {
-					hbuf want(ZERO_F32, l.total, 0), got(ZERO_F32, l.total, 0);
-					want.fill(false);
-					memcpy(got.p, want.p, (size_t)(l.total * 4));
-					float flag = 0;
-					std::vector<double> ref(l.total);
-					bool ref_bad = false;
-					for (int64_t i = 0; i < l.total; i++) ref[i] = ref_decode(ZERO_F32, want.bits(i));
-					for (const zc_seg& sg : l.segs)
-						for (int64_t i = 0; i < sg.count; i++) {
-							float v = ref_scaled(st, sg, i, scale);
-							ref_bad |= isinf(v) || v != v;
-							ref[sg.offset + i] = first ? v : (float)ref[sg.offset + i] + v;
+			for (int at : dtypes) {
+				for (int first = 0; first <= 1; first++) {
+					for (float scale : scales) {
+						hbuf want(at, l.total, 0), got(at, l.total, 0);
+						want.fill(false);
+						memcpy(got.p, want.p, (size_t)(l.total * dsize(at)));
+						float flag = 0;
+						std::vector<double> ref(l.total);
+						bool ref_bad = false;
+						for (int64_t i = 0; i < l.total; i++) ref[i] = ref_decode(at, want.bits(i));
+						/* the sum in fp32, stored once; the flag from what is stored */
+						for (const zc_seg& sg : l.segs)
+							for (int64_t i = 0; i < sg.count; i++) {
+								float v = ref_scaled(st, sg, i, scale);
+								double r = ref_store(at, first ? v : (float)ref[sg.offset + i] + v);
+								ref_bad |= isinf(r) || r != r;
+								ref[sg.offset + i] = r;
+							}
+						zero_accumulate(want.p, at, (const zero_seg*)l.segs.data(), (int)l.segs.size(), st, first, scale,
+						                &flag, 0, l.total);
+						bool bad = emu_accumulate((char*)got.p, at, st, d.data(), n, scale, first, blocks);
+						int64_t at_i = 0;
+						bool ok = same(got, want, &at_i);
+						long what = at * 100 + st * 10 + first;
+						check(ok, "accumulate", what, at_i, ok ? 0 : got.bits(at_i), ok ? 0 : want.bits(at_i));
+						check(bad == (flag != 0), "accumulate flag", what, 0, bad, flag != 0);
+						for (at_i = 0; at_i < l.total && ref_same(at, got.bits(at_i), ref[at_i]); at_i++) {
 						}
-					zero_accumulate((float*)want.p, (const zero_seg*)l.segs.data(), (int)l.segs.size(), st, first, scale,
-					                &flag, 0, l.total);
-					bool bad = emu_accumulate((float*)got.p, st, d.data(), n, scale, first, blocks);
-					int64_t at = 0;
-					bool ok = same(got, want, &at);
-					check(ok, "accumulate", st * 10 + first, at, ok ? 0 : got.bits(at), ok ? 0 : want.bits(at));
-					check(bad == (flag != 0), "accumulate flag", st, first, bad, flag != 0);
-					for (at = 0; at < l.total && ref_same(ZERO_F32, got.bits(at), ref[at]); at++) {
+						ok = at_i == l.total;
+						check(ok, "accumulate vs float64 reference", what, at_i, ok ? 0 : got.bits(at_i), 0);
+						check(bad == ref_bad, "accumulate flag vs reference", what, 0, bad, ref_bad);
 					}
-					ok = at == l.total;
-					check(ok, "accumulate vs float64 reference", st * 10 + first, at, ok ? 0 : got.bits(at), 0);
-					check(bad == ref_bad, "accumulate flag vs reference", st, first, bad, ref_bad);
 				}
 			}
 			free_layout(l);
+		}
+	}
+}
+
+/* The flag of a 16-bit accumulator follows the stored value: tame data
+ * leaves it down; one sum that is finite in fp32 but rounds to inf (fp16
+ * 65504 + 16, bf16 max + half its ulp) raises it, in either half of a word
+ * of a 16-byte pack or in a tail, on the host and in the kernel body alike. */
+static void test_accumulate16_flag() {
+	struct {
+		int at, st;
+		float acc, src;
+	} cases[] = {{ZERO_F16, ZERO_F32, 65504.0f, 16.0f},
+	             {ZERO_F16, ZERO_F16, 65504.0f, 16.0f},
+	             {ZERO_F16, ZERO_BF16, 65504.0f, 16.0f},
+	             {ZERO_BF16, ZERO_F32, 0x1.fep127f, 0x1p119f},
+	             {ZERO_BF16, ZERO_BF16, 0x1.fep127f, 0x1p119f}};
+	for (auto& c : cases) {
+		for (int aligned = 0; aligned <= 1; aligned++) {
+			for (int where = -1; where <= 3; where++) { /* none; element 0, 1, an odd one mid-way, the last */
+				layout l = make_layout(c.st, 12, 3000, aligned, false);
+				hbuf want(c.at, l.total, 0), got(c.at, l.total, 0);
+				want.fill(false);
+				const zc_seg* sg = &l.segs[0];
+				for (const zc_seg& x : l.segs)
+					if (x.count > sg->count) sg = &x;
+				if (where >= 0 && sg->count > 0) {
+					const int64_t pos[4] = {0, 1, (sg->count / 2) | 1, sg->count - 1};
+					int64_t i = pos[where] < sg->count ? pos[where] : sg->count - 1;
+					want.set(sg->offset + i, c.at == ZERO_F16 ? zero_f32_to_f16(c.acc) : zero_f32_to_bf16(c.acc));
+					uint32_t u;
+					memcpy(&u, &c.src, 4);
+					uint32_t b = c.st == ZERO_F32 ? u : c.st == ZERO_F16 ? zero_f32_to_f16(c.src) : zero_f32_to_bf16(c.src);
+					memcpy((char*)sg->ptr + i * dsize(c.st), &b, (size_t)dsize(c.st));
+				}
+				memcpy(got.p, want.p, (size_t)(l.total * dsize(c.at)));
+				std::vector<zc_dseg> d(l.segs.size());
+				int64_t blocks = 0;
+				int n = zc_build_descs(l.segs.data(), 0, (int)l.segs.size(), d.data(), &blocks);
+				float flag = 0;
+				zero_accumulate(want.p, c.at, (const zero_seg*)l.segs.data(), (int)l.segs.size(), c.st, 0, 1.0f, &flag, 0,
+				                l.total);
+				bool bad = emu_accumulate((char*)got.p, c.at, c.st, d.data(), n, 1.0f, 0, blocks);
+				int64_t at = 0;
+				bool ok = same(got, want, &at);
+				long what = c.at * 100 + c.st * 10 + aligned;
+				check(ok, "accumulate16 overflow", what, at, ok ? 0 : got.bits(at), ok ? 0 : want.bits(at));
+				bool expect = where >= 0 && sg->count > 0;
+				check(bad == expect, "accumulate16 overflow flag (kernel body)", what, where, bad, expect);
+				check((flag != 0) == expect, "accumulate16 overflow flag (host)", what, where, flag != 0, expect);
+				free_layout(l);
+			}
 		}
 	}
 }
@@ -529,6 +586,7 @@ static void test_optimizers() {
 int main() {
 	test_descs();
 	test_flatten_accumulate();
+	test_accumulate16_flag();
 	test_reductions();
 	test_sumsq();
 	test_optimizers();

@@ -28,10 +28,10 @@ __device__ __forceinline__ void zc_flatten(char* __restrict__ dst, const zc_segs
 	zc_flatten_block<DT, ST, SCALE>(dst, segs, a.nseg, scale, blockIdx.x, threadIdx.x);
 }
 
-template <int ST, bool SCALE, bool FIRST>
-__device__ __forceinline__ void zc_acc(float* __restrict__ acc, const zc_segs_arg& a, float scale, float* flag) {
+template <int AT, int ST, bool SCALE, bool FIRST>
+__device__ __forceinline__ void zc_acc(char* __restrict__ acc, const zc_segs_arg& a, float scale, float* flag) {
 	const zc_dseg* segs = a.ext ? (const zc_dseg*)a.ext : a.inl;
-	uint32_t bad = zc_accumulate_block<ST, SCALE, FIRST>(acc, segs, a.nseg, scale, blockIdx.x, threadIdx.x);
+	uint32_t bad = zc_accumulate_block<AT, ST, SCALE, FIRST>(acc, segs, a.nseg, scale, blockIdx.x, threadIdx.x);
 	if (__syncthreads_or((int)bad) && threadIdx.x == 0 && flag) *flag = 1.0f;
 }
 
@@ -53,16 +53,17 @@ ZC_FLATTEN_D(0)
 ZC_FLATTEN_D(1)
 ZC_FLATTEN_D(2)
 
-#define ZC_ACC(s, c, f)                                                                                    \
+#define ZC_ACC(d, s, c, f)                                                                                 \
 	extern "C" __global__ void __launch_bounds__(ZC_THREADS)                                           \
-	    zc_acc_##s##c##f(float* __restrict__ acc, const __grid_constant__ zc_segs_arg a, float scale,    \
-	                     float* flag) {                                                                \
-		zc_acc<ZC_T##s, c, f>(acc, a, scale, flag);                                                \
+	    zc_acc_##d##s##c##f(char* __restrict__ acc, const __grid_constant__ zc_segs_arg a, float scale,  \
+	                        float* flag) {                                                             \
+		zc_acc<ZC_T##d, ZC_T##s, c, f>(acc, a, scale, flag);                                       \
 	}
-#define ZC_ACC_S(s) ZC_ACC(s, 0, 0) ZC_ACC(s, 0, 1) ZC_ACC(s, 1, 0) ZC_ACC(s, 1, 1)
-ZC_ACC_S(0)
-ZC_ACC_S(1)
-ZC_ACC_S(2)
+#define ZC_ACC_S(d, s) ZC_ACC(d, s, 0, 0) ZC_ACC(d, s, 0, 1) ZC_ACC(d, s, 1, 0) ZC_ACC(d, s, 1, 1)
+#define ZC_ACC_D(d) ZC_ACC_S(d, 0) ZC_ACC_S(d, 1) ZC_ACC_S(d, 2)
+ZC_ACC_D(0)
+ZC_ACC_D(1)
+ZC_ACC_D(2)
 
 /* ---- the parameters' way back: unflatten; the optimizers ------------------ */
 

@@ -368,27 +368,50 @@ ZC_DEV void zc_opt_block(float* ZC_RESTRICT p, const float* ZC_RESTRICT g, float
 
 /* ---- accumulate: one block; returns nonzero if this thread saw inf/NaN ---- */
 
-template <int ST, bool SCALE, bool FIRST>
-ZC_DEV uint32_t zc_accumulate_block(float* ZC_RESTRICT acc, const zc_dseg* segs, int nseg, float scale, int64_t b,
+/* Stored bits (of dtype T) whose exponent is all ones: inf or NaN. */
+template <int T>
+ZC_DEV uint32_t zc_nonfinite(uint32_t bits) {
+	const uint32_t top = T == ZERO_F32 ? 0x7f800000u : T == ZERO_BF16 ? 0x7f80u : 0x7c00u;
+	return (uint32_t)((bits & top) == top);
+}
+
+/* The stored values of a pack of T that are inf or NaN (nonzero if any). */
+template <int T>
+ZC_DEV uint32_t zc_pack_nonfinite(const zc_raw& r) {
+	if (T == ZERO_F32)
+		return zc_nonfinite<T>(r.a.x) | zc_nonfinite<T>(r.a.y) | zc_nonfinite<T>(r.a.z) | zc_nonfinite<T>(r.a.w) |
+		       zc_nonfinite<T>(r.b.x) | zc_nonfinite<T>(r.b.y) | zc_nonfinite<T>(r.b.z) | zc_nonfinite<T>(r.b.w);
+	const uint32_t w[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
+	uint32_t bad = 0;
+#pragma unroll
+	for (int k = 0; k < 4; k++) bad |= zc_nonfinite<T>(w[k] & 0xffffu) | zc_nonfinite<T>(w[k] >> 16);
+	return bad;
+}
+
+/* acc (dtype AT: fp32, bf16 or fp16) = AT(first ? v : float(acc) + v), v =
+ * float(src) * scale: the sum in fp32, rounded once; the flag goes up when a
+ * stored value is inf or NaN, so a 16-bit sum rounding to inf raises it. */
+template <int AT, int ST, bool SCALE, bool FIRST>
+ZC_DEV uint32_t zc_accumulate_block(char* ZC_RESTRICT acc, const zc_dseg* segs, int nseg, float scale, int64_t b,
                                     int tid) {
 	const zc_dseg sg = zc_find(segs, nseg, b);
 	const int64_t start = (b - sg.block0) * ZC_CHUNK;
 	const int64_t end = sg.count < start + ZC_CHUNK ? sg.count : start + ZC_CHUNK;
 	const char* ZC_RESTRICT src = (const char*)sg.src;
-	float* ZC_RESTRICT d = acc + sg.offset;
+	char* ZC_RESTRICT d = acc + sg.offset * zc_size(AT);
+	const bool SPLIT = AT == ZERO_F32 || ST == ZERO_F32;
 	uint32_t bad = 0;
 	int64_t tail = start;
 	if (((sg.src | (uintptr_t)d) & 15u) == 0) {
-		/* the accumulator is fp32: split packs */
-		const int64_t vend = start + zc_vec_count<true>(end - start);
+		const int64_t vend = start + zc_vec_count<SPLIT>(end - start);
 		zc_raw in[ZC_UNROLL], old[ZC_UNROLL];
 #pragma unroll
 		for (int u = 0; u < ZC_UNROLL; u++) {
 			const int64_t s = (int64_t)u * ZC_THREADS + tid;
-			const int64_t q = start + zc_quad0<true>(s);
+			const int64_t q = start + zc_quad0<SPLIT>(s);
 			if (start + s * ZC_PACK < vend) {
-				in[u] = zc_load_pack<ST, true, true>(src, q);
-				if (!FIRST) old[u] = zc_load_pack<ZERO_F32, true, false>((const char*)d, q);
+				in[u] = zc_load_pack<ST, SPLIT, true>(src, q);
+				if (!FIRST) old[u] = zc_load_pack<AT, SPLIT, false>(d, q);
 			}
 		}
 #pragma unroll
@@ -397,15 +420,15 @@ ZC_DEV uint32_t zc_accumulate_block(float* ZC_RESTRICT acc, const zc_dseg* segs,
 			if (start + s * ZC_PACK < vend) {
 				float v[ZC_PACK], o[ZC_PACK];
 				zc_unpack<ST>(in[u], v);
-				if (!FIRST) zc_unpack<ZERO_F32>(old[u], o);
+				if (!FIRST) zc_unpack<AT>(old[u], o);
 #pragma unroll
 				for (int k = 0; k < ZC_PACK; k++) {
 					if (SCALE) v[k] = v[k] * scale;
-					const float r = FIRST ? v[k] : o[k] + v[k];
-					v[k] = r;
-					bad |= (uint32_t)!zero_isfinite(r);
+					v[k] = FIRST ? v[k] : o[k] + v[k];
 				}
-				zc_store_pack<ZERO_F32, true>((char*)d, start + zc_quad0<true>(s), zc_pack<ZERO_F32>(v));
+				const zc_raw r = zc_pack<AT>(v);
+				bad |= zc_pack_nonfinite<AT>(r);
+				zc_store_pack<AT, SPLIT>(d, start + zc_quad0<SPLIT>(s), r);
 			}
 		}
 		tail = vend;
@@ -413,9 +436,15 @@ ZC_DEV uint32_t zc_accumulate_block(float* ZC_RESTRICT acc, const zc_dseg* segs,
 	for (int64_t i = tail + tid; i < end; i += ZC_THREADS) {
 		float v = zero_load(src, ST, i);
 		if (SCALE) v = v * scale;
-		const float r = FIRST ? v : d[i] + v;
-		d[i] = r;
-		bad |= (uint32_t)!zero_isfinite(r);
+		const float r = FIRST ? v : zero_load(d, AT, i) + v;
+		if (AT == ZERO_F32) {
+			((float*)d)[i] = r;
+			bad |= zc_nonfinite<AT>(__float_as_uint(r));
+		} else {
+			const uint32_t h = zc_narrow<AT>(r);
+			((uint16_t*)d)[i] = (uint16_t)h;
+			bad |= zc_nonfinite<AT>(h);
+		}
 	}
 	return bad;
 }

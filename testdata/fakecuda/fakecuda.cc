@@ -161,7 +161,7 @@ enum kind { K_FLATTEN, K_ACC, K_REDUCE, K_ALLREDUCE, K_UNFLATTEN, K_ADAMW, K_SGD
 
 struct CUfunc_st {
 	kind k;
-	int a, b, c; /* the digits of the name */
+	int a, b, c, d; /* the digits of the name */
 };
 struct CUmod_st {
 	std::map<std::string, CUfunc_st*> fns;
@@ -171,9 +171,10 @@ static const int dts[3] = {ZERO_F32, ZERO_BF16, ZERO_F16};
 static const int ops[3] = {ZERO_SUM, ZERO_AVG, ZERO_MAX};
 
 static CUfunc_st* parse(const char* name) {
-	int a = 0, b = 0, c = 0;
+	int a = 0, b = 0, c = 0, d = 0;
 	if (sscanf(name, "zc_flatten_%1d%1d%1d", &a, &b, &c) == 3 && a < 3 && b < 3 && c < 2) return new CUfunc_st{K_FLATTEN, a, b, c};
-	if (sscanf(name, "zc_acc_%1d%1d%1d", &a, &b, &c) == 3 && a < 3 && b < 2 && c < 2) return new CUfunc_st{K_ACC, a, b, c};
+	if (sscanf(name, "zc_acc_%1d%1d%1d%1d", &a, &b, &c, &d) == 4 && a < 3 && b < 3 && c < 2 && d < 2)
+		return new CUfunc_st{K_ACC, a, b, c, d};
 	if (sscanf(name, "zc_reduce_%1d%1d", &a, &b) == 2 && a < 3 && b < 3) return new CUfunc_st{K_REDUCE, a, b, 0};
 	if (sscanf(name, "zc_allreduce_%1d%1d", &a, &b) == 2 && a < 3 && b < 3) return new CUfunc_st{K_ALLREDUCE, a, b, 0};
 	if (sscanf(name, "zc_unflatten_%1d", &a) == 1 && a < 3) return new CUfunc_st{K_UNFLATTEN, a, 0, 0};
@@ -494,13 +495,14 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned, unsign
 	}
 	case K_ACC: {
 		if (bx != ZC_THREADS) return CUDA_ERROR_INVALID_VALUE;
-		float* acc = arg<float*>(p, 0);
+		char* acc = arg<char*>(p, 0);
 		zc_segs_arg a = arg<zc_segs_arg>(p, 1);
 		float scale = arg<float>(p, 2);
 		float* flag = arg<float*>(p, 3);
-		int st = dts[f->a], first = f->c;
+		int at = dts[f->a], st = dts[f->b], first = f->d;
 		S(s)->push([=] {
-			if (emu_accumulate(acc, st, a.ext ? (const zc_dseg*)a.ext : a.inl, a.nseg, scale, first, gx) && flag) *flag = 1.0f;
+			if (emu_accumulate(acc, at, st, a.ext ? (const zc_dseg*)a.ext : a.inl, a.nseg, scale, first, gx) && flag)
+				*flag = 1.0f;
 		});
 		break;
 	}
