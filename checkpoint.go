@@ -232,18 +232,26 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 	}
 	// Rank 0 commits: the directory into place, the manifest, the pointer.
 	var errc error
+	committed := 0.0
 	if ce.rank == 0 {
 		m := ce.manifestFor()
 		for r := range ce.world {
 			m.Files = append(m.Files, ckptFileInfo{Name: rankFileName(r), Rank: r, Bytes: int64(vals[2*r]), CRC: uint32(vals[2*r+1])})
 		}
-		errc = ce.commit(dir, name, partial, m, keep)
+		if errc = ce.commit(dir, name, partial, m); errc == nil {
+			committed = 1
+			if perr := ce.prune(dir, name, keep); perr != nil {
+				errc = errorf(ErrCheckpoint, "%s is saved and %s names it, but removing older checkpoints failed: %v; remove them by hand", filepath.Join(dir, name), ckptLatest, perr)
+			}
+		}
 	}
-	failed, _, err = ce.agree(errc != nil)
-	if err != nil {
+	failed, vals, err = ce.agree(errc != nil, committed)
+	switch {
+	case err != nil:
 		return err
-	}
-	if failed {
+	case failed && vals[0] != 0:
+		return ckptPeerError(errc, "the checkpoint is saved, but rank 0 could not remove older ones")
+	case failed:
 		return ckptPeerError(errc, "rank 0 could not commit the checkpoint")
 	}
 	return nil
@@ -386,8 +394,8 @@ func hostTensor(b []byte, dt DType) Tensor {
 // commit moves a checkpoint whose rank files are all written into place:
 // the partial directory's renames made durable, the directory renamed,
 // the manifest written (from then on it is complete), the latest pointer
-// moved to it, and the checkpoints beyond keep removed.
-func (ce *ckptEngine) commit(dir, name, partial string, m ckptManifestData, keep int) error {
+// moved to it.
+func (ce *ckptEngine) commit(dir, name, partial string, m ckptManifestData) error {
 	wrap := func(err error) error {
 		if err == nil {
 			return nil
@@ -414,10 +422,7 @@ func (ce *ckptEngine) commit(dir, name, partial string, m ckptManifestData, keep
 	if err := writeFileDurably(ce.fs, filepath.Join(final, ckptManifest), data); err != nil {
 		return wrap(err)
 	}
-	if err := writeFileDurably(ce.fs, filepath.Join(dir, ckptLatest), []byte(name+"\n")); err != nil {
-		return wrap(err)
-	}
-	return wrap(ce.prune(dir, name, keep))
+	return wrap(writeFileDurably(ce.fs, filepath.Join(dir, ckptLatest), []byte(name+"\n")))
 }
 
 // sharedByAll checks that rank 0 sees every rank's file as that rank

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 )
 
@@ -195,7 +196,7 @@ func (cr ckptRun) run(t *testing.T) []ckptState {
 			if err != nil {
 				return err
 			}
-			if want := fmt.Sprintf("rank %d at step %d", rank, from); string(client) != want {
+			if want := fmt.Sprintf("rank %d at step %d", rank, from); from >= 0 && string(client) != want { // from < 0: any
 				return fmt.Errorf("client bytes %q, want %q", client, want)
 			}
 		}
@@ -498,4 +499,299 @@ func TestCheckpointLoadOptions(t *testing.T) {
 			t.Errorf("KeepConfigGroups rank %d: two more steps changed nothing", rank)
 		}
 	}
+}
+
+// crashFS is the operating system's file layer until its at-th operation
+// that changes anything (a create, write, fsync, close, rename, mkdir or
+// removal): that one and every later one fail, as in a process that died
+// there. lose then undoes what a power cut may: data written since a
+// file's last fsync is torn (half of it kept), and the creations and
+// renames that no fsync of their directory has made durable are undone.
+type crashFS struct {
+	osFS
+	mu      sync.Mutex
+	ops, at int
+	synced  map[string]int64 // files written since their last fsync: their size at it
+	pending []dirOp          // directory entries not yet durable, oldest first
+}
+
+type dirOp struct {
+	dir, from, to string // from "" for a creation
+	replaced      []byte // the file a rename replaced, which an undo brings back
+}
+
+var errCrashed = errors.New("crashed")
+
+func newCrashFS(at int) *crashFS { return &crashFS{at: at, synced: map[string]int64{}} }
+
+// op counts an operation and reports whether it fails.
+func (c *crashFS) op() error {
+	c.ops++
+	if c.at > 0 && c.ops >= c.at {
+		return errCrashed
+	}
+	return nil
+}
+
+func (c *crashFS) locked(f func() error) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err := c.op(); err != nil {
+		return err
+	}
+	return f()
+}
+
+func (c *crashFS) MkdirAll(dir string) error {
+	return c.locked(func() error {
+		if _, err := os.Stat(dir); err == nil {
+			return nil
+		}
+		c.pending = append(c.pending, dirOp{dir: filepath.Dir(dir), to: dir})
+		return os.MkdirAll(dir, 0o755)
+	})
+}
+
+func (c *crashFS) Create(name string) (ckptFile, error) {
+	var f ckptFile
+	err := c.locked(func() error {
+		var err error
+		if f, err = c.osFS.Create(name); err != nil {
+			return err
+		}
+		c.synced[name] = 0
+		c.pending = append(c.pending, dirOp{dir: filepath.Dir(name), to: name})
+		return nil
+	})
+	return crashFile{f, c, name}, err
+}
+
+func (c *crashFS) Rename(from, to string) error {
+	return c.locked(func() error {
+		replaced, _ := os.ReadFile(to)
+		if err := os.Rename(from, to); err != nil {
+			return err
+		}
+		for name, size := range c.synced { // the files keep their state under the new name
+			if name == from || strings.HasPrefix(name, from+"/") {
+				delete(c.synced, name)
+				c.synced[to+strings.TrimPrefix(name, from)] = size
+			}
+		}
+		c.pending = append(c.pending, dirOp{dir: filepath.Dir(to), from: from, to: to, replaced: replaced})
+		return nil
+	})
+}
+
+func (c *crashFS) RemoveAll(name string) error {
+	return c.locked(func() error { return os.RemoveAll(name) })
+}
+
+func (c *crashFS) SyncDir(dir string) error {
+	return c.locked(func() error {
+		c.pending = slices.DeleteFunc(c.pending, func(o dirOp) bool { return o.dir == dir })
+		return c.osFS.SyncDir(dir)
+	})
+}
+
+type crashFile struct {
+	ckptFile
+	c    *crashFS
+	name string
+}
+
+func (f crashFile) Write(p []byte) (int, error) {
+	n := 0
+	err := f.c.locked(func() error {
+		var err error
+		n, err = f.ckptFile.Write(p)
+		return err
+	})
+	return n, err
+}
+
+func (f crashFile) Sync() error {
+	return f.c.locked(func() error {
+		delete(f.c.synced, f.name)
+		return f.ckptFile.Sync()
+	})
+}
+
+func (f crashFile) Close() error {
+	err := f.c.locked(func() error { return nil })
+	if cerr := f.ckptFile.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// lose applies the power cut: torn unsynced data, then the undurable
+// directory entries undone, newest first.
+func (c *crashFS) lose() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for name, size := range c.synced {
+		st, err := os.Stat(name)
+		if err != nil {
+			continue // removed, or inside a directory since removed
+		}
+		if err := os.Truncate(name, size+(st.Size()-size)/2); err != nil {
+			return err
+		}
+	}
+	for i := len(c.pending) - 1; i >= 0; i-- {
+		o := c.pending[i]
+		var err error
+		if o.from == "" {
+			err = os.RemoveAll(o.to)
+		} else if _, serr := os.Stat(o.to); serr == nil {
+			if err = os.Rename(o.to, o.from); err == nil && o.replaced != nil {
+				err = os.WriteFile(o.to, o.replaced, 0o644)
+			}
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// TestCheckpointCrash: a save that dies at any of its operations (every
+// create, write, fsync, close, rename, mkdir and removal, on any rank),
+// followed by a power cut, leaves a directory that loads either the
+// previous checkpoint or the new one, bit for bit: the previous one until
+// the new one's latest pointer is durable, the new one from then on; and
+// the next save succeeds there and leaves nothing incomplete behind.
+func TestCheckpointCrash(t *testing.T) {
+	c := ckptCase{stage: 3, dtype: BF16, offload: true}
+	base := t.TempDir()
+	prev := ckptTrain(t, c, 0, 2, "", base)
+	// the engines that save: trained one step further than prev
+	const world = 2
+	comms, err := NewLocalGroup(world)
+	if err != nil {
+		t.Fatal(err)
+	}
+	engines := make([]*Engine, world)
+	next := make([]ckptState, world)
+	errs := eachRank(world, func(rank int) error {
+		ps := make([]Param, len(ckptSizes))
+		for p, n := range ckptSizes {
+			ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(make([]float32, n), c.dtype)}
+		}
+		e, err := New(c.config(), comms[rank], ps)
+		if err != nil {
+			return err
+		}
+		engines[rank] = e
+		if _, err := e.Load(base, LoadOptions{}); err != nil {
+			return err
+		}
+		s := NewHostStream()
+		defer s.Close()
+		for p := len(ps) - 1; p >= 0; p-- {
+			if _, err := e.GradReady(p, ckptGrad(c, 2, 0, rank, p, ps[p].Count, e.LossScale()), s); err != nil {
+				return err
+			}
+		}
+		if err := e.EndBackward(); err != nil {
+			return err
+		}
+		if err := e.Step(); err != nil {
+			return err
+		}
+		next[rank], err = readCkptState(e)
+		return err
+	})
+	defer func() {
+		for rank, e := range engines {
+			if e != nil {
+				e.Close()
+			}
+			comms[rank].Close()
+		}
+	}()
+	for rank, err := range errs {
+		if err != nil {
+			t.Fatalf("rank %d: %v", rank, err)
+		}
+	}
+	if next[0].diff(prev[0]) == "" {
+		t.Fatal("the step changed nothing: the test cannot tell the checkpoints apart")
+	}
+	// Keep 1: the previous checkpoint is removed once the new one is
+	// complete, so some crash points come after the commit
+	save := func(dir string, fsys ckptFS) []error {
+		return eachRank(world, func(rank int) error {
+			engines[rank].files = fsys
+			defer func() { engines[rank].files = nil }()
+			return engines[rank].Save(dir, SaveOptions{Client: []byte(fmt.Sprintf("rank %d at step %d", rank, 3)), Keep: 1})
+		})
+	}
+	// a save that does not crash: how many operations it takes
+	count := newCrashFS(0)
+	if err := errors.Join(save(copyTree(t, base), count)...); err != nil {
+		t.Fatal(err)
+	}
+	total, sawNew, kept := count.ops, false, 0
+	for at := 1; at <= total; at++ {
+		dir := copyTree(t, base)
+		fsys := newCrashFS(at)
+		errs := save(dir, fsys)
+		if errors.Join(errs...) == nil {
+			t.Fatalf("crash at operation %d of %d: every rank's Save returned nil", at, total)
+		}
+		if err := fsys.lose(); err != nil {
+			t.Fatal(err)
+		}
+		got := ckptTrain(t, c, -1, -1, dir, "")
+		isPrev, isNext := got[0].diff(prev[0]) == "" && got[1].diff(prev[1]) == "", got[0].diff(next[0]) == "" && got[1].diff(next[1]) == ""
+		switch {
+		case !isPrev && !isNext:
+			t.Fatalf("crash at operation %d of %d: the checkpoint loaded is neither the previous one nor the new one", at, total)
+		case isPrev && sawNew:
+			t.Fatalf("crash at operation %d of %d: the previous checkpoint came back after an earlier crash had kept the new one", at, total)
+		}
+		sawNew = sawNew || isNext
+		if isNext {
+			kept++
+		}
+		// the next save there succeeds and leaves only complete checkpoints
+		if err := errors.Join(save(dir, nil)...); err != nil {
+			t.Fatalf("crash at operation %d of %d: the save after it: %v", at, total, err)
+		}
+		ents, _ := os.ReadDir(dir)
+		for _, e := range ents {
+			if _, err := os.Stat(filepath.Join(dir, e.Name(), ckptManifest)); e.IsDir() && err != nil {
+				t.Fatalf("crash at operation %d of %d: the save after it left %s, incomplete", at, total, e.Name())
+			}
+		}
+	}
+	if !sawNew {
+		t.Fatalf("no crash point kept the new checkpoint, not even the last of %d", total)
+	}
+	t.Logf("%d crash points of a save on %d ranks: the previous checkpoint loads after %d, the new one after %d", total, world, total-kept, kept)
+}
+
+// copyTree copies the checkpoint directory src into a new one.
+func copyTree(t *testing.T, src string) string {
+	dst := t.TempDir()
+	err := filepath.WalkDir(src, func(p string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		to := filepath.Join(dst, strings.TrimPrefix(p, src))
+		if d.IsDir() {
+			return os.MkdirAll(to, 0o755)
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(to, b, 0o644)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dst
 }
