@@ -621,7 +621,7 @@ func TestFP16LossScaling(t *testing.T) {
 		}
 		if s.Skipped {
 			skipped++
-			sameParams(t, fmt.Sprintf("step %d, skipped", st+1), result{params: res.params[st+1:st+2]}, result{params: res.params[st : st+1]})
+			sameParams(t, fmt.Sprintf("step %d, skipped", st+1), result{params: res.params[st+1 : st+2]}, result{params: res.params[st : st+1]})
 			continue
 		}
 		taken++
