@@ -38,7 +38,7 @@ func main() {
 	flag.StringVar(&c.save, "save", "", "write a checkpoint into this directory at the end of the run")
 	flag.IntVar(&c.saveEvery, "save-every", 0, "with -save: also a checkpoint every K steps")
 	flag.IntVar(&c.keep, "keep", 0, "with -save: the newest checkpoints kept in the directory (0: 2)")
-	flag.StringVar(&c.resume, "resume", "", "continue from the latest checkpoint in this directory (or from this checkpoint) up to -steps in all; the optimizer's settings (-lr, -wd) come from the checkpoint")
+	flag.StringVar(&c.resume, "resume", "", "continue from the latest checkpoint in this directory (or from this checkpoint) up to -steps in all; -lr and -wd hold from there")
 	flag.Parse()
 	switch {
 	case *bf16 && *fp16:
@@ -458,7 +458,9 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 	defer e.Close()
 	start := 0 // the steps taken, the next batch's index
 	if c.resume != "" {
-		client, err := e.Load(c.resume, zero.LoadOptions{})
+		// the flags' -lr and -wd hold for the rest of the run; the
+		// moments, step counts and loss scale come back
+		client, err := e.Load(c.resume, zero.LoadOptions{KeepConfigGroups: true})
 		if err != nil {
 			return err
 		}

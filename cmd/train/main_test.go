@@ -522,6 +522,47 @@ func TestResumeRefusals(t *testing.T) {
 	}
 }
 
+// TestResumeNewRate: -lr and -wd given with -resume hold from the resumed
+// step on, the moments kept: the first resumed step's AdamW direction u
+// (from the uninterrupted run, θ' = θ(1 − lr·wd) − lr·u) is the same, so
+// θ' = θ(1 − lr₂·wd₂) − lr₂·u, to fp32's rounding of θ.
+func TestResumeNewRate(t *testing.T) {
+	seed := testSeed(t)
+	c := defaultConfig()
+	c.seed, c.steps = seed, 6
+	straight, err := run(nil, c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := c
+	first.steps, first.save = 3, t.TempDir()
+	if _, err := run(nil, first); err != nil {
+		t.Fatal(err)
+	}
+	second := c
+	second.resume, second.lr, second.weightDecay = first.save, 0.003, 0.2
+	resumed, err := run(nil, second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before, after, got := straight.params[3], straight.params[4], resumed.params[1]
+	for p := range before {
+		wd, wd2 := 0.0, 0.0
+		if tensorGroups[p] == 0 {
+			wd, wd2 = c.weightDecay, second.weightDecay
+		}
+		for i, th := range before[p] {
+			u := (th*(1-c.lr*wd) - after[p][i]) / c.lr
+			want := th*(1-second.lr*wd2) - second.lr*u
+			// fp32 rounds θ and the two results: 2^-24 of each, over lr
+			tol := 0x1p-22 * (math.Abs(th) + math.Abs(after[p][i]) + math.Abs(want)) * (1 + second.lr/c.lr)
+			if d := math.Abs(got[p][i] - want); !(d <= tol) {
+				t.Fatalf("%s[%d] after the resumed step: %.9g, want %.9g (|diff| %.3g > %.3g)", tensorNames[p], i, got[p][i], want, d, tol)
+			}
+		}
+	}
+}
+
 // TestFP16Conversion: fromFP16 against binary16's definition, evaluated in
 // float64, for every bit pattern; fp16 returns each value's own pattern,
 // and rounds the midpoint of each two neighbours to the even one and the
