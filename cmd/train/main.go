@@ -2,10 +2,12 @@
 // in-process ranks with zero: forward and backward written by hand, each
 // layer's gradients handed to the engine as backward produces them, on two
 // streams, and the sharded AdamW step updating the parameters in place. It
-// prints the loss per step.
+// prints the loss per step. -save writes a checkpoint, -resume continues
+// from one to -steps in all, on the data the run that never stopped had.
 package main
 
 import (
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -30,11 +32,22 @@ func main() {
 	flag.Float64Var(&c.lr, "lr", c.lr, "AdamW learning rate")
 	flag.Float64Var(&c.weightDecay, "wd", c.weightDecay, "AdamW weight decay of the weights (biases get none)")
 	bf16 := flag.Bool("bf16", false, "bf16 parameters and gradients (fp32 master and moments)")
+	fp16 := flag.Bool("fp16", false, "fp16 parameters and gradients with dynamic loss scaling (fp32 master and moments)")
 	flag.BoolVar(&c.offload, "offload", c.offload, "gradient shard, master weights and AdamW moments in page-locked host memory, the optimizer on the host")
 	flag.Int64Var(&c.seed, "seed", c.seed, "seed of the data and the initial parameters")
+	flag.StringVar(&c.save, "save", "", "write a checkpoint into this directory at the end of the run")
+	flag.IntVar(&c.saveEvery, "save-every", 0, "with -save: also a checkpoint every K steps")
+	flag.IntVar(&c.keep, "keep", 0, "with -save: the newest checkpoints kept in the directory (0: 2)")
+	flag.StringVar(&c.resume, "resume", "", "continue from the latest checkpoint in this directory (or from this checkpoint) up to -steps in all; -lr and -wd hold from there")
 	flag.Parse()
-	if *bf16 {
+	switch {
+	case *bf16 && *fp16:
+		fmt.Fprintln(os.Stderr, "train: -bf16 and -fp16 together; pick one")
+		os.Exit(2)
+	case *bf16:
 		c.dtype = zero.BF16
+	case *fp16:
+		c.dtype = zero.FP16
 	}
 	if _, err := run(os.Stdout, c); err != nil {
 		fmt.Fprintln(os.Stderr, "train:", err)
@@ -52,6 +65,13 @@ type config struct {
 	prefetchBytes                     int // stage 3: Config.PrefetchBytes
 	offload                           bool
 	seed                              int64
+	// lossScale is fp16's scaling (zero: DeepSpeed's dynamic defaults).
+	lossScale zero.LossScale
+	// save, saveEvery and keep: checkpoints into save at the end and
+	// every saveEvery steps, the newest keep kept; resume: where the run
+	// starts from (steps is then the total, counted from the first run).
+	save, resume    string
+	saveEvery, keep int
 }
 
 func defaultConfig() config {
@@ -65,6 +85,12 @@ func (c config) check() error {
 	}
 	if c.batch%(c.world*c.accum) != 0 {
 		return fmt.Errorf("batch %d does not split into %d ranks × %d micro-batches; use a multiple of %d", c.batch, c.world, c.accum, c.world*c.accum)
+	}
+	switch {
+	case c.saveEvery < 0 || c.keep < 0:
+		return errors.New("-save-every and -keep must be 0 or more")
+	case c.saveEvery > 0 && c.save == "":
+		return errors.New("-save-every needs -save DIR: the directory the checkpoints go to")
 	}
 	return nil
 }
@@ -193,7 +219,9 @@ func scaleBy(x []float64, f float64) {
 // ---- the data -------------------------------------------------------------------
 
 // dataset is steps × batch samples: inputs in [0.5, 1.5) and targets
-// 20 + 3·sin(Σx), far above what the start can output.
+// 20 + 3·sin(Σx), far above what the start can output. The steps are drawn
+// in order from one generator, so step st's batch is the same in a run of
+// any length: a resumed run needs only its position.
 type dataset struct {
 	x [][][]float64 // [step][sample][input]
 	y [][]float64   // [step][sample]
@@ -230,8 +258,11 @@ func (c config) microBatch(r, k int) (from, to int) {
 
 // result is what a run returns: rank 0's parameters before the first step
 // and after each (as float64), the mean loss of each step's global batch
-// (at the parameters before it), and each step's stats on rank 0.
+// (at the parameters before it), and each step's stats on rank 0. A
+// resumed run's first step is first+1, its params[0] the loaded ones.
 type result struct {
+	first  int
+	saved  []int // the steps after which a checkpoint was written
 	params [][][]float64
 	loss   []float64
 	stats  []zero.Stats
@@ -259,6 +290,9 @@ func run(out io.Writer, c config) (result, error) {
 		}
 		fmt.Fprintf(out, "MLP %d→%d→1 on %d ranks, ZeRO-%d%s, AdamW lr %g, global batch %d in %d backward(s) per step\n",
 			c.in, c.hidden, c.world, c.stage, offload, c.lr, c.batch, c.accum)
+		if c.dtype != zero.FP32 {
+			fmt.Fprintf(out, "%v parameters and gradients, fp32 master and moments\n", c.dtype)
+		}
 	}
 	var res result
 	// one goroutine per rank; a rank that fails aborts the others at once
@@ -273,8 +307,24 @@ func run(out io.Writer, c config) (result, error) {
 		return res, err
 	}
 	if out != nil {
-		for st, l := range res.loss {
-			fmt.Fprintf(out, "step %2d  loss %.4f\n", st+1, l)
+		if c.resume != "" {
+			fmt.Fprintf(out, "resumed from %s after step %d\n", c.resume, res.first)
+		}
+		saved := 0
+		for i, l := range res.loss {
+			st := res.first + i + 1
+			fmt.Fprintf(out, "step %2d  loss %.4f", st, l)
+			if c.dtype == zero.FP16 { // the scale this step's loss was multiplied by
+				fmt.Fprintf(out, "  scale %g", res.stats[i].LossScale)
+				if res.stats[i].Skipped {
+					fmt.Fprint(out, "  skipped: overflow")
+				}
+			}
+			fmt.Fprintln(out)
+			if saved < len(res.saved) && res.saved[saved] == st {
+				fmt.Fprintf(out, "checkpoint of step %d saved in %s\n", st, c.save)
+				saved++
+			}
 		}
 	}
 	return res, nil
@@ -303,20 +353,26 @@ func (t *tensorMem) tensor() zero.Tensor {
 
 func (t *tensorMem) set(x []float64) {
 	for i, v := range x {
-		if t.dt == zero.FP32 {
+		switch t.dt {
+		case zero.FP32:
 			t.f32[i] = float32(v)
-		} else {
+		case zero.BF16:
 			t.h[i] = bf16(float32(v))
+		default:
+			t.h[i] = fp16(float32(v))
 		}
 	}
 }
 
 func (t *tensorMem) get(x []float64) {
 	for i := range x {
-		if t.dt == zero.FP32 {
+		switch t.dt {
+		case zero.FP32:
 			x[i] = float64(t.f32[i])
-		} else {
+		case zero.BF16:
 			x[i] = float64(math.Float32frombits(uint32(t.h[i]) << 16))
+		default:
+			x[i] = float64(fromFP16(t.h[i]))
 		}
 	}
 }
@@ -325,6 +381,55 @@ func (t *tensorMem) get(x []float64) {
 func bf16(f float32) uint16 {
 	u := math.Float32bits(f)
 	return uint16((u + 0x7fff + (u>>16)&1) >> 16)
+}
+
+// fp16 rounds to the nearest IEEE binary16, ties to even: beyond 65504 it
+// is an infinity (the overflow the loss scaler watches for), below 2^-14 a
+// subnormal.
+func fp16(f float32) uint16 {
+	u := math.Float32bits(f)
+	sign := uint16(u>>16) & 0x8000
+	exp, man := int(u>>23&0xff), u&0x7fffff
+	if exp == 0xff { // inf, NaN (kept a quiet NaN)
+		if man != 0 {
+			return sign | 0x7e00
+		}
+		return sign | 0x7c00
+	}
+	e := exp - 127 + 15 // the binary16 biased exponent
+	var q, rem, half uint32
+	switch {
+	case e >= 0x1f:
+		return sign | 0x7c00
+	case e > 0: // normal: 23 mantissa bits to 10
+		q, rem, half = uint32(e)<<10|man>>13, man&0x1fff, 0x1000
+	case e < -10: // under half the smallest subnormal
+		return sign
+	default: // subnormal: the value in units of 2^-24
+		m, shift := man|0x800000, uint(14-e)
+		q, rem, half = m>>shift, m&(1<<shift-1), 1<<(shift-1)
+	}
+	if rem > half || rem == half && q&1 == 1 {
+		q++ // a carry moves into the exponent, up to infinity: still right
+	}
+	return sign | uint16(q)
+}
+
+// fromFP16 is binary16 h as a float32 (exact).
+func fromFP16(h uint16) float32 {
+	sign := uint32(h&0x8000) << 16
+	exp, man := uint32(h>>10&0x1f), uint32(h&0x3ff)
+	switch exp {
+	case 0:
+		f := float32(man) * 0x1p-24
+		if sign != 0 {
+			f = -f
+		}
+		return f
+	case 0x1f:
+		return math.Float32frombits(sign | 0x7f800000 | man<<13)
+	}
+	return math.Float32frombits(sign | (exp+127-15)<<23 | man<<13)
 }
 
 // trainRank is one rank's training loop. rec, on rank 0, records the run.
@@ -342,13 +447,27 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 	decayed := zero.NewAdamW(c.lr)
 	decayed.WeightDecay = c.weightDecay
 	e, err := zero.New(zero.Config{Stage: c.stage, BucketBytes: c.bucketBytes, Align: 1, // a tiny model: let every bucket split over the ranks
+		Precision: zero.PrecisionPolicy{LossScale: c.lossScale},
 		Optimizer: zero.OptimizerPolicy{Groups: []zero.Optimizer{decayed, zero.NewAdamW(c.lr)}},
-		Params:    zero.ParamPolicy{PrefetchBytes: c.prefetchBytes},
-		Offload:   zero.OffloadPolicy{Optimizer: c.offload}}, comm, params)
+		// a resumed run loads its parameters: the broadcast would be wasted
+		Params:  zero.ParamPolicy{PrefetchBytes: c.prefetchBytes, NoBroadcast: c.resume != ""},
+		Offload: zero.OffloadPolicy{Optimizer: c.offload}}, comm, params)
 	if err != nil {
 		return err
 	}
 	defer e.Close()
+	start := 0 // the steps taken, the next batch's index
+	if c.resume != "" {
+		// the flags' -lr and -wd hold for the rest of the run; the
+		// moments, step counts and loss scale come back
+		client, err := e.Load(c.resume, zero.LoadOptions{KeepConfigGroups: true})
+		if err != nil {
+			return err
+		}
+		if start, err = resumePosition(c, comm, client); err != nil {
+			return err
+		}
+	}
 	if c.stage == 3 {
 		mem = nil // the engine holds this rank's shard: the full parameters can go
 	}
@@ -401,16 +520,21 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		return err
 	}
 	if rec != nil {
+		rec.first = start
 		record()
 	}
 	g64 := make([][]float64, 4)
 	for p, n := range m.sizes() {
 		g64[p] = make([]float64, n)
 	}
-	for st := range c.steps {
+	for st := start; st < c.steps; st++ {
 		t0 := time.Now()
 		waited = 0
 		loss := 0.0
+		// fp16: backward is that of the loss times the scale, so the
+		// gradients handed over are scaled; Step divides it out (1 in fp32
+		// and bf16).
+		scale := e.LossScale()
 		var reused [4]zero.Event // when the engine is done with each gradient buffer
 		for k := range c.accum {
 			from, to := c.microBatch(comm.Rank(), k)
@@ -424,6 +548,9 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 			}
 			w2 := append([]float64(nil), theta[2]...)
 			loss += l / float64(c.accum)
+			if scale != 1 {
+				scaleBy(b.d, scale) // d(scale·loss)/dŷ
+			}
 			// report computes layers' gradients on s, after the engine's
 			// reads of the previous micro-batch's, and hands them over.
 			report := func(s *zero.HostStream, compute func(), ps ...int) error {
@@ -464,7 +591,12 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 			return err
 		}
 		stats := e.Stats()
-		if stats.Skipped {
+		if stats.Step != st {
+			return fmt.Errorf("the engine took step %d for the data's step %d", stats.Step+1, st+1)
+		}
+		// fp16 skips a step whose scaled gradients overflowed and lowers
+		// the scale; elsewhere the scale is 1 and an overflow is divergence
+		if stats.Skipped && c.dtype != zero.FP16 {
 			return fmt.Errorf("step %d skipped: gradient norm %g", st+1, stats.GradNorm)
 		}
 		wall, stepWaited := time.Since(t0), waited
@@ -476,13 +608,78 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		if err := read(); err != nil { // every rank: at stage 3 it gathers
 			return err
 		}
+		saved := false
+		if c.save != "" && (st+1 == c.steps || c.saveEvery > 0 && (st+1)%c.saveEvery == 0) {
+			client, err := json.Marshal(trainState{Step: st + 1, Seed: c.seed, Batch: c.batch, In: c.in})
+			if err != nil {
+				return err
+			}
+			if err := e.Save(c.save, zero.SaveOptions{Client: client, Keep: c.keep}); err != nil {
+				return err
+			}
+			saved = true
+		}
 		if rec != nil {
 			record()
 			rec.loss = append(rec.loss, global[0])
 			rec.stats = append(rec.stats, stats)
 			rec.wall = append(rec.wall, wall)
 			rec.waited = append(rec.waited, stepWaited)
+			if saved {
+				rec.saved = append(rec.saved, st+1)
+			}
 		}
 	}
 	return nil
+}
+
+// trainState is the trainer's own part of a checkpoint (SaveOptions.Client,
+// the same on every rank): the data position, and what the data is drawn
+// from, so that a resumed run refuses data other than the saved run's.
+type trainState struct {
+	Step  int   `json:"step"` // steps taken: the index of the next batch
+	Seed  int64 `json:"seed"`
+	Batch int   `json:"batch"`
+	In    int   `json:"in"`
+}
+
+// resumePosition is the step a resumed run starts from, agreed by every
+// rank (a rank the saving run did not have gets no client bytes and takes
+// the others' position).
+func resumePosition(c config, comm zero.Comm, client []byte) (int, error) {
+	var own error
+	var ts trainState
+	have := client != nil
+	if have {
+		if err := json.Unmarshal(client, &ts); err != nil {
+			own = fmt.Errorf("%s: the trainer's state in the checkpoint is unreadable (%v); was it written by cmd/train?", c.resume, err)
+		} else if ts.Seed != c.seed || ts.Batch != c.batch || ts.In != c.in {
+			own = fmt.Errorf("%s was trained on the data of -seed %d -batch %d -in %d; resume with those (this run has %d, %d, %d)",
+				c.resume, ts.Seed, ts.Batch, ts.In, c.seed, c.batch, c.in)
+		}
+	}
+	// one all-reduce of the outcome and the positions' max and min
+	const none = -1e15
+	vals := []float64{0, none, none}
+	if own != nil {
+		vals[0] = 1
+	} else if have {
+		vals[1], vals[2] = float64(ts.Step), -float64(ts.Step)
+	}
+	out, err := zero.AllReduceScalars(comm, zero.OpMax, vals...)
+	switch {
+	case err != nil:
+		return 0, err
+	case own != nil:
+		return 0, own
+	case out[0] != 0:
+		return 0, fmt.Errorf("%s: another rank could not resume (see its error)", c.resume)
+	case out[1] == none:
+		return 0, fmt.Errorf("%s holds no trainer state; resume from a checkpoint cmd/train wrote", c.resume)
+	case out[1] != -out[2]:
+		return 0, fmt.Errorf("%s: the ranks' data positions differ (steps %g to %g); the checkpoint is not one run's", c.resume, -out[2], out[1])
+	case int(out[1]) > c.steps:
+		return 0, fmt.Errorf("%s was saved after step %d; -steps is the total, so give at least %d", c.resume, int(out[1]), int(out[1]))
+	}
+	return int(out[1]), nil
 }

@@ -1,11 +1,15 @@
 package main
 
 import (
+	"bytes"
 	"fmt"
 	"math"
 	"math/rand"
 	"os"
+	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -318,6 +322,367 @@ func TestOffloadMatchesDevice(t *testing.T) {
 			}
 		}
 	}
+}
+
+// lossLines are a run's printed loss lines.
+func lossLines(out string) []string {
+	var ls []string
+	for l := range strings.Lines(out) {
+		if strings.HasPrefix(l, "step ") {
+			ls = append(ls, l)
+		}
+	}
+	return ls
+}
+
+// resumeCase is TestResumeMatchesUninterrupted's model: 12 steps of 2
+// backwards on 2 ranks; fp16 with a dynamic scale that starts at 2048 and
+// doubles after 2 good steps, so it overflows again and again (skipped
+// steps on both sides of the save).
+func resumeCase(seed int64, dt zero.DType, stage int, offload bool) config {
+	c := defaultConfig()
+	c.seed, c.dtype, c.stage, c.offload, c.steps, c.accum = seed, dt, stage, offload, 12, 2
+	if dt == zero.FP16 {
+		c.lossScale = zero.LossScale{Initial: 2048, Window: 2}
+	}
+	return c
+}
+
+// saveStep is where a resume test stops its first run: halfway, or in fp16
+// the first step after which the run has taken a step and skipped one
+// (the scaler's hysteresis and counters moved) and skips again later.
+func saveStep(t *testing.T, straight result, dt zero.DType) int {
+	t.Helper()
+	n := len(straight.stats)
+	if dt != zero.FP16 {
+		return n / 2
+	}
+	skipped := func(from, to int) (taken, skips int) {
+		for _, s := range straight.stats[from:to] {
+			if s.Skipped {
+				skips++
+			} else {
+				taken++
+			}
+		}
+		return
+	}
+	for k := 1; k < n; k++ {
+		taken, skips := skipped(0, k)
+		_, later := skipped(k, n)
+		if taken > 0 && skips > 0 && later > 0 && straight.stats[k].LossScale != straight.stats[0].LossScale {
+			return k
+		}
+	}
+	t.Fatalf("fp16: the scale never overflowed on both sides of any step (scales %v): the test would not cover the scaler", scales(straight))
+	return 0
+}
+
+func scales(r result) []string {
+	var s []string
+	for _, st := range r.stats {
+		s = append(s, fmt.Sprintf("%g skipped %v", st.LossScale, st.Skipped))
+	}
+	return s
+}
+
+// TestResumeMatchesUninterrupted: a run of N steps, and a run of K steps
+// with -save followed by a run with -resume and -steps N, end with the
+// same bits after every step from K on (parameters), and print the same
+// loss lines for steps K+1 to N (the loss of each global batch: the data
+// came back to its position), in fp32, bf16 and fp16 (whose dynamic scale
+// overflowed, skipped steps and moved before the save and after it), at
+// stages 1, 2 and 3, with and without offload.
+func TestResumeMatchesUninterrupted(t *testing.T) {
+	seed := testSeed(t)
+	for _, dt := range []zero.DType{zero.FP32, zero.BF16, zero.FP16} {
+		for _, stage := range []int{1, 2, 3} {
+			for _, offload := range []bool{false, true} {
+				name := fmt.Sprintf("%v ZeRO-%d offload %v", dt, stage, offload)
+				c := resumeCase(seed, dt, stage, offload)
+				var whole bytes.Buffer
+				straight, err := run(&whole, c)
+				if err != nil {
+					t.Fatalf("%s: %v", name, err)
+				}
+				k := saveStep(t, straight, dt)
+				dir := t.TempDir()
+				first := c
+				first.steps, first.save = k, dir
+				var head bytes.Buffer
+				saved, err := run(&head, first)
+				if err != nil {
+					t.Fatalf("%s: %v", name, err)
+				}
+				if !slices.Equal(saved.saved, []int{k}) {
+					t.Fatalf("%s: checkpoints after steps %v, want %d", name, saved.saved, k)
+				}
+				second := c
+				second.resume = dir
+				var tail bytes.Buffer
+				resumed, err := run(&tail, second)
+				if err != nil {
+					t.Fatalf("%s: %v", name, err)
+				}
+				if resumed.first != k || len(resumed.loss) != c.steps-k {
+					t.Fatalf("%s: the resumed run took steps %d to %d, want %d to %d", name, resumed.first+1, resumed.first+len(resumed.loss), k+1, c.steps)
+				}
+				sameParams(t, name+": resumed against uninterrupted", resumed, result{params: straight.params[k:]})
+				want := lossLines(whole.String())
+				if got := lossLines(head.String() + tail.String()); !slices.Equal(got, want) {
+					t.Fatalf("%s: the saved and resumed runs printed\n%s\nthe uninterrupted one\n%s", name, strings.Join(got, ""), strings.Join(want, ""))
+				}
+			}
+		}
+	}
+}
+
+// TestSaveEvery: -save-every 3 with -steps 8 writes checkpoints after
+// steps 3, 6 and 8; resuming from the one of step 6 (a directory of its
+// own) ends with the uninterrupted run's bits, and from the directory
+// (its latest, step 8) runs no step and holds the final parameters.
+func TestSaveEvery(t *testing.T) {
+	seed := testSeed(t)
+	c := defaultConfig()
+	c.seed, c.steps, c.dtype = seed, 8, zero.BF16
+	straight, err := run(nil, c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	every := c
+	every.save, every.saveEvery, every.keep = dir, 3, 3
+	var out bytes.Buffer
+	saved, err := run(&out, every)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sameParams(t, "the run that saves against the one that does not", saved, straight)
+	if !slices.Equal(saved.saved, []int{3, 6, 8}) || strings.Count(out.String(), "saved in "+dir) != 3 {
+		t.Fatalf("checkpoints after steps %v, want [3 6 8]; printed\n%s", saved.saved, out.String())
+	}
+	var ckpts []string
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		if e.IsDir() {
+			ckpts = append(ckpts, e.Name())
+		}
+	}
+	if len(ckpts) != 3 {
+		t.Fatalf("%s holds %v; want the 3 checkpoints -keep 3 keeps", dir, ckpts)
+	}
+	from6 := c
+	from6.resume = filepath.Join(dir, ckpts[1]) // the names sort by step
+	resumed, err := run(nil, from6)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resumed.first != 6 {
+		t.Fatalf("resumed from %s after step %d, want 6", ckpts[1], resumed.first)
+	}
+	sameParams(t, "resumed from step 6", resumed, result{params: straight.params[6:]})
+	latest := c
+	latest.resume = dir
+	done, err := run(nil, latest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if done.first != 8 || len(done.loss) != 0 {
+		t.Fatalf("resumed from %s's latest after step %d with %d steps to go, want 8 and 0", dir, done.first, len(done.loss))
+	}
+	sameParams(t, "resumed from the latest", done, result{params: straight.params[8:]})
+}
+
+// TestResumeRefusals: a resume on other data (another seed or batch) or
+// past -steps is refused, naming what to change.
+func TestResumeRefusals(t *testing.T) {
+	seed := testSeed(t)
+	c := defaultConfig()
+	c.seed, c.steps, c.save = seed, 4, t.TempDir()
+	if _, err := run(nil, c); err != nil {
+		t.Fatal(err)
+	}
+	c.save, c.resume, c.steps = "", c.save, 8
+	for _, v := range []struct {
+		change func(*config)
+		want   string
+	}{
+		{func(c *config) { c.seed++ }, fmt.Sprintf("resume with those (this run has %d, 24, 4)", seed+1)},
+		{func(c *config) { c.batch = 48 }, "-batch 24"},
+		{func(c *config) { c.steps = 3 }, "give at least 4"},
+	} {
+		bad := c
+		v.change(&bad)
+		if _, err := run(nil, bad); err == nil || !strings.Contains(err.Error(), v.want) {
+			t.Errorf("got %v, want an error saying %q", err, v.want)
+		}
+	}
+}
+
+// TestResumeNewRate: -lr and -wd given with -resume hold from the resumed
+// step on, the moments kept: the first resumed step's AdamW direction u
+// (from the uninterrupted run, θ' = θ(1 − lr·wd) − lr·u) is the same, so
+// θ' = θ(1 − lr₂·wd₂) − lr₂·u, to fp32's rounding of θ.
+func TestResumeNewRate(t *testing.T) {
+	seed := testSeed(t)
+	c := defaultConfig()
+	c.seed, c.steps = seed, 6
+	straight, err := run(nil, c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := c
+	first.steps, first.save = 3, t.TempDir()
+	if _, err := run(nil, first); err != nil {
+		t.Fatal(err)
+	}
+	second := c
+	second.resume, second.lr, second.weightDecay = first.save, 0.003, 0.2
+	resumed, err := run(nil, second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before, after, got := straight.params[3], straight.params[4], resumed.params[1]
+	for p := range before {
+		wd, wd2 := 0.0, 0.0
+		if tensorGroups[p] == 0 {
+			wd, wd2 = c.weightDecay, second.weightDecay
+		}
+		for i, th := range before[p] {
+			u := (th*(1-c.lr*wd) - after[p][i]) / c.lr
+			want := th*(1-second.lr*wd2) - second.lr*u
+			// fp32 rounds θ and the two results: 2^-24 of each, over lr
+			tol := 0x1p-22 * (math.Abs(th) + math.Abs(after[p][i]) + math.Abs(want)) * (1 + second.lr/c.lr)
+			if d := math.Abs(got[p][i] - want); !(d <= tol) {
+				t.Fatalf("%s[%d] after the resumed step: %.9g, want %.9g (|diff| %.3g > %.3g)", tensorNames[p], i, got[p][i], want, d, tol)
+			}
+		}
+	}
+}
+
+// TestFP16Conversion: fromFP16 against binary16's definition, evaluated in
+// float64, for every bit pattern; fp16 returns each value's own pattern,
+// and rounds the midpoint of each two neighbours to the even one and the
+// float32 on either side of it to the nearer one; past 65504 it overflows
+// to infinity at 65520 (the midpoint to 2^16).
+func TestFP16Conversion(t *testing.T) {
+	value := func(h uint16) float64 {
+		e, m := int(h>>10&0x1f), float64(h&0x3ff)
+		v := math.Ldexp(m, -24) // subnormal
+		switch {
+		case e == 0x1f && m == 0:
+			v = math.Inf(1)
+		case e == 0x1f:
+			v = math.NaN()
+		case e > 0:
+			v = math.Ldexp(1024+m, e-25)
+		}
+		if h&0x8000 != 0 {
+			v = -v
+		}
+		return v
+	}
+	for i := range 1 << 16 {
+		h := uint16(i)
+		want, got := value(h), float64(fromFP16(h))
+		if math.IsNaN(want) {
+			if !math.IsNaN(got) || fp16(float32(got))&0x7fff != 0x7e00 {
+				t.Fatalf("%#04x: %v (fp16 %#04x), want a NaN", h, got, fp16(float32(got)))
+			}
+			continue
+		}
+		if got != want || math.Signbit(got) != math.Signbit(want) {
+			t.Fatalf("fromFP16(%#04x) = %v, want %v", h, got, want)
+		}
+		if back := fp16(float32(want)); back != h {
+			t.Fatalf("fp16(%v) = %#04x, want %#04x", want, back, h)
+		}
+	}
+	for i := range 0x7bff { // each pair of positive finite neighbours, and their negatives
+		for _, sign := range []uint16{0, 0x8000} {
+			lo, hi := uint16(i)|sign, uint16(i+1)|sign
+			mid := float32((value(lo) + value(hi)) / 2) // exact: 12 bits
+			even := lo
+			if i&1 == 1 {
+				even = hi
+			}
+			below, above := math.Nextafter32(mid, float32(value(lo))), math.Nextafter32(mid, float32(value(hi)))
+			if got := fp16(mid); got != even {
+				t.Fatalf("fp16(%v), between %#04x and %#04x, = %#04x, want the even %#04x", mid, lo, hi, got, even)
+			}
+			if fp16(below) != lo || fp16(above) != hi {
+				t.Fatalf("fp16 around %v: %#04x and %#04x, want %#04x and %#04x", mid, fp16(below), fp16(above), lo, hi)
+			}
+		}
+	}
+	for _, v := range []struct {
+		f    float32
+		want uint16
+	}{{65519.996, 0x7bff}, {65520, 0x7c00}, {-65520, 0xfc00}, {1e9, 0x7c00}, {0x1p-25, 0}, {math.Nextafter32(0x1p-25, 1), 1}, {-0x1p-26, 0x8000}} {
+		if got := fp16(v.f); got != v.want {
+			t.Errorf("fp16(%v) = %#04x, want %#04x", v.f, got, v.want)
+		}
+	}
+}
+
+// TestFP16LossScaling: -fp16 hands over the gradients of the loss times
+// the engine's scale. Recomputed in float64 at the run's parameters, each
+// step must be skipped exactly when some micro-batch's gradient times the
+// step's scale passes fp16's range (65520 rounds to infinity), a skipped
+// step must leave the parameters' bits alone, and a taken step's
+// (unscaled) gradient norm must be the global batch's within fp16's
+// rounding. With DeepSpeed's defaults (2^16) the first steps overflow.
+func TestFP16LossScaling(t *testing.T) {
+	seed := testSeed(t)
+	c := defaultConfig()
+	c.seed, c.dtype, c.steps, c.accum = seed, zero.FP16, 12, 2
+	res, err := run(nil, c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := makeData(c)
+	ref := newReference(c, res.params[0])
+	taken, skipped, worst := 0, 0, 0.0
+	for st, s := range res.stats {
+		gs := ref.grads(res.params[st], data, st)
+		// the scale is a power of two: x·S is exactly the trainer's value
+		over := false
+		for _, g := range gs {
+			for p := range g {
+				for _, x := range g[p] {
+					over = over || math.Abs(x*s.LossScale) >= 65520
+				}
+			}
+		}
+		if s.Skipped != over {
+			t.Fatalf("step %d at scale %g: skipped %v, but the scaled gradients overflow fp16: %v", st+1, s.LossScale, s.Skipped, over)
+		}
+		if s.Skipped {
+			skipped++
+			sameParams(t, fmt.Sprintf("step %d, skipped", st+1), result{params: res.params[st+1 : st+2]}, result{params: res.params[st : st+1]})
+			continue
+		}
+		taken++
+		norm := 0.0
+		for _, g := range mean(gs) {
+			for _, x := range g {
+				norm += x * x
+			}
+		}
+		norm = math.Sqrt(norm)
+		d := math.Abs(s.GradNorm-norm) / norm
+		if d > 2e-3 {
+			t.Fatalf("step %d at scale %g: gradient norm %g, float64 %g: relative difference %.2g", st+1, s.LossScale, s.GradNorm, norm, d)
+		}
+		worst = max(worst, d)
+	}
+	if taken == 0 || skipped == 0 {
+		t.Fatalf("%d steps taken, %d skipped: the test needs both (scales %v)", taken, skipped, scales(res))
+	}
+	t.Logf("%d steps skipped, %d taken, the norm within %.2g of float64's; scales %v", skipped, taken, worst, scales(res))
 }
 
 // BenchmarkTrainStep: one training step of a wider MLP (32→4096→1, 2 ranks,
