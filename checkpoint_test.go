@@ -1,12 +1,15 @@
 package zero
 
 import (
+	"crypto/sha256"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -794,4 +797,75 @@ func copyTree(t *testing.T, src string) string {
 		t.Fatal(err)
 	}
 	return dst
+}
+
+// goldenCase is the run the golden checkpoint of format version 1 holds:
+// fp16 with a loss scale moved by an overflow, coalesced windows, AdamW
+// with amsgrad, ZeRO-2 on 2 ranks, saved after 3 steps.
+var goldenCase = ckptCase{stage: 2, dtype: FP16, window: true}
+
+const goldenDir = "testdata/checkpoint-v1"
+
+// goldenDigest is what a load of the golden checkpoint must give: a
+// SHA-256 of each state tensor and of the parameters, and the rest as is.
+type goldenDigest struct {
+	State  map[string]string `json:"state"`
+	Params string            `json:"params"`
+	Steps  []int             `json:"steps"`
+	Scaler scalerState       `json:"scaler"`
+	Step   int               `json:"step"`
+}
+
+func digestOf(s ckptState) goldenDigest {
+	d := goldenDigest{State: map[string]string{}, Steps: s.steps, Scaler: s.scaler, Step: s.step}
+	for name, b := range s.state {
+		d.State[name] = fmt.Sprintf("%x", sha256.Sum256(b))
+	}
+	h := sha256.New()
+	for _, p := range s.params {
+		for _, v := range p {
+			binary.Write(h, binary.LittleEndian, math.Float32bits(v))
+		}
+	}
+	d.Params = fmt.Sprintf("%x", h.Sum(nil))
+	return d
+}
+
+// TestCheckpointGolden: the committed checkpoint of format version 1
+// loads, now and in every later version, into the state it was saved
+// with (its digest, committed beside it), or is refused by its version
+// with ErrCheckpoint. ZERO_WRITE_GOLDEN=1 writes it anew (only when the
+// format version changes: the old one stays, under its own name).
+func TestCheckpointGolden(t *testing.T) {
+	digests := filepath.Join(goldenDir, "digest.json")
+	if os.Getenv("ZERO_WRITE_GOLDEN") == "1" {
+		tmp := t.TempDir()
+		saved := ckptTrain(t, goldenCase, 0, 3, "", tmp)
+		latest, err := os.ReadFile(filepath.Join(tmp, ckptLatest))
+		if err != nil {
+			t.Fatal(err)
+		}
+		os.RemoveAll(goldenDir)
+		if err := os.Rename(filepath.Join(tmp, strings.TrimSpace(string(latest))), goldenDir); err != nil {
+			t.Fatal(err)
+		}
+		out, _ := json.MarshalIndent([]goldenDigest{digestOf(saved[0]), digestOf(saved[1])}, "", " ")
+		if err := os.WriteFile(digests, append(out, '\n'), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b, err := os.ReadFile(digests)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want []goldenDigest
+	if err := json.Unmarshal(b, &want); err != nil {
+		t.Fatal(err)
+	}
+	got := ckptTrain(t, goldenCase, 3, 3, goldenDir, "")
+	for rank := range got {
+		if d := digestOf(got[rank]); !reflect.DeepEqual(d, want[rank]) {
+			t.Errorf("rank %d: the golden checkpoint loads as\n%+v\nit was saved as\n%+v", rank, d, want[rank])
+		}
+	}
 }
