@@ -577,6 +577,8 @@ type loader struct {
 	m       ckptManifestData
 	pieces  [][]source // per parameter, sorted by paramOffset
 	readers map[int]*rankReader
+	buf     []byte // one chunk (ckptChunk bytes)
+	ahead   []byte // a second one, for the checks' read-ahead
 }
 
 func newLoader(ce *ckptEngine, at string, m ckptManifestData) (*loader, error) {
@@ -643,29 +645,71 @@ func (ld *loader) verify() error {
 		if rr.footer.Rank != r || rr.footer.World != ld.m.Layout.World {
 			return rr.corrupt("rank %d of %d, the manifest lists it as rank %d of %d", rr.footer.Rank, rr.footer.World, r, ld.m.Layout.World)
 		}
-		crc, err := fileCRC(rr, fi.Bytes)
+		crc, err := fileCRC(rr, fi.Bytes, ld.buffers())
 		if err != nil {
 			return err
 		}
 		if crc != fi.CRC {
 			return rr.corrupt("its checksum is %08x, the manifest says %08x", crc, fi.CRC)
 		}
+		rr.verified = true
 	}
 	return nil
 }
 
-// fileCRC reads a whole file in order and returns its CRC32C.
-func fileCRC(rr *rankReader, size int64) (uint32, error) {
-	buf := make([]byte, ckptChunk)
-	crc := uint32(0)
-	for off := int64(0); off < size; off += ckptChunk {
-		b := buf[:min(ckptChunk, size-off)]
-		if _, err := rr.f.ReadAt(b, off); err != nil && err != io.EOF {
-			return 0, rr.corrupt("reading it: %v", err)
-		}
-		crc = crc32.Update(crc, castagnoli, b)
+// buffer is the loader's chunk of memory for every read it copies.
+func (ld *loader) buffer() []byte {
+	if ld.buf == nil {
+		ld.buf = make([]byte, ckptChunk)
 	}
-	return crc, nil
+	return ld.buf
+}
+
+// buffers are two chunks, for reading ahead while checking.
+func (ld *loader) buffers() [2][]byte {
+	if ld.ahead == nil {
+		ld.ahead = make([]byte, ckptChunk)
+	}
+	return [2][]byte{ld.buffer(), ld.ahead}
+}
+
+// fileCRC reads a whole file in order and returns its CRC32C: a reader
+// fills one of two chunks while the other is summed, so the check costs
+// about the read alone.
+func fileCRC(rr *rankReader, size int64, bufs [2][]byte) (uint32, error) {
+	type piece struct {
+		b   []byte
+		err error
+	}
+	full, free := make(chan piece, 2), make(chan []byte, 2)
+	free <- bufs[0]
+	free <- bufs[1]
+	go func() {
+		defer close(full)
+		for off := int64(0); off < size; off += ckptChunk {
+			b := (<-free)[:min(ckptChunk, size-off)]
+			_, err := rr.f.ReadAt(b, off)
+			if err == io.EOF {
+				err = nil
+			}
+			full <- piece{b, err}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	crc := uint32(0)
+	var err error
+	for p := range full {
+		if p.err != nil && err == nil {
+			err = rr.corrupt("reading it: %v", p.err)
+		}
+		if err == nil {
+			crc = crc32.Update(crc, castagnoli, p.b)
+		}
+		free <- p.b // two buffers, room for two: never blocks
+	}
+	return crc, err
 }
 
 // fill writes state tensor st from the checkpoint's section of the same
@@ -673,8 +717,9 @@ func fileCRC(rr *rankReader, size int64) (uint32, error) {
 // holds (padding) are zero. zero fills it with zeros instead.
 func (ld *loader) fill(st stateTensor, zero bool) error {
 	size := st.t.dtype.Size()
-	buf := make([]byte, ckptChunk)
+	buf := ld.buffer()
 	per := len(buf) / size
+	_, onHost := st.dev.(*hostDevice) // read straight into the state
 	type seg struct{ p, po, so, n int }
 	var segs []seg
 	for p := range ld.ce.params {
@@ -686,18 +731,28 @@ func (ld *loader) fill(st stateTensor, zero bool) error {
 	for off := 0; off < st.t.count; off += per {
 		n := min(per, st.t.count-off)
 		b := buf[:n*size]
-		clear(b)
-		if !zero {
-			for _, sg := range segs {
-				lo, hi := max(off, sg.so), min(off+n, sg.so+sg.n)
-				if lo >= hi {
-					continue
-				}
-				// param elements [lo−so+po, hi−so+po) go to b at lo−off
-				if err := ld.readParam(st, sg.p, lo-sg.so+sg.po, hi-lo, b[(lo-off)*size:(hi-off)*size]); err != nil {
-					return err
-				}
+		if onHost {
+			if err := st.s.Sync(); err != nil { // nothing of the stream still uses it
+				return err
 			}
+			b = st.t.slice(off, n).hostBytes()
+		}
+		at := off // b is written up to element at; the gaps are zeroed
+		for _, sg := range segs {
+			lo, hi := max(off, sg.so), min(off+n, sg.so+sg.n)
+			if lo >= hi || zero {
+				continue
+			}
+			clear(b[(at-off)*size : (lo-off)*size])
+			// param elements [lo−so+po, hi−so+po) go to b at lo−off
+			if err := ld.readParam(st, sg.p, lo-sg.so+sg.po, hi-lo, b[(lo-off)*size:(hi-off)*size]); err != nil {
+				return err
+			}
+			at = hi
+		}
+		clear(b[(at-off)*size:])
+		if onHost {
+			continue
 		}
 		if err := st.dev.copy(st.s, st.t.slice(off, n), hostTensor(b, st.t.dtype)); err != nil {
 			return err
