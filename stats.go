@@ -39,8 +39,7 @@ type Stats struct {
 	StagingBuffers int
 	// PeakGradBytes and ResidentGradBytes count the gradient memory the
 	// engine holds on the device: the shard (on the host with Offload), the
-	// staging buffers, the local sums and the scratch they need, in use or
-	// pooled. The peak is over the window; it starts again from the
+	// staging buffers and the local sums, in use or pooled. The peak is over the window; it starts again from the
 	// resident bytes at Step.
 	PeakGradBytes     int64
 	ResidentGradBytes int64 // see PeakGradBytes
