@@ -1,0 +1,233 @@
+package main
+
+// The model in GoMLX: context variables, and the graphs that run it, either
+// whole (one forward and backward in one graph) or block by block.
+
+import (
+	"fmt"
+
+	"github.com/gomlx/gomlx/backends"
+	"github.com/gomlx/gomlx/backends/simplego"
+	"github.com/gomlx/gomlx/pkg/core/graph"
+	"github.com/gomlx/gomlx/pkg/core/tensors"
+	"github.com/gomlx/gomlx/pkg/ml/context"
+	"github.com/gomlx/gomlx/pkg/ml/train/optimizers"
+)
+
+// newBackend is GoMLX's pure-Go backend: no C library, buffers in Go memory
+// that Go code may read and write between executions ("shared buffers").
+func newBackend() (backends.Backend, error) { return simplego.New("") }
+
+func blockScope(l int) string { return fmt.Sprintf("block%d", l) }
+
+// newVariables creates, in ctx's scope, one block's variables holding vals
+// (or zeros, where vals is nil), and gives them shared buffers at once: the
+// memory GoMLX's graphs read them from, which Go (and zero) may write
+// between executions. It returns the variables and their memory.
+func newVariables(backend backends.Backend, ctx *context.Context, c config, vals [][]float32) ([4]*context.Variable, [4][]float32, error) {
+	var vars [4]*context.Variable
+	var mem [4][]float32
+	for j, n := range c.sizes() {
+		v := make([]float32, n)
+		if vals != nil {
+			copy(v, vals[j])
+		}
+		vars[j] = ctx.VariableWithValue(paramNames[j], tensors.FromFlatDataAndDimensions(v, c.dims(j)...))
+		f, err := sharedMemory(backend, vars[j])
+		if err != nil {
+			return vars, mem, err
+		}
+		mem[j] = f
+	}
+	return vars, mem, nil
+}
+
+// sharedMemory returns the memory of a variable's value as a Go slice, with
+// no copy: GoMLX moves the value into a shared buffer (simplego's are Go
+// slices) and hands out that slice. The slice stays the variable's memory as
+// long as GoMLX keeps the tensor: it does unless a graph changes the
+// variable (Variable.SetValueGraph donates the buffer and the variable gets
+// the output's) or Go calls Variable.SetValue; this program does neither.
+func sharedMemory(backend backends.Backend, v *context.Variable) ([]float32, error) {
+	t, err := v.Value()
+	if err != nil {
+		return nil, err
+	}
+	if err := t.MaterializeOnDevice(backend, true, 0); err != nil {
+		return nil, err
+	}
+	if !t.IsShared() {
+		return nil, fmt.Errorf("variable %s: the backend gave no shared buffer", v.ScopeAndName())
+	}
+	var flat []float32
+	err = tensors.MutableFlatData(t, func(f []float32) { flat = f })
+	return flat, err
+}
+
+// flatOf returns an execution's output's memory, with no copy: simplego's
+// outputs are Go slices that BufferData hands out. The slice is valid until
+// the tensor is finalized (its buffer then goes back to simplego's pool and
+// the next execution may write it).
+func flatOf(t *tensors.Tensor) ([]float32, error) {
+	var flat []float32
+	err := tensors.ConstFlatData(t, func(f []float32) { flat = f })
+	return flat, err
+}
+
+// blockForward is one block on a batch of rows: a + tanh(a·W1 + b1)·W2 + b2,
+// with the block's variables from ctx's scope.
+func blockForward(ctx *context.Context, a *graph.Node) *graph.Node {
+	g := a.Graph()
+	v := func(name string) *graph.Node { return ctx.InspectVariableInScope(name).ValueGraph(g) }
+	h := graph.Tanh(graph.Add(graph.Dot(a, v("w1")), graph.ExpandAxes(v("b1"), 0)))
+	return graph.Add(a, graph.Add(graph.Dot(h, v("w2")), graph.ExpandAxes(v("b2"), 0)))
+}
+
+// blockParams returns the nodes of the block variables in ctx's scope.
+func blockParams(ctx *context.Context, g *graph.Graph) []*graph.Node {
+	out := make([]*graph.Node, 4)
+	for j, name := range paramNames {
+		out[j] = ctx.InspectVariableInScope(name).ValueGraph(g)
+	}
+	return out
+}
+
+// lossOf is ½·mean((a − y)²) over the batch and the width.
+func lossOf(a, y *graph.Node) *graph.Node {
+	r := graph.Sub(a, y)
+	return graph.MulScalar(graph.ReduceAllMean(graph.Square(r)), 0.5)
+}
+
+// blockExecs are one block's graphs for the block-by-block run: forward
+// (a → a'), backward (a, ∂L/∂a' → ∂L/∂a and the block's four gradients;
+// it runs the block's forward again, since GoMLX differentiates within one
+// graph only), and for the last block forward, loss and backward in one
+// graph (a, y → loss, ∂L/∂a, gradients).
+type blockExecs struct {
+	forward, backward, last *context.Exec
+}
+
+func newBlockExecs(backend backends.Backend, ctx *context.Context) (blockExecs, error) {
+	var b blockExecs
+	var err error
+	b.forward, err = context.NewExec(backend, ctx, func(ctx *context.Context, a *graph.Node) *graph.Node {
+		return blockForward(ctx, a)
+	})
+	if err != nil {
+		return b, err
+	}
+	b.backward, err = context.NewExec(backend, ctx, func(ctx *context.Context, a, dy *graph.Node) []*graph.Node {
+		y := blockForward(ctx, a)
+		wrt := append([]*graph.Node{a}, blockParams(ctx, a.Graph())...)
+		return graph.Gradient(graph.ReduceAllSum(graph.Mul(y, dy)), wrt...)
+	})
+	if err != nil {
+		return b, err
+	}
+	b.last, err = context.NewExec(backend, ctx, func(ctx *context.Context, a, y *graph.Node) []*graph.Node {
+		loss := lossOf(blockForward(ctx, a), y)
+		wrt := append([]*graph.Node{a}, blockParams(ctx, a.Graph())...)
+		return append([]*graph.Node{loss}, graph.Gradient(loss, wrt...)...)
+	})
+	return b, err
+}
+
+// modelLoss is the whole model's loss, the blocks' variables in scopes
+// block0, block1, … of ctx.
+func modelLoss(ctx *context.Context, c config, x, y *graph.Node) *graph.Node {
+	a := x
+	for l := range c.blocks {
+		a = blockForward(ctx.In(blockScope(l)), a)
+	}
+	return lossOf(a, y)
+}
+
+// newWholeExec is the single-graph version: x, y → loss and every
+// parameter's gradient, in registration order, from one execution.
+func newWholeExec(backend backends.Backend, ctx *context.Context, c config) (*context.Exec, error) {
+	return context.NewExec(backend, ctx, func(ctx *context.Context, x, y *graph.Node) []*graph.Node {
+		loss := modelLoss(ctx, c, x, y)
+		var wrt []*graph.Node
+		for l := range c.blocks {
+			wrt = append(wrt, blockParams(ctx.In(blockScope(l)), x.Graph())...)
+		}
+		return append([]*graph.Node{loss}, graph.Gradient(loss, wrt...)...)
+	})
+}
+
+// ---- the reference: one process, the whole batch, GoMLX's own AdamW --------
+
+// reference is GoMLX training the model alone: the whole batch in one
+// graph, and GoMLX's AdamW (optimizers.Adam with weight decay) updating its
+// variables. It returns the parameters before the first step and after
+// each, and each step's loss (at the parameters before it).
+type reference struct {
+	params [][][]float32
+	loss   []float64
+}
+
+func runReference(c config) (reference, error) {
+	var ref reference
+	backend, err := newBackend()
+	if err != nil {
+		return ref, err
+	}
+	defer backend.Finalize()
+	ctx := context.New()
+	init := c.initial()
+	vars := make([]*context.Variable, 0, c.numParams())
+	for l := range c.blocks {
+		vs, _, err := newVariables(backend, ctx.In(blockScope(l)), c, init[4*l:4*l+4])
+		if err != nil {
+			return ref, err
+		}
+		vars = append(vars, vs[:]...)
+	}
+	// GoMLX's Adam with decoupled weight decay: its epsilon defaults to
+	// 1e-7 (zero's to 1e-8), so both take c.eps.
+	opt := optimizers.Adam().LearningRate(c.lr).Epsilon(c.eps).WeightDecay(c.wd).Done()
+	step, err := context.NewExec(backend, ctx, func(ctx *context.Context, x, y *graph.Node) *graph.Node {
+		loss := modelLoss(ctx, c, x, y)
+		opt.UpdateGraph(ctx, x.Graph(), loss)
+		return loss
+	})
+	if err != nil {
+		return ref, err
+	}
+	defer step.Finalize()
+	read := func() error {
+		snap := make([][]float32, len(vars))
+		for p, v := range vars {
+			t, err := v.Value()
+			if err != nil {
+				return err
+			}
+			if snap[p], err = tensors.CopyFlatData[float32](t); err != nil {
+				return err
+			}
+		}
+		ref.params = append(ref.params, snap)
+		return nil
+	}
+	if err := read(); err != nil {
+		return ref, err
+	}
+	for st := range c.steps {
+		x, y := c.batchData(st)
+		loss, err := step.Exec1(tensors.FromFlatDataAndDimensions(x, c.batch, c.width),
+			tensors.FromFlatDataAndDimensions(y, c.batch, c.width))
+		if err != nil {
+			return ref, err
+		}
+		l, err := tensors.CopyFlatData[float32](loss)
+		if err != nil {
+			return ref, err
+		}
+		loss.MustFinalizeAll()
+		ref.loss = append(ref.loss, float64(l[0]))
+		if err := read(); err != nil {
+			return ref, err
+		}
+	}
+	return ref, nil
+}
