@@ -231,3 +231,132 @@ func runReference(c config) (reference, error) {
 	}
 	return ref, nil
 }
+
+// ---- GoMLX at any parameters, for the check -----------------------------------
+
+// evaluator runs GoMLX's whole-batch graph (loss and every gradient) at
+// parameters it is given: the gradient GoMLX's own AdamW steps with, at the
+// reference's parameters and at zero's.
+type evaluator struct {
+	c       config
+	backend backends.Backend
+	ctx     *context.Context
+	mem     [][]float32 // the variables' shared memory, written before each run
+	whole   *context.Exec
+}
+
+func newEvaluator(c config) (*evaluator, error) {
+	backend, err := newBackend()
+	if err != nil {
+		return nil, err
+	}
+	ev := &evaluator{c: c, backend: backend, ctx: context.New()}
+	init := c.initial()
+	for l := range c.blocks {
+		_, m, err := newVariables(backend, ev.ctx.In(blockScope(l)), c, init[4*l:4*l+4])
+		if err != nil {
+			return nil, err
+		}
+		ev.mem = append(ev.mem, m[:]...)
+	}
+	if ev.whole, err = newWholeExec(backend, ev.ctx, c); err != nil {
+		return nil, err
+	}
+	return ev, nil
+}
+
+func (ev *evaluator) close() { ev.backend.Finalize() }
+
+// at returns GoMLX's loss and gradients on step st's whole batch at params.
+func (ev *evaluator) at(params [][]float32, st int) (float64, [][]float32, error) {
+	for p := range ev.mem {
+		copy(ev.mem[p], params[p])
+	}
+	x, y := ev.c.batchData(st)
+	out, err := ev.whole.Exec(tensors.FromFlatDataAndDimensions(x, ev.c.batch, ev.c.width),
+		tensors.FromFlatDataAndDimensions(y, ev.c.batch, ev.c.width))
+	if err != nil {
+		return 0, nil, err
+	}
+	loss, err := tensors.CopyFlatData[float32](out[0])
+	if err != nil {
+		return 0, nil, err
+	}
+	grads := make([][]float32, len(out)-1)
+	for p, t := range out[1:] {
+		if grads[p], err = tensors.CopyFlatData[float32](t); err != nil {
+			return 0, nil, err
+		}
+	}
+	for _, t := range out {
+		t.MustFinalizeAll()
+	}
+	return float64(loss[0]), grads, nil
+}
+
+// rowsIdentical checks what the tight bounds rest on: GoMLX computes each
+// row of a batch (a sample's activations, its gradient by the block's
+// input) with the same operations in the same order whatever the batch, so
+// zero's micro-batches and the reference's whole batch differ only in how
+// the batch sums (the weights' and biases' gradients, the loss) are
+// grouped. It runs a block's three graphs on the whole batch and on its
+// first micro-batch and compares the rows bit for bit.
+func (ev *evaluator) rowsIdentical() error {
+	c := ev.c
+	b, err := newBlockExecs(ev.backend, ev.ctx.In(blockScope(0)))
+	if err != nil {
+		return err
+	}
+	defer func() {
+		b.forward.Finalize()
+		b.backward.Finalize()
+		b.last.Finalize()
+	}()
+	x, y := c.batchData(0)
+	// rows returns graph which's rows on the first n samples: the forward's
+	// output, or the backward's or the last block's gradient by the input
+	rows := func(which, n int) ([]float32, error) {
+		xt := tensors.FromFlatDataAndDimensions(x[:n*c.width], n, c.width)
+		yt := tensors.FromFlatDataAndDimensions(y[:n*c.width], n, c.width)
+		var ts []*tensors.Tensor
+		var err error
+		out := 0
+		switch which {
+		case 0:
+			ts, err = b.forward.Exec(xt)
+		case 1:
+			ts, err = b.backward.Exec(xt, yt) // y stands in for ∂L/∂a'
+		default:
+			ts, err = b.last.Exec(xt, yt)
+			out = 1
+		}
+		if err != nil {
+			return nil, err
+		}
+		return tensors.CopyFlatData[float32](ts[out])
+	}
+	for which, name := range []string{"forward", "backward (gradient by the input)", "last block (gradient by the input)"} {
+		whole, err := rows(which, c.batch)
+		if err != nil {
+			return err
+		}
+		part, err := rows(which, c.micro())
+		if err != nil {
+			return err
+		}
+		// the last block's loss is a mean over its rows: on the whole batch
+		// its gradient carries 1/B where the micro-batch's carries 1/m, a
+		// power of two apart (exact)
+		scale := float32(1)
+		if which == 2 {
+			scale = float32(c.batch / c.micro())
+		}
+		for i := range part {
+			if part[i] != whole[i]*scale {
+				return fmt.Errorf("GoMLX's %s computes row %d differently on %d rows than on %d: the bounds assume one arithmetic per row",
+					name, i/c.width, c.micro(), c.batch)
+			}
+		}
+	}
+	return nil
+}

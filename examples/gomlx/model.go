@@ -175,6 +175,10 @@ func gamma(n int) float64 { return float64(n) * u / (1 - float64(n)*u) }
 type oracle struct {
 	loss, lossErr float64
 	grad, err     [][]float64 // per parameter: the gradient and its bound
+	// abs is Σ_s |sample s's term| / N, and rowErr the part of err that
+	// bounds the per-sample terms' own errors, Σ_s e(term_s) / N: so
+	// Σ_s |fl(term_s)| / N ≤ abs + rowErr.
+	abs, rowErr [][]float64
 }
 
 // evaluate runs the oracle at params (registration order) on step st's batch.
@@ -182,10 +186,11 @@ func (c config) evaluate(params [][]float32, x32, y32 []float32) oracle {
 	D, H, L, B := c.width, c.hidden, c.blocks, c.batch
 	nb := B + c.world*c.accum + 4
 	o := oracle{grad: make([][]float64, c.numParams()), err: make([][]float64, c.numParams())}
-	abs := make([][]float64, c.numParams()) // Σ_s |per-sample term|
+	o.abs, o.rowErr = make([][]float64, c.numParams()), make([][]float64, c.numParams())
+	abs := o.abs
 	for p := range o.grad {
 		n := len(params[p])
-		o.grad[p], o.err[p], abs[p] = make([]float64, n), make([]float64, n), make([]float64, n)
+		o.grad[p], o.err[p], abs[p], o.rowErr[p] = make([]float64, n), make([]float64, n), make([]float64, n), make([]float64, n)
 	}
 	w := make([][]float64, len(params))
 	for p := range params {
@@ -308,8 +313,9 @@ func (c config) evaluate(params [][]float32, x32, y32 []float32) oracle {
 	for p := range o.grad {
 		for i := range o.grad[p] {
 			o.grad[p][i] /= N
-			o.err[p][i] = (o.err[p][i] + gamma(nb)*abs[p][i]) / N
-			o.err[p][i] += 1e-9 * o.err[p][i] // float64's own rounding
+			abs[p][i] /= N
+			o.rowErr[p][i] = o.err[p][i] / N * (1 + 1e-9) // float64's own rounding
+			o.err[p][i] = o.rowErr[p][i] + gamma(nb)*abs[p][i]
 		}
 	}
 	// the loss is one mean over B·D squares in the reference's graph (over
