@@ -5,6 +5,7 @@ package main
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/gomlx/gomlx/backends"
 	"github.com/gomlx/gomlx/backends/simplego"
@@ -16,7 +17,13 @@ import (
 
 // newBackend is GoMLX's pure-Go backend: no C library, buffers in Go memory
 // that Go code may read and write between executions ("shared buffers").
-func newBackend() (backends.Backend, error) { return simplego.New("") }
+// Its operations run one after another within an execution: simplego
+// v0.26.0 runs independent operations of one execution in parallel by
+// default, and its executor then races on its own use counts (the race
+// detector reports it in executeNode; a buffer may be reused in place
+// while another operation still reads it). The ranks run in parallel
+// anyway, one execution each.
+func newBackend() (backends.Backend, error) { return simplego.New("ops_sequential") }
 
 func blockScope(l int) string { return fmt.Sprintf("block%d", l) }
 
@@ -164,6 +171,7 @@ func newWholeExec(backend backends.Backend, ctx *context.Context, c config) (*co
 type reference struct {
 	params [][][]float32
 	loss   []float64
+	wall   []time.Duration // per step
 }
 
 func runReference(c config) (reference, error) {
@@ -214,6 +222,7 @@ func runReference(c config) (reference, error) {
 	}
 	for st := range c.steps {
 		x, y := c.batchData(st)
+		t0 := time.Now()
 		loss, err := step.Exec1(tensors.FromFlatDataAndDimensions(x, c.batch, c.width),
 			tensors.FromFlatDataAndDimensions(y, c.batch, c.width))
 		if err != nil {
@@ -224,6 +233,7 @@ func runReference(c config) (reference, error) {
 			return ref, err
 		}
 		loss.MustFinalizeAll()
+		ref.wall = append(ref.wall, time.Since(t0))
 		ref.loss = append(ref.loss, float64(l[0]))
 		if err := read(); err != nil {
 			return ref, err

@@ -50,6 +50,7 @@ type stepCost struct {
 	gatherWait time.Duration // stage 3: waiting for gathers before a copy
 	copyIn     time.Duration // stage 3: copying gathered views into GoMLX memory
 	step       time.Duration // Engine.Step
+	pending    int64         // peak bytes of GoMLX gradients waiting for GradReady's event
 	stats      zero.Stats
 }
 
@@ -298,6 +299,7 @@ func (r *rank) hand(ps []int, ts []*tensors.Tensor) error {
 	r.cost.handOver += time.Since(t0)
 	r.pending = append(r.pending, pendingGrads{ev: ev, ts: ts, bytes: bytes})
 	r.pendingBytes += bytes
+	r.cost.pending = max(r.cost.pending, r.pendingBytes)
 	if r.rec != nil {
 		r.rec.mem.pendingPeak = max(r.rec.mem.pendingPeak, r.pendingBytes)
 	}
