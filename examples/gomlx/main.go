@@ -158,8 +158,8 @@ func runAll(out io.Writer, c config, specs []runSpec) (bool, error) {
 
 	fmt.Fprintf(out, "\ncost per step on rank 0 (median of steps 2..%d, the fastest of %d runs; ms; bytes); GoMLX alone: %.2f ms per step (one process, the whole batch, its AdamW)\n\n",
 		c.steps, max(repeat, 1), median(ms(ref.wall[min(1, len(ref.wall)-1):])))
-	fmt.Fprintf(out, "| run | wall | GoMLX exec | GradsReady | gather wait | copy in | Step | GoMLX params | grads awaiting zero (peak: median, max) | stashed activations (peak) | copied into GoMLX | zero grad peak | zero param peak | zero's collectives | Go alloc, all ranks |\n")
-	fmt.Fprintf(out, "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|\n")
+	fmt.Fprintf(out, "| run | wall | CPU, all ranks | GoMLX exec | GradsReady | gather wait | copy in | Step | GoMLX params | grads awaiting zero (peak: median, max) | stashed activations (peak) | copied into GoMLX | zero grad peak | zero param peak | zero's collectives | Go alloc, all ranks |\n")
+	fmt.Fprintf(out, "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|\n")
 	for _, r := range runs {
 		med := func(f func(stepCost) time.Duration) string {
 			var xs []float64
@@ -178,8 +178,9 @@ func runAll(out io.Writer, c config, specs []runSpec) (bool, error) {
 		for _, s := range r.steps[min(1, len(r.steps)-1):] {
 			pend = append(pend, float64(s.pending))
 		}
-		fmt.Fprintf(out, "| %v | %s | %s | %s | %s | %s | %s | %d | %.0f, %d | %d | %d | %d | %d | %d RS + %d AR + %d AG | %.0f |\n", r.spec,
+		fmt.Fprintf(out, "| %v | %s | %s | %s | %s | %s | %s | %s | %d | %.0f, %d | %d | %d | %d | %d | %d RS + %d AR + %d AG | %.0f |\n", r.spec,
 			med(func(s stepCost) time.Duration { return s.wall }),
+			med(func(s stepCost) time.Duration { return s.cpu }),
 			med(func(s stepCost) time.Duration { return s.exec }),
 			med(func(s stepCost) time.Duration { return s.handOver }),
 			med(func(s stepCost) time.Duration { return s.gatherWait }),

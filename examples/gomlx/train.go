@@ -9,6 +9,7 @@ import (
 	"math"
 	"runtime"
 	"slices"
+	"syscall"
 	"time"
 
 	"github.com/gomlx/gomlx/backends"
@@ -45,6 +46,7 @@ type run struct {
 // stepCost is where one step's time on rank 0 went.
 type stepCost struct {
 	wall       time.Duration // from the first forward to Step's return
+	cpu        time.Duration // the process's CPU time over the same span: every rank, GoMLX and zero
 	exec       time.Duration // GoMLX executions
 	handOver   time.Duration // GradReady calls
 	gatherWait time.Duration // stage 3: waiting for gathers before a copy
@@ -448,7 +450,7 @@ func (r *rank) step(st int) error {
 	c := r.c
 	x, y := c.batchData(st)
 	r.cost = stepCost{}
-	t0 := time.Now()
+	t0, cpu0 := time.Now(), cpuTime()
 	loss := 0.0
 	err := r.e.Coalesce(func() error {
 		for k := range c.accum {
@@ -483,7 +485,7 @@ func (r *rank) step(st int) error {
 		return err
 	}
 	r.cost.step = time.Since(ts)
-	r.cost.wall = time.Since(t0)
+	r.cost.wall, r.cost.cpu = time.Since(t0), cpuTime()-cpu0
 	r.cost.stats = r.e.Stats()
 	if r.cost.stats.Skipped {
 		return fmt.Errorf("step skipped: gradient norm %g", r.cost.stats.GradNorm)
@@ -533,4 +535,13 @@ func (r *rank) record() error {
 		r.rec.params = append(r.rec.params, ps)
 	}
 	return nil
+}
+
+// cpuTime is the process's user and system CPU time so far.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
