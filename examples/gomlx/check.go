@@ -200,3 +200,49 @@ func flatSizes(c config) []int {
 }
 
 func paramName(p int) string { return blockScope(p/4) + "." + paramNames[p%4] }
+
+// checkResume holds a run that saved a checkpoint, started afresh and
+// loaded it (resumed) to the same run straight through: nothing of the
+// training state may be lost or rounded on the way, and each run is
+// deterministic (the same data, the same order of every sum), so every
+// recorded value must be equal bit for bit: each step's loss and reduced
+// gradient, and the parameters after each step (at stages 1 and 2 read
+// from GoMLX's variables, which Load wrote).
+func checkResume(straight, resumed run) []string {
+	var fails []string
+	fail := func(format string, args ...any) {
+		if len(fails) < 8 {
+			fails = append(fails, fmt.Sprintf(format, args...))
+		}
+	}
+	if len(resumed.params) != len(straight.params) || len(resumed.loss) != len(straight.loss) || len(resumed.grads) != len(straight.grads) {
+		fail("the resumed run recorded %d parameter sets and %d losses, the straight one %d and %d",
+			len(resumed.params), len(resumed.loss), len(straight.params), len(straight.loss))
+		return fails
+	}
+	same := func(a, b float32) bool { return math.Float32bits(a) == math.Float32bits(b) }
+	for st := range straight.loss {
+		if math.Float64bits(resumed.loss[st]) != math.Float64bits(straight.loss[st]) {
+			fail("step %d: loss %.9g, straight through %.9g", st+1, resumed.loss[st], straight.loss[st])
+		}
+		for p, g := range straight.grads[st] {
+			for i := range g {
+				if !same(resumed.grads[st][p][i], g[i]) {
+					fail("step %d: %s[%d]'s reduced gradient %.9g, straight through %.9g", st+1, paramName(p), i, resumed.grads[st][p][i], g[i])
+					break
+				}
+			}
+		}
+	}
+	for st := range straight.params {
+		for p, th := range straight.params[st] {
+			for i := range th {
+				if !same(resumed.params[st][p][i], th[i]) {
+					fail("after step %d: %s[%d] = %.9g, straight through %.9g", st, paramName(p), i, resumed.params[st][p][i], th[i])
+					break
+				}
+			}
+		}
+	}
+	return fails
+}

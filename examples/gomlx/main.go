@@ -118,6 +118,19 @@ func runAll(out io.Writer, c config, specs []runSpec) (bool, error) {
 			}
 		}
 	}
+	// Each way once more, saved after half the steps and resumed in a new
+	// engine and a new GoMLX model: the same run, bit for bit.
+	resumed := make([][]string, len(specs))
+	if c.steps >= 2 {
+		for i, spec := range specs {
+			spec.resumeAt = c.steps / 2
+			res, err := trainZero(c, spec)
+			if err != nil {
+				return false, fmt.Errorf("%v: %w", spec, err)
+			}
+			resumed[i] = checkResume(runs[i], res)
+		}
+	}
 
 	fmt.Fprintf(out, "\nloss per step (the reference: GoMLX alone, one process, the whole batch, its own AdamW)\n\n")
 	fmt.Fprintf(out, "| step | GoMLX alone |")
@@ -154,6 +167,20 @@ func runAll(out io.Writer, c config, specs []runSpec) (bool, error) {
 		}
 		fmt.Fprintf(out, "%v: ok: reduced gradients %.2f (against the exact gradient's worst-case bound %.1e); parameters after step 1 %.2f, after every step %.2f (largest difference %.2g, largest bound %.2g); losses %.2f\n",
 			runs[i].spec, v.worstGrad, v.worstGrad64, v.worstParam1, v.worstParam, v.maxDiff, v.maxDTheta, v.worstLoss)
+	}
+	if c.steps >= 2 {
+		for i, spec := range specs {
+			spec.resumeAt = c.steps / 2
+			if len(resumed[i]) > 0 {
+				ok = false
+				fmt.Fprintf(out, "%v: FAILED (against the run straight through)\n", spec)
+				for _, f := range resumed[i] {
+					fmt.Fprintf(out, "    %s\n", f)
+				}
+				continue
+			}
+			fmt.Fprintf(out, "%v: ok: every loss, reduced gradient and parameter bit for bit the run's straight through\n", spec)
+		}
 	}
 
 	fmt.Fprintf(out, "\ncost per step on rank 0 (median of steps 2..%d, the fastest of %d runs; ms; bytes); GoMLX alone: %.2f ms per step (one process, the whole batch, its AdamW)\n\n",

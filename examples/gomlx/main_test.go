@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"strings"
 	"testing"
+
+	"zero"
 )
 
 func smallConfig() config {
@@ -122,6 +124,35 @@ func TestCheckRejects(t *testing.T) {
 			t.Errorf("%s: the check passes", name)
 		} else {
 			t.Logf("%s: %s", name, v.failures[0])
+		}
+	}
+}
+
+// TestResumeRejects: the resume check fails a resume that loads the
+// weights only (AdamW's moments and step count start afresh), at stage 2
+// and 3, and passes the full load on the same shape.
+func TestResumeRejects(t *testing.T) {
+	c := smallConfig()
+	for _, stage := range []int{2, 3} {
+		straight, err := trainZero(c, runSpec{stage: stage})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, weightsOnly := range []bool{false, true} {
+			spec := runSpec{stage: stage, resumeAt: c.steps / 2, load: zero.LoadOptions{WeightsOnly: weightsOnly}}
+			res, err := trainZero(c, spec)
+			if err != nil {
+				t.Fatal(err)
+			}
+			fails := checkResume(straight, res)
+			switch {
+			case weightsOnly && len(fails) == 0:
+				t.Errorf("%v, weights only: the check passes", spec)
+			case weightsOnly:
+				t.Logf("%v, weights only: %s", spec, fails[0])
+			case len(fails) > 0:
+				t.Errorf("%v: %v", spec, fails)
+			}
 		}
 	}
 }

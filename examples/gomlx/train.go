@@ -5,8 +5,10 @@ package main
 // reducing them and running AdamW.
 
 import (
+	"encoding/binary"
 	"fmt"
 	"math"
+	"os"
 	"runtime"
 	"slices"
 	"syscall"
@@ -23,13 +25,23 @@ import (
 type runSpec struct {
 	stage int
 	whole bool // one graph for the whole model (gradients come at its end)
+	// resumeAt > 0: after that many steps every rank saves a checkpoint
+	// (Engine.Save), closes its engine and its GoMLX backend, builds both
+	// afresh from the initial values and loads the checkpoint (Engine.Load,
+	// with load's options) before going on.
+	resumeAt int
+	load     zero.LoadOptions
 }
 
 func (s runSpec) String() string {
+	way := "block by block"
 	if s.whole {
-		return fmt.Sprintf("ZeRO-%d single graph", s.stage)
+		way = "single graph"
 	}
-	return fmt.Sprintf("ZeRO-%d block by block", s.stage)
+	if s.resumeAt > 0 {
+		way += fmt.Sprintf(", saved and resumed after step %d", s.resumeAt)
+	}
+	return fmt.Sprintf("ZeRO-%d %s", s.stage, way)
 }
 
 // run is what a zero run records on rank 0.
@@ -84,12 +96,20 @@ func trainZero(c config, spec runSpec) (run, error) {
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
 	last := ms.TotalAlloc
+	var dir string
+	if spec.resumeAt > 0 {
+		var err error
+		if dir, err = os.MkdirTemp("", "zero-gomlx-checkpoint-"); err != nil {
+			return res, err
+		}
+		defer os.RemoveAll(dir)
+	}
 	err := zero.RunLocal(c.world, func(comm zero.Comm) error {
-		r, err := newRank(c, spec, comm)
+		r, err := newRank(c, spec, comm, false)
 		if err != nil {
 			return err
 		}
-		defer r.close()
+		defer func() { r.close() }() // the rank a resume built, if it did
 		if comm.Rank() == 0 {
 			r.rec = &res
 			res.mem.gomlxParams = r.heldParams
@@ -98,6 +118,11 @@ func trainZero(c config, spec runSpec) (run, error) {
 			return err
 		}
 		for st := range c.steps {
+			if st > 0 && st == spec.resumeAt {
+				if r, err = r.resume(dir, st); err != nil {
+					return fmt.Errorf("rank %d, resuming after step %d: %w", comm.Rank(), st, err)
+				}
+			}
 			if err := r.step(st); err != nil {
 				return fmt.Errorf("rank %d, step %d: %w", comm.Rank(), st+1, err)
 			}
@@ -132,6 +157,7 @@ type rank struct {
 	heldParams   int64 // parameter bytes GoMLX holds
 	cost         stepCost
 	rec          *run
+	closed       bool
 }
 
 // pendingGrads is GoMLX gradient memory zero still reads: its buffers may
@@ -145,7 +171,9 @@ type pendingGrads struct {
 
 func ids(l int) []int { return []int{4 * l, 4*l + 1, 4*l + 2, 4*l + 3} }
 
-func newRank(c config, spec runSpec, comm zero.Comm) (*rank, error) {
+// newRank builds a rank's GoMLX model and engine, the parameters at their
+// initial values. toLoad: a checkpoint will fill them (no broadcast).
+func newRank(c config, spec runSpec, comm zero.Comm, toLoad bool) (*rank, error) {
 	r := &rank{c: c, spec: spec, comm: comm, mem: make([][]float32, c.numParams())}
 	var err error
 	if r.backend, err = newBackend(); err != nil {
@@ -221,6 +249,7 @@ func newRank(c config, spec runSpec, comm zero.Comm) (*rank, error) {
 	// gradients fill exactly one bucket, and at stage 3 its gather is one
 	// all-gather.
 	r.e, err = zero.New(zero.Config{Stage: spec.stage, BucketBytes: 4 * c.blockElems(), Overlap: true,
+		Params:    zero.ParamPolicy{NoBroadcast: toLoad},
 		Optimizer: zero.OptimizerPolicy{Groups: []zero.Optimizer{zeroAdamW(c)}}}, comm, params)
 	if err != nil {
 		return nil, err
@@ -230,7 +259,35 @@ func newRank(c config, spec runSpec, comm zero.Comm) (*rank, error) {
 	return r, nil
 }
 
+// resume saves a checkpoint after step st (the steps taken), with the next
+// step's index as this rank's own bytes, closes the rank (engine, GoMLX
+// backend, variables), builds a new one at the initial values and loads the
+// checkpoint into it: at stages 1 and 2 Load writes the parameters into the
+// new GoMLX variables' memory, as Step does.
+func (r *rank) resume(dir string, st int) (*rank, error) {
+	if err := r.e.Save(dir, zero.SaveOptions{Client: binary.LittleEndian.AppendUint64(nil, uint64(st))}); err != nil {
+		return r, err
+	}
+	rec := r.rec
+	r.close()
+	nr, err := newRank(r.c, r.spec, r.comm, true)
+	if err != nil {
+		return r, err // closed: closing again does nothing
+	}
+	client, err := nr.e.Load(dir, r.spec.load)
+	if err == nil && (len(client) != 8 || binary.LittleEndian.Uint64(client) != uint64(st)) {
+		err = fmt.Errorf("Load returned %d bytes of this rank's own state (%x), saved: the next step, %d", len(client), client, st)
+	}
+	nr.rec = rec
+	return nr, err
+}
+
+// close gives back the rank's engine and GoMLX backend; twice does nothing.
 func (r *rank) close() {
+	if r.closed {
+		return
+	}
+	r.closed = true
 	r.reap(true)
 	if r.e != nil {
 		r.e.Close()
