@@ -7,8 +7,10 @@ package main
 import (
 	"encoding/binary"
 	"fmt"
+	"io/fs"
 	"math"
 	"os"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"syscall"
@@ -53,6 +55,13 @@ type run struct {
 	steps  []stepCost
 	mem    memCost
 	alloc  []uint64 // Go bytes allocated per step, every rank together
+	ckpt   ckptCost // a resumed run's
+}
+
+// ckptCost is what a resume took on rank 0.
+type ckptCost struct {
+	save, rebuild, load time.Duration // Save; closing and building the rank afresh; Load
+	bytes               int64         // the checkpoint on disk, every rank's files and the manifest
 }
 
 // stepCost is where one step's time on rank 0 went.
@@ -265,21 +274,41 @@ func newRank(c config, spec runSpec, comm zero.Comm, toLoad bool) (*rank, error)
 // checkpoint into it: at stages 1 and 2 Load writes the parameters into the
 // new GoMLX variables' memory, as Step does.
 func (r *rank) resume(dir string, st int) (*rank, error) {
+	t0 := time.Now()
 	if err := r.e.Save(dir, zero.SaveOptions{Client: binary.LittleEndian.AppendUint64(nil, uint64(st))}); err != nil {
 		return r, err
 	}
+	t1 := time.Now()
 	rec := r.rec
 	r.close()
 	nr, err := newRank(r.c, r.spec, r.comm, true)
 	if err != nil {
 		return r, err // closed: closing again does nothing
 	}
+	t2 := time.Now()
 	client, err := nr.e.Load(dir, r.spec.load)
 	if err == nil && (len(client) != 8 || binary.LittleEndian.Uint64(client) != uint64(st)) {
 		err = fmt.Errorf("Load returned %d bytes of this rank's own state (%x), saved: the next step, %d", len(client), client, st)
 	}
 	nr.rec = rec
+	if rec != nil {
+		rec.ckpt = ckptCost{save: t1.Sub(t0), rebuild: t2.Sub(t1), load: time.Since(t2), bytes: diskBytes(dir)}
+	}
 	return nr, err
+}
+
+// diskBytes is the size of the regular files under dir.
+func diskBytes(dir string) int64 {
+	var n int64
+	filepath.WalkDir(dir, func(_ string, d fs.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() {
+			if fi, err := d.Info(); err == nil {
+				n += fi.Size()
+			}
+		}
+		return nil
+	})
+	return n
 }
 
 // close gives back the rank's engine and GoMLX backend; twice does nothing.
