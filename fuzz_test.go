@@ -1143,7 +1143,10 @@ func (rr *fzRank) submit(i int, batch []int, poison bool) (string, error, bool) 
 		_, err = rr.e.GradsReady(batch, grads, s)
 	}
 	class := fzClass(err)
-	if class != "ErrClosed" && class != "ErrCollective" && class != "injected" && dup != (class == "ErrDuplicateGrad") {
+	// a fatal error (the engine failed: a peer left, collectives diverged)
+	// wraps ErrCollective beside its cause, whichever a rank saw first
+	fatal := errors.Is(err, ErrCollective) || errors.Is(err, ErrClosed)
+	if !fatal && class != "injected" && dup != (class == "ErrDuplicateGrad") {
 		rr.lg.problem("rank %d op %d: batch %v: %v; expected a duplicate refusal: %v", rr.rank, i, batch, err, dup)
 	}
 	if err == nil {
