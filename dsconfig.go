@@ -182,12 +182,20 @@ type dsReader struct {
 	notices  []DeepSpeedNotice
 }
 
+// refuse and invalid record a problem; the first one at a path is the one
+// reported (a value of the wrong type is not then also out of range).
 func (r *dsReader) refuse(path, format string, args ...any) {
-	r.problems = append(r.problems, DeepSpeedProblem{Path: path, Refused: true, Text: fmt.Sprintf(format, args...)})
+	r.problem(DeepSpeedProblem{Path: path, Refused: true, Text: fmt.Sprintf(format, args...)})
 }
 
 func (r *dsReader) invalid(path, format string, args ...any) {
-	r.problems = append(r.problems, DeepSpeedProblem{Path: path, Text: fmt.Sprintf(format, args...)})
+	r.problem(DeepSpeedProblem{Path: path, Text: fmt.Sprintf(format, args...)})
+}
+
+func (r *dsReader) problem(p DeepSpeedProblem) {
+	if !slices.ContainsFunc(r.problems, func(q DeepSpeedProblem) bool { return q.Path == p.Path }) {
+		r.problems = append(r.problems, p)
+	}
 }
 
 func (r *dsReader) notice(path, format string, args ...any) {

@@ -57,7 +57,7 @@ func warmupGamma(w WarmupType, i, n int) float64 {
 	if w == WarmupLinear {
 		return float64(i) / float64(n)
 	}
-	return math.Log(float64(i+1)) / math.Log(float64(n))
+	return 1 / math.Log(float64(n)) * math.Log(float64(i+1)) // DeepSpeed's order of operations
 }
 
 // WarmupLR is DeepSpeed's WarmupLR: the rate rises from MinLR to MaxLR
@@ -188,7 +188,8 @@ func (s WarmupCosineLR) At(t int, base Optimizer) Optimizer {
 		ratio = s.WarmupMinRatio + warmupGamma(s.Warmup, i, n)*(1-s.WarmupMinRatio)
 	default:
 		progress := min(1, float64(i-n+1)/float64(max(1, s.TotalSteps-n)))
-		ratio = max(0, s.CosMinRatio+(1-s.CosMinRatio)*(1+math.Cos(math.Pi*progress))/2)
+		half := (1 + math.Cos(math.Pi*progress)) / 2
+		ratio = max(0, s.CosMinRatio+(1-s.CosMinRatio)*half)
 	}
 	return withLR(base, optLR(base)*ratio)
 }
@@ -249,13 +250,16 @@ func (s OneCycle) At(t int, base Optimizer) Optimizer {
 		f := s.scale(i + 1)
 		lr, mom = s.MinLR+(s.MaxLR-s.MinLR)*f, s.MaxMom-(s.MaxMom-s.MinMom)*f
 	default:
-		d := float64(i) - total + 1
+		interval := 0.0
+		if s.DecayStepSize != 0 {
+			interval = (float64(i) - total + 1) / float64(s.DecayStepSize)
+		}
 		lr, mom = s.MinLR, s.MaxMom
 		if s.DecayStepSize != 0 && s.DecayLRRate != 0 {
-			lr = s.MinLR / (1 + s.DecayLRRate*d/float64(s.DecayStepSize))
+			lr = s.MinLR / (1 + s.DecayLRRate*interval)
 		}
 		if s.DecayStepSize != 0 && s.DecayMomRate != 0 {
-			mom = s.MaxMom * (1 + s.DecayMomRate*d/float64(s.DecayStepSize))
+			mom = s.MaxMom * (1 + s.DecayMomRate*interval)
 		}
 	}
 	out := withLR(base, lr)
