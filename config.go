@@ -98,10 +98,19 @@ type OptimizerPolicy struct {
 // SetGroup. At must depend on its arguments alone, so every rank gets the
 // same settings; its result must be of base's kind and pass its checks.
 // The schedule's own settings are part of the settings record (its
-// exported fields, compared across ranks), and t is saved in checkpoints.
+// exported fields, compared across ranks), and t is saved in checkpoints;
+// a schedule keeps no other state, so the record describes it whole.
+// schedule.go has DeepSpeed's schedules (WarmupLR, WarmupDecayLR,
+// WarmupCosineLR, OneCycle) and PyTorch's linear and cosine with warmup.
 type Schedule interface {
 	// At is a group's settings for step t, from its base settings.
 	At(t int, base Optimizer) Optimizer
+}
+
+// scheduleChecker is a schedule that checks its own settings at New, as
+// the package's schedules (schedule.go) do.
+type scheduleChecker interface {
+	checkSchedule(at string) error
 }
 
 // WindowPolicy is the coalesced window and NoSync.
@@ -462,6 +471,11 @@ func (p *ParamPolicy) resolve(bucketBytes int) error {
 func (o *OptimizerPolicy) check(params []Param) error {
 	if !finite(o.Clip, 0) {
 		return errorf(ErrConfig, "Optimizer.Clip %v; use a finite norm > 0, or 0 for no clipping", o.Clip)
+	}
+	if c, ok := o.Schedule.(scheduleChecker); ok {
+		if err := c.checkSchedule(fmt.Sprintf("Optimizer.Schedule (%T)", o.Schedule)); err != nil {
+			return err
+		}
 	}
 	if len(o.Groups) == 0 {
 		for i, p := range params {

@@ -391,27 +391,6 @@ func TestSetGroupAcrossRanks(t *testing.T) {
 	}
 }
 
-// countingComm counts the collectives issued through it.
-type countingComm struct {
-	Comm
-	calls int
-}
-
-func (c *countingComm) AllReduce(s Stream, t Tensor, op ReduceOp) error {
-	c.calls++
-	return c.Comm.AllReduce(s, t, op)
-}
-
-func (c *countingComm) AllGather(s Stream, send, recv Tensor) error {
-	c.calls++
-	return c.Comm.AllGather(s, send, recv)
-}
-
-func (c *countingComm) Broadcast(s Stream, t Tensor, root int) error {
-	c.calls++
-	return c.Comm.Broadcast(s, t, root)
-}
-
 // TestConfigChecksComeFirst: every refused setting is refused before New
 // runs a collective or allocates a byte, with a message that names the
 // setting: the loss scaling, the bounds of StagingBuffers and Align, shapes

@@ -48,6 +48,12 @@
 //     shard is copied to the host as its reduction finishes and summed
 //     there, and the optimizer runs on the host.
 //
+//   - ReadDeepSpeed reads a DeepSpeed JSON config into a Config: each key
+//     mapped, checked, accepted with a notice or refused by path.
+//     Optimizer.Schedule takes DeepSpeed's learning-rate schedules
+//     (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) and PyTorch's
+//     linear and cosine with warmup, stepped by the optimizer steps applied.
+//
 // Each rank's Engine is driven from one goroutine. Errors are typed
 // (errors.Is with ErrProtocol, ErrMismatch, …) and say what to change.
 package zero

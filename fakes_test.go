@@ -9,9 +9,9 @@ import (
 
 // The fakes that several test files share: a host device that keeps a
 // ledger of the engine's allocations, one that fails a chosen call, a
-// communicator on another device, and a stream of no device. A fake that
-// only one test file uses (faultyComm, leavingComm, countingComm,
-// abortingComm, …) stays in that file.
+// communicator on another device, one that counts the collectives issued
+// through it, and a stream of no device. A fake that only one test file
+// uses (faultyComm, leavingComm, abortingComm, …) stays in that file.
 
 // countingDevice is the host device with a ledger of the engine's live
 // allocations. Freed memory stays mapped until release, so a buffer freed
@@ -201,3 +201,24 @@ func (d *failingDevice) unflatten(s Stream, flat Tensor, segs []Segment) error {
 // fakeStream is a stream that belongs to no device: engines and
 // collectives refuse it with ErrStream.
 type fakeStream struct{ Stream }
+
+// countingComm counts the collectives issued through it.
+type countingComm struct {
+	Comm
+	calls int
+}
+
+func (c *countingComm) AllReduce(s Stream, t Tensor, op ReduceOp) error {
+	c.calls++
+	return c.Comm.AllReduce(s, t, op)
+}
+
+func (c *countingComm) AllGather(s Stream, send, recv Tensor) error {
+	c.calls++
+	return c.Comm.AllGather(s, send, recv)
+}
+
+func (c *countingComm) Broadcast(s Stream, t Tensor, root int) error {
+	c.calls++
+	return c.Comm.Broadcast(s, t, root)
+}

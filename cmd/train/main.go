@@ -39,6 +39,8 @@ func main() {
 	flag.IntVar(&c.saveEvery, "save-every", 0, "with -save: also a checkpoint every K steps")
 	flag.IntVar(&c.keep, "keep", 0, "with -save: the newest checkpoints kept in the directory (0: 2)")
 	flag.StringVar(&c.resume, "resume", "", "continue from the latest checkpoint in this directory (or from this checkpoint) up to -steps in all; -lr and -wd hold from there")
+	flag.StringVar(&c.deepspeed, "deepspeed", "", "train from a DeepSpeed config (ds_config.json): its stage, precision, optimizer, schedule, clipping and batch sizes; its \"auto\" values come from the flags, as the Hugging Face Trainer fills them")
+	flag.IntVar(&c.warmup, "warmup", c.warmup, "warmup steps: fills a DeepSpeed config's \"auto\" warmup_num_steps")
 	flag.Parse()
 	switch {
 	case *bf16 && *fp16:
@@ -72,11 +74,17 @@ type config struct {
 	// starts from (steps is then the total, counted from the first run).
 	save, resume    string
 	saveEvery, keep int
+	// deepspeed is a DeepSpeed config file to train from; warmup fills its
+	// "auto" warmup_num_steps; ds is what it was read into, whose Config
+	// replaces the one the flags make.
+	deepspeed string
+	warmup    int
+	ds        *zero.DeepSpeedConfig
 }
 
 func defaultConfig() config {
 	return config{world: 2, stage: 2, steps: 10, batch: 24, accum: 1, in: 4, hidden: 16,
-		lr: 0.01, weightDecay: 0.01, dtype: zero.FP32, bucketBytes: 256, seed: 1}
+		lr: 0.01, weightDecay: 0.01, dtype: zero.FP32, bucketBytes: 256, seed: 1, warmup: 2}
 }
 
 func (c config) check() error {
@@ -270,11 +278,19 @@ type result struct {
 	// waited is the time each step's forward and backward waited for
 	// gathers (stage 3): the part of ParamGatherTime not hidden.
 	waited []time.Duration
+	// settings is rank 0's engine's settings record
+	settings []zero.Setting
 }
 
 // run trains c.steps steps on c.world in-process ranks and prints the loss
 // per step to out (nil: prints nothing).
 func run(out io.Writer, c config) (result, error) {
+	if c.deepspeed != "" {
+		var err error
+		if c, err = withDeepSpeed(c, out); err != nil {
+			return result{}, err
+		}
+	}
 	if err := c.check(); err != nil {
 		return result{}, err
 	}
@@ -288,8 +304,12 @@ func run(out io.Writer, c config) (result, error) {
 		if c.offload {
 			offload = ", offloaded to the host"
 		}
-		fmt.Fprintf(out, "MLP %d→%d→1 on %d ranks, ZeRO-%d%s, AdamW lr %g, global batch %d in %d backward(s) per step\n",
-			c.in, c.hidden, c.world, c.stage, offload, c.lr, c.batch, c.accum)
+		opt := fmt.Sprintf("AdamW lr %g", c.lr)
+		if c.ds != nil {
+			opt = "the DeepSpeed config's optimizer"
+		}
+		fmt.Fprintf(out, "MLP %d→%d→1 on %d ranks, ZeRO-%d%s, %s, global batch %d in %d backward(s) per step\n",
+			c.in, c.hidden, c.world, c.stage, offload, opt, c.batch, c.accum)
 		if c.dtype != zero.FP32 {
 			fmt.Fprintf(out, "%v parameters and gradients, fp32 master and moments\n", c.dtype)
 		}
@@ -307,6 +327,9 @@ func run(out io.Writer, c config) (result, error) {
 		return res, err
 	}
 	if out != nil {
+		if c.ds != nil {
+			printSettings(out, res.settings)
+		}
 		if c.resume != "" {
 			fmt.Fprintf(out, "resumed from %s after step %d\n", c.resume, res.first)
 		}
@@ -444,18 +467,14 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		mem[p].set(theta[p])
 		params[p] = zero.Param{Name: tensorNames[p], Count: n, DType: c.dtype, Data: mem[p].tensor(), Group: tensorGroups[p]}
 	}
-	decayed := zero.NewAdamW(c.lr)
-	decayed.WeightDecay = c.weightDecay
-	e, err := zero.New(zero.Config{Stage: c.stage, BucketBytes: c.bucketBytes, Align: 1, // a tiny model: let every bucket split over the ranks
-		Precision: zero.PrecisionPolicy{LossScale: c.lossScale},
-		Optimizer: zero.OptimizerPolicy{Groups: []zero.Optimizer{decayed, zero.NewAdamW(c.lr)}},
-		// a resumed run loads its parameters: the broadcast would be wasted
-		Params:  zero.ParamPolicy{PrefetchBytes: c.prefetchBytes, NoBroadcast: c.resume != ""},
-		Offload: zero.OffloadPolicy{Optimizer: c.offload}}, comm, params)
+	e, err := zero.New(c.engineConfig(), comm, params)
 	if err != nil {
 		return err
 	}
 	defer e.Close()
+	if rec != nil {
+		rec.settings = e.Settings()
+	}
 	start := 0 // the steps taken, the next batch's index
 	if c.resume != "" {
 		// the flags' -lr and -wd hold for the rest of the run; the

@@ -1,0 +1,1241 @@
+package zero
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+)
+
+// ReadDeepSpeed reads a DeepSpeed JSON config (ds_config.json) into a zero
+// Config, its learning-rate schedule included. Every key present is either
+// mapped onto a setting, checked (the batch sizes against the world size),
+// accepted with a notice because it changes nothing in zero's arithmetic or
+// collectives, or refused. Where the file is silent DeepSpeed's defaults
+// apply, also where they differ from zero's (gradient_clipping 1.0, the
+// shard summed in the model dtype), and a notice says so. The README's
+// DeepSpeed section has the table of keys.
+//
+// Every refused key, malformed value and "auto" without an override is
+// reported at once, in a *DeepSpeedError that wraps ErrConfig and names
+// each key by its path ("zero_optimization.offload_param") with what to
+// do.
+func ReadDeepSpeed(data []byte, opts DeepSpeedOptions) (DeepSpeedConfig, error) {
+	if opts.World < 1 {
+		return DeepSpeedConfig{}, errorf(ErrConfig, "DeepSpeedOptions.World %d; give the data-parallel world size (train_batch_size is checked against it)", opts.World)
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.UseNumber()
+	var doc any
+	if err := dec.Decode(&doc); err != nil {
+		return DeepSpeedConfig{}, jsonError(data, err)
+	}
+	if dec.More() {
+		return DeepSpeedConfig{}, errorf(ErrConfig, "DeepSpeed config: more than one JSON value; give one object")
+	}
+	root, ok := doc.(map[string]any)
+	if !ok {
+		return DeepSpeedConfig{}, errorf(ErrConfig, "DeepSpeed config: the top level is %s; give a JSON object", describe(doc))
+	}
+	r := &dsReader{opts: opts}
+	if err := r.fillAuto(root); err != nil {
+		return DeepSpeedConfig{}, err
+	}
+	out := r.read(root)
+	if len(r.problems) > 0 {
+		sort.SliceStable(r.problems, func(i, j int) bool { return r.problems[i].Path < r.problems[j].Path })
+		return DeepSpeedConfig{}, &DeepSpeedError{Problems: r.problems}
+	}
+	sort.SliceStable(r.notices, func(i, j int) bool { return r.notices[i].Path < r.notices[j].Path })
+	out.Notices = r.notices
+	return out, nil
+}
+
+// ReadDeepSpeedFile is ReadDeepSpeed of the file at path.
+func ReadDeepSpeedFile(path string, opts DeepSpeedOptions) (DeepSpeedConfig, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return DeepSpeedConfig{}, errorf(ErrConfig, "DeepSpeed config: %v; give the path of a ds_config.json", err)
+	}
+	return ReadDeepSpeed(data, opts)
+}
+
+// DeepSpeedOptions says how ReadDeepSpeed reads a config.
+type DeepSpeedOptions struct {
+	// World is the data-parallel world size W, ≥ 1: train_batch_size must
+	// equal train_micro_batch_size_per_gpu × gradient_accumulation_steps ×
+	// W, and prescale_gradients divides by it.
+	World int
+	// Overrides fill the file's "auto" values by dotted path
+	// ("optimizer.params.lr", "zero_optimization.reduce_bucket_size"), as
+	// the Hugging Face Trainer fills them from its training arguments;
+	// values are JSON-like (numbers, bools, strings, lists). An "auto"
+	// without an override is refused. An override of a key the file sets
+	// to another value is not used, and a notice says so; one for a key the
+	// file does not have is not used.
+	Overrides map[string]any
+}
+
+// DeepSpeedConfig is a DeepSpeed config in zero's terms.
+type DeepSpeedConfig struct {
+	// Config holds the mapped settings. The optimizer block, if any,
+	// becomes Optimizer.Groups[0]: a caller with more groups (the Trainer's
+	// weights without decay) copies it and changes what differs.
+	Config Config
+	// DType is the model dtype the file asks for (fp16, bf16, or fp32 when
+	// neither is enabled): register the parameters in it. The byte sizes
+	// in Config are the file's element counts times its size.
+	DType DType
+	// MicroBatch and GlobalBatch are the batch sizes as DeepSpeed resolves
+	// them from the file and the world size (0 where the file gives none).
+	MicroBatch, GlobalBatch int
+	// Notices list, by path, every key accepted without effect, every
+	// DeepSpeed default taken where it differs from zero's, and every
+	// difference in arithmetic that the mapped config keeps.
+	Notices []DeepSpeedNotice
+}
+
+// DeepSpeedNotice is one thing ReadDeepSpeed wants the caller to know.
+type DeepSpeedNotice struct {
+	Path string // the key's path, "zero_optimization.contiguous_gradients"
+	Text string // what zero does with it
+}
+
+// String is "path: text".
+func (n DeepSpeedNotice) String() string { return n.Path + ": " + n.Text }
+
+// DeepSpeedError lists everything in a DeepSpeed config that zero cannot
+// take: keys it cannot honour (Refused) and values that are malformed, of
+// the wrong type, out of range or "auto" without an override. It wraps
+// ErrConfig.
+type DeepSpeedError struct {
+	Problems []DeepSpeedProblem // by path
+}
+
+// DeepSpeedProblem is one key of a DeepSpeed config that zero cannot take.
+type DeepSpeedProblem struct {
+	Path string // the key's path, "zero_optimization.offload_param"
+	// Refused: a valid DeepSpeed key that zero cannot honour; otherwise
+	// the value is wrong.
+	Refused bool
+	Text    string // why, and what to do
+}
+
+// Error lists every problem, one a line.
+func (e *DeepSpeedError) Error() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%v: DeepSpeed config: %d key(s) zero cannot take:", ErrConfig, len(e.Problems))
+	for _, p := range e.Problems {
+		kind := "invalid"
+		if p.Refused {
+			kind = "refused"
+		}
+		fmt.Fprintf(&b, "\n  %s (%s): %s", p.Path, kind, p.Text)
+	}
+	return b.String()
+}
+
+// Unwrap makes errors.Is(err, ErrConfig) true.
+func (e *DeepSpeedError) Unwrap() error { return ErrConfig }
+
+// Paths lists the problems' paths, in order.
+func (e *DeepSpeedError) Paths() []string {
+	var out []string
+	for _, p := range e.Problems {
+		out = append(out, p.Path)
+	}
+	return out
+}
+
+// jsonError names where malformed JSON breaks: line and column.
+func jsonError(data []byte, err error) error {
+	var syn *json.SyntaxError
+	var typ *json.UnmarshalTypeError
+	off := int64(-1)
+	switch {
+	case errors.As(err, &syn):
+		off = syn.Offset
+	case errors.As(err, &typ):
+		off = typ.Offset
+	}
+	if off < 0 {
+		return errorf(ErrConfig, "DeepSpeed config: malformed JSON: %v", err)
+	}
+	idx := max(0, min(off, int64(len(data)))-1) // the byte the decoder stopped at
+	line := 1 + bytes.Count(data[:idx], []byte("\n"))
+	col := idx - int64(bytes.LastIndexByte(data[:idx], '\n'))
+	return errorf(ErrConfig, "DeepSpeed config: malformed JSON at line %d, column %d: %v; fix the file (a missing or extra comma is the usual cause)", line, col, err)
+}
+
+// ---- reading ---------------------------------------------------------------------
+
+// dsReader collects problems and notices while it reads one config.
+type dsReader struct {
+	opts     DeepSpeedOptions
+	problems []DeepSpeedProblem
+	notices  []DeepSpeedNotice
+}
+
+// refuse and invalid record a problem; the first one at a path is the one
+// reported (a value of the wrong type is not then also out of range).
+func (r *dsReader) refuse(path, format string, args ...any) {
+	r.problem(DeepSpeedProblem{Path: path, Refused: true, Text: fmt.Sprintf(format, args...)})
+}
+
+func (r *dsReader) invalid(path, format string, args ...any) {
+	r.problem(DeepSpeedProblem{Path: path, Text: fmt.Sprintf(format, args...)})
+}
+
+func (r *dsReader) problem(p DeepSpeedProblem) {
+	if !slices.ContainsFunc(r.problems, func(q DeepSpeedProblem) bool { return q.Path == p.Path }) {
+		r.problems = append(r.problems, p)
+	}
+}
+
+func (r *dsReader) notice(path, format string, args ...any) {
+	r.notices = append(r.notices, DeepSpeedNotice{Path: path, Text: fmt.Sprintf(format, args...)})
+}
+
+// fillAuto replaces every "auto" with its override, and notes overrides
+// that the file's own values make unused.
+func (r *dsReader) fillAuto(root map[string]any) error {
+	over := map[string]any{}
+	for path, v := range r.opts.Overrides {
+		b, err := json.Marshal(v)
+		if err != nil {
+			return errorf(ErrConfig, "DeepSpeedOptions.Overrides[%q]: %v; give a number, bool, string or list", path, err)
+		}
+		dec := json.NewDecoder(bytes.NewReader(b))
+		dec.UseNumber()
+		var n any
+		if err := dec.Decode(&n); err != nil {
+			return errorf(ErrConfig, "DeepSpeedOptions.Overrides[%q]: %v", path, err)
+		}
+		over[path] = n
+	}
+	var walk func(obj map[string]any, prefix string)
+	walk = func(obj map[string]any, prefix string) {
+		for _, k := range sortedKeys(obj) {
+			path := prefix + k
+			v := obj[k]
+			if sub, ok := v.(map[string]any); ok {
+				walk(sub, path+".")
+				continue
+			}
+			o, has := over[path]
+			if s, ok := v.(string); ok && s == "auto" {
+				if !has {
+					r.invalid(path, `"auto" with no override; give its value (the Hugging Face Trainer fills it from its training arguments: DeepSpeedOptions.Overrides)`)
+					continue
+				}
+				obj[k] = o
+				continue
+			}
+			if has && !sameJSON(o, v) {
+				r.notice(path, "override %s not used: the file sets %s", jsonText(o), jsonText(v))
+			}
+		}
+	}
+	walk(root, "")
+	return nil
+}
+
+func sameJSON(a, b any) bool { return jsonText(a) == jsonText(b) }
+
+// jsonText is v as compact JSON, numbers as their values.
+func jsonText(v any) string {
+	switch x := v.(type) {
+	case json.Number:
+		if f, err := x.Float64(); err == nil {
+			return strconv.FormatFloat(f, 'g', -1, 64)
+		}
+	case []any:
+		parts := make([]string, len(x))
+		for i, e := range x {
+			parts[i] = jsonText(e)
+		}
+		return "[" + strings.Join(parts, ",") + "]"
+	}
+	b, _ := json.Marshal(v)
+	return string(b)
+}
+
+func sortedKeys(m map[string]any) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+// describe names a JSON value's type for an error.
+func describe(v any) string {
+	switch x := v.(type) {
+	case nil:
+		return "null"
+	case bool:
+		return fmt.Sprintf("the bool %v", x)
+	case json.Number:
+		return "the number " + x.String()
+	case string:
+		return fmt.Sprintf("the string %q", x)
+	case []any:
+		return "a list"
+	case map[string]any:
+		return "an object"
+	}
+	return fmt.Sprintf("%T", v)
+}
+
+// ---- typed values ------------------------------------------------------------------
+
+func (r *dsReader) number(path string, v any) (float64, bool) {
+	n, ok := v.(json.Number)
+	if !ok {
+		r.invalid(path, "%s; give a number", describe(v))
+		return 0, false
+	}
+	f, err := n.Float64()
+	if err != nil || math.IsInf(f, 0) || math.IsNaN(f) {
+		r.invalid(path, "%s is out of range; give a finite number", n)
+		return 0, false
+	}
+	return f, true
+}
+
+// integer takes integral numbers, 5e8 included, as DeepSpeed's pydantic
+// fields do.
+func (r *dsReader) integer(path string, v any) (int, bool) {
+	f, ok := r.number(path, v)
+	if !ok {
+		return 0, false
+	}
+	if f != math.Trunc(f) || math.Abs(f) > 1<<53 {
+		r.invalid(path, "%v; give a whole number", f)
+		return 0, false
+	}
+	return int(f), true
+}
+
+func (r *dsReader) boolean(path string, v any) (bool, bool) {
+	b, ok := v.(bool)
+	if !ok {
+		r.invalid(path, "%s; give true or false", describe(v))
+	}
+	return b, ok
+}
+
+func (r *dsReader) text(path string, v any) (string, bool) {
+	s, ok := v.(string)
+	if !ok {
+		r.invalid(path, "%s; give a string", describe(v))
+	}
+	return s, ok
+}
+
+func (r *dsReader) object(path string, v any) (map[string]any, bool) {
+	m, ok := v.(map[string]any)
+	if !ok {
+		r.invalid(path, "%s; give an object", describe(v))
+	}
+	return m, ok
+}
+
+// intIn reads key of obj as an integer in [lo, hi], or def where absent.
+func (r *dsReader) intIn(obj map[string]any, key, at string, def, lo, hi int) (int, bool) {
+	v, present := obj[key]
+	if !present {
+		return def, false
+	}
+	n, ok := r.integer(at+key, v)
+	if ok && (n < lo || n > hi) {
+		r.invalid(at+key, "%d is out of range; give %d to %d", n, lo, hi)
+		return def, true
+	}
+	if !ok {
+		return def, true
+	}
+	return n, true
+}
+
+// numIn reads key of obj as a number ≥ lo, or def where absent.
+func (r *dsReader) numIn(obj map[string]any, key, at string, def, lo float64) (float64, bool) {
+	v, present := obj[key]
+	if !present {
+		return def, false
+	}
+	f, ok := r.number(at+key, v)
+	if ok && f < lo {
+		r.invalid(at+key, "%v is out of range; give a number ≥ %v", f, lo)
+		return def, true
+	}
+	if !ok {
+		return def, true
+	}
+	return f, true
+}
+
+// boolOr reads key of obj as a bool, or def where absent.
+func (r *dsReader) boolOr(obj map[string]any, key, at string, def bool) bool {
+	v, present := obj[key]
+	if !present {
+		return def
+	}
+	b, ok := r.boolean(at+key, v)
+	if !ok {
+		return def
+	}
+	return b
+}
+
+// ---- the keys ------------------------------------------------------------------
+
+// dsKey is what zero does with one key of a section.
+type dsKey struct {
+	mapped bool // read by the mapping
+	// accept says which values zero can take without effect (nil: any);
+	// note is the notice for those, fix the refusal for the others.
+	accept    func(v any) bool
+	note, fix string
+}
+
+func mapped() dsKey { return dsKey{mapped: true} }
+
+// noted keys are accepted with a notice, whatever their value.
+func noted(note string) dsKey { return dsKey{note: note} }
+
+// only keys are accepted with a notice at the values accept takes, and
+// refused at others.
+func only(accept func(any) bool, note, fix string) dsKey {
+	return dsKey{accept: accept, note: note, fix: fix}
+}
+
+// refused keys are refused at any value.
+func refused(fix string) dsKey {
+	return dsKey{accept: func(any) bool { return false }, fix: fix}
+}
+
+func is(want any) func(any) bool {
+	return func(v any) bool { return sameJSON(v, want) }
+}
+
+// disabled takes a feature block that is off: {"enabled": false}, or null.
+func disabled(v any) bool {
+	if v == nil {
+		return true
+	}
+	m, ok := v.(map[string]any)
+	if !ok {
+		return false
+	}
+	e, has := m["enabled"]
+	return !has || e == false
+}
+
+// keys walks a section: notices and refusals for the keys that are not
+// mapped, a refusal for every key zero does not know.
+func (r *dsReader) keys(obj map[string]any, at string, table map[string]dsKey, unknown string) {
+	for _, k := range sortedKeys(obj) {
+		path := at + k
+		key, known := table[k]
+		switch {
+		case !known:
+			r.refuse(path, "not a key zero knows here; %s", unknown)
+		case key.mapped:
+		case key.accept == nil || key.accept(obj[k]):
+			r.notice(path, "%s", key.note)
+		default:
+			r.refuse(path, "%s", key.fix)
+		}
+	}
+}
+
+const (
+	noEffect    = "no effect on zero's arithmetic or collectives"
+	unknownTop  = "DeepSpeed ignores top-level keys it does not know, so this is likely a typo: correct or remove it"
+	unknownPyd  = "DeepSpeed refuses unknown keys in this section too: correct or remove it"
+	unknownArgs = "DeepSpeed passes it to the constructor, which refuses it: correct or remove it"
+)
+
+var dsTopKeys = map[string]dsKey{
+	"train_batch_size":               mapped(),
+	"train_micro_batch_size_per_gpu": mapped(),
+	"gradient_accumulation_steps":    mapped(),
+	"gradient_clipping":              mapped(),
+	"optimizer":                      mapped(),
+	"scheduler":                      mapped(),
+	"fp16":                           mapped(),
+	"bf16":                           mapped(),
+	"bfloat16":                       mapped(),
+	"zero_optimization":              mapped(),
+	"communication_data_type":        mapped(),
+	"data_types":                     mapped(),
+	"prescale_gradients":             mapped(),
+	"gradient_predivide_factor":      mapped(),
+	"gradient_allreduce_op":          mapped(),
+	"allgather_size":                 mapped(),
+	"steps_per_print":                noted("logging: " + noEffect),
+	"wall_clock_breakdown":           noted("timing: " + noEffect + " (Stats has the engine's times)"),
+	"memory_breakdown":               noted("logging: " + noEffect + " (Stats has the engine's memory)"),
+	"dump_state":                     noted("logging: " + noEffect),
+	"tensorboard":                    noted("monitoring: " + noEffect),
+	"wandb":                          noted("monitoring: " + noEffect),
+	"csv_monitor":                    noted("monitoring: " + noEffect),
+	"comet":                          noted("monitoring: " + noEffect),
+	"comms_logger":                   noted("logging: " + noEffect + " (Stats counts the engine's collectives)"),
+	"flops_profiler":                 noted("profiling: " + noEffect),
+	"timers":                         noted("timing: " + noEffect),
+	"log_level":                      noted("logging: " + noEffect),
+	"activation_checkpointing":       noted("recomputation in the framework's forward: " + noEffect),
+	"zero_allow_untested_optimizer":  noted("zero runs its own AdamW and SGD, tested: " + noEffect),
+	"zero_force_ds_cpu_optimizer":    noted("with offload zero runs its own host AdamW and SGD: " + noEffect),
+	"dataloader_drop_last":           noted("data loading is the framework's: " + noEffect),
+	"disable_allgather":              noted("DeepSpeed reads it and uses it nowhere: " + noEffect),
+	"managed_gradient_accumulation": only(is(true), "zero's windows are managed, as DeepSpeed's default: "+noEffect,
+		"unmanaged accumulation (every step a boundary) is not mapped: remove it; zero then takes gradient_accumulation_steps, or Grads.AccumSteps 0 counts the backwards taken"),
+	"sparse_gradients": only(is(false), noEffect, "zero has no sparse embedding gradients: remove it"),
+	"checkpoint":       noted("zero writes and reads its own checkpoints (Engine.Save, Engine.Load): " + noEffect),
+	"amp":              only(disabled, "disabled: "+noEffect, "zero has no Apex AMP: use fp16 or bf16"),
+	"torch_autocast":   only(disabled, "disabled: "+noEffect, "torch.autocast is the framework's: remove it and give the gradients' dtype with fp16 or bf16"),
+	"autotuning":       only(disabled, "disabled: "+noEffect, "zero has no autotuner: remove it"),
+	"eigenvalue":       only(disabled, "disabled: "+noEffect, "zero has no eigenvalue computation: remove it"),
+	"progressive_layer_drop": only(disabled, "disabled: "+noEffect,
+		"progressive layer drop is the model's: remove it"),
+	"hybrid_engine":        only(disabled, "disabled: "+noEffect, "zero has no hybrid engine: remove it"),
+	"curriculum_learning":  only(disabled, "disabled: "+noEffect, "data scheduling is the framework's: remove it"),
+	"data_efficiency":      only(disabled, "disabled: "+noEffect, "data scheduling is the framework's: remove it"),
+	"elasticity":           only(disabled, "disabled: "+noEffect, "zero has no elastic training: remove it"),
+	"compression_training": refused("zero has no compression training: remove it"),
+	"sparse_attention":     refused("sparse attention is the model's: remove it"),
+	"pipeline":             refused("zero is data-parallel only: remove pipeline parallelism"),
+	"compile":              only(disabled, "disabled: "+noEffect, "zero has no DeepCompile: remove it"),
+	"sequence_parallel_size": only(is(1), noEffect,
+		"zero is data-parallel only (W' = W): remove sequence parallelism"),
+	"tensor_parallel": refused("zero is data-parallel only: remove tensor parallelism"),
+}
+
+// read maps the whole config.
+func (r *dsReader) read(root map[string]any) DeepSpeedConfig {
+	r.keys(root, "", dsTopKeys, unknownTop)
+	var out DeepSpeedConfig
+	cfg := &out.Config
+	model := r.precision(root, cfg)
+	out.DType = model
+	stage := r.zero(root, cfg, model)
+	clip, _ := r.numIn(root, "gradient_clipping", "", 1.0, 0)
+	if _, set := root["gradient_clipping"]; !set {
+		r.notice("gradient_clipping", "unset: DeepSpeed's default 1.0 applies (zero's own default is no clipping)")
+	}
+	cfg.Optimizer.Clip = clip
+	if clip > 0 {
+		r.notice("gradient_clipping", "DeepSpeed scales by clip/(norm + 1e-6), zero by clip/norm: a relative difference of 1e-6/norm, kept")
+	}
+	out.MicroBatch, out.GlobalBatch, cfg.Grads.AccumSteps = r.batch(root)
+	r.reduction(root, cfg, stage)
+	opt := r.optimizer(root, cfg)
+	r.scheduler(root, cfg, opt)
+	return out
+}
+
+// ---- precision -------------------------------------------------------------------
+
+var dsFP16Keys = map[string]dsKey{
+	"enabled": mapped(), "loss_scale": mapped(), "initial_scale_power": mapped(), "loss_scale_window": mapped(),
+	"hysteresis": mapped(), "min_loss_scale": mapped(),
+	"consecutive_hysteresis": only(is(false), "DeepSpeed's default, zero's scaler",
+		"zero's loss scaler restores the hysteresis only when the scale grows (DeepSpeed's default): set it to false or remove it"),
+	"auto_cast": noted("casting the model's inputs is the framework's: " + noEffect),
+	"fp16_master_weights_and_grads": only(is(false), "zero keeps fp32 master weights",
+		"zero keeps fp32 master weights and gradients: remove it"),
+}
+
+var dsBF16Keys = map[string]dsKey{
+	"enabled": mapped(), "check_grad_overflow": mapped(),
+	"immediate_grad_update": noted("when the framework's gradients are handed over is the framework's: " + noEffect),
+	"bf16_master_weights_and_grads": only(is(false), "zero keeps fp32 master weights",
+		"zero keeps fp32 master weights and gradients: remove it"),
+	"bf16_optimizer_states": only(is(false), "zero keeps fp32 optimizer state",
+		"zero keeps the optimizer state in fp32: remove it"),
+}
+
+// precision maps fp16, bf16, communication_data_type and data_types, and
+// returns the model dtype.
+func (r *dsReader) precision(root map[string]any, cfg *Config) DType {
+	fp16, _ := r.section(root, "fp16", dsFP16Keys)
+	bfKey := "bf16"
+	if _, has := root["bf16"]; !has {
+		bfKey = "bfloat16"
+	} else if _, old := root["bfloat16"]; old {
+		r.refuse("bfloat16", "DeepSpeed reads bf16 and ignores bfloat16 when both are given: keep one")
+	}
+	bf16, _ := r.section(root, bfKey, dsBF16Keys)
+	fp16On := r.boolOr(fp16, "enabled", "fp16.", false)
+	bf16On := r.boolOr(bf16, "enabled", bfKey+".", false)
+	model := FP32
+	switch {
+	case fp16On && bf16On:
+		r.invalid("fp16.enabled", "fp16 and %s are both enabled; DeepSpeed refuses that too: enable one", bfKey)
+	case fp16On:
+		model = FP16
+	case bf16On:
+		model = BF16
+	}
+	if !fp16On {
+		for _, k := range sortedKeys(fp16) {
+			if k != "enabled" {
+				r.notice("fp16."+k, "fp16 is not enabled: %s", noEffect)
+			}
+		}
+	}
+	if !bf16On {
+		for _, k := range sortedKeys(bf16) {
+			if k != "enabled" {
+				r.notice(bfKey+"."+k, "%s is not enabled: %s", bfKey, noEffect)
+			}
+		}
+	}
+	p := &cfg.Precision
+	switch model {
+	case FP16:
+		static, _ := r.numIn(fp16, "loss_scale", "fp16.", 0, 0)
+		if static > 0 {
+			p.LossScale = LossScale{Static: static}
+			for _, k := range []string{"initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"} {
+				if _, has := fp16[k]; has {
+					r.notice("fp16."+k, "a static loss_scale: the dynamic settings have no effect, as in DeepSpeed")
+				}
+			}
+			break
+		}
+		power, _ := r.intIn(fp16, "initial_scale_power", "fp16.", 16, 0, 1000)
+		window, _ := r.intIn(fp16, "loss_scale_window", "fp16.", 1000, 1, math.MaxInt32)
+		hyst, _ := r.intIn(fp16, "hysteresis", "fp16.", 2, 1, math.MaxInt32)
+		minScale, _ := r.numIn(fp16, "min_loss_scale", "fp16.", 1, 0)
+		if minScale <= 0 {
+			r.invalid("fp16.min_loss_scale", "%v; give a scale > 0", minScale)
+		}
+		initial := math.Ldexp(1, power)
+		if minScale > initial {
+			r.invalid("fp16.min_loss_scale", "%v is above the initial scale 2^%d; give a smaller minimum or a larger initial_scale_power", minScale, power)
+		}
+		p.LossScale = LossScale{Initial: initial, Window: window, Hysteresis: hyst, Min: minScale}
+	case BF16:
+		// DeepSpeed skips a bf16 step with a non-finite gradient unless
+		// check_grad_overflow is false
+		p.KeepNonFinite = !r.boolOr(bf16, "check_grad_overflow", bfKey+".", true)
+		if p.KeepNonFinite {
+			r.notice(bfKey+".check_grad_overflow", "false: a non-finite gradient is applied, as in DeepSpeed, unless clipping is on (zero then skips the step: its norm is not finite)")
+		}
+	case FP32:
+		// DeepSpeed's fp32 ZeRO checks no overflow
+		p.KeepNonFinite = true
+		r.notice("fp16.enabled", "neither fp16 nor bf16 is enabled, so the model is fp32: DeepSpeed checks no overflow, so neither does zero (Precision.KeepNonFinite), unless clipping is on (zero then skips a step whose norm is not finite)")
+	}
+	p.CommDType, p.ShardDType = model, model
+	if v, has := root["communication_data_type"]; has && v != nil {
+		if dt, ok := r.dtype("communication_data_type", v); ok {
+			if dt != model && dt != FP32 {
+				r.refuse("communication_data_type", "%v on the wire with %v gradients: zero sends the model dtype or fp32; set %q or %q", dt, model, model.dsName(), "fp32")
+			} else {
+				p.CommDType = dt
+			}
+		}
+	}
+	types, _ := r.section(root, "data_types", map[string]dsKey{"grad_accum_dtype": mapped(), "param_dtype": mapped(),
+		"buffer_dtype": noted("the model's buffers are the framework's: " + noEffect)})
+	if v, has := types["grad_accum_dtype"]; has && v != nil {
+		if dt, ok := r.dtype("data_types.grad_accum_dtype", v); ok {
+			if dt != model && dt != FP32 {
+				r.refuse("data_types.grad_accum_dtype", "%v with %v gradients: zero sums the shard in fp32 or the model dtype; set %q or %q", dt, model, model.dsName(), "fp32")
+			} else {
+				p.ShardDType = dt
+			}
+		}
+	} else if model != FP32 {
+		r.notice("data_types.grad_accum_dtype", "unset: DeepSpeed sums the reduced gradients in the model dtype (%v), and so does zero (Precision.ShardDType); set \"fp32\" for zero's own default", model)
+	}
+	if v, has := types["param_dtype"]; has && v != nil {
+		if dt, ok := r.dtype("data_types.param_dtype", v); ok && dt != model {
+			r.refuse("data_types.param_dtype", "%v with %v training: DeepSpeed refuses a param_dtype other than the enabled mode too; remove it", dt, model)
+		} else if ok {
+			r.notice("data_types.param_dtype", "the model dtype: "+noEffect)
+		}
+	}
+	return model
+}
+
+// section reads root[key] as an object and walks its keys (nil where it
+// is absent or null).
+func (r *dsReader) section(root map[string]any, key string, table map[string]dsKey) (map[string]any, bool) {
+	v, has := root[key]
+	if !has || v == nil {
+		return nil, false
+	}
+	obj, ok := r.object(key, v)
+	if !ok {
+		return nil, false
+	}
+	r.keys(obj, key+".", table, unknownPyd)
+	return obj, true
+}
+
+// dtype reads DeepSpeed's names of a dtype.
+func (r *dsReader) dtype(path string, v any) (DType, bool) {
+	s, ok := r.text(path, v)
+	if !ok {
+		return 0, false
+	}
+	switch strings.ToLower(s) {
+	case "fp32", "float32", "torch.float32", "float":
+		return FP32, true
+	case "bf16", "bfloat16", "torch.bfloat16", "bfloat":
+		return BF16, true
+	case "fp16", "float16", "torch.float16", "half":
+		return FP16, true
+	}
+	r.invalid(path, "%q; give \"fp32\", \"bf16\" or \"fp16\"", s)
+	return 0, false
+}
+
+// dsName is the dtype as DeepSpeed's configs name it.
+func (d DType) dsName() string {
+	switch d {
+	case BF16:
+		return "bf16"
+	case FP16:
+		return "fp16"
+	}
+	return "fp32"
+}
+
+// ---- zero_optimization ----------------------------------------------------------
+
+var dsZeroKeys = map[string]dsKey{
+	"stage": mapped(), "reduce_bucket_size": mapped(), "overlap_comm": mapped(),
+	"stage3_prefetch_bucket_size": mapped(), "prefetch_bucket_size": mapped(),
+	"stage3_max_live_parameters": mapped(), "max_live_parameters": mapped(),
+	"offload_optimizer": mapped(), "cpu_offload": mapped(), "allgather_bucket_size": mapped(),
+	"contiguous_gradients": noted("zero always flattens each gradient into its bucket: " + noEffect +
+		" (without it DeepSpeed's ZeRO-2 all-reduces, dividing by W in the wire dtype first; zero's reduce-scatter is unchanged)"),
+	"reduce_scatter": only(is(true), "zero always reduce-scatters (DeepSpeed's ZeRO-1/2 all-reduce each bucket and keep their part)",
+		"zero always reduce-scatters: set it to true or remove it"),
+	"use_multi_rank_bucket_allreduce": noted("zero reduce-scatters each bucket: " + noEffect),
+	"allgather_partitions": only(is(true), "zero all-gathers the new parameters: DeepSpeed's default",
+		"zero all-gathers the new parameters (no broadcasts): set it to true or remove it"),
+	"load_from_fp32_weights": noted("zero's checkpoints hold the fp32 master weights: " + noEffect),
+	"elastic_checkpoint": only(is(false), noEffect,
+		"DeepSpeed no longer supports it either; zero's checkpoints reshard by parameter: remove it"),
+	"offload_param": only(func(v any) bool {
+		m, ok := v.(map[string]any)
+		return v == nil || ok && sameJSON(m["device"], "none")
+	}, "device none: "+noEffect, "zero keeps the parameters on the device (stage 3 shards them): remove offload_param or set its device to \"none\""),
+	"zenflow":        only(func(v any) bool { return v == nil }, noEffect, "zero has no ZenFlow: remove it"),
+	"sub_group_size": refused("zero steps the optimizer bucket by bucket (reduce_bucket_size): remove it"),
+	"cpu_offload_param": only(is(false), noEffect,
+		"zero keeps the parameters on the device (stage 3 shards them): remove it"),
+	"cpu_offload_use_pin_memory": noted("zero pins its host memory where the system allows: " + noEffect),
+	"stage3_param_persistence_threshold": only(is(0), "zero partitions every parameter, as a threshold of 0 asks",
+		"zero partitions every parameter, small ones too: set it to 0 or remove it (the same bits: only DeepSpeed's all-gathers of small parameters differ)"),
+	"param_persistence_threshold": only(is(0), "zero partitions every parameter, as a threshold of 0 asks",
+		"zero partitions every parameter, small ones too: set it to 0 or remove it"),
+	"stage3_model_persistence_threshold": noted("zero keeps no parameter whole: " + noEffect),
+	"model_persistence_threshold":        noted("zero keeps no parameter whole: " + noEffect),
+	"stage3_max_reuse_distance": refused("zero keeps a released bucket gathered only when the last window's order needs it again within stage3_prefetch_bucket_size, " +
+		"under stage3_max_live_parameters: remove it"),
+	"max_reuse_distance":                        refused("zero keeps a released bucket by the last window's order, not a distance: remove it"),
+	"stage3_gather_16bit_weights_on_model_save": noted("saving the model is not training: " + noEffect + " (FullParams gives the consolidated parameters)"),
+	"gather_16bit_weights_on_model_save":        noted("saving the model is not training: " + noEffect + " (FullParams gives the consolidated parameters)"),
+	"stage3_gather_fp16_weights_on_model_save":  noted("deprecated name; saving the model is not training: " + noEffect),
+	"stage3_module_granularity_threshold": only(is(0), noEffect,
+		"zero gathers what the framework asks for, bucket by bucket: remove it"),
+	"stage3_use_all_reduce_for_fetch_params": only(is(false), noEffect,
+		"zero all-gathers the parameters: remove it"),
+	"stage3_allgather_sequential": only(is(false), noEffect, "zero gathers bucket by bucket: remove it"),
+	"ignore_unused_parameters":    noted("zero leaves a parameter no rank reported untouched, whatever this says"),
+	"legacy_stage1":               only(is(false), noEffect, "zero has no legacy stage 1: remove it"),
+	"round_robin_gradients": only(is(false), noEffect,
+		"zero's shards are fixed by the bucket plan: remove it (it changes which rank owns which elements in DeepSpeed, not the bits)"),
+	"zero_hpz_partition_size": only(is(1), noEffect, "zero has no secondary partition (ZeRO++ hpZ): remove it"),
+	"zero_quantized_weights": only(is(false), noEffect,
+		"zero has no quantized all-gather (ZeRO++ qwZ): remove it"),
+	"zero_quantized_nontrainable_weights": only(is(false), noEffect,
+		"zero keeps frozen parameters in the model dtype: remove it"),
+	"zero_quantized_gradients": only(is(false), noEffect,
+		"zero has no quantized reduction (ZeRO++ qgZ): remove it"),
+	"zeropp_loco_param":                   only(func(v any) bool { return v == nil }, noEffect, "zero has no LoCo-Zero++: remove it"),
+	"mics_shard_size":                     only(is(-1), noEffect, "zero shards over the whole group (no MiCS): remove it"),
+	"mics_hierarchical_params_gather":     only(is(false), noEffect, "zero shards over the whole group (no MiCS): remove it"),
+	"memory_efficient_linear":             noted("the model's linear layers are the framework's: " + noEffect),
+	"pipeline_loading_checkpoint":         noted(noEffect),
+	"override_module_apply":               noted("module hooks are the framework's: " + noEffect),
+	"log_trace_cache_warnings":            noted("logging: " + noEffect),
+	"enable_sanity_checks":                noted(noEffect),
+	"save_muon_momentum_buffer_in_memory": noted("zero has no Muon: " + noEffect),
+	"leaf_module":                         noted("what the framework gathers together is its own: " + noEffect),
+}
+
+var dsOffloadKeys = map[string]dsKey{
+	"device": mapped(), "pin_memory": mapped(),
+	"nvme_path":          noted("no NVMe offload in zero: " + noEffect),
+	"buffer_count":       noted(noEffect),
+	"fast_init":          noted(noEffect),
+	"cpuadam_cores_perc": noted("the host optimizer uses the process's threads: " + noEffect),
+	"pipeline_read":      only(is(false), noEffect, "an NVMe pipeline: zero offloads to host memory only: remove it"),
+	"pipeline_write":     only(is(false), noEffect, "an NVMe pipeline: zero offloads to host memory only: remove it"),
+	"ratio":              only(is(1), noEffect, "zero offloads all of the optimizer or none: set ratio to 1 or remove it"),
+	"super_offload":      only(is(false), noEffect, "zero has no SuperOffload: remove it"),
+}
+
+// zero maps zero_optimization and returns the stage.
+func (r *dsReader) zero(root map[string]any, cfg *Config, model DType) int {
+	const at = "zero_optimization."
+	var z map[string]any
+	switch v := root["zero_optimization"].(type) {
+	case nil:
+	case bool: // DeepSpeed's old form: true is stage 1, allgather_size its bucket
+		z = map[string]any{}
+		if v {
+			z["stage"] = json.Number("1")
+			if a, has := root["allgather_size"]; has {
+				z["allgather_bucket_size"] = a
+			}
+		}
+		r.notice("zero_optimization", "the old boolean form, read as DeepSpeed reads it: true is stage 1")
+	default:
+		var ok bool
+		if z, ok = r.object("zero_optimization", v); !ok {
+			return 1
+		}
+		r.keys(z, at, dsZeroKeys, unknownPyd)
+		if _, has := root["allgather_size"]; has {
+			r.notice("allgather_size", "read only with the old boolean zero_optimization: %s", noEffect)
+		}
+	}
+	stage, set := r.intIn(z, "stage", at, 0, 0, 3)
+	switch {
+	case !set:
+		r.refuse(at+"stage", "unset: DeepSpeed's default is stage 0 (plain data parallelism), which zero does not run; set 1, 2 or 3")
+	case stage == 0:
+		r.refuse(at+"stage", "stage 0 (plain data parallelism) is not ZeRO; set 1, 2 or 3")
+	}
+	cfg.Stage = stage
+	size := model.Size()
+	reduce, _ := r.intIn(z, "reduce_bucket_size", at, 500_000_000, 1, math.MaxInt/8)
+	cfg.BucketBytes = reduce * size
+	if v, has := z["allgather_bucket_size"]; has {
+		if n, ok := r.integer(at+"allgather_bucket_size", v); ok {
+			if n == reduce {
+				r.notice(at+"allgather_bucket_size", "equal to reduce_bucket_size: zero all-gathers the new parameters bucket by bucket, each of reduce_bucket_size")
+			} else {
+				r.refuse(at+"allgather_bucket_size", "%d elements, reduce_bucket_size %d: zero all-gathers the new parameters bucket by bucket, each of reduce_bucket_size; set it to %d or remove it", n, reduce, reduce)
+			}
+		}
+	}
+	cfg.Overlap = r.boolOr(z, "overlap_comm", at, stage == 3)
+	if _, has := z["overlap_comm"]; !has && stage > 0 {
+		r.notice(at+"overlap_comm", "unset: DeepSpeed's default for stage %d is %v, taken (it changes neither the collectives nor the bits here)", stage, stage == 3)
+	}
+	prefetch, live := "stage3_prefetch_bucket_size", "stage3_max_live_parameters"
+	for _, pair := range [][2]string{{prefetch, "prefetch_bucket_size"}, {live, "max_live_parameters"}} {
+		if _, both := z[pair[1]]; both {
+			if _, also := z[pair[0]]; also {
+				r.invalid(at+pair[1], "given with %s, its other name; give one", pair[0])
+			}
+			z[pair[0]] = z[pair[1]]
+		}
+	}
+	pf, _ := r.intIn(z, prefetch, at, 50_000_000, 0, math.MaxInt/8)
+	lv, _ := r.intIn(z, live, at, 1_000_000_000, 0, math.MaxInt/8)
+	cfg.Params.PrefetchBytes, cfg.Params.LiveParamBytes = pf*size, lv*size
+	if pf == 0 || lv == 0 {
+		cfg.Params.PrefetchBytes, cfg.Params.LiveParamBytes = -1, 0
+		r.notice(at+prefetch, "a prefetch or live-parameter budget of 0: zero prefetches nothing (Params.PrefetchBytes −1) and gathers what the framework asks for")
+	}
+	if stage != 3 {
+		for _, k := range []string{prefetch, live} {
+			if _, has := z[k]; has {
+				r.notice(at+k, "stage %d keeps the parameters whole: %s", stage, noEffect)
+			}
+		}
+	}
+	r.offload(z, cfg)
+	return stage
+}
+
+// offload maps offload_optimizer (and the old cpu_offload).
+func (r *dsReader) offload(z map[string]any, cfg *Config) {
+	const at = "zero_optimization.offload_optimizer."
+	old, hasOld := z["cpu_offload"]
+	if hasOld {
+		b, ok := r.boolean("zero_optimization.cpu_offload", old)
+		if ok {
+			cfg.Offload.Optimizer = b
+			r.notice("zero_optimization.cpu_offload", "the old name of offload_optimizer {\"device\": \"cpu\"}, read as DeepSpeed reads it")
+		}
+	}
+	v, has := z["offload_optimizer"]
+	if !has || v == nil {
+		return
+	}
+	if hasOld {
+		r.invalid("zero_optimization.cpu_offload", "given with offload_optimizer, which replaces it; DeepSpeed refuses both: give one")
+	}
+	o, ok := r.object("zero_optimization.offload_optimizer", v)
+	if !ok {
+		return
+	}
+	r.keys(o, at, dsOffloadKeys, unknownPyd)
+	dev := "none"
+	if d, has := o["device"]; has {
+		if s, ok := r.text(at+"device", d); ok {
+			dev = s
+		}
+	}
+	switch dev {
+	case "cpu":
+		cfg.Offload.Optimizer = true
+	case "none":
+	case "nvme":
+		r.refuse(at+"device", "zero offloads to host memory, not NVMe: set \"cpu\"")
+	default:
+		r.invalid(at+"device", "%q; give \"cpu\", \"nvme\" or \"none\"", dev)
+	}
+	if pin := r.boolOr(o, "pin_memory", at, true); !pin {
+		r.notice(at+"pin_memory", "false: zero page-locks its host memory where the system allows, whatever this says; the same bits")
+	} else if _, has := o["pin_memory"]; has {
+		r.notice(at+"pin_memory", "zero page-locks its host memory (unlocked where RLIMIT_MEMLOCK refuses; Stats.HostPinnedBytes shows it)")
+	}
+}
+
+// ---- batch and reduction -----------------------------------------------------------
+
+// batch resolves the batch sizes as DeepSpeed does, checks them against the
+// world size, and returns micro, global and the accumulation steps.
+func (r *dsReader) batch(root map[string]any) (micro, global, accum int) {
+	w := r.opts.World
+	tb, hasTB := r.intIn(root, "train_batch_size", "", 0, 1, math.MaxInt32)
+	mb, hasMB := r.intIn(root, "train_micro_batch_size_per_gpu", "", 0, 1, math.MaxInt32)
+	g, hasG := r.intIn(root, "gradient_accumulation_steps", "", 1, 1, math.MaxInt32)
+	switch {
+	case hasTB && hasMB && hasG:
+	case hasTB && hasMB:
+		g = tb / mb / w
+	case hasTB && hasG:
+		mb = tb / w / g
+	case hasMB:
+		tb = mb * g * w
+	case hasTB:
+		g, mb = 1, tb/w
+	default: // zero needs no batch size; DeepSpeed would ask for one
+		if !hasG {
+			r.notice("gradient_accumulation_steps", "unset: DeepSpeed's 1, so Step expects one backward (Grads.AccumSteps 1)")
+		}
+		return 0, 0, g
+	}
+	if g < 1 || mb < 1 || tb != mb*g*w {
+		r.invalid("train_batch_size", "%d is not train_micro_batch_size_per_gpu %d × gradient_accumulation_steps %d × world size %d; DeepSpeed refuses it too: make them agree", tb, mb, g, w)
+	}
+	return mb, tb, g
+}
+
+// reduction maps the reduction's keys.
+func (r *dsReader) reduction(root map[string]any, cfg *Config, stage int) {
+	if v, has := root["gradient_allreduce_op"]; has {
+		if s, ok := r.text("gradient_allreduce_op", v); ok {
+			switch strings.ToLower(s) {
+			case "mean":
+			case "sum":
+				cfg.Grads.Reduction = Sum
+				if stage == 3 {
+					r.notice("gradient_allreduce_op", "sum at stage 3: DeepSpeed refuses it, zero honours it")
+				}
+			default:
+				r.invalid("gradient_allreduce_op", "%q; give \"mean\" or \"sum\"", s)
+			}
+		}
+	}
+	f, hasF := r.numIn(root, "gradient_predivide_factor", "", 1, 0)
+	if hasF && f <= 0 {
+		r.invalid("gradient_predivide_factor", "%v; give a factor > 0", f)
+		f = 1
+	}
+	pre := r.boolOr(root, "prescale_gradients", "", false)
+	cfg.Grads.PredivideFactor = f
+	if pre {
+		cfg.Grads.PredivideFactor = float64(r.opts.World)
+		if hasF && f != 1 {
+			r.notice("gradient_predivide_factor", "with prescale_gradients DeepSpeed divides by W before the sum and ignores the factor; so does zero")
+		}
+	}
+	if (pre || f != 1) && stage < 3 {
+		r.notice("gradient_predivide_factor", "DeepSpeed refuses pre-division at stage 2 and ignores it at stage 1 (with reduce_scatter, its default); zero honours it at every stage: Grads.PredivideFactor %v", cfg.Grads.PredivideFactor)
+	}
+}
+
+// ---- optimizer ------------------------------------------------------------------
+
+// optimizer maps the optimizer block into Groups[0], or returns nil.
+func (r *dsReader) optimizer(root map[string]any, cfg *Config) Optimizer {
+	v, has := root["optimizer"]
+	if !has || v == nil {
+		r.notice("optimizer", "none in the file: DeepSpeed takes the client's optimizer; give Optimizer.Groups yourself, or Step only reduces")
+		return nil
+	}
+	blk, ok := r.object("optimizer", v)
+	if !ok {
+		return nil
+	}
+	r.keys(blk, "optimizer.", map[string]dsKey{"type": mapped(), "params": mapped(),
+		"legacy_fusion": noted(noEffect)}, unknownPyd)
+	name, ok := r.text("optimizer.type", blk["type"])
+	if !ok {
+		return nil
+	}
+	params := map[string]any{}
+	if p, has := blk["params"]; has && p != nil {
+		if params, ok = r.object("optimizer.params", p); !ok {
+			return nil
+		}
+	}
+	switch {
+	case strings.EqualFold(name, "adam") || strings.EqualFold(name, "adamw"):
+		return r.adam(params, cfg, strings.EqualFold(name, "adamw"))
+	case name == "SGD":
+		return r.sgd(params, cfg)
+	}
+	r.refuse("optimizer.type", "%q: zero has AdamW (\"AdamW\", or \"Adam\" in its default adam_w_mode) and SGD (\"SGD\"); choose one", name)
+	return nil
+}
+
+func (r *dsReader) adam(params map[string]any, cfg *Config, adamw bool) Optimizer {
+	const at = "optimizer.params."
+	r.keys(params, at, map[string]dsKey{
+		"lr": mapped(), "betas": mapped(), "eps": mapped(), "weight_decay": mapped(), "amsgrad": mapped(),
+		"adam_w_mode": mapped(),
+		"bias_correction": only(is(true), "zero's AdamW corrects the bias, as DeepSpeed's default",
+			"zero's AdamW always corrects the moments' bias: set it to true or remove it"),
+		"torch_adam": only(is(false), "zero runs its own fused AdamW", "zero runs its own fused AdamW with PyTorch's formulas, not torch.optim's: remove it"),
+		"fp32_optimizer_states": only(is(true), "zero keeps the optimizer state in fp32",
+			"zero keeps the optimizer state in fp32: remove it"),
+		"max_grad_norm": refused("DeepSpeed refuses it too: use the top-level gradient_clipping"),
+	}, unknownArgs)
+	o := NewAdamW(1e-3)
+	lr, hasLR := r.numIn(params, "lr", at, 1e-3, 0)
+	if !hasLR {
+		r.notice(at+"lr", "unset: DeepSpeed's default 0.001")
+	}
+	o.LR = lr
+	if v, has := params["betas"]; has {
+		list, ok := v.([]any)
+		if !ok || len(list) != 2 {
+			r.invalid(at+"betas", "%s; give two numbers, [beta1, beta2]", describe(v))
+		} else {
+			b1, ok1 := r.number(at+"betas[0]", list[0])
+			b2, ok2 := r.number(at+"betas[1]", list[1])
+			if ok1 && ok2 {
+				if b1 < 0 || b1 >= 1 || b2 < 0 || b2 >= 1 {
+					r.invalid(at+"betas", "[%v, %v]; give betas in [0, 1)", b1, b2)
+				}
+				o.Beta1, o.Beta2 = b1, b2
+			}
+		}
+	}
+	if eps, _ := r.numIn(params, "eps", at, 1e-8, 0); eps > 0 {
+		o.Eps = eps
+	} else {
+		r.invalid(at+"eps", "0; give eps > 0")
+	}
+	o.WeightDecay, _ = r.numIn(params, "weight_decay", at, 0, 0)
+	o.AMSGrad = r.boolOr(params, "amsgrad", at, false)
+	if o.AMSGrad {
+		r.notice(at+"amsgrad", "DeepSpeed's FusedAdam refuses amsgrad; zero runs PyTorch's AMSGrad")
+	}
+	if mode := r.boolOr(params, "adam_w_mode", at, true); !mode {
+		switch {
+		case adamw:
+			r.notice(at+"adam_w_mode", "ignored with type AdamW, as DeepSpeed ignores it")
+		case o.WeightDecay == 0:
+			r.notice(at+"adam_w_mode", "Adam with L2 regularisation, but no weight decay: the same steps as AdamW")
+		default:
+			r.refuse(at+"adam_w_mode", "false asks for Adam with L2 regularisation (weight_decay added to the gradient); zero's AdamW decays decoupled: remove it, or set weight_decay to 0")
+		}
+	}
+	cfg.Optimizer.Groups = []Optimizer{o}
+	return o
+}
+
+func (r *dsReader) sgd(params map[string]any, cfg *Config) Optimizer {
+	const at = "optimizer.params."
+	r.keys(params, at, map[string]dsKey{
+		"lr": mapped(), "momentum": mapped(), "dampening": mapped(), "weight_decay": mapped(), "nesterov": mapped(),
+		"maximize":       only(is(false), noEffect, "zero minimises: remove it"),
+		"foreach":        noted("an implementation choice of torch.optim: " + noEffect),
+		"fused":          noted("an implementation choice of torch.optim: " + noEffect),
+		"differentiable": only(is(false), noEffect, "zero's step is not differentiable: remove it"),
+	}, unknownArgs)
+	lr, hasLR := r.numIn(params, "lr", at, 1e-3, 0)
+	if !hasLR {
+		r.notice(at+"lr", "unset: torch.optim.SGD's default 0.001")
+	}
+	o := NewSGD(lr)
+	o.Momentum, _ = r.numIn(params, "momentum", at, 0, 0)
+	o.Dampening, _ = r.numIn(params, "dampening", at, 0, 0)
+	o.WeightDecay, _ = r.numIn(params, "weight_decay", at, 0, 0)
+	o.Nesterov = r.boolOr(params, "nesterov", at, false)
+	if o.Dampening > 1 {
+		r.invalid(at+"dampening", "%v; give a dampening in [0, 1]", o.Dampening)
+	}
+	if o.Nesterov && (o.Momentum == 0 || o.Dampening != 0) {
+		r.invalid(at+"nesterov", "Nesterov needs a momentum and zero dampening; torch.optim.SGD refuses it too")
+	}
+	r.notice("optimizer.type", "SGD with ZeRO needs \"zero_allow_untested_optimizer\": true in DeepSpeed; zero runs it tested")
+	cfg.Optimizer.Groups = []Optimizer{o}
+	return o
+}
+
+// ---- scheduler -------------------------------------------------------------------
+
+var dsScheduleParams = map[string][]string{
+	"WarmupLR":       {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
+	"WarmupDecayLR":  {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
+	"WarmupCosineLR": {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"},
+	"OneCycle": {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
+		"cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "cycle_momentum", "cycle_min_mom",
+		"cycle_max_mom", "decay_mom_rate"},
+}
+
+// scheduler maps the scheduler block into Optimizer.Schedule; opt is the
+// file's optimizer (nil: the caller's).
+func (r *dsReader) scheduler(root map[string]any, cfg *Config, opt Optimizer) {
+	v, has := root["scheduler"]
+	if !has || v == nil {
+		return
+	}
+	blk, ok := r.object("scheduler", v)
+	if !ok {
+		return
+	}
+	r.keys(blk, "scheduler.", map[string]dsKey{"type": mapped(), "params": mapped()}, unknownPyd)
+	name, ok := r.text("scheduler.type", blk["type"])
+	if !ok {
+		return
+	}
+	names, known := dsScheduleParams[name]
+	if !known {
+		r.refuse("scheduler.type", "%q: zero runs DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR and OneCycle (and PyTorch's linear and cosine with warmup as zero.NewLinearWarmup and zero.NewCosineWarmup, which a DeepSpeed file cannot name): choose one", name)
+		return
+	}
+	params := map[string]any{}
+	if p, has := blk["params"]; has && p != nil {
+		if params, ok = r.object("scheduler.params", p); !ok {
+			return
+		}
+	}
+	const at = "scheduler.params."
+	table := map[string]dsKey{"last_batch_iteration": only(is(-1), "the schedule starts at the beginning; a resumed engine takes its step from the checkpoint",
+		"zero takes the schedule's step from the checkpoint it resumes: remove it")}
+	for _, k := range names {
+		table[k] = mapped()
+	}
+	r.keys(params, at, table, unknownArgs)
+	// a list gives one value per parameter group; zero maps one group
+	for _, k := range sortedKeys(params) {
+		if list, isList := params[k].([]any); isList {
+			if len(list) != 1 {
+				r.refuse(at+k, "a list of %d values, one per parameter group: ReadDeepSpeed maps one group; give one value and set the other groups' schedules yourself", len(list))
+				delete(params, k)
+				continue
+			}
+			params[k] = list[0]
+		}
+	}
+	num := func(k string, def float64) float64 { f, _ := r.numIn(params, k, at, def, 0); return f }
+	count := func(k string, def, lo int) int { n, _ := r.intIn(params, k, at, def, lo, math.MaxInt32); return n }
+	required := func(k string) {
+		if _, has := params[k]; !has {
+			r.invalid(at+k, "unset; %s requires it (DeepSpeed has no default): give it", name)
+		}
+	}
+	warmup := func() WarmupType {
+		s := "log"
+		if v, has := params["warmup_type"]; has {
+			s, _ = r.text(at+"warmup_type", v)
+		}
+		switch s {
+		case "log":
+			return WarmupLog
+		case "linear":
+			return WarmupLinear
+		}
+		r.invalid(at+"warmup_type", "%q; give \"log\" or \"linear\" (DeepSpeed falls back to log with a warning)", s)
+		return WarmupLog
+	}
+	var sched Schedule
+	switch name {
+	case "WarmupLR":
+		s := NewWarmupLR(num("warmup_min_lr", 0), 0, count("warmup_num_steps", 1000, 1))
+		if _, has := params["warmup_max_lr"]; has {
+			s.MaxLR = num("warmup_max_lr", 0)
+		} else {
+			s.GroupMaxLR = true
+			r.notice(at+"warmup_max_lr", "unset: DeepSpeed warms up to the optimizer's rate (WarmupLR.GroupMaxLR)")
+		}
+		s.Warmup = warmup()
+		sched = s
+	case "WarmupDecayLR":
+		required("total_num_steps")
+		s := NewWarmupDecayLR(count("total_num_steps", 0, 0), num("warmup_min_lr", 0), num("warmup_max_lr", 0.001), count("warmup_num_steps", 1000, 1))
+		s.Warmup = warmup()
+		if s.TotalSteps < max(2, s.WarmupSteps) {
+			r.notice(at+"total_num_steps", "%d is below warmup_num_steps %d: DeepSpeed warns and so does zero", s.TotalSteps, s.WarmupSteps)
+		}
+		sched = s
+	case "WarmupCosineLR":
+		required("total_num_steps")
+		s := NewWarmupCosineLR(count("total_num_steps", 0, 0), count("warmup_num_steps", 1000, 1))
+		s.WarmupMinRatio, s.CosMinRatio, s.Warmup = num("warmup_min_ratio", 0), num("cos_min_ratio", 0.0001), warmup()
+		sched = s
+	case "OneCycle":
+		required("cycle_min_lr")
+		required("cycle_max_lr")
+		s := NewOneCycle(num("cycle_min_lr", 0), num("cycle_max_lr", 0))
+		s.DecayLRRate = num("decay_lr_rate", 0)
+		s.FirstStepSize = count("cycle_first_step_size", 2000, 1)
+		s.SecondStepSize = count("cycle_second_step_size", s.FirstStepSize, 0)
+		s.FirstStairCount = count("cycle_first_stair_count", 0, 0)
+		s.SecondStairCount = count("cycle_second_stair_count", s.FirstStairCount, 0)
+		s.DecayStepSize = count("decay_step_size", 0, 0)
+		s.CycleMomentum = r.boolOr(params, "cycle_momentum", at, true)
+		s.MinMom, s.MaxMom, s.DecayMomRate = num("cycle_min_mom", 0.8), num("cycle_max_mom", 0.9), num("decay_mom_rate", 0)
+		if s.CycleMomentum {
+			switch o := opt.(type) {
+			case SGD:
+				s.CycleMomentum = false
+				r.notice(at+"cycle_momentum", "DeepSpeed cycles the momentum only of optimizers with betas, not SGD's; neither does zero")
+			case AdamW:
+				if s.MinMom >= 1 || s.MaxMom >= 1 {
+					r.invalid(at+"cycle_max_mom", "momenta %v to %v: Adam's beta1 must stay below 1", s.MinMom, s.MaxMom)
+				}
+				o.Beta2 = 0.99
+				cfg.Optimizer.Groups[0] = o
+				r.notice(at+"cycle_momentum", "DeepSpeed sets Adam's betas to (momentum, 0.99) at every step, whatever optimizer.params.betas says; zero follows: Optimizer.Groups[0].Beta2 0.99")
+			case nil:
+				r.notice(at+"cycle_momentum", "the momentum cycles AdamW's Beta1 (or SGD's Momentum) of the groups you give; DeepSpeed also sets Adam's second beta to 0.99")
+			}
+		}
+		sched = s
+	}
+	cfg.Optimizer.Schedule = sched
+	if c, ok := sched.(scheduleChecker); ok {
+		if err := c.checkSchedule("scheduler"); err != nil {
+			r.invalid("scheduler.params", "%s", strings.TrimPrefix(err.Error(), ErrConfig.Error()+": "))
+		}
+	}
+}
