@@ -14,20 +14,29 @@ import (
 // uses (faultyComm, leavingComm, abortingComm, …) stays in that file.
 
 // countingDevice is the host device with a ledger of the engine's live
-// allocations. Freed memory stays mapped until release, so a buffer freed
-// too early is reported by onFree instead of crashing the test.
+// allocations and their high-water mark, and one of its page-locked host
+// memory (offload's). Freed memory stays mapped until release, so a buffer
+// freed too early is reported by onFree instead of crashing the test.
 type countingDevice struct {
 	Device
 	mu     sync.Mutex
 	live   map[uintptr]int
+	cur    int // live bytes
+	peak   int // the most live bytes since newCountingDevice
 	frees  atomic.Int32
 	allocs atomic.Int32 // allocations ever made
 	freed  []Tensor
 	onFree func(Tensor)
+	host   struct {
+		live      map[uintptr]int
+		cur, peak int
+	} // allocPinned's ledger
 }
 
 func newCountingDevice() *countingDevice {
-	return &countingDevice{Device: CPU(), live: map[uintptr]int{}}
+	d := &countingDevice{Device: CPU(), live: map[uintptr]int{}}
+	d.host.live = map[uintptr]int{}
+	return d
 }
 
 func (d *countingDevice) Alloc(n int, dt DType) (Tensor, error) {
@@ -36,9 +45,44 @@ func (d *countingDevice) Alloc(n int, dt DType) (Tensor, error) {
 	if err == nil && t.ptr != 0 {
 		d.mu.Lock()
 		d.live[t.ptr] = t.Bytes()
+		d.cur += t.Bytes()
+		d.peak = max(d.peak, d.cur)
 		d.mu.Unlock()
 	}
 	return t, err
+}
+
+// allocPinned and freePinned count the host memory of an offloading
+// engine apart from the device's.
+func (d *countingDevice) allocPinned(n int, dt DType) (Tensor, bool, error) {
+	t, locked, err := d.Device.(pinnedAllocator).allocPinned(n, dt)
+	if err == nil && t.ptr != 0 {
+		d.mu.Lock()
+		d.host.live[t.ptr] = t.Bytes()
+		d.host.cur += t.Bytes()
+		d.host.peak = max(d.host.peak, d.host.cur)
+		d.mu.Unlock()
+	}
+	return t, locked, err
+}
+
+func (d *countingDevice) freePinned(t Tensor) error {
+	d.mu.Lock()
+	n, ok := d.host.live[t.ptr]
+	delete(d.host.live, t.ptr)
+	d.host.cur -= n
+	d.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("freePinned of %#x, which is not live", t.ptr)
+	}
+	return d.Device.(pinnedAllocator).freePinned(t)
+}
+
+// peaks returns the high-water marks of live device and host bytes.
+func (d *countingDevice) peaks() (device, host int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.peak, d.host.peak
 }
 
 func (d *countingDevice) Free(t Tensor) error {
@@ -53,6 +97,7 @@ func (d *countingDevice) Free(t Tensor) error {
 	if _, ok := d.live[t.ptr]; !ok {
 		return fmt.Errorf("free of %#x, which is not live", t.ptr)
 	}
+	d.cur -= d.live[t.ptr]
 	delete(d.live, t.ptr)
 	d.freed = append(d.freed, t)
 	d.frees.Add(1)

@@ -41,8 +41,9 @@ var floors = map[string]int{
 	"bucket.go": 7,
 	// 8: the components the pipeline is handed or that sit beside it
 	"offload.go": 8, "optim.go": 8, "params.go": 8, "coalesce.go": 8, "agree.go": 8,
-	// 9: what reads and sets every component's state: checkpoints
-	"checkpoint.go": 9,
+	// 9: what reads and sets every component's state: checkpoints; and
+	// the estimator, which plans as the hub builds
+	"checkpoint.go": 9, "estimate.go": 9,
 	// 10: the hub
 	"zero.go": 10,
 }

@@ -1,0 +1,379 @@
+package zero
+
+import "fmt"
+
+// The estimator: what one rank of an engine will hold and move, from the
+// parameters, the Config and the world size, before any memory exists. It
+// builds the engine's own plan (newPlan) and the window's own choice of
+// local buckets, and applies the allocation rules of the components to
+// them; estimate_test.go holds it to the bytes a counting device really
+// sees. Nothing is allocated, so a 70B model estimates in microseconds.
+
+// Run is how the engine will be driven, where memory or traffic depend on
+// it.
+type Run struct {
+	// Backwards is the number of backwards per Step (0: 1).
+	Backwards int
+	// Window: every step's backwards run in a Coalesce window (or NoSync),
+	// so the window's sums exist (within Window.BudgetBytes).
+	Window bool
+	// Gathers, at stage 3, are the sets of parameters the framework holds
+	// gathered at once, e.g. one layer's (nil: one parameter at a time, as
+	// DeepSpeed gathers a module's own parameters).
+	Gathers [][]int
+}
+
+// Estimation is one rank's memory at its peak and one step's collectives.
+type Estimation struct {
+	Plan   *Plan       // the plan the engine would build
+	Device DeviceBytes // device memory by kind
+	Host   HostBytes   // page-locked host memory (Offload.Optimizer)
+	// Wire is one step's collectives as Stats.Collectives counts them
+	// (ring model). At stage 3 each set of Run.Gathers gathers its buckets
+	// for the forward and again for the backward of each backward: exact
+	// without prefetch; with it an upper bound, since a bucket the prefetch
+	// keeps gathered from one ask to the next is not gathered again.
+	Wire CommCounters
+}
+
+// DeviceBytes is one rank's device memory by kind. FrameworkParams is the
+// framework's own; every other field is memory the engine allocates.
+type DeviceBytes struct {
+	// FrameworkParams are the framework's model-dtype parameters: all of
+	// them at stages 1 and 2 (the engine writes into them), the frozen ones
+	// at stage 3 (the others may be freed after New).
+	FrameworkParams int64
+	ParamShard      int64 // stage 3: this rank's shard of the parameters, model dtype
+	Gathered        int64 // stage 3: gather buffers (a set held, and the prefetch within its budgets)
+	GradShard       int64 // the reduced gradient shard, in Precision.ShardDType
+	GradScratch     int64 // fp32 buffers a 16-bit gradient shard is summed and read through
+	Staging         int64 // staging buffers, comm dtype, one largest bucket each
+	LocalSums       int64 // ZeRO-1's local sums, fp32, every bucket's elements
+	WindowSums      int64 // a window's sums in Window.DType, the buckets it makes local
+	WindowScratch   int64 // fp32, the largest bucket: 16-bit window sums add through it
+	Master          int64 // fp32 master weights
+	OptimizerState  int64 // AdamW's m and v (and amsgrad's maximum), SGD's momentum
+	NewParams       int64 // stages 1-2: the model-dtype shard of the new parameters
+	ParamGather     int64 // stages 1-2: the bucket buffer the new parameters are all-gathered in
+	Control         int64 // the overflow flag, Step's check and the norm's all-gather
+}
+
+// HostBytes is an offloading rank's page-locked host memory by kind.
+type HostBytes struct {
+	GradShard      int64 // the gradient shard, in Precision.ShardDType
+	GradScratch    int64 // fp32, the largest bucket shard, for a 16-bit shard
+	Landing        int64 // buffers the reduced parts land in, comm dtype
+	Master         int64 // fp32 master weights
+	OptimizerState int64 // as DeviceBytes.OptimizerState
+	NewParams      int64 // the host's model-dtype copy of the new parameters
+	Control        int64 // the overflow flag
+}
+
+// Engine is the device memory the engine allocates: all but the
+// framework's parameters.
+func (d DeviceBytes) Engine() int64 { return d.Total() - d.FrameworkParams }
+
+// Total is the engine's device memory and the framework's parameters.
+func (d DeviceBytes) Total() int64 { return d.ModelStates() + d.Buffers() }
+
+// ModelStates is what the ZeRO paper counts: parameters (the framework's
+// and the stage-3 shard), gradients (the shard and the local sums) and
+// optimizer state (master, moments, the new parameters' shard).
+func (d DeviceBytes) ModelStates() int64 {
+	return d.FrameworkParams + d.ParamShard + d.GradShard + d.LocalSums + d.WindowSums + d.Master + d.OptimizerState + d.NewParams
+}
+
+// Buffers is the rest: the working buffers of one or a few buckets.
+func (d DeviceBytes) Buffers() int64 {
+	return d.Gathered + d.GradScratch + d.Staging + d.WindowScratch + d.ParamGather + d.Control
+}
+
+// Total is the engine's host memory.
+func (h HostBytes) Total() int64 {
+	return h.GradShard + h.GradScratch + h.Landing + h.Master + h.OptimizerState + h.NewParams + h.Control
+}
+
+// Estimate is what one rank of an engine built by New(cfg, comm, params)
+// with comm.Size() == world holds at its peak, and what one step moves,
+// when driven as run says. It refuses what New refuses, with the same
+// errors (ErrConfig, ErrParam, ErrDType); parameters need no memory (Data,
+// Init): with an optimizer the estimate assumes they have it, as New
+// requires. The engine's pools can grow past it where buckets complete out
+// of order (more staging buffers, Stats.StagingBuffers shows it).
+func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error) {
+	if world < 1 {
+		return Estimation{}, errorf(ErrConfig, "Estimate: world size %d; a group needs at least one rank", world)
+	}
+	if run.Backwards < 0 {
+		return Estimation{}, errorf(ErrConfig, "Estimate: Run.Backwards %d; give 1 or more, or 0 for 1", run.Backwards)
+	}
+	model, err := resolveForEstimate(&cfg, params)
+	if err != nil {
+		return Estimation{}, err
+	}
+	for i, set := range run.Gathers {
+		for _, p := range set {
+			if p < 0 || p >= len(params) {
+				return Estimation{}, errorf(ErrParam, "Estimate: Run.Gathers[%d] names parameter %d; registered parameters are 0..%d", i, p, len(params)-1)
+			}
+		}
+	}
+	plan := newPlan(params, cfg.BucketBytes, world, cfg.Align)
+	est := Estimation{Plan: plan}
+	d, h := &est.Device, &est.Host
+
+	msize, comm, sdt := int64(model.Size()), int64(cfg.Precision.CommDType.Size()), cfg.Precision.ShardDType
+	shard, maxB, maxS := int64(plan.ShardElems), int64(plan.MaxBucket()), int64(maxShardElems(plan))
+	optimizer := len(cfg.Optimizer.Groups) > 0
+	stage3 := cfg.Stage == 3 && (optimizer || hasParamMemory(params))
+	offload := cfg.Offload.Optimizer
+
+	for _, p := range params {
+		if !stage3 || p.Frozen {
+			d.FrameworkParams += int64(p.Count) * msize
+		}
+	}
+
+	// The pipeline: the shard and its sink, the staging pool, the local sums.
+	if offload {
+		h.GradShard, h.Control = shard*int64(sdt.Size()), 4
+		h.Landing = int64(cfg.StagingBuffers) * maxS * comm
+		if sdt != FP32 {
+			h.GradScratch = maxS * 4
+		}
+	} else {
+		d.GradShard, d.Control = shard*int64(sdt.Size()), 4
+		if sdt != FP32 {
+			d.GradScratch = maxS * 4 // the sink's
+			if optimizer {
+				d.GradScratch += maxS * 4 // the optimizer reads the shard through its own
+			}
+		}
+	}
+	d.Staging = int64(cfg.StagingBuffers) * maxB * comm
+	modes := make([]bucketMode, len(plan.Buckets))
+	for b := range modes {
+		modes[b] = stageModes[cfg.Stage]
+		if modes[b] == local {
+			d.LocalSums += int64(plan.Buckets[b].Elems) * 4
+		}
+	}
+	var inWindow []bool
+	if run.Window {
+		win := newWindow(&pipeline{spec: pipelineSpec{modes: modes}}, plan, cfg.Window)
+		inWindow = win.localInWindow()
+		for b, in := range inWindow {
+			if in && modes[b] != local {
+				d.WindowSums += int64(plan.Buckets[b].Padded * cfg.Window.DType.Size())
+				if cfg.Window.DType != FP32 && run.Backwards > 1 {
+					d.WindowScratch = maxB * 4 // a member's second gradient adds through it
+				}
+			}
+		}
+	}
+
+	// The optimizer: its state in its home, the new parameters' shard and
+	// the bucket buffer they are gathered in (or, at stage 3, the shard).
+	if optimizer {
+		state := int64(0)
+		adamW, amsgrad, momentum := false, false, false
+		for _, g := range cfg.Optimizer.Groups {
+			switch o := g.(type) {
+			case AdamW:
+				adamW, amsgrad = true, amsgrad || o.AMSGrad
+			case SGD:
+				momentum = momentum || o.Momentum != 0
+			}
+		}
+		if adamW {
+			state = 2 * shard * 4
+		}
+		if amsgrad || momentum {
+			state += shard * 4
+		}
+		if offload {
+			h.Master, h.OptimizerState = shard*4, state
+			if shard > 0 {
+				h.NewParams = shard * msize
+			}
+		} else {
+			d.Master, d.OptimizerState = shard*4, state
+		}
+		if !stage3 {
+			d.NewParams = shard * msize
+			d.ParamGather = maxB * msize // loading uses it at New; the step's gathers reuse it
+		}
+		d.Control += normWords * int64(world) * 4
+	}
+	check := int64(2)
+	if stage3 {
+		check++
+	}
+	if optimizer {
+		check += 2*digestWords + int64(len(params))
+	}
+	d.Control += check * 4
+
+	// Stage 3: the parameter shard and the gathers.
+	if stage3 {
+		d.ParamShard = shard * msize
+		d.Gathered = gatherBuffers(plan, params, cfg.Params, run.Gathers, maxB*msize) * maxB * msize
+	}
+
+	// One step's collectives.
+	w := &est.Wire
+	g := max(run.Backwards, 1)
+	for b, bp := range plan.Buckets {
+		n := g
+		if modes[b] == local || inWindow != nil && inWindow[b] {
+			n = 1
+		}
+		for range n {
+			w.add(KindReduceScatter, bp.Padded*int(comm), world)
+		}
+	}
+	w.add(KindAllReduce, int(check)*4, world)
+	if optimizer {
+		w.add(KindAllGather, normWords*world*4, world)
+	}
+	if stage3 {
+		for _, b := range setBuckets(plan, params, run.Gathers) {
+			for range 2 * g {
+				w.add(KindAllGather, plan.Buckets[b].Padded*int(msize), world)
+			}
+		}
+	} else if optimizer {
+		for _, bp := range plan.Buckets {
+			w.add(KindAllGather, bp.Padded*int(msize), world)
+		}
+	}
+	return est, nil
+}
+
+// setBuckets lists, set by set, the buckets each set of gathers spans
+// (nil: each parameter alone), as a pass of the framework gathers them.
+func setBuckets(plan *Plan, params []Param, sets [][]int) []int {
+	if sets == nil {
+		for p := range params {
+			sets = append(sets, []int{p})
+		}
+	}
+	var out []int
+	for _, set := range sets {
+		seen := map[int]bool{}
+		for _, p := range set {
+			if b := plan.ParamBucket[p]; b >= 0 && !seen[b] {
+				seen[b] = true
+				out = append(out, b)
+			}
+		}
+	}
+	return out
+}
+
+// gatherBuffers is how many gather buffers a stage-3 engine holds at its
+// peak: the most buckets one set of run's gathers spans, plus the buckets
+// the prefetch gathers ahead (PrefetchBytes' worth, at least one), within
+// LiveParamBytes, which caps the prefetch only. size is a buffer's bytes.
+func gatherBuffers(plan *Plan, params []Param, pp ParamPolicy, sets [][]int, size int64) int64 {
+	held := int64(1) // loading the shard at New takes one
+	if sets == nil {
+		sets = [][]int{{}}
+	}
+	for _, set := range sets {
+		seen := map[int]bool{}
+		for _, p := range set {
+			if b := plan.ParamBucket[p]; b >= 0 {
+				seen[b] = true
+			}
+		}
+		held = max(held, int64(len(seen)))
+	}
+	if pp.PrefetchBytes <= 0 || size == 0 {
+		return held
+	}
+	ahead := max(1, int64(pp.PrefetchBytes)/size)
+	if pp.LiveParamBytes > 0 {
+		ahead = max(0, min(ahead, int64(pp.LiveParamBytes)/size-held))
+	}
+	return held + ahead
+}
+
+// resolveForEstimate resolves cfg as New does, without asking for the
+// parameters' memory: the memory check runs on the parameters without it
+// and without the optimizer, and the optimizer's own check on all.
+func resolveForEstimate(cfg *Config, params []Param) (DType, error) {
+	opt := cfg.Optimizer
+	bare := make([]Param, len(params))
+	for i, p := range params {
+		bare[i] = Param{Name: p.Name, Count: p.Count, Shape: p.Shape, DType: p.DType, Frozen: p.Frozen}
+	}
+	cfg.Optimizer = OptimizerPolicy{}
+	model, err := cfg.resolve(bare)
+	cfg.Optimizer = opt
+	if err != nil {
+		return 0, err
+	}
+	if err := cfg.Optimizer.check(params); err != nil {
+		return 0, err
+	}
+	return model, nil
+}
+
+// Transformer is the shape of a Llama-like decoder: an embedding, Layers
+// blocks of attention (q, k, v, o, with KVHeads key and value heads of
+// Hidden/Heads each) and a gated MLP (gate, up, down of FFN), an RMSNorm
+// before each, a final norm and an output head (unless TiedEmbeddings).
+// Llama-2 7B is {Hidden: 4096, Layers: 32, Vocab: 32000, FFN: 11008, Heads:
+// 32}: 6.74B parameters; 70B {8192, 80, 32000, 28672, 64, 8}: 68.98B.
+type Transformer struct {
+	Hidden, Layers, Vocab, FFN int
+	Heads                      int  // attention heads
+	KVHeads                    int  // key and value heads (grouped-query attention; 0: Heads)
+	TiedEmbeddings             bool // the output head is the embedding
+}
+
+// Params lists the decoder's parameters in registration order (the
+// forward's: embedding, blocks, final norm, head), named as Hugging Face
+// names Llama's, each of dtype dt.
+func (t Transformer) Params(dt DType) ([]Param, error) {
+	kv := t.KVHeads
+	if kv == 0 {
+		kv = t.Heads
+	}
+	switch {
+	case t.Hidden < 1 || t.Layers < 0 || t.Vocab < 1 || t.FFN < 1 || t.Heads < 1:
+		return nil, errorf(ErrParam, "Transformer %+v: give Hidden, Vocab, FFN and Heads ≥ 1 and Layers ≥ 0", t)
+	case t.Hidden%t.Heads != 0 || kv < 1 || t.Heads%kv != 0:
+		return nil, errorf(ErrParam, "Transformer %+v: Heads must divide Hidden, and KVHeads Heads", t)
+	case !dt.valid():
+		return nil, errorf(ErrDType, "Transformer.Params(%v); use FP32, BF16 or FP16", dt)
+	}
+	kvDim := t.Hidden / t.Heads * kv
+	var out []Param
+	add := func(name string, shape ...int) {
+		n := 1
+		for _, d := range shape {
+			n *= d
+		}
+		out = append(out, Param{Name: name, Count: n, Shape: shape, DType: dt})
+	}
+	add("model.embed_tokens.weight", t.Vocab, t.Hidden)
+	for l := range t.Layers {
+		at := fmt.Sprintf("model.layers.%d.", l)
+		add(at+"input_layernorm.weight", t.Hidden)
+		add(at+"self_attn.q_proj.weight", t.Hidden, t.Hidden)
+		add(at+"self_attn.k_proj.weight", kvDim, t.Hidden)
+		add(at+"self_attn.v_proj.weight", kvDim, t.Hidden)
+		add(at+"self_attn.o_proj.weight", t.Hidden, t.Hidden)
+		add(at+"post_attention_layernorm.weight", t.Hidden)
+		add(at+"mlp.gate_proj.weight", t.FFN, t.Hidden)
+		add(at+"mlp.up_proj.weight", t.FFN, t.Hidden)
+		add(at+"mlp.down_proj.weight", t.Hidden, t.FFN)
+	}
+	add("model.norm.weight", t.Hidden)
+	if !t.TiedEmbeddings {
+		add("lm_head.weight", t.Vocab, t.Hidden)
+	}
+	return out, nil
+}
