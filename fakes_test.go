@@ -13,28 +13,34 @@ import (
 // through it, and a stream of no device. A fake that only one test file
 // uses (faultyComm, leavingComm, abortingComm, …) stays in that file.
 
-// countingDevice is the host device with a ledger of the engine's live
-// allocations and their high-water mark, and one of its page-locked host
-// memory (offload's). Freed memory stays mapped until release, so a buffer
-// freed too early is reported by onFree instead of crashing the test.
+// countingDevice is the host device (or another, newCountingDeviceOn) with
+// a ledger of the engine's live allocations and their high-water mark, and
+// one of its page-locked host memory (offload's). Freed memory stays
+// mapped until release, so a buffer freed too early is reported by onFree
+// instead of crashing the test; freeAtOnce frees it at once instead, for a
+// test that reads the device's own figures (NVML).
 type countingDevice struct {
 	Device
-	mu     sync.Mutex
-	live   map[uintptr]int
-	cur    int // live bytes
-	peak   int // the most live bytes since newCountingDevice
-	frees  atomic.Int32
-	allocs atomic.Int32 // allocations ever made
-	freed  []Tensor
-	onFree func(Tensor)
+	mu         sync.Mutex
+	live       map[uintptr]int
+	cur        int // live bytes
+	peak       int // the most live bytes since newCountingDevice
+	frees      atomic.Int32
+	allocs     atomic.Int32 // allocations ever made
+	freed      []Tensor
+	onFree     func(Tensor)
+	freeAtOnce bool
 	host   struct {
 		live      map[uintptr]int
 		cur, peak int
 	} // allocPinned's ledger
 }
 
-func newCountingDevice() *countingDevice {
-	d := &countingDevice{Device: CPU(), live: map[uintptr]int{}}
+func newCountingDevice() *countingDevice { return newCountingDeviceOn(CPU()) }
+
+// newCountingDeviceOn counts the allocations made on base.
+func newCountingDeviceOn(base Device) *countingDevice {
+	d := &countingDevice{Device: base, live: map[uintptr]int{}}
 	d.host.live = map[uintptr]int{}
 	return d
 }
@@ -85,6 +91,13 @@ func (d *countingDevice) peaks() (device, host int) {
 	return d.peak, d.host.peak
 }
 
+// liveCount is how many device allocations are live.
+func (d *countingDevice) liveCount() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return len(d.live)
+}
+
 func (d *countingDevice) Free(t Tensor) error {
 	if t.ptr == 0 {
 		return nil
@@ -99,8 +112,11 @@ func (d *countingDevice) Free(t Tensor) error {
 	}
 	d.cur -= d.live[t.ptr]
 	delete(d.live, t.ptr)
-	d.freed = append(d.freed, t)
 	d.frees.Add(1)
+	if d.freeAtOnce {
+		return d.Device.Free(t)
+	}
+	d.freed = append(d.freed, t)
 	return nil
 }
 

@@ -20,9 +20,10 @@ import (
 // runEngine and rankLoop over a runSpec and its workload); the small
 // builders and checks that several test files use; stream gates; test
 // buffers and the ISA levels of the host kernels; a small model with the
-// state a step changes; the training runs; and the body of the offload
-// benchmarks. harness_cuda_test.go holds the part that names the CUDA
-// device. A helper that only one test file uses stays in that file.
+// state a step changes; the training runs; the estimator's runs against
+// the allocations; and the body of the offload benchmarks.
+// harness_cuda_test.go holds the part that names the CUDA device. A helper
+// that only one test file uses stays in that file.
 
 // ---- seeds -------------------------------------------------------------------
 
@@ -1267,6 +1268,221 @@ func memoryRun(t testing.TB, stage, world, layers, hidden, bucket int) (Stats, *
 		}
 	}
 	return stats, plan
+}
+
+// ---- the estimator against the allocations ------------------------------------
+
+// estimateCase is one configuration of the estimator's tests and how it is
+// driven.
+type estimateCase struct {
+	cfg   Config
+	world int
+	run   Run
+}
+
+func (c estimateCase) String() string {
+	p, pp := c.cfg.Precision, c.cfg.Params
+	return fmt.Sprintf("stage %d W=%d offload %v window %v budget %d window %v shard %v comm %v backwards %d prefetch %d live %d opt %T",
+		c.cfg.Stage, c.world, c.cfg.Offload.Optimizer, c.run.Window, c.cfg.Window.BudgetBytes, c.cfg.Window.DType, p.ShardDType, p.CommDType,
+		c.run.Backwards, pp.PrefetchBytes, pp.LiveParamBytes, c.cfg.Optimizer.Groups)
+}
+
+// measured is what one rank's engine really held and moved.
+type measured struct {
+	device, host int          // high-water marks of the counting device
+	live, allocs int          // device bytes and allocations live after the last Step
+	before, at   []GPUMemory  // the device's own figures (NVML) before New and after the last Step
+	wire         CommCounters // the last step's
+	stats        Stats
+}
+
+// measureEngine drives c on every rank of env's group, each rank's engine
+// on the counting device newDev gives it, with its own copy of the
+// parameters' values and its gradients placed by env: three steps of
+// c.run.Backwards backwards (in a Coalesce window where c.run.Window), at
+// stage 3 each set of c.run.Gathers gathered for the forward and again,
+// in reverse, for the backward.
+func measureEngine(t *testing.T, env trainEnv, newDev func(rank int) *countingDevice, c estimateCase, params []Param, seed int64) []measured {
+	t.Helper()
+	comms, err := env.group(c.world)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := make([]measured, c.world)
+	errs := eachRank(c.world, func(rank int) (err error) {
+		defer comms[rank].Close()
+		dev := newDev(rank)
+		defer dev.release()
+		s, err := env.stream()
+		if err != nil {
+			return err
+		}
+		defer s.Close()
+		rng := rand.New(rand.NewSource(seed + int64(rank)))
+		var frees []func()
+		defer func() {
+			if serr := s.Sync(); err == nil {
+				err = serr
+			}
+			for _, f := range frees {
+				f()
+			}
+		}()
+		place := func(dt DType, n int, scale float64) (Tensor, error) {
+			b := newTBuf(dt, n)
+			for i := range b.len() {
+				b.set(i, float32(scale*rng.NormFloat64()))
+			}
+			x, free, err := env.place(s, b)
+			if err == nil {
+				frees = append(frees, free)
+			}
+			return x, err
+		}
+		mine := append([]Param(nil), params...)
+		grads := make([]Tensor, len(params))
+		for p, q := range params {
+			if q.Data.ptr != 0 {
+				if mine[p].Data, err = place(q.DType, q.Count, 1); err != nil {
+					return err
+				}
+			}
+			if grads[p], err = place(q.DType, q.Count, 1); err != nil {
+				return err
+			}
+		}
+		if err := s.Sync(); err != nil {
+			return err
+		}
+		out[rank].before = dev.memoryStats()
+		e, err := New(c.cfg, onDevice{comms[rank], dev}, mine)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		stage3 := c.cfg.Stage == 3
+		sets := c.run.Gathers
+		backward := func() error {
+			for _, set := range sets {
+				if stage3 {
+					if _, err := e.Gather(s, set...); err != nil {
+						return err
+					}
+					if err := e.Release(s, set...); err != nil {
+						return err
+					}
+				}
+			}
+			for i := len(sets) - 1; i >= 0; i-- {
+				if stage3 {
+					if _, err := e.Gather(s, sets[i]...); err != nil {
+						return err
+					}
+				}
+				for j := len(sets[i]) - 1; j >= 0; j-- {
+					p := sets[i][j]
+					if _, err := e.GradReady(p, grads[p], s); err != nil {
+						return err
+					}
+				}
+				if stage3 {
+					if err := e.Release(s, sets[i]...); err != nil {
+						return err
+					}
+				}
+			}
+			return e.EndBackward()
+		}
+		for range 3 {
+			steps := func() error {
+				for range max(c.run.Backwards, 1) {
+					if err := backward(); err != nil {
+						return err
+					}
+				}
+				return nil
+			}
+			if c.run.Window {
+				err = e.Coalesce(steps)
+			} else {
+				err = steps()
+			}
+			if err == nil {
+				err = e.Step()
+			}
+			if err != nil {
+				return err
+			}
+		}
+		if err := s.Sync(); err != nil {
+			return err
+		}
+		m := &out[rank]
+		m.at = e.DeviceMemory()
+		m.live, m.allocs = dev.liveBytes(), dev.liveCount()
+		st := e.Stats()
+		if err := e.Close(); err != nil {
+			return err
+		}
+		m.device, m.host = dev.peaks()
+		m.wire, m.stats = st.Collectives, st
+		return nil
+	})
+	for rank, err := range errs {
+		if err != nil {
+			t.Fatalf("%v: rank %d: %v", c, rank, err)
+		}
+	}
+	return out
+}
+
+// checkEstimateOn compares c's estimate with what measureEngine saw on
+// every rank: device and host bytes to the byte, the collectives to the
+// byte but for stage 3's gathers, where a prefetch that keeps a bucket
+// from one ask to the next saves a gather the estimate counts. It returns
+// the estimate and the measurements.
+func checkEstimateOn(t *testing.T, env trainEnv, newDev func(rank int) *countingDevice, c estimateCase, params []Param, seed int64) (Estimation, []measured) {
+	t.Helper()
+	est, err := Estimate(params, c.cfg, c.world, c.run)
+	if err != nil {
+		t.Fatalf("%v: %v", c, err)
+	}
+	ms := measureEngine(t, env, newDev, c, params, seed)
+	for rank, m := range ms {
+		what := fmt.Sprintf("%v rank %d", c, rank)
+		if got, want := int64(m.device), est.Device.Engine(); got != want {
+			t.Errorf("%s: device high-water %d bytes, estimate %d (%+v)", what, got, want, est.Device)
+		}
+		if got, want := int64(m.host), est.Host.Total(); got != want {
+			t.Errorf("%s: host high-water %d bytes, estimate %d (%+v)", what, got, want, est.Host)
+		}
+		for k := range numKinds {
+			got, want := m.wire[k], est.Wire[k]
+			if k == KindAllGather && c.cfg.Stage == 3 && c.cfg.Params.PrefetchBytes >= 0 {
+				// The prefetch keeps buckets gathered from one ask to the
+				// next, saving gathers the estimate counts; it still
+				// gathers every bucket a window asks for at least once.
+				var floor CommCounters
+				if len(c.cfg.Optimizer.Groups) > 0 {
+					floor.add(KindAllGather, normWords*c.world*4, c.world) // the norm's
+				}
+				seen := map[int]bool{}
+				for _, b := range setBuckets(est.Plan, params, c.run.Gathers) {
+					if !seen[b] {
+						seen[b] = true
+						floor.add(KindAllGather, est.Plan.Buckets[b].Padded*est.Plan.modelDType().Size(), c.world)
+					}
+				}
+				if got.Calls >= floor[k].Calls && got.Calls <= want.Calls && got.PayloadBytes >= floor[k].PayloadBytes && got.PayloadBytes <= want.PayloadBytes {
+					continue
+				}
+			}
+			if got != want {
+				t.Errorf("%s: %v: %+v, estimate %+v", what, k, got, want)
+			}
+		}
+	}
+	return est, ms
 }
 
 // ---- the offload benchmarks ----------------------------------------------------
