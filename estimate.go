@@ -46,11 +46,10 @@ type DeviceBytes struct {
 	ParamShard      int64 // stage 3: this rank's shard of the parameters, model dtype
 	Gathered        int64 // stage 3: gather buffers (a set held, and the prefetch within its budgets)
 	GradShard       int64 // the reduced gradient shard, in Precision.ShardDType
-	GradScratch     int64 // fp32 buffers a 16-bit gradient shard is summed and read through
+	GradScratch     int64 // fp32, the largest bucket shard: the optimizer reads a 16-bit shard widened through it
 	Staging         int64 // staging buffers, comm dtype, one largest bucket each
 	LocalSums       int64 // ZeRO-1's local sums, fp32, every bucket's elements
 	WindowSums      int64 // a window's sums in Window.DType, the buckets it makes local
-	WindowScratch   int64 // fp32, the largest bucket: 16-bit window sums add through it
 	Master          int64 // fp32 master weights
 	OptimizerState  int64 // AdamW's m and v (and amsgrad's maximum), SGD's momentum
 	NewParams       int64 // stages 1-2: the model-dtype shard of the new parameters
@@ -61,7 +60,7 @@ type DeviceBytes struct {
 // HostBytes is an offloading rank's page-locked host memory by kind.
 type HostBytes struct {
 	GradShard      int64 // the gradient shard, in Precision.ShardDType
-	GradScratch    int64 // fp32, the largest bucket shard, for a 16-bit shard
+	GradScratch    int64 // fp32, the largest bucket shard: the optimizer reads a 16-bit shard widened through it
 	Landing        int64 // buffers the reduced parts land in, comm dtype
 	Master         int64 // fp32 master weights
 	OptimizerState int64 // as DeviceBytes.OptimizerState
@@ -85,7 +84,7 @@ func (d DeviceBytes) ModelStates() int64 {
 
 // Buffers is the rest: the working buffers of one or a few buckets.
 func (d DeviceBytes) Buffers() int64 {
-	return d.Gathered + d.GradScratch + d.Staging + d.WindowScratch + d.ParamGather + d.Control
+	return d.Gathered + d.GradScratch + d.Staging + d.ParamGather + d.Control
 }
 
 // Total is the engine's host memory.
@@ -142,12 +141,11 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 			h.GradScratch = maxS * 4
 		}
 	} else {
+		// a 16-bit shard is summed into in its own dtype; the optimizer
+		// widens it bucket by bucket
 		d.GradShard, d.Control = shard*int64(sdt.Size()), 4
-		if sdt != FP32 {
-			d.GradScratch = maxS * 4 // the sink's
-			if optimizer {
-				d.GradScratch += maxS * 4 // the optimizer reads the shard through its own
-			}
+		if sdt != FP32 && optimizer {
+			d.GradScratch = maxS * 4
 		}
 	}
 	d.Staging = int64(cfg.StagingBuffers) * maxB * comm
@@ -163,11 +161,8 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 		win := newWindow(&pipeline{spec: pipelineSpec{modes: modes}}, plan, cfg.Window)
 		inWindow = win.localInWindow()
 		for b, in := range inWindow {
-			if in && modes[b] != local {
+			if in && modes[b] != local { // 16-bit sums are added into in their dtype
 				d.WindowSums += int64(plan.Buckets[b].Padded * cfg.Window.DType.Size())
-				if cfg.Window.DType != FP32 && run.Backwards > 1 {
-					d.WindowScratch = maxB * 4 // a member's second gradient adds through it
-				}
 			}
 		}
 	}

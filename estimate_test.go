@@ -2,7 +2,6 @@ package zero
 
 import (
 	"errors"
-	"fmt"
 	"testing"
 	"time"
 )
@@ -12,29 +11,11 @@ import (
 // bytes, and the collectives Stats counts, for every stage, offload,
 // window, shard dtype and window dtype at W = 1, 2, 4.
 
-// estimateModel is a small model of dtype dt: tiny buckets split it into
-// many, some parameters larger than a bucket, one empty and one frozen;
-// gathered (at stage 3) in sets of two, as a framework gathers a layer.
-func estimateModel(dt DType) ([]Param, [][]int) {
-	sizes := []int{300, 7, 1000, 0, 129, 64, 513, 1, 50}
-	params := make([]Param, len(sizes))
-	for i, n := range sizes {
-		params[i] = Param{Name: fmt.Sprintf("p%d", i), Count: n, DType: dt, Data: newTBuf(dt, n).t()}
-	}
-	params[8].Frozen = true
-	return params, [][]int{{0, 1}, {2, 3}, {4, 5}, {6, 7}}
-}
-
 // checkEstimate is checkEstimateOn on the host, in-process ranks.
 func checkEstimate(t *testing.T, c estimateCase, params []Param, seed int64) (Estimation, []measured) {
 	t.Helper()
 	return checkEstimateOn(t, hostTrain, func(int) *countingDevice { return newCountingDevice() }, c, params, seed)
 }
-
-// paramBudgets are stage 3's gather budgets at the test's bucket sizes: the
-// default prefetch (a bucket's bytes ahead), none, and a prefetch of two
-// largest buckets capped by LiveParamBytes at three.
-var paramBudgets = []ParamPolicy{{}, {PrefetchBytes: -1}, {PrefetchBytes: 4096, LiveParamBytes: 3 * 2048}}
 
 // TestEstimateMatchesAllocations: every stage × offload × window (none, a
 // Coalesce window) × window budget (none, half the window's sums) ×
@@ -87,8 +68,9 @@ func TestEstimateMatchesAllocations(t *testing.T) {
 }
 
 // TestEstimateOptimizersAndDTypes: the optimizer's state by kind (AdamW,
-// amsgrad, SGD with and without momentum, none), an fp32 wire, one
-// backward a step (no window scratch), fp16 (loss-scaled) and fp32 models,
+// amsgrad, SGD with and without momentum, none), on the device and
+// offloaded, an fp32 wire, one backward a step, fp16 (loss-scaled) and
+// fp32 models,
 // one and three staging buffers, stage-3 gathers of one parameter at a
 // time and without prefetch, and a stage-3 prefetch capped by
 // LiveParamBytes.
@@ -106,12 +88,15 @@ func TestEstimateOptimizersAndDTypes(t *testing.T) {
 	for _, stage := range []int{1, 2, 3} {
 		for _, groups := range [][]Optimizer{nil, {NewAdamW(1e-3)}, {amsgrad}, {NewSGD(0.1)}, {momentum}} {
 			for _, comm := range []DType{BF16, FP32} {
-				cfg := Config{Stage: stage, BucketBytes: 512, Overlap: true}
-				cfg.Precision.CommDType = comm
-				cfg.Precision.ShardDType = BF16
-				cfg.Window.DType = BF16
-				cfg.Optimizer.Groups = groups
-				checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 1, Window: true, Gathers: sets}}, params, seed)
+				for _, offload := range []bool{false, true} {
+					cfg := Config{Stage: stage, BucketBytes: 512, Overlap: true}
+					cfg.Precision.CommDType = comm
+					cfg.Precision.ShardDType = BF16
+					cfg.Window.DType = BF16
+					cfg.Optimizer.Groups = groups
+					cfg.Offload.Optimizer = offload
+					checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 1, Window: true, Gathers: sets}}, params, seed)
+				}
 			}
 		}
 	}

@@ -30,7 +30,7 @@ type countingDevice struct {
 	freed      []Tensor
 	onFree     func(Tensor)
 	freeAtOnce bool
-	host   struct {
+	host       struct {
 		live      map[uintptr]int
 		cur, peak int
 	} // allocPinned's ledger

@@ -1272,6 +1272,24 @@ func memoryRun(t testing.TB, stage, world, layers, hidden, bucket int) (Stats, *
 
 // ---- the estimator against the allocations ------------------------------------
 
+// estimateModel is a small model of dtype dt: tiny buckets split it into
+// many, some parameters larger than a bucket, one empty and one frozen;
+// gathered (at stage 3) in sets of two, as a framework gathers a layer.
+func estimateModel(dt DType) ([]Param, [][]int) {
+	sizes := []int{300, 7, 1000, 0, 129, 64, 513, 1, 50}
+	params := make([]Param, len(sizes))
+	for i, n := range sizes {
+		params[i] = Param{Name: fmt.Sprintf("p%d", i), Count: n, DType: dt, Data: newTBuf(dt, n).t()}
+	}
+	params[8].Frozen = true
+	return params, [][]int{{0, 1}, {2, 3}, {4, 5}, {6, 7}}
+}
+
+// paramBudgets are stage 3's gather budgets at the test's bucket sizes: the
+// default prefetch (a bucket's bytes ahead), none, and a prefetch of two
+// largest buckets capped by LiveParamBytes at three.
+var paramBudgets = []ParamPolicy{{}, {PrefetchBytes: -1}, {PrefetchBytes: 4096, LiveParamBytes: 3 * 2048}}
+
 // estimateCase is one configuration of the estimator's tests and how it is
 // driven.
 type estimateCase struct {
@@ -1299,9 +1317,10 @@ type measured struct {
 // measureEngine drives c on every rank of env's group, each rank's engine
 // on the counting device newDev gives it, with its own copy of the
 // parameters' values and its gradients placed by env: three steps of
-// c.run.Backwards backwards (in a Coalesce window where c.run.Window), at
-// stage 3 each set of c.run.Gathers gathered for the forward and again,
-// in reverse, for the backward.
+// c.run.Backwards backwards (in a Coalesce window where c.run.Window), each
+// backward handing over the gradients of c.run.Gathers' sets in reverse
+// (nil: every parameter alone), at stage 3 each set gathered for the
+// forward and again for the backward.
 func measureEngine(t *testing.T, env trainEnv, newDev func(rank int) *countingDevice, c estimateCase, params []Param, seed int64) []measured {
 	t.Helper()
 	comms, err := env.group(c.world)
@@ -1362,6 +1381,13 @@ func measureEngine(t *testing.T, env trainEnv, newDev func(rank int) *countingDe
 		defer e.Close()
 		stage3 := c.cfg.Stage == 3
 		sets := c.run.Gathers
+		if sets == nil { // one parameter at a time, as Run says
+			for p, q := range params {
+				if !q.Frozen {
+					sets = append(sets, []int{p})
+				}
+			}
+		}
 		backward := func() error {
 			for _, set := range sets {
 				if stage3 {
