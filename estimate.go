@@ -372,3 +372,23 @@ func (t Transformer) Params(dt DType) ([]Param, error) {
 	}
 	return out, nil
 }
+
+// CountParams lists a model known by its size alone, as DeepSpeed's
+// estimators of a hypothetical model take it: total parameters of dtype dt
+// in parameters of largest elements each, the last one the remainder.
+func CountParams(total, largest int, dt DType) ([]Param, error) {
+	switch {
+	case total < 1 || largest < 1:
+		return nil, errorf(ErrParam, "CountParams(%d, %d): give a total and a largest layer of at least one parameter", total, largest)
+	case largest > total:
+		return nil, errorf(ErrParam, "CountParams(%d, %d): the largest layer cannot exceed the total", total, largest)
+	case !dt.valid():
+		return nil, errorf(ErrDType, "CountParams(%v); use FP32, BF16 or FP16", dt)
+	}
+	out := make([]Param, 0, (total+largest-1)/largest)
+	for at := 0; at < total; at += largest {
+		n := min(largest, total-at)
+		out = append(out, Param{Name: fmt.Sprintf("layer%d", len(out)), Count: n, DType: dt})
+	}
+	return out, nil
+}

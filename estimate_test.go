@@ -160,6 +160,48 @@ func TestEstimateRefuses(t *testing.T) {
 	if _, err := (Transformer{Hidden: 10, Layers: 1, Vocab: 5, FFN: 4, Heads: 3}).Params(BF16); !errors.Is(err, ErrParam) {
 		t.Errorf("Transformer with 3 heads of hidden 10: %v, want ErrParam", err)
 	}
+	for _, c := range []struct{ total, largest int }{{0, 1}, {10, 0}, {10, 11}} {
+		if _, err := CountParams(c.total, c.largest, BF16); !errors.Is(err, ErrParam) {
+			t.Errorf("CountParams(%d, %d): %v, want ErrParam", c.total, c.largest, err)
+		}
+	}
+	if _, err := CountParams(10, 5, 0); !errors.Is(err, ErrDType) {
+		t.Errorf("CountParams with no dtype: %v, want ErrDType", err)
+	}
+}
+
+// TestCountParams: a count and a largest layer make parameters of that
+// size and a remainder, summing to the count; the estimate of such a list
+// matches the allocations like any other.
+func TestCountParams(t *testing.T) {
+	for _, c := range []struct{ total, largest, n, last int }{{10, 5, 2, 5}, {11, 5, 3, 1}, {7, 7, 1, 7}, {1, 1, 1, 1}} {
+		params, err := CountParams(c.total, c.largest, BF16)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sum := 0
+		for _, p := range params {
+			sum += p.Count
+			if p.Count > c.largest || p.DType != BF16 {
+				t.Errorf("CountParams(%d, %d): %+v", c.total, c.largest, p)
+			}
+		}
+		if len(params) != c.n || sum != c.total || params[len(params)-1].Count != c.last {
+			t.Errorf("CountParams(%d, %d): %d parameters summing to %d, the last %d; want %d, %d, %d", c.total, c.largest, len(params), sum, params[len(params)-1].Count, c.n, c.total, c.last)
+		}
+	}
+	params, err := CountParams(3000, 700, BF16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, p := range params {
+		params[i].Data = newTBuf(BF16, p.Count).t()
+	}
+	seed := testSeed(t)
+	for _, stage := range []int{1, 2, 3} {
+		cfg := Config{Stage: stage, BucketBytes: 1024, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}
+		checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 2}}, params, seed)
+	}
 }
 
 // TestTransformerParams: Llama-2's published sizes, 6.74B and 68.98B, and
