@@ -54,6 +54,11 @@
 //     (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) and PyTorch's
 //     linear and cosine with warmup, stepped by the optimizer steps applied.
 //
+//   - Estimate says, before anything is allocated, what one rank of such an
+//     engine holds at its peak (device and page-locked host bytes by kind)
+//     and what one step moves, from the engine's own plan; Transformer and
+//     CountParams make the parameter lists of a 7B or 70B model.
+//
 // Each rank's Engine is driven from one goroutine. Errors are typed
 // (errors.Is with ErrProtocol, ErrMismatch, …) and say what to change.
 package zero

@@ -322,10 +322,13 @@ func resolveForEstimate(cfg *Config, params []Param) (DType, error) {
 // Llama-2 7B is {Hidden: 4096, Layers: 32, Vocab: 32000, FFN: 11008, Heads:
 // 32}: 6.74B parameters; 70B {8192, 80, 32000, 28672, 64, 8}: 68.98B.
 type Transformer struct {
-	Hidden, Layers, Vocab, FFN int
-	Heads                      int  // attention heads
-	KVHeads                    int  // key and value heads (grouped-query attention; 0: Heads)
-	TiedEmbeddings             bool // the output head is the embedding
+	Hidden         int  // the model width
+	Layers         int  // decoder blocks
+	Vocab          int  // tokens of the embedding and the head
+	FFN            int  // the MLP's inner width
+	Heads          int  // attention heads
+	KVHeads        int  // key and value heads (grouped-query attention; 0: Heads)
+	TiedEmbeddings bool // the output head is the embedding
 }
 
 // Params lists the decoder's parameters in registration order (the

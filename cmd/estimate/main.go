@@ -407,12 +407,10 @@ func why(kind string, cfg zero.Config, padding bool) string {
 		return "N: the new parameters' model-dtype shard (2Ψ/W), the source of Step's all-gather; DeepSpeed's is a view into its flat 16-bit copy of the parameters, while zero leaves the framework's tensors as they are"
 	case kind == "params" && !padding:
 		return "G: the gather buffers (the set the framework holds and PrefetchBytes ahead, each the largest bucket) against DeepSpeed's 4 × the largest layer"
-	case kind == "grads" && cfg.Stage == 1 && cfg.Offload.Optimizer:
-		return "L: ZeRO-1's local sums are fp32 (4Ψ) where the paper counts a 16-bit gradient (2Ψ), so backwards add up without rounding to 16 bits"
 	case kind == "grads" && cfg.Stage == 1:
-		return "L: ZeRO-1's local sums are fp32 (4Ψ) where the paper counts a 16-bit gradient (2Ψ), so backwards add up without rounding to 16 bits; and the reduced shard (4Ψ/W in fp32), which the paper leaves out and DeepSpeed holds"
+		return "L: ZeRO-1's local sums are fp32 (4Ψ) where the paper counts a 16-bit gradient (2Ψ), so backwards add up without rounding to 16 bits; and, unless offloaded, the reduced gradient shard (Ψ/W in Precision.ShardDType), which the paper's K leaves out and DeepSpeed holds in fp32"
 	case kind == "window":
-		return "W: a window's sums (Window.DType, capped by Window.BudgetBytes): each bucket reduced once per window instead of once per backward; DeepSpeed has no window at stages 2-3 (no_sync raises)"
+		return "W: a window's sums (Window.DType, capped by Window.BudgetBytes), so each bucket is reduced once per window instead of once per backward; DeepSpeed's coalesce_grad_reduction keeps its backwards' sums in every parameter's 16-bit .grad (2Ψ), which its estimators leave out; zero's are fp32 (4Ψ) unless Window.DType is the model dtype"
 	case padding:
 		return "P: padding: each bucket is cut into W equal shards of a multiple of Align (64) elements, so a shard holds up to 64 elements a bucket beyond Ψ/W"
 	}
