@@ -405,7 +405,7 @@ func why(kind string, cfg zero.Config, padding bool) string {
 	switch {
 	case kind == "params" && cfg.Stage < 3:
 		return "N: the new parameters' model-dtype shard (2Ψ/W), the source of Step's all-gather; DeepSpeed's is a view into its flat 16-bit copy of the parameters, while zero leaves the framework's tensors as they are"
-	case kind == "params" && !padding:
+	case kind == "params" && cfg.Stage == 3 && !padding:
 		return "G: the gather buffers (the set the framework holds and PrefetchBytes ahead, each the largest bucket) against DeepSpeed's 4 × the largest layer"
 	case kind == "grads" && cfg.Stage == 1:
 		return "L: ZeRO-1's local sums are fp32 (4Ψ) where the paper counts a 16-bit gradient (2Ψ), so backwards add up without rounding to 16 bits; and, unless offloaded, the reduced gradient shard (Ψ/W in Precision.ShardDType), which the paper's K leaves out and DeepSpeed holds in fp32"
