@@ -70,10 +70,10 @@ func TestEstimateMatchesAllocations(t *testing.T) {
 // TestEstimateOptimizersAndDTypes: the optimizer's state by kind (AdamW,
 // amsgrad, SGD with and without momentum, none), on the device and
 // offloaded, an fp32 wire, one backward a step, fp16 (loss-scaled) and
-// fp32 models,
-// one and three staging buffers, stage-3 gathers of one parameter at a
-// time and without prefetch, and a stage-3 prefetch capped by
-// LiveParamBytes.
+// fp32 models, one and three staging buffers, a stage-3 model built
+// sharded (Init) with and without the broadcast, stage-3 gathers of one
+// parameter at a time and without prefetch, and a stage-3 prefetch capped
+// by LiveParamBytes.
 func TestEstimateOptimizersAndDTypes(t *testing.T) {
 	seed := testSeed(t)
 	params, sets := estimateModel(BF16)
@@ -112,6 +112,26 @@ func TestEstimateOptimizersAndDTypes(t *testing.T) {
 					checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 3, Window: true, Gathers: sets}}, params, seed)
 				}
 			}
+		}
+	}
+	// a stage-3 model built sharded (Param.Init), with and without rank 0's
+	// broadcast: the upload's temporaries stay under the peak
+	for _, groups := range [][]Optimizer{nil, {NewAdamW(1e-3)}} {
+		for _, noBroadcast := range []bool{false, true} {
+			built, sets := estimateModel(BF16)
+			for i := range built {
+				if !built[i].Frozen {
+					built[i].Data, built[i].Init = Tensor{}, func(dst []float32, off int) error {
+						for j := range dst {
+							dst[j] = float32(off+j) * 1e-3
+						}
+						return nil
+					}
+				}
+			}
+			cfg := Config{Stage: 3, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: groups}}
+			cfg.Params.NoBroadcast = noBroadcast
+			checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 2, Gathers: sets}}, built, seed)
 		}
 	}
 	for _, pp := range []ParamPolicy{{PrefetchBytes: -1}, {PrefetchBytes: 4096}, {PrefetchBytes: 4096, LiveParamBytes: 3 * 2048}} {
