@@ -7,7 +7,7 @@ import "fmt"
 // builds the engine's own plan (newPlan) and the window's own choice of
 // local buckets, and applies the allocation rules of the components to
 // them; estimate_test.go holds it to the bytes a counting device really
-// sees. Nothing is allocated, so a 70B model estimates in microseconds.
+// sees. Nothing is allocated: a 70B model estimates in half a millisecond.
 
 // Run is how the engine will be driven, where memory or traffic depend on
 // it.
