@@ -95,41 +95,6 @@ func toDType(x []float32, d DType) Tensor {
 	return Halfs(h, d)
 }
 
-// ckptState is what a resumed run must reproduce, bit for bit: the state
-// tensors in the rank's shard layout (plan), each of its dtype.
-type ckptState struct {
-	params [][]float32
-	state  map[string][]byte
-	dtypes map[string]DType
-	plan   *Plan
-	rank   int
-	steps  []int
-	scaler scalerState
-	step   int
-}
-
-func readCkptState(e *Engine) (ckptState, error) {
-	st := ckptState{state: map[string][]byte{}, dtypes: map[string]DType{}, plan: e.plan, rank: e.rank, steps: slices.Clone(e.opt.steps), step: e.stepIndex}
-	c := e.opt.checkpointState()
-	st.scaler = c.Scaler
-	for _, s := range e.opt.stateTensors() {
-		b := make([]byte, s.t.Bytes())
-		if len(b) > 0 {
-			if err := s.dev.copy(s.s, hostTensor(b, s.t.dtype), s.t); err != nil {
-				return st, err
-			}
-			if err := s.s.Sync(); err != nil {
-				return st, err
-			}
-		}
-		st.state[s.name] = b
-		st.dtypes[s.name] = s.t.dtype
-	}
-	var err error
-	st.params, err = e.FullParams()
-	return st, err
-}
-
 func (a ckptState) diff(b ckptState) string {
 	for name, x := range a.state {
 		if y, ok := b.state[name]; !ok || !slices.Equal(x, y) {
@@ -330,39 +295,6 @@ func TestCheckpointResume(t *testing.T) {
 	}
 }
 
-// consolidate assembles every state tensor of one run, parameter by
-// parameter, from each rank's shard (states, one per rank, in rank
-// order) by the plan's ranges: name → parameter → its bytes. Every
-// element of a parameter must come from exactly one rank.
-func consolidate(states []ckptState) (map[string][][]byte, error) {
-	plan := states[0].plan
-	out := map[string][][]byte{}
-	for name, dt := range states[0].dtypes {
-		size := dt.Size()
-		full := make([][]byte, len(plan.counts))
-		for p, n := range plan.counts {
-			full[p] = make([]byte, n*size)
-			if plan.ParamBucket[p] < 0 {
-				continue // frozen or empty: no shard holds it
-			}
-			got := 0
-			for r, st := range states {
-				rg := plan.shardRange(p, r)
-				if st.rank != r || st.plan != plan && st.plan.Fingerprint() != plan.Fingerprint() {
-					return nil, fmt.Errorf("state %d is rank %d's of another plan", r, st.rank)
-				}
-				copy(full[p][rg.ParamOffset*size:], st.state[name][rg.ShardOffset*size:(rg.ShardOffset+rg.Count)*size])
-				got += rg.Count
-			}
-			if got != n {
-				return nil, fmt.Errorf("%s of parameter %d: the ranks hold %d of its %d elements", name, p, got, n)
-			}
-		}
-		out[name] = full
-	}
-	return out, nil
-}
-
 // sameConsolidated reports the first difference between two runs' state,
 // parameter by parameter (whatever their world size, stage or buckets):
 // each state tensor's bits, the parameters, the step counts, the loss
@@ -404,18 +336,6 @@ func sameConsolidated(a, b []ckptState) string {
 		return fmt.Sprintf("step %d and %d", a[0].step, b[0].step)
 	}
 	return ""
-}
-
-func firstByteDiff(x, y []byte) int {
-	if len(x) != len(y) {
-		return min(len(x), len(y))
-	}
-	for i := range x {
-		if x[i] != y[i] {
-			return i
-		}
-	}
-	return -1
 }
 
 // reshardEnd is one side of a reshard: the engines that save, or load.

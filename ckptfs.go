@@ -16,6 +16,9 @@ type ckptFS interface {
 	MkdirAll(dir string) error
 	Create(name string) (ckptFile, error) // truncates
 	Open(name string) (ckptFile, error)
+	// OpenWrite opens an existing file to write at offsets (an export's
+	// file, which every rank writes its own ranges of).
+	OpenWrite(name string) (ckptFile, error)
 	ReadFile(name string) ([]byte, error)
 	Rename(from, to string) error
 	RemoveAll(name string) error
@@ -28,6 +31,8 @@ type ckptFS interface {
 type ckptFile interface {
 	io.Writer
 	io.ReaderAt
+	io.WriterAt
+	Truncate(size int64) error
 	Sync() error
 	Close() error
 	Size() (int64, error)
@@ -48,6 +53,14 @@ func (osFS) Create(name string) (ckptFile, error) {
 
 func (osFS) Open(name string) (ckptFile, error) {
 	f, err := os.Open(name)
+	if err != nil {
+		return nil, err
+	}
+	return osFile{f}, nil
+}
+
+func (osFS) OpenWrite(name string) (ckptFile, error) {
+	f, err := os.OpenFile(name, os.O_WRONLY, 0)
 	if err != nil {
 		return nil, err
 	}

@@ -21,9 +21,11 @@ import (
 // builders and checks that several test files use; stream gates; test
 // buffers and the ISA levels of the host kernels; a small model with the
 // state a step changes; the training runs; the estimator's runs against
-// the allocations; and the body of the offload benchmarks.
-// harness_cuda_test.go holds the part that names the CUDA device. A helper
-// that only one test file uses stays in that file.
+// the allocations; the body of the offload benchmarks; and an engine's
+// checkpointed state, read per rank and assembled per parameter (the
+// checkpoint and safetensors tests). harness_cuda_test.go holds the part
+// that names the CUDA device. A helper that only one test file uses stays
+// in that file.
 
 // ---- seeds -------------------------------------------------------------------
 
@@ -1683,4 +1685,86 @@ func yardOptSeconds(n, ranks int) float64 {
 	runtime.KeepAlive(all)
 	runtime.KeepAlive(out)
 	return best
+}
+
+// ---- engine state, per rank and per parameter ---------------------------------
+
+// ckptState is what a resumed run must reproduce, bit for bit: the state
+// tensors in the rank's shard layout (plan), each of its dtype.
+type ckptState struct {
+	params [][]float32
+	state  map[string][]byte
+	dtypes map[string]DType
+	plan   *Plan
+	rank   int
+	steps  []int
+	scaler scalerState
+	step   int
+}
+
+func readCkptState(e *Engine) (ckptState, error) {
+	st := ckptState{state: map[string][]byte{}, dtypes: map[string]DType{}, plan: e.plan, rank: e.rank, steps: slices.Clone(e.opt.steps), step: e.stepIndex}
+	c := e.opt.checkpointState()
+	st.scaler = c.Scaler
+	for _, s := range e.opt.stateTensors() {
+		b := make([]byte, s.t.Bytes())
+		if len(b) > 0 {
+			if err := s.dev.copy(s.s, hostTensor(b, s.t.dtype), s.t); err != nil {
+				return st, err
+			}
+			if err := s.s.Sync(); err != nil {
+				return st, err
+			}
+		}
+		st.state[s.name] = b
+		st.dtypes[s.name] = s.t.dtype
+	}
+	var err error
+	st.params, err = e.FullParams()
+	return st, err
+}
+
+// consolidate assembles every state tensor of one run, parameter by
+// parameter, from each rank's shard (states, one per rank, in rank
+// order) by the plan's ranges: name → parameter → its bytes. Every
+// element of a parameter must come from exactly one rank.
+func consolidate(states []ckptState) (map[string][][]byte, error) {
+	plan := states[0].plan
+	out := map[string][][]byte{}
+	for name, dt := range states[0].dtypes {
+		size := dt.Size()
+		full := make([][]byte, len(plan.counts))
+		for p, n := range plan.counts {
+			full[p] = make([]byte, n*size)
+			if plan.ParamBucket[p] < 0 {
+				continue // frozen or empty: no shard holds it
+			}
+			got := 0
+			for r, st := range states {
+				rg := plan.shardRange(p, r)
+				if st.rank != r || st.plan != plan && st.plan.Fingerprint() != plan.Fingerprint() {
+					return nil, fmt.Errorf("state %d is rank %d's of another plan", r, st.rank)
+				}
+				copy(full[p][rg.ParamOffset*size:], st.state[name][rg.ShardOffset*size:(rg.ShardOffset+rg.Count)*size])
+				got += rg.Count
+			}
+			if got != n {
+				return nil, fmt.Errorf("%s of parameter %d: the ranks hold %d of its %d elements", name, p, got, n)
+			}
+		}
+		out[name] = full
+	}
+	return out, nil
+}
+
+func firstByteDiff(x, y []byte) int {
+	if len(x) != len(y) {
+		return min(len(x), len(y))
+	}
+	for i := range x {
+		if x[i] != y[i] {
+			return i
+		}
+	}
+	return -1
 }

@@ -31,8 +31,9 @@ var floors = map[string]int{
 	// 4: what lives on a device: pools, page-locked memory, collectives;
 	// the bootstrap of a group
 	"pool.go": 4, "pinned.go": 4, "nccl.go": 4, "bootstrap.go": 4,
-	// the checkpoint's file layer and its rank files
-	"ckptfs.go": 4, "ckptfile.go": 4,
+	// the checkpoint's file layer and its rank files; the safetensors
+	// format and the import of a model from it
+	"ckptfs.go": 4, "ckptfile.go": 4, "safetensors.go": 4,
 	// 5: the communicators
 	"group_local.go": 5, "group_cuda.go": 5, "nccl_cuda.go": 5,
 	// 6: the caller's words and what the engine reports back
@@ -41,8 +42,9 @@ var floors = map[string]int{
 	"bucket.go": 7,
 	// 8: the components the pipeline is handed or that sit beside it
 	"offload.go": 8, "optim.go": 8, "params.go": 8, "coalesce.go": 8, "agree.go": 8,
-	// 9: what reads and sets every component's state: checkpoints; and
-	// the estimator, which plans as the hub builds
+	// 9: what reads and sets every component's state: checkpoints and
+	// their exports to safetensors; and the estimator, which plans as the
+	// hub builds
 	"checkpoint.go": 9, "estimate.go": 9,
 	// 10: the hub
 	"zero.go": 10,

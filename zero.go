@@ -968,6 +968,32 @@ func (e *Engine) Load(dir string, opt LoadOptions) ([]byte, error) {
 	return client, nil
 }
 
+// ExportSafetensors writes the model into file, one safetensors file: each
+// parameter's fp32 values by its name and shape (the fp32 master, also for
+// a bf16 or fp16 model; a frozen parameter's Data, widened to fp32: zero
+// holds nothing else of it, so rank 0's must be there), and with
+// opt.Optimizer each parameter's optimizer state as torch names it. Every
+// rank calls it between steps. Nothing is gathered: each rank writes the
+// ranges its shard holds at offsets every rank computes alike, through at
+// most one 8 MiB chunk of extra memory (none where the state is in host
+// memory), so file must be on a file system every rank shares; it appears
+// whole, or not at all (written under a temporary name, renamed once every
+// rank has fsynced its part). CheckpointToSafetensors does the same from a
+// checkpoint directory, without an engine.
+func (e *Engine) ExportSafetensors(file string, opt ExportOptions) error {
+	ce, err := e.checkpointable("ExportSafetensors")
+	if err != nil {
+		return err
+	}
+	if err := ce.export(file, opt); err != nil {
+		if errors.Is(err, ErrCheckpoint) || errors.Is(err, ErrConfig) || errors.Is(err, ErrParam) || errors.Is(err, ErrDType) {
+			return err
+		}
+		return e.fail(err)
+	}
+	return nil
+}
+
 // checkpointable refuses a save or load where the state is not at rest.
 func (e *Engine) checkpointable(op string) (*ckptEngine, error) {
 	if err := e.usable(op); err != nil {
