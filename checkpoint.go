@@ -969,6 +969,15 @@ func exportMetadata(opt ExportOptions, step int) map[string]string {
 	return meta
 }
 
+// exportPeerError is this rank's own error, or one that says another
+// rank failed.
+func exportPeerError(own error, what, file string) error {
+	if own != nil {
+		return own
+	}
+	return errorf(ErrCheckpoint, "%s (see that rank's error); %s is unchanged", what, file)
+}
+
 // exportPartial is the name an export is written under before its rename.
 func exportPartial(file string, nonce uint32) string {
 	return fmt.Sprintf("%s.partial-%08x", file, nonce)
@@ -1001,7 +1010,7 @@ func (ce *ckptEngine) export(file string, opt ExportOptions) error {
 		return err
 	}
 	if failed {
-		return ckptPeerError(err0, "rank 0 could not create the export")
+		return exportPeerError(err0, "rank 0 could not create the export", file)
 	}
 	partial := exportPartial(file, uint32(vals[0]))
 	errw := ce.writeExport(partial, h, items)
@@ -1013,7 +1022,7 @@ func (ce *ckptEngine) export(file string, opt ExportOptions) error {
 		if ce.rank == 0 {
 			ce.fs.RemoveAll(partial) // best effort: it was never whole
 		}
-		return ckptPeerError(errw, "a rank could not write its part of the export")
+		return exportPeerError(errw, "a rank could not write its part of the export", file)
 	}
 	var errc error
 	if ce.rank == 0 {
@@ -1029,7 +1038,7 @@ func (ce *ckptEngine) export(file string, opt ExportOptions) error {
 		return err
 	}
 	if failed {
-		return ckptPeerError(errc, "rank 0 could not move the export into place")
+		return exportPeerError(errc, "rank 0 could not move the export into place", file)
 	}
 	return nil
 }

@@ -351,8 +351,12 @@ func (h *stHeader) importable(file string, i int, p Param, opt ImportOptions) (s
 		shapeOK = slices.Equal(p.Shape, t.Shape)
 	}
 	if !shapeOK {
-		return t, errorf(ErrCheckpoint, "%s: tensor %q has the shape %v, parameter %d has %v (%d elements); import a file of this model",
-			file, t.Name, t.Shape, i, p.Shape, p.Count)
+		mine := fmt.Sprintf("%d elements", p.Count)
+		if len(p.Shape) > 0 {
+			mine = fmt.Sprintf("the shape %v", p.Shape)
+		}
+		return t, errorf(ErrCheckpoint, "%s: tensor %q has the shape %v, parameter %d has %s; import a file of this model",
+			file, t.Name, t.Shape, i, mine)
 	}
 	d, ok := dtypeOfST(t.DType)
 	switch {
