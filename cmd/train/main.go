@@ -3,7 +3,8 @@
 // layer's gradients handed to the engine as backward produces them, on two
 // streams, and the sharded AdamW step updating the parameters in place. It
 // prints the loss per step. -save writes a checkpoint, -resume continues
-// from one to -steps in all, on the data the run that never stopped had.
+// from one to -steps in all, on the data the run that never stopped had;
+// -export writes the fp32 parameters as one safetensors file.
 package main
 
 import (
@@ -41,6 +42,7 @@ func main() {
 	flag.StringVar(&c.resume, "resume", "", "continue from the latest checkpoint in this directory (or from this checkpoint) up to -steps in all; -lr and -wd hold from there")
 	flag.StringVar(&c.deepspeed, "deepspeed", "", "train from a DeepSpeed config (ds_config.json): its stage, precision, optimizer, schedule, clipping and batch sizes; its \"auto\" values come from the flags, as the Hugging Face Trainer fills them")
 	flag.IntVar(&c.warmup, "warmup", c.warmup, "warmup steps: fills a DeepSpeed config's \"auto\" warmup_num_steps")
+	flag.StringVar(&c.export, "export", "", "at the end, write the fp32 parameters (the master) into this safetensors file")
 	flag.Parse()
 	switch {
 	case *bf16 && *fp16:
@@ -80,6 +82,8 @@ type config struct {
 	deepspeed string
 	warmup    int
 	ds        *zero.DeepSpeedConfig
+	// export: a safetensors file of the fp32 parameters at the end.
+	export string
 }
 
 func defaultConfig() config {
@@ -110,6 +114,10 @@ func (c config) check() error {
 type mlp struct{ in, hidden int }
 
 func (m mlp) sizes() []int { return []int{m.hidden * m.in, m.hidden, m.hidden, 1} }
+
+// shapes are the tensors' shapes (rows × columns for the weights), as an
+// export records them.
+func (m mlp) shapes() [][]int { return [][]int{{m.hidden, m.in}, {m.hidden}, {1, m.hidden}, {1}} }
 
 // names and groups of the tensors: the weights decay (group 0), the biases
 // do not (group 1), the usual split.
@@ -349,6 +357,9 @@ func run(out io.Writer, c config) (result, error) {
 				saved++
 			}
 		}
+		if c.export != "" {
+			fmt.Fprintf(out, "fp32 parameters exported to %s\n", c.export)
+		}
 	}
 	return res, nil
 }
@@ -465,7 +476,7 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 	for p, n := range m.sizes() {
 		mem[p], grads[p] = newTensorMem(n, c.dtype), newTensorMem(n, c.dtype)
 		mem[p].set(theta[p])
-		params[p] = zero.Param{Name: tensorNames[p], Count: n, DType: c.dtype, Data: mem[p].tensor(), Group: tensorGroups[p]}
+		params[p] = zero.Param{Name: tensorNames[p], Count: n, Shape: m.shapes()[p], DType: c.dtype, Data: mem[p].tensor(), Group: tensorGroups[p]}
 	}
 	e, err := zero.New(c.engineConfig(), comm, params)
 	if err != nil {
@@ -648,6 +659,10 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 				rec.saved = append(rec.saved, st+1)
 			}
 		}
+	}
+	if c.export != "" {
+		// every rank writes its shard's ranges; nothing is gathered
+		return e.ExportSafetensors(c.export, zero.ExportOptions{Metadata: map[string]string{"model": fmt.Sprintf("mlp %d-%d-1", c.in, c.hidden)}})
 	}
 	return nil
 }

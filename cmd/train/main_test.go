@@ -2,6 +2,8 @@ package main
 
 import (
 	"bytes"
+	"encoding/binary"
+	"encoding/json"
 	"fmt"
 	"math"
 	"math/rand"
@@ -735,5 +737,111 @@ func BenchmarkTrainStep(b *testing.B) {
 				b.ReportMetric(float64(last.DeviceBytesSaved)/(1<<20), "saved_MiB")
 			}
 		})
+	}
+}
+
+// readExport reads a safetensors file as the format's description says:
+// the 8-byte header length, the JSON header, and each tensor's fp32
+// values from its data offsets.
+func readExport(t *testing.T, path string) (map[string][]int, map[string][]float32, map[string]string) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := binary.LittleEndian.Uint64(b)
+	var hdr map[string]json.RawMessage
+	if err := json.Unmarshal(b[8:8+n], &hdr); err != nil {
+		t.Fatal(err)
+	}
+	shapes, values, meta := map[string][]int{}, map[string][]float32{}, map[string]string{}
+	for name, raw := range hdr {
+		if name == "__metadata__" {
+			json.Unmarshal(raw, &meta)
+			continue
+		}
+		var e struct {
+			DType   string `json:"dtype"`
+			Shape   []int  `json:"shape"`
+			Offsets [2]int `json:"data_offsets"`
+		}
+		if err := json.Unmarshal(raw, &e); err != nil || e.DType != "F32" {
+			t.Fatalf("%s: tensor %q: %s %v", path, name, e.DType, err)
+		}
+		data := b[8+int(n)+e.Offsets[0] : 8+int(n)+e.Offsets[1]]
+		x := make([]float32, len(data)/4)
+		for i := range x {
+			x[i] = math.Float32frombits(binary.LittleEndian.Uint32(data[4*i:]))
+		}
+		shapes[name], values[name] = e.Shape, x
+	}
+	return shapes, values, meta
+}
+
+// TestExport: -export writes the fp32 parameters as one safetensors file,
+// each tensor by name with its shape: in fp32 bit for bit the trained
+// parameters, with bf16 parameters (stage 3, offload) their fp32 master,
+// which rounds (to nearest even) to the parameters and is not them; a run
+// resumed from a checkpoint writes the file the run that never stopped
+// writes, byte for byte.
+func TestExport(t *testing.T) {
+	seed := testSeed(t)
+	for _, tc := range []struct {
+		dt      zero.DType
+		stage   int
+		offload bool
+	}{{zero.FP32, 2, false}, {zero.BF16, 3, true}, {zero.FP32, 1, true}} {
+		dir := t.TempDir()
+		c := defaultConfig()
+		c.seed, c.dtype, c.stage, c.offload, c.steps, c.world = seed, tc.dt, tc.stage, tc.offload, 6, 3
+		c.export = filepath.Join(dir, "straight.safetensors")
+		var out bytes.Buffer
+		res, err := run(&out, c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(out.String(), "fp32 parameters exported to "+c.export) {
+			t.Fatalf("the run does not say where it exported:\n%s", out.String())
+		}
+		shapes, values, meta := readExport(t, c.export)
+		m := mlp{c.in, c.hidden}
+		if len(values) != 4 || meta["format"] != "pt" || meta["zero.step"] != "6" {
+			t.Fatalf("%v: %d tensors, metadata %v", tc.dt, len(values), meta)
+		}
+		last := res.params[len(res.params)-1]
+		differs := false
+		for p, name := range tensorNames {
+			if !slices.Equal(shapes[name], m.shapes()[p]) {
+				t.Fatalf("%s: shape %v, want %v", name, shapes[name], m.shapes()[p])
+			}
+			for i, x := range values[name] {
+				got := float64(x)
+				if tc.dt == zero.BF16 {
+					got = float64(math.Float32frombits(uint32(bf16(x)) << 16))
+					differs = differs || got != float64(x)
+				}
+				if math.Float64bits(got) != math.Float64bits(last[p][i]) {
+					t.Fatalf("%v: %s[%d]: the export holds %v, which is not the parameter %v", tc.dt, name, i, x, last[p][i])
+				}
+			}
+		}
+		if tc.dt == zero.BF16 && !differs {
+			t.Fatal("bf16: the export equals the rounded parameters: it is not the master, or the test cannot tell")
+		}
+		// stopped after 3 steps, resumed, exported
+		first, resumed := c, c
+		first.steps, first.export, first.save = 3, "", filepath.Join(dir, "ckpt")
+		if _, err := run(nil, first); err != nil {
+			t.Fatal(err)
+		}
+		resumed.resume, resumed.export = first.save, filepath.Join(dir, "resumed.safetensors")
+		if _, err := run(nil, resumed); err != nil {
+			t.Fatal(err)
+		}
+		a, _ := os.ReadFile(c.export)
+		b, _ := os.ReadFile(resumed.export)
+		if !bytes.Equal(a, b) {
+			t.Fatalf("%v: the resumed run's export differs from the uninterrupted run's", tc.dt)
+		}
 	}
 }
