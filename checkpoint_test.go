@@ -14,7 +14,6 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -1230,11 +1229,6 @@ func BenchmarkCheckpoint(b *testing.B) {
 	b.ReportMetric(float64(bytes)/(1<<20), "state-MiB")
 }
 
-func heapAllocated() uint64 {
-	var m runtime.MemStats
-	runtime.ReadMemStats(&m)
-	return m.TotalAlloc
-}
 
 // writePlain writes n bytes beside name in pieces of buf, fsynced, and
 // renames the file over name (the directory fsynced).

@@ -1768,3 +1768,11 @@ func firstByteDiff(x, y []byte) int {
 	}
 	return -1
 }
+
+// heapAllocated is the bytes the Go heap has handed out since the start:
+// the difference over a call is what it allocated (every goroutine's).
+func heapAllocated() uint64 {
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.TotalAlloc
+}

@@ -150,6 +150,13 @@ func newParamState(ld loadSpec, cfg ParamPolicy, gs Stream) (*paramState, error)
 		return ps, err
 	}
 	rank := ld.comm.Rank()
+	most := 0 // one buffer, of the largest range, serves every Init
+	for i, p := range ps.params {
+		if p.Init != nil && !p.Frozen {
+			most = max(most, ps.plan.shardRange(i, rank).Count)
+		}
+	}
+	buf := make([]float32, most)
 	for i, p := range ps.params {
 		if p.Init == nil || p.Frozen {
 			continue
@@ -158,7 +165,7 @@ func newParamState(ld loadSpec, cfg ParamPolicy, gs Stream) (*paramState, error)
 		if rg.Count == 0 {
 			continue
 		}
-		host := make([]float32, rg.Count)
+		host := buf[:rg.Count]
 		if err := p.Init(host, rg.ParamOffset); err != nil {
 			return ps, errorf(ErrParam, "Init of parameter %d (%q) at offset %d: %v", i, p.Name, rg.ParamOffset, err)
 		}

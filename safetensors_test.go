@@ -13,6 +13,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -933,4 +934,140 @@ func TestSafetensorsPython(t *testing.T) {
 		t.Fatalf("Python's safetensors writes another file than testdata/python.safetensors: run scripts/safetensors_check.py write testdata/python.safetensors")
 	}
 	t.Logf("Python's safetensors read %d tensors of zero's export and wrote a file zero imports", want)
+}
+
+// BenchmarkSafetensors exports and imports a model of 4M fp32 elements
+// (ZERO_BENCH_ST_ELEMS to change; the largest parameter half of it) on 2
+// in-process ranks at stage 3 with AdamW: the export with the optimizer
+// state (the master and the moments, 16 bytes an element, written by
+// every rank at its own ranges), from device memory and, with offload,
+// from host memory; the import through Init into new engines. Metrics:
+// MB/s of the file; extra-MiB/rank, the Go heap each rank allocates for
+// it, beside param-MiB, the largest parameter's fp32 bytes: nothing is
+// gathered, so the export's extra memory is one 8 MiB chunk per rank from
+// device memory and none from host memory, and the import's one rank's
+// range of a parameter (New's upload of Init's values).
+func BenchmarkSafetensors(b *testing.B) {
+	elems := 4 << 20
+	if v, err := strconv.Atoi(os.Getenv("ZERO_BENCH_ST_ELEMS")); err == nil && v > 0 {
+		elems = v
+	}
+	const world = 2
+	sizes := []int{elems / 2, elems / 4, elems/4 - 3, 3}
+	params := func() []Param {
+		ps := make([]Param, len(sizes))
+		for p, n := range sizes {
+			ps[p] = Param{Name: fmt.Sprint("layer", p), Count: n, DType: FP32, Init: func(dst []float32, off int) error {
+				for i := range dst {
+					dst[i] = float32(off+i) * 1e-6
+				}
+				return nil
+			}}
+		}
+		return ps
+	}
+	dir := b.TempDir()
+	file := filepath.Join(dir, "model.safetensors")
+	cfg := Config{Stage: 3, BucketBytes: 32 << 20, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}
+	size := func() float64 {
+		st, err := os.Stat(file)
+		if err != nil {
+			b.Fatal(err)
+		}
+		return float64(st.Size())
+	}
+	// engines for cfg with offload, and a function that closes them
+	build := func(offload bool) ([]*Engine, func()) {
+		cfg := cfg
+		cfg.Offload.Optimizer = offload
+		comms, err := NewLocalGroup(world)
+		if err != nil {
+			b.Fatal(err)
+		}
+		engines := make([]*Engine, world)
+		err = errors.Join(eachRank(world, func(r int) error {
+			var err error
+			engines[r], err = New(cfg, comms[r], params())
+			return err
+		})...)
+		done := func() {
+			for r, e := range engines {
+				if e != nil {
+					e.Close()
+				}
+				comms[r].Close()
+			}
+		}
+		if err != nil {
+			done()
+			b.Fatal(err)
+		}
+		return engines, done
+	}
+	export := func(engines []*Engine) error {
+		return errors.Join(eachRank(world, func(r int) error {
+			return engines[r].ExportSafetensors(file, ExportOptions{Optimizer: true})
+		})...)
+	}
+	engines, done := build(false) // the file the import reads
+	err := export(engines)
+	done()
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, offload := range []bool{false, true} {
+		b.Run(fmt.Sprintf("export/offload=%v", offload), func(b *testing.B) {
+			engines, done := build(offload)
+			defer done()
+			var heap uint64
+			b.ResetTimer()
+			for range b.N {
+				a := heapAllocated()
+				if err := export(engines); err != nil {
+					b.Fatal(err)
+				}
+				heap += heapAllocated() - a
+			}
+			b.StopTimer()
+			b.SetBytes(int64(size()))
+			b.ReportMetric(float64(heap)/float64(b.N)/world/(1<<20), "extra-MiB/rank")
+			b.ReportMetric(float64(sizes[0])*4/(1<<20), "param-MiB")
+		})
+	}
+	b.Run("import", func(b *testing.B) {
+		var heap uint64
+		for range b.N {
+			comms, err := NewLocalGroup(world)
+			if err != nil {
+				b.Fatal(err)
+			}
+			a := heapAllocated()
+			engines := make([]*Engine, world)
+			err = errors.Join(eachRank(world, func(r int) error {
+				ps := params()
+				for p := range ps {
+					ps[p].Init = nil
+				}
+				if err := ImportSafetensors(file, cfg, CPU(), ps, ImportOptions{}); err != nil {
+					return err
+				}
+				var err error
+				engines[r], err = New(Config{Stage: 3, BucketBytes: cfg.BucketBytes}, comms[r], ps)
+				return err
+			})...)
+			heap += heapAllocated() - a
+			for r, e := range engines {
+				if e != nil {
+					e.Close()
+				}
+				comms[r].Close()
+			}
+			if err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.SetBytes(int64(size()))
+		b.ReportMetric(float64(heap)/float64(b.N)/world/(1<<20), "extra-MiB/rank")
+		b.ReportMetric(float64(sizes[0])*4/(1<<20), "param-MiB")
+	})
 }
