@@ -1229,7 +1229,6 @@ func BenchmarkCheckpoint(b *testing.B) {
 	b.ReportMetric(float64(bytes)/(1<<20), "state-MiB")
 }
 
-
 // writePlain writes n bytes beside name in pieces of buf, fsynced, and
 // renames the file over name (the directory fsynced).
 func writePlain(name string, buf []byte, n int64) error {
