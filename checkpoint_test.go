@@ -82,18 +82,6 @@ func mix64(h uint64) uint64 {
 	return h ^ h>>31
 }
 
-// toDType rounds x into a host tensor of d.
-func toDType(x []float32, d DType) Tensor {
-	if d == FP32 {
-		return Float32s(x)
-	}
-	h := make([]uint16, len(x))
-	for i, v := range x {
-		h[i] = uint16(refEncode(d, v))
-	}
-	return Halfs(h, d)
-}
-
 func (a ckptState) diff(b ckptState) string {
 	for name, x := range a.state {
 		if y, ok := b.state[name]; !ok || !slices.Equal(x, y) {

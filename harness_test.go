@@ -1776,3 +1776,15 @@ func heapAllocated() uint64 {
 	runtime.ReadMemStats(&m)
 	return m.TotalAlloc
 }
+
+// toDType rounds x into a host tensor of d.
+func toDType(x []float32, d DType) Tensor {
+	if d == FP32 {
+		return Float32s(x)
+	}
+	h := make([]uint16, len(x))
+	for i, v := range x {
+		h[i] = uint16(refEncode(d, v))
+	}
+	return Halfs(h, d)
+}
