@@ -942,7 +942,8 @@ func TestSafetensorsPython(t *testing.T) {
 // state (the master and the moments, 16 bytes an element, written by
 // every rank at its own ranges), from device memory and, with offload,
 // from host memory; the import through Init into new engines. Metrics:
-// MB/s of the file; extra-MiB/rank, the Go heap each rank allocates for
+// MB/s of the file (the export's) or of the parameters it holds (the
+// import's); extra-MiB/rank, the Go heap each rank allocates for
 // it, beside param-MiB, the largest parameter's fp32 bytes: nothing is
 // gathered, so the export's extra memory is one 8 MiB chunk per rank from
 // device memory and none from host memory, and the import's one rank's
@@ -1066,7 +1067,7 @@ func BenchmarkSafetensors(b *testing.B) {
 				b.Fatal(err)
 			}
 		}
-		b.SetBytes(int64(size()))
+		b.SetBytes(int64(elems) * 4) // the parameters it reads, not the optimizer state beside them
 		b.ReportMetric(float64(heap)/float64(b.N)/world/(1<<20), "extra-MiB/rank")
 		b.ReportMetric(float64(sizes[0])*4/(1<<20), "param-MiB")
 	})
