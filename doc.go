@@ -59,6 +59,13 @@
 //     and what one step moves, from the engine's own plan; Transformer and
 //     CountParams make the parameter lists of a 7B or 70B model.
 //
+//   - Save and Load checkpoint the training state (master, moments, step
+//     counts, loss scaler, the caller's bytes) atomically, one file per
+//     rank; a checkpoint loads into another world size, stage, bucket size
+//     or offload. ExportSafetensors (or CheckpointToSafetensors, offline)
+//     writes the fp32 model as one safetensors file without gathering it;
+//     ImportSafetensors starts a model from one, sharded at stage 3.
+//
 // Each rank's Engine is driven from one goroutine. Errors are typed
 // (errors.Is with ErrProtocol, ErrMismatch, …) and say what to change.
 package zero
