@@ -784,7 +784,8 @@ func pyValues(t int) []float32 {
 }
 
 // importPython imports the Python-written file path into engines at stages
-// 2 and 3 (each tensor into a parameter of its dtype) and checks the values.
+// 2 and 3 (each tensor into a parameter of its dtype; Align 1, so a tensor
+// splits across the 2 ranks) and checks the values.
 func importPython(t *testing.T, path string) {
 	t.Helper()
 	for _, stage := range []int{2, 3} {
@@ -820,7 +821,7 @@ func importPython(t *testing.T, path string) {
 				if err := ImportSafetensors(path, Config{Stage: stage}, CPU(), mine, ImportOptions{}); err != nil {
 					return err
 				}
-				e, err := New(Config{Stage: stage, BucketBytes: 64}, comms[rank], mine)
+				e, err := New(Config{Stage: stage, BucketBytes: 64, Align: 1}, comms[rank], mine)
 				if err != nil {
 					return err
 				}

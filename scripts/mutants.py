@@ -355,7 +355,7 @@ MUTANTS = [
     ("st-init-ignores-offset", "safetensors.go",
      "\t\treturn r.read(f, offset, out)",
      "\t\treturn r.read(f, 0, out)",
-     "TestSafetensorsImport$"),
+     "TestSafetensorsImport$|TestSafetensorsPythonFile"),
     ("st-convert-truncates", "safetensors.go",
      "\t\t\tcastHost(hostTensor(out, to).ptr, to, hostTensor(raw, from).ptr, from, n, 1)",
      "\t\t\tfor k := range n {\n\t\t\t\tif to == FP32 {\n\t\t\t\t\tcopy(out[4*k:], []byte{0, 0, raw[2*k], raw[2*k+1]})\n\t\t\t\t} else {\n\t\t\t\t\tout[2*k], out[2*k+1] = raw[4*k+2], raw[4*k+3]\n\t\t\t\t}\n\t\t\t}",
