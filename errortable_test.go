@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -281,6 +282,29 @@ var errorTable = []errorRow{
 		}
 		want(t, "a Comm of the caller's own failing", e.Step(), ErrCollective, mine)
 		fatalAfter(t, e, mine)
+	}},
+	{"`ErrCheckpoint`", func(t *testing.T) {
+		comms, _ := NewLocalGroup(1)
+		params, bufs := smallModel(FP32, 0.5)
+		e, err := New(Config{Stage: 2, BucketBytes: 1024, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}, comms[0], params)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer e.Close()
+		before := snapshotState(e, bufs)
+		_, err = e.Load(t.TempDir(), LoadOptions{})
+		want(t, "a Load from a directory with no checkpoint", err, ErrCheckpoint)
+		notDir := filepath.Join(t.TempDir(), "file")
+		if err := os.WriteFile(notDir, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		want(t, "a Save into a path that is a file", e.Save(notDir, SaveOptions{}), ErrCheckpoint)
+		if !snapshotState(e, bufs).equal(before) {
+			t.Fatal("a refused Load or Save changed the engine")
+		}
+		if err := e.Save(t.TempDir(), SaveOptions{}); err != nil {
+			t.Fatalf("the engine should go on: %v", err)
+		}
 	}},
 	{"`ErrAborted`", func(t *testing.T) {
 		e, s := oneRank(t, Config{Stage: 2, BucketBytes: 1024})
