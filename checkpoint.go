@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"unsafe"
 )
 
@@ -675,10 +676,12 @@ func (ld *loader) buffer() []byte {
 // buffers are two chunks, for reading ahead while checking.
 func (ld *loader) buffers() [2][]byte {
 	if ld.ahead == nil {
-		ld.ahead = make([]byte, ckptChunk)
+		ld.ahead = make([]byte, 2*verifyPiece)
 	}
-	return [2][]byte{ld.buffer(), ld.ahead}
+	return [2][]byte{ld.ahead[:verifyPiece], ld.ahead[verifyPiece:]}
 }
+
+const verifyPiece = 1 << 20 // the checks' reads: small enough to be summed while still in cache
 
 // fileCRC reads a whole file in order and returns its CRC32C: a reader
 // fills one of two chunks while the other is summed, so the check costs
@@ -693,8 +696,8 @@ func fileCRC(rr *rankReader, size int64, bufs [2][]byte) (uint32, error) {
 	free <- bufs[1]
 	go func() {
 		defer close(full)
-		for off := int64(0); off < size; off += ckptChunk {
-			b := (<-free)[:min(ckptChunk, size-off)]
+		for off := int64(0); off < size; off += verifyPiece {
+			b := (<-free)[:min(verifyPiece, size-off)]
 			_, err := rr.f.ReadAt(b, off)
 			if err == io.EOF {
 				err = nil
@@ -724,8 +727,7 @@ func fileCRC(rr *rankReader, size int64, bufs [2][]byte) (uint32, error) {
 // holds (padding) are zero. zero fills it with zeros instead.
 func (ld *loader) fill(st stateTensor, zero bool) error {
 	size := st.t.dtype.Size()
-	buf := ld.buffer()
-	per := len(buf) / size
+	per := ckptChunk / size
 	_, onHost := st.dev.(*hostDevice) // read straight into the state
 	type seg struct{ p, po, so, n int }
 	var segs []seg
@@ -735,16 +737,9 @@ func (ld *loader) fill(st stateTensor, zero bool) error {
 		}
 	}
 	slices.SortFunc(segs, func(x, y seg) int { return x.so - y.so })
-	for off := 0; off < st.t.count; off += per {
-		n := min(per, st.t.count-off)
-		b := buf[:n*size]
-		if onHost {
-			if err := st.s.Sync(); err != nil { // nothing of the stream still uses it
-				return err
-			}
-			b = st.t.slice(off, n).hostBytes()
-		}
-		at := off // b is written up to element at; the gaps are zeroed
+	// chunk fills b, elements [off, off+n) of the state: the gaps zeroed
+	chunk := func(off, n int, b []byte) error {
+		at := off // b is written up to element at
 		for _, sg := range segs {
 			lo, hi := max(off, sg.so), min(off+n, sg.so+sg.n)
 			if lo >= hi || zero {
@@ -758,8 +753,42 @@ func (ld *loader) fill(st stateTensor, zero bool) error {
 			at = hi
 		}
 		clear(b[(at-off)*size:])
-		if onHost {
-			continue
+		return nil
+	}
+	verified := true
+	for _, rr := range ld.readers {
+		verified = verified && rr.verified
+	}
+	if onHost && verified {
+		if err := st.s.Sync(); err != nil { // nothing of the stream still uses it
+			return err
+		}
+		// Verified files are read with ReadAt alone: two goroutines take
+		// alternate chunks, as a copy out of the page cache is the CPU's.
+		var other error
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for off := per; off < st.t.count && other == nil; off += 2 * per {
+				n := min(per, st.t.count-off)
+				other = chunk(off, n, st.t.slice(off, n).hostBytes())
+			}
+		}()
+		var err error
+		for off := 0; off < st.t.count && err == nil; off += 2 * per {
+			n := min(per, st.t.count-off)
+			err = chunk(off, n, st.t.slice(off, n).hostBytes())
+		}
+		wg.Wait()
+		return errors.Join(err, other)
+	}
+	buf := ld.buffer()
+	for off := 0; off < st.t.count; off += per {
+		n := min(per, st.t.count-off)
+		b := buf[:n*size]
+		if err := chunk(off, n, b); err != nil {
+			return err
 		}
 		if err := st.dev.copy(st.s, st.t.slice(off, n), hostTensor(b, st.t.dtype)); err != nil {
 			return err

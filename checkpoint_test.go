@@ -1125,7 +1125,8 @@ func TestCheckpointGolden(t *testing.T) {
 // parameters, AdamW: master, m, v and the model-dtype shard, 4 × 4 bytes
 // an element; 4M elements by default, ZERO_BENCH_CKPT_ELEMS to change)
 // beside a plain sequential write and read of the same bytes in 8 MiB
-// pieces to the same disk. Both sides are fsynced and replace the previous
+// pieces to the same disk, the read into memory of their size (a load
+// lands every byte in the state). Both sides are fsynced and replace the previous
 // copy only once the new one is whole (the plain file is written beside
 // it and renamed over it, as a save with Keep 1 removes the checkpoint
 // before it); the page cache of every file is dropped before each read.
@@ -1172,7 +1173,7 @@ func BenchmarkCheckpoint(b *testing.B) {
 		return nil
 	})
 	plain := filepath.Join(root, "plain")
-	buf := make([]byte, ckptChunk)
+	buf, dst := make([]byte, ckptChunk), make([]byte, bytes)
 	var tSave, tLoad, tWrite, tRead []time.Duration
 	var allocSave, allocLoad uint64
 	timed := func(into *[]time.Duration, f func() error) {
@@ -1198,7 +1199,7 @@ func BenchmarkCheckpoint(b *testing.B) {
 		if err := dropCache(plain); err != nil {
 			b.Fatal(err)
 		}
-		timed(&tRead, func() error { return readPlain(plain, buf) })
+		timed(&tRead, func() error { return readPlain(plain, dst) })
 	}
 	median := func(d []time.Duration) float64 {
 		s := slices.Clone(d)
@@ -1243,19 +1244,24 @@ func writePlain(name string, buf []byte, n int64) error {
 	return osFS{}.SyncDir(filepath.Dir(name))
 }
 
-func readPlain(name string, buf []byte) error {
+// readPlain reads name front to back into dst, in pieces of 8 MiB: the
+// bytes land in memory of their size, as a load's land in the state.
+func readPlain(name string, dst []byte) error {
 	f, err := os.Open(name)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
-	for {
-		if _, err := f.Read(buf); err == io.EOF {
+	for off := 0; off < len(dst); {
+		n, err := f.Read(dst[off:min(off+ckptChunk, len(dst))])
+		off += n
+		if err == io.EOF {
 			return nil
 		} else if err != nil {
 			return err
 		}
 	}
+	return nil
 }
 
 // dropCache asks the kernel to drop the cached pages of every file under

@@ -98,10 +98,25 @@ func newRankWriter(f ckptFile, name string, footer ckptFooter) *rankWriter {
 }
 
 func (w *rankWriter) write(p []byte) error {
-	if _, err := w.f.Write(p); err != nil {
+	return w.writeWhile(p, nil)
+}
+
+// writeWhile writes p, summing its CRC and running also (a reader of p
+// only) on this goroutine while another one writes: the checksums cost
+// no time beside the write.
+func (w *rankWriter) writeWhile(p []byte, also func()) error {
+	written := make(chan error, 1)
+	go func() {
+		_, err := w.f.Write(p)
+		written <- err
+	}()
+	w.crc = crc32.Update(w.crc, castagnoli, p)
+	if also != nil {
+		also()
+	}
+	if err := <-written; err != nil {
 		return fmt.Errorf("%w: writing %s: %w", ErrCheckpoint, w.name, err)
 	}
-	w.crc = crc32.Update(w.crc, castagnoli, p)
 	w.off += int64(len(p))
 	return nil
 }
@@ -119,20 +134,22 @@ func (w *rankWriter) begin(name string, dt DType) {
 
 // add appends p to the current section, a chunk's CRC at a time.
 func (w *rankWriter) add(p []byte) error {
-	if err := w.write(p); err != nil {
+	chunks := func() {
+		for q := p; len(q) > 0; {
+			n := min(int64(len(q)), ckptChunk-w.inChk)
+			w.chunk = crc32.Update(w.chunk, castagnoli, q[:n])
+			w.inChk += n
+			q = q[n:]
+			if w.inChk == ckptChunk {
+				w.sec.CRC = append(w.sec.CRC, w.chunk)
+				w.chunk, w.inChk = 0, 0
+			}
+		}
+	}
+	if err := w.writeWhile(p, chunks); err != nil {
 		return err
 	}
 	w.sec.Bytes += int64(len(p))
-	for len(p) > 0 {
-		n := min(int64(len(p)), ckptChunk-w.inChk)
-		w.chunk = crc32.Update(w.chunk, castagnoli, p[:n])
-		w.inChk += n
-		p = p[n:]
-		if w.inChk == ckptChunk {
-			w.sec.CRC = append(w.sec.CRC, w.chunk)
-			w.chunk, w.inChk = 0, 0
-		}
-	}
 	return nil
 }
 
