@@ -149,9 +149,30 @@ struct CUevent_st {
 	uint64_t recorded = 0, completed = 0;
 	bool timing = true;
 	std::chrono::steady_clock::time_point at;
+	/* work queued on streams that still uses the event (records, waits);
+	 * a destroyed event is freed by whichever of those finishes last, as
+	 * CUDA frees a destroyed event once the device is done with it */
+	int users = 0;
+	bool destroyed = false;
 	void wait_for(uint64_t g) {
 		std::unique_lock<std::mutex> l(mu);
 		cv.wait(l, [&] { return completed >= g; });
+	}
+	void use() {
+		std::lock_guard<std::mutex> l(mu);
+		users++;
+	}
+	/* done ends one use (or, with destroy, the owner's) and frees the event
+	 * when nothing uses it any more */
+	static void done(CUevent_st* e, bool destroy) {
+		bool last;
+		{
+			std::lock_guard<std::mutex> l(e->mu);
+			if (destroy) e->destroyed = true;
+			else e->users--;
+			last = e->destroyed && e->users == 0;
+		}
+		if (last) delete e;
 	}
 };
 
@@ -383,7 +404,11 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
 		std::lock_guard<std::mutex> l(e->mu);
 		g = e->recorded;
 	}
-	S(s)->push([=] { e->wait_for(g); });
+	e->use();
+	S(s)->push([=] {
+		e->wait_for(g);
+		CUevent_st::done(e, false);
+	});
 	return CUDA_SUCCESS;
 }
 
@@ -410,12 +435,16 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
 	{
 		std::lock_guard<std::mutex> l(e->mu);
 		g = ++e->recorded;
+		e->users++;
 	}
 	S(s)->push([=] {
-		std::lock_guard<std::mutex> l(e->mu);
-		if (e->completed < g) e->completed = g;
-		e->at = std::chrono::steady_clock::now();
-		e->cv.notify_all();
+		{
+			std::lock_guard<std::mutex> l(e->mu);
+			if (e->completed < g) e->completed = g;
+			e->at = std::chrono::steady_clock::now();
+			e->cv.notify_all();
+		}
+		CUevent_st::done(e, false);
 	});
 	return CUDA_SUCCESS;
 }
@@ -436,16 +465,9 @@ CUresult cuEventQuery(CUevent e) {
 }
 
 CUresult cuEventDestroy_v2(CUevent e) {
-	/* CUDA allows destroying a pending event; keep it until it has fired */
-	uint64_t g;
-	{
-		std::lock_guard<std::mutex> l(e->mu);
-		g = e->recorded;
-	}
-	std::thread([e, g] {
-		e->wait_for(g);
-		delete e;
-	}).detach();
+	/* CUDA allows destroying an event that queued work still records or
+	 * waits on: it is freed when the last of that work is done */
+	CUevent_st::done(e, true);
 	return CUDA_SUCCESS;
 }
 
