@@ -12,11 +12,8 @@ import (
 
 // TestCUDAEstimateMatchesAllocations: on the one-GPU group, stages 1-3 ×
 // offload × window (none, Coalesce, Coalesce under half the sums' budget)
-// × shard dtype, two backwards a step: the engine's device and page-locked
-// host allocations reach the estimate to the byte. Offload runs one rank:
-// offloading ranks sharing one device sometimes hang in Step, every stream
-// waiting on another (seen under the fake driver about once in a hundred
-// runs of TestCUDAOffloadMatchesCPU too), a fault outside the estimator.
+// × shard dtype, two ranks, two backwards a step: the engine's device and
+// page-locked host allocations reach the estimate to the byte.
 func TestCUDAEstimateMatchesAllocations(t *testing.T) {
 	d := needCUDA(t)
 	seed := testSeed(t)
@@ -25,10 +22,7 @@ func TestCUDAEstimateMatchesAllocations(t *testing.T) {
 	const bucket = 512
 	for _, stage := range []int{1, 2, 3} {
 		for _, offload := range []bool{false, true} {
-			world := 2
-			if offload {
-				world = 1
-			}
+			const world = 2
 			for _, window := range []string{"none", "coalesce", "budget"} {
 				for _, shard := range []DType{FP32, BF16} {
 					cfg := Config{Stage: stage, BucketBytes: bucket, Overlap: true}
