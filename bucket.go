@@ -2,6 +2,7 @@ package zero
 
 import (
 	"errors"
+	"runtime"
 	"slices"
 )
 
@@ -509,6 +510,17 @@ func (pl *pipeline) produced(b int, idx []int, params []int, stream Stream, ev E
 // every rank whatever the arrival order, so the collectives match across
 // ranks. caller is the stream reductions run on without overlap.
 func (pl *pipeline) issueReady(caller Stream, all, flush bool) error {
+	issued := false
+	defer func() {
+		if issued {
+			// Let the streams start the reductions now, as a device starts
+			// launched work: on the host, where the caller's compute keeps
+			// every core busy, their goroutines would otherwise wait for
+			// the scheduler's preemption (up to 10 ms) and pile up behind
+			// backward. Once per bucket, not per gradient.
+			runtime.Gosched()
+		}
+	}()
 	for pl.nextIssue < len(pl.buckets) {
 		b := pl.nextIssue
 		bs := &pl.buckets[b]
@@ -526,6 +538,7 @@ func (pl *pipeline) issueReady(caller Stream, all, flush bool) error {
 		if err := pl.reduce(b, rs); err != nil {
 			return err
 		}
+		issued = true
 		pl.nextIssue++
 	}
 	if flush {
