@@ -241,12 +241,12 @@ func (e *Engine) fail(err error) error {
 // (fatal).
 func (e *Engine) ownFailure(err error, caller Stream) error {
 	if e.pl.reducesOn(caller) { // a reduction it carries is lost with it
-		return e.fail(err)
+		return e.fail(divergence("a reduction on the caller's stream", e.backwards, err))
 	}
 	for _, s := range e.streams {
 		if hs, ok := s.(*HostStream); ok {
 			if own := hs.failure(); own != nil {
-				return e.fail(own)
+				return e.fail(divergence("the engine's reductions", e.backwards, own))
 			}
 		}
 	}
