@@ -166,11 +166,18 @@ func TestReadsOutsideTheWindow(t *testing.T) {
 type faultyComm struct {
 	Comm
 	err error
+	// with calls set, only the reduce-scatter numbered *only (from 1) fails
+	calls, only *int
 }
 
 func (c faultyComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
 	if err := c.Comm.ReduceScatter(s, send, recv, op); err != nil {
 		return err
+	}
+	if c.calls != nil {
+		if *c.calls++; *c.calls != *c.only {
+			return nil
+		}
 	}
 	return s.(*HostStream).Launch(func() error { return c.err })
 }
@@ -183,12 +190,20 @@ func TestReductionErrorReachesCaller(t *testing.T) {
 	boom := errors.New("reduction failed")
 	params := testParams(FP32)
 	for _, stage := range []int{1, 2, 3} {
-		for _, c := range []struct{ overlap, offload bool }{{false, false}, {true, false}, {true, true}} {
-			what := fmt.Sprintf("stage %d overlap=%v offload=%v", stage, c.overlap, c.offload)
+		for _, c := range []struct{ overlap, offload, lastOnly bool }{{false, false, false}, {true, false, false}, {true, true, false},
+			{false, false, true}, {true, false, true}, {true, true, true}} {
+			what := fmt.Sprintf("stage %d overlap=%v offload=%v only the last reduction fails=%v", stage, c.overlap, c.offload, c.lastOnly)
 			comms, _ := NewLocalGroup(1)
-			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: c.overlap, Offload: OffloadPolicy{Optimizer: c.offload}}, faultyComm{comms[0], boom}, params)
+			fc := faultyComm{Comm: comms[0], err: boom}
+			if c.lastOnly { // only Step's wait for the reductions can see it
+				fc.calls, fc.only = new(int), new(int)
+			}
+			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: c.overlap, Offload: OffloadPolicy{Optimizer: c.offload}}, fc, params)
 			if err != nil {
 				t.Fatal(err)
+			}
+			if c.lastOnly {
+				*fc.only = len(e.Plan().Buckets)
 			}
 			s := NewHostStream()
 			if err := backward(e, s, constGrads(params, 1)); err != nil && !errors.Is(err, boom) {
@@ -218,7 +233,7 @@ func TestReductionErrorReachesCaller(t *testing.T) {
 			what := fmt.Sprintf("optimizer, stage %d overlap=%v offload=%v", stage, c.overlap, c.offload)
 			comms, _ := NewLocalGroup(1)
 			ps, bufs := smallModel(FP32, 0.5)
-			e, err := New(Config{Stage: stage, BucketBytes: 512, Overlap: c.overlap, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.1)}}, Offload: OffloadPolicy{Optimizer: c.offload}}, faultyComm{comms[0], boom}, ps)
+			e, err := New(Config{Stage: stage, BucketBytes: 512, Overlap: c.overlap, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.1)}}, Offload: OffloadPolicy{Optimizer: c.offload}}, faultyComm{Comm: comms[0], err: boom}, ps)
 			if err != nil {
 				t.Fatal(err)
 			}
