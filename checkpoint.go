@@ -684,7 +684,7 @@ func (ld *loader) buffers() [2][]byte {
 const verifyPiece = 1 << 20 // the checks' reads: small enough to be summed while still in cache
 
 // fileCRC reads a whole file in order and returns its CRC32C: a reader
-// fills one of two chunks while the other is summed, so the check costs
+// fills one of two pieces while the other is summed, so the check costs
 // about the read alone.
 func fileCRC(rr *rankReader, size int64, bufs [2][]byte) (uint32, error) {
 	type piece struct {
