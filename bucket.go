@@ -235,6 +235,7 @@ type pipeline struct {
 	reducing map[Stream]Event // the last reduction issued on each stream since the last sync
 	sent     CommCounters     // the collectives issued since the last takeStats
 	clock    stopwatch        // times the reductions since the last Step
+	normRead int64            // bytes of the shard the norm read again since the last takeStats
 	ends     *backwardEnd     // the engine's: when the window's last backward ended
 }
 
@@ -291,11 +292,20 @@ type sink interface {
 	// would use device stream s: that device and s, or the host and its
 	// stream.
 	side(s Stream) (Device, Stream)
-	// land sums mine, this rank's reduced part of a bucket (comm dtype,
+	// land sums mine, this rank's reduced part of bucket b (comm dtype,
 	// written on rs), into the shard at offset: copy when first, add after,
-	// times scale, raising the flag on inf or NaN. On an error, read is
-	// still the event after which mine may be reused.
-	land(rs Stream, mine Tensor, offset int, first bool, scale float32) (landing, error)
+	// times scale, raising the flag on inf or NaN; when last (the landing is
+	// known to be the step's last into the bucket) it also sums the
+	// squares of what it stored, for the norm. On an error, read is still
+	// the event after which mine may be reused.
+	land(rs Stream, mine Tensor, b, offset int, first bool, scale float32, last bool) (landing, error)
+	// squares is the sum of squares of the shard, on the sink's side of s,
+	// once every landing has finished; read the bytes it read of the shard
+	// (those no landing had summed).
+	squares(s Stream) (sumsq float64, read int64, err error)
+	// newWindow forgets the landings' sums: the next window's landings
+	// overwrite the shard.
+	newWindow()
 	// onDevice returns the shard in device memory for a collective on s:
 	// the shard itself, or a copy in scratch that s waits for.
 	onDevice(s Stream, scratch Tensor) (Tensor, error)
@@ -318,16 +328,22 @@ type landing struct {
 // (Precision.ShardDType) is summed in fp32 and rounded once by the kernel.
 type deviceSink struct {
 	dev         Device
-	sum, raised Tensor // the shard and the flag
+	sum, raised Tensor     // the shard and the flag
+	norm        *shardNorm // the shard's sums of squares; nil without an optimizer
 }
 
-func newDeviceSink(dev Device, plan *Plan, dt DType) (*deviceSink, error) {
+// newDeviceSink allocates the shard in dtype dt, and its sums of squares
+// where withNorm (an optimizer takes the norm).
+func newDeviceSink(dev Device, plan *Plan, dt DType, withNorm bool) (*deviceSink, error) {
 	d := &deviceSink{dev: dev}
 	var err error
 	if d.sum, err = dev.Alloc(plan.ShardElems, dt); err != nil {
 		return d, err
 	}
-	d.raised, err = dev.Alloc(1, FP32)
+	if d.raised, err = dev.Alloc(1, FP32); err != nil || !withNorm {
+		return d, err
+	}
+	d.norm, err = newShardNorm(dev, plan)
 	return d, err
 }
 
@@ -335,10 +351,18 @@ func (d *deviceSink) shard() Tensor                           { return d.sum }
 func (d *deviceSink) flag() Tensor                            { return d.raised }
 func (d *deviceSink) side(s Stream) (Device, Stream)          { return d.dev, s }
 func (d *deviceSink) onDevice(Stream, Tensor) (Tensor, error) { return d.sum, nil }
-func (d *deviceSink) deviceBytes() int64                      { return int64(d.sum.Bytes()) }
+func (d *deviceSink) newWindow()                              { d.norm.forget() }
 
-func (d *deviceSink) land(rs Stream, mine Tensor, offset int, first bool, scale float32) (landing, error) {
-	if err := d.dev.accumulate(rs, d.sum, []Segment{{Src: mine, Offset: offset}}, first, scale, d.raised); err != nil {
+func (d *deviceSink) deviceBytes() int64 {
+	n := int64(d.sum.Bytes())
+	if d.norm != nil {
+		n += d.norm.bytes()
+	}
+	return n
+}
+
+func (d *deviceSink) land(rs Stream, mine Tensor, b, offset int, first bool, scale float32, last bool) (landing, error) {
+	if err := landInto(d.dev, rs, d.sum, mine, b, offset, first, scale, d.raised, d.norm, last); err != nil {
 		return landing{read: fence(rs)}, err
 	}
 	done, err := record(rs)
@@ -348,8 +372,28 @@ func (d *deviceSink) land(rs Stream, mine Tensor, offset int, first bool, scale 
 	return landing{read: done, reduced: done, pending: []streamEvent{{rs, done}}}, nil
 }
 
+func (d *deviceSink) squares(s Stream) (float64, int64, error) { return d.norm.squares(s, d.sum) }
+
 func (d *deviceSink) close() error {
-	return errors.Join(d.dev.Free(d.sum), d.dev.Free(d.raised))
+	return errors.Join(d.dev.Free(d.sum), d.dev.Free(d.raised), d.norm.close())
+}
+
+// landInto accumulates mine into bucket b's part of shard on dev's stream
+// rs, summing the squares of what it stored where last and norm is kept,
+// and records which it did.
+func landInto(dev Device, rs Stream, shard, mine Tensor, b, offset int, first bool, scale float32, flag Tensor, norm *shardNorm, last bool) error {
+	seg := Segment{Src: mine, Offset: offset}
+	if norm == nil {
+		return dev.accumulate(rs, shard, []Segment{seg}, first, scale, flag)
+	}
+	var err error
+	if last {
+		err = dev.accumulateSquares(rs, shard, seg, first, scale, flag, norm.partsOf(b))
+	} else {
+		err = dev.accumulate(rs, shard, []Segment{seg}, first, scale, flag)
+	}
+	norm.landed(b, last && err == nil)
+	return err
 }
 
 // maxShardElems is the largest bucket shard of the plan.
@@ -508,8 +552,9 @@ func (pl *pipeline) produced(b int, idx []int, params []int, stream Stream, ev E
 // buckets whose members have all reported (every remaining one when all is
 // set), and local buckets too when flush is set. The order is the same on
 // every rank whatever the arrival order, so the collectives match across
-// ranks. caller is the stream reductions run on without overlap.
-func (pl *pipeline) issueReady(caller Stream, all, flush bool) error {
+// ranks. caller is the stream reductions run on without overlap. last says
+// the backward is the step's last (its landings sum the norm's squares).
+func (pl *pipeline) issueReady(caller Stream, all, flush, last bool) error {
 	issued := false
 	defer func() {
 		if issued {
@@ -535,7 +580,7 @@ func (pl *pipeline) issueReady(caller Stream, all, flush bool) error {
 		if pl.spec.overlap {
 			rs = pl.stream
 		}
-		if err := pl.reduce(b, rs); err != nil {
+		if err := pl.reduce(b, rs, last); err != nil {
 			return err
 		}
 		issued = true
@@ -549,7 +594,7 @@ func (pl *pipeline) issueReady(caller Stream, all, flush bool) error {
 
 // flushLocal reduces every local bucket, in bucket order, between
 // backwards (at Step, at the end of a coalesced window); the streamed ones
-// were reduced by their backwards.
+// were reduced by their backwards. Its landings are the step's last.
 func (pl *pipeline) flushLocal(caller Stream) error {
 	rs := caller
 	if pl.spec.overlap {
@@ -559,7 +604,7 @@ func (pl *pipeline) flushLocal(caller Stream) error {
 		if pl.buckets[b].mode != local {
 			continue
 		}
-		if err := pl.reduce(b, rs); err != nil {
+		if err := pl.reduce(b, rs, true); err != nil {
 			return err
 		}
 	}
@@ -591,8 +636,9 @@ func (pl *pipeline) endBackward() {
 
 // reduce reduce-scatters bucket b on stream rs and accumulates this rank's
 // part into the fp32 shard: copy on the first reduction after the window
-// began, add after that.
-func (pl *pipeline) reduce(b int, rs Stream) (err error) {
+// began, add after that; last: no later reduction of the bucket is expected
+// before Step, so the landing sums the norm's squares.
+func (pl *pipeline) reduce(b int, rs Stream, last bool) (err error) {
 	bp, bs := &pl.plan.Buckets[b], &pl.buckets[b]
 	st := bs.stage
 	if bs.mode == local && pl.reducesInPlace(bs.local) {
@@ -661,7 +707,7 @@ func (pl *pipeline) reduce(b int, rs Stream) (err error) {
 		return err
 	}
 	pl.sent.add(KindReduceScatter, buf.Bytes(), pl.spec.world)
-	l, err := pl.sink.land(rs, mine, bp.ShardOffset, bs.copyFirst, pl.spec.postscale)
+	l, err := pl.sink.land(rs, mine, b, bp.ShardOffset, bs.copyFirst, pl.spec.postscale, last)
 	if err != nil {
 		freeAt = l.read
 		pl.clock.release(start)
@@ -797,6 +843,7 @@ func (pl *pipeline) newWindow() {
 		pl.buckets[i].reduced = nil
 	}
 	clear(pl.writer) // their writes were flushed
+	pl.sink.newWindow()
 }
 
 // releaseWindowSums frees the idle buffers only a window uses (its sums,
@@ -858,6 +905,15 @@ func (pl *pipeline) shardOnDevice(s Stream, scratch Tensor) (Tensor, error) {
 	return pl.sink.onDevice(s, scratch)
 }
 
+// squares is this rank's sum of squares of the gradient shard, for the
+// norm, once the reductions were synced: on the sink's side of s.
+func (pl *pipeline) squares(s Stream) (float64, error) {
+	_, ss := pl.sink.side(s)
+	sumsq, read, err := pl.sink.squares(ss)
+	pl.normRead += read
+	return sumsq, err
+}
+
 // takeOverflow reads the overflow flag raised since the last call and
 // lowers it; the reductions must have been synced.
 func (pl *pipeline) takeOverflow(s Stream) (float32, error) {
@@ -900,7 +956,9 @@ func (pl *pipeline) report(st *Stats) error {
 	st.PeakGradBytes, st.ResidentGradBytes = pl.mem.peak, pl.mem.cur
 	st.PeakGradBytesInUse, st.GradBytesInUse = pl.mem.peakInUse, pl.mem.inUse
 	st.PooledGradBytes = pl.stagingPool.bytes + pl.localPool.bytes + pl.windowPool.bytes
+	st.NormReadBytes = pl.normRead
 	pl.sent = CommCounters{}
+	pl.normRead = 0
 	pl.mem.restart()
 	return nil
 }

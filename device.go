@@ -38,6 +38,17 @@ type Device interface {
 	// and the device's, times scale; the copy is done when s syncs.
 	copyScaled(s Stream, dst, src Tensor, scale float32) error
 	sumSquares(s Stream, x Tensor, out *float64) error
+	// accumulateSquares is accumulate of the one segment seg that also
+	// writes the sum of squares of the values it stored, per chunk of
+	// normChunk elements from seg.Offset, into parts (see checkParts):
+	// what chunkSquares gives afterwards, bit for bit.
+	accumulateSquares(s Stream, acc Tensor, seg Segment, first bool, scale float32, flag, parts Tensor) error
+	// chunkSquares writes the chunk sums of squares of x (any dtype, its
+	// values widened to fp32) into parts, chunk k from element k·normChunk.
+	chunkSquares(s Stream, x, parts Tensor) error
+	// sumChunks writes into outs (float64s, as parts) the sum of the chunk
+	// sums ranges[i] of parts, for every i, in the device's fixed order.
+	sumChunks(s Stream, parts Tensor, ranges []chunkRange, outs Tensor) error
 	// optimize runs one fused optimizer pass over the ranges of the fp32
 	// master shard b.p: AdamW or SGD (elementwise.h), the gradient scaled
 	// by gscale, the new parameters cast into b.out.
@@ -56,6 +67,19 @@ type GPUMemory struct {
 	Total uint64 // bytes of device memory
 	Used  uint64 // bytes in use, by every process
 	Free  uint64 // bytes free
+}
+
+// chunkRange is a run [lo, hi) of a parts tensor's chunk sums.
+type chunkRange struct{ lo, hi int }
+
+// checkParts says whether parts can hold n float64s: chunk sums of squares
+// live in fp32 tensors of two words per float64, as the device allocates
+// no other element type.
+func checkParts(op string, parts Tensor, n int) error {
+	if parts.dtype != FP32 || parts.count < 2*n {
+		return errorf(ErrGradSize, "%s: %d %v elements for %d sums; pass an fp32 tensor of 2 elements per sum", op, parts.count, parts.dtype, n)
+	}
+	return nil
 }
 
 // Segment places a source tensor at Offset elements into a flat buffer.
@@ -246,6 +270,74 @@ func (h *hostDevice) sumSquares(s Stream, x Tensor, out *float64) error {
 		keepAlive(x)
 		return nil
 	})
+}
+
+func (h *hostDevice) accumulateSquares(s Stream, acc Tensor, seg Segment, first bool, scale float32, flag, parts Tensor) error {
+	if !acc.dtype.valid() || (flag.ptr != 0 && flag.dtype != FP32) {
+		return errorf(ErrDType, "accumulateSquares into %v with a %v flag; use an fp32, bf16 or fp16 accumulator and an fp32 flag",
+			acc.dtype, flag.dtype)
+	}
+	if seg.Offset < 0 || seg.Offset+seg.Src.count > acc.count {
+		return errorf(ErrGradSize, "accumulateSquares of %d elements at %d into %d", seg.Src.count, seg.Offset, acc.count)
+	}
+	if err := checkParts("accumulateSquares", parts, chunksOf(seg.Src.count)); err != nil {
+		return err
+	}
+	cs := segmentsOf([]Segment{seg})[0]
+	return h.launch(s, func() error {
+		accumulateSquaresHost(acc.ptr, acc.dtype, cs, seg.Src.dtype, first, scale, flag.ptr, parts.ptr)
+		keepAlive(acc, seg.Src, flag, parts)
+		return nil
+	})
+}
+
+func (h *hostDevice) chunkSquares(s Stream, x, parts Tensor) error {
+	if !x.dtype.valid() {
+		return errorf(ErrDType, "chunkSquares of %v; use fp32, bf16 or fp16", x.dtype)
+	}
+	if err := checkParts("chunkSquares", parts, chunksOf(x.count)); err != nil {
+		return err
+	}
+	return h.launch(s, func() error {
+		chunkSquaresHost(x.ptr, x.dtype, x.count, parts.ptr)
+		keepAlive(x, parts)
+		return nil
+	})
+}
+
+// sumChunks adds each range's chunk sums in chunk order.
+func (h *hostDevice) sumChunks(s Stream, parts Tensor, ranges []chunkRange, outs Tensor) error {
+	top := 0
+	for _, r := range ranges {
+		if r.lo < 0 || r.lo > r.hi {
+			return errorf(ErrGradSize, "sumChunks: range [%d, %d)", r.lo, r.hi)
+		}
+		top = max(top, r.hi)
+	}
+	if err := errors.Join(checkParts("sumChunks", parts, top), checkParts("sumChunks", outs, len(ranges))); err != nil {
+		return err
+	}
+	rs := append([]chunkRange(nil), ranges...) // the caller reuses its slice
+	return h.launch(s, func() error {
+		sums, out := float64s(parts), float64s(outs)
+		for i, r := range rs {
+			total := 0.0
+			for _, x := range sums[r.lo:r.hi] {
+				total += x
+			}
+			out[i] = total
+		}
+		keepAlive(parts, outs)
+		return nil
+	})
+}
+
+// float64s views host memory of fp32 words as float64s (chunk sums).
+func float64s(t Tensor) []float64 {
+	if t.count < 2 {
+		return nil
+	}
+	return unsafe.Slice((*float64)(t.hostPtr()), t.count/2)
 }
 
 func (h *hostDevice) optimize(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32) error {

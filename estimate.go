@@ -54,7 +54,7 @@ type DeviceBytes struct {
 	OptimizerState  int64 // AdamW's m and v (and amsgrad's maximum), SGD's momentum
 	NewParams       int64 // stages 1-2: the model-dtype shard of the new parameters
 	ParamGather     int64 // stages 1-2: the bucket buffer the new parameters are all-gathered in
-	Control         int64 // the overflow flag, Step's check and the norm's all-gather
+	Control         int64 // the overflow flag, Step's check, the norm's chunk sums and its all-gather
 }
 
 // HostBytes is an offloading rank's page-locked host memory by kind.
@@ -199,6 +199,9 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 			d.ParamGather = maxB * msize // loading uses it at New; the step's gathers reuse it
 		}
 		d.Control += normWords * int64(world) * 4
+		if !offload {
+			d.Control += normSumsBytes(plan)
+		}
 	}
 	check := int64(2)
 	if stage3 {

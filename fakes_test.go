@@ -221,6 +221,27 @@ func (d *failingDevice) accumulate(s Stream, acc Tensor, segs []Segment, first b
 	return d.Device.accumulate(s, acc, segs, first, scale, flag)
 }
 
+func (d *failingDevice) accumulateSquares(s Stream, acc Tensor, seg Segment, first bool, scale float32, flag, parts Tensor) error {
+	if err := d.hit(acc, parts); err != nil {
+		return err
+	}
+	return d.Device.accumulateSquares(s, acc, seg, first, scale, flag, parts)
+}
+
+func (d *failingDevice) chunkSquares(s Stream, x, parts Tensor) error {
+	if err := d.hit(x, parts); err != nil {
+		return err
+	}
+	return d.Device.chunkSquares(s, x, parts)
+}
+
+func (d *failingDevice) sumChunks(s Stream, parts Tensor, ranges []chunkRange, outs Tensor) error {
+	if err := d.hit(parts, outs); err != nil {
+		return err
+	}
+	return d.Device.sumChunks(s, parts, ranges, outs)
+}
+
 func (d *failingDevice) cast(s Stream, dst, src Tensor, scale float32) error {
 	if err := d.hit(dst, src); err != nil {
 		return err

@@ -460,6 +460,37 @@ void zero_accumulate(void* acc, int acc_dtype, const zero_seg* segs, int nseg, i
 	if (bad && flag) *flag = 1.0f;
 }
 
+/* The sum of squares of one chunk x[0..n) of dtype dt (n <= ZERO_NORM_CHUNK):
+ * a 16-bit chunk is widened into a buffer on the stack first (exact), so
+ * every dtype goes through zero_sumsq's lanes the same way. */
+static double zk_chunk_sumsq(const void* x, int dt, int64_t n) {
+	if (dt == ZERO_F32) return zero_sumsq((const float*)x, 0, n);
+	float wide[ZERO_NORM_CHUNK];
+	ZK_DISPATCH(zk_conv, wide, ZERO_F32, x, dt, 1.0f, n)
+	return zero_sumsq(wide, 0, n);
+}
+
+void zero_chunk_squares(const void* x, int dtype, int64_t origin, int64_t lo, int64_t hi, double* sums) {
+	for (int64_t c = lo; c < hi; c += ZERO_NORM_CHUNK) {
+		int64_t e = zk_min(c + ZERO_NORM_CHUNK, hi);
+		sums[(c - origin) / ZERO_NORM_CHUNK] = zk_chunk_sumsq(ZK_CAT(x, dtype, c), dtype, e - c);
+	}
+}
+
+void zero_accumulate_squares(void* acc, int acc_dtype, const zero_seg* seg, int src_dtype, int first, float scale,
+                             float* flag, int64_t lo, int64_t hi, double* sums) {
+	if (acc_dtype != ZERO_F32 && acc_dtype != ZERO_BF16 && acc_dtype != ZERO_F16) return;
+	uint32_t bad = 0;
+	for (int64_t c = lo; c < hi; c += ZERO_NORM_CHUNK) {
+		int64_t e = zk_min(c + ZERO_NORM_CHUNK, hi);
+		bad |= zk_acc_any(ZK_AT(acc, acc_dtype, c), acc_dtype, ZK_CAT(seg->ptr, src_dtype, c - seg->offset),
+		                  src_dtype, first != 0, scale, e - c);
+		/* read back while the chunk is still in cache */
+		sums[(c - seg->offset) / ZERO_NORM_CHUNK] = zk_chunk_sumsq(ZK_CAT(acc, acc_dtype, c), acc_dtype, e - c);
+	}
+	if (bad && flag) *flag = 1.0f;
+}
+
 double zero_sumsq(const float* x, int64_t lo, int64_t hi) {
 	if (lo >= hi) return 0.0;
 	ZK_DISPATCH_RET(zk_sumsq, x + lo, hi - lo)

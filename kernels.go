@@ -22,6 +22,13 @@ static inline void zk_set_flag_u(uintptr_t flag) { *(float*)flag = 1.0f; }
 static inline void zk_cast_u(uintptr_t dst, int dt, uintptr_t src, int st, float scale, int64_t lo, int64_t hi) {
 	zero_cast((void*)dst, dt, (const void*)src, st, scale, lo, hi);
 }
+static inline void zk_chunk_squares_u(uintptr_t x, int dt, int64_t origin, int64_t lo, int64_t hi, uintptr_t sums) {
+	zero_chunk_squares((const void*)x, dt, origin, lo, hi, (double*)sums);
+}
+static inline void zk_accumulate_squares_u(uintptr_t acc, int at, const zero_seg* seg, int st, int first, float scale,
+                                           float* flag, int64_t lo, int64_t hi, uintptr_t sums) {
+	zero_accumulate_squares((void*)acc, at, seg, st, first, scale, flag, lo, hi, (double*)sums);
+}
 static inline double zk_sumsq_u(uintptr_t x, int64_t lo, int64_t hi) {
 	return zero_sumsq((const float*)x, lo, hi);
 }
@@ -104,6 +111,12 @@ const maxParts = 64
 // for all of them, and returns the number of parts. Below parallelThreshold
 // elements it makes one part. The split depends only on n and GOMAXPROCS.
 func parallelParts(n int, fn func(k, lo, hi int)) int {
+	return parallelPartsAligned(n, parallelAlign, fn)
+}
+
+// parallelPartsAligned is parallelParts with boundaries aligned to align
+// elements (a power of two).
+func parallelPartsAligned(n, align int, fn func(k, lo, hi int)) int {
 	if n <= 0 {
 		return 0
 	}
@@ -117,7 +130,7 @@ func parallelParts(n int, fn func(k, lo, hi int)) int {
 			return n
 		}
 		b := int(int64(n) * int64(k) / int64(p))
-		return b &^ (parallelAlign - 1)
+		return b &^ (align - 1)
 	}
 	var wg sync.WaitGroup
 	for k := 1; k < p; k++ {
@@ -223,6 +236,44 @@ func accumulateHost(acc uintptr, accType DType, segs []segment, srcType DType, f
 			return
 		}
 	}
+}
+
+// normChunk is the norm's chunk in elements (ZERO_NORM_CHUNK, the CUDA
+// accumulate's block): the shard's sum of squares is formed per chunk, so a
+// landing can sum what it stored while the chunk is in cache.
+const normChunk = C.ZERO_NORM_CHUNK
+
+// chunksOf is the number of norm chunks of n elements.
+func chunksOf(n int) int { return (n + normChunk - 1) / normChunk }
+
+// accumulateSquaresHost is accumulateHost of the one segment seg that also
+// writes, per chunk of normChunk elements from seg.offset, the sum of squares
+// of the values it stored into the float64s at sums (one per chunk), in
+// zero_sumsq's order: the same bits chunkSquaresHost gives afterwards.
+func accumulateSquaresHost(acc uintptr, accType DType, seg segment, srcType DType, first bool, scale float32, flag, sums uintptr) {
+	var flags [maxParts]float32
+	parts := parallelPartsAligned(int(seg.count), normChunk, func(k, a, b int) {
+		C.zk_accumulate_squares_u(C.uintptr_t(acc), C.int(accType), (*C.zero_seg)(unsafe.Pointer(&seg)), C.int(srcType),
+			cbool(first), C.float(scale), (*C.float)(unsafe.Pointer(&flags[k])), C.int64_t(seg.offset+int64(a)),
+			C.int64_t(seg.offset+int64(b)), C.uintptr_t(sums))
+	})
+	if flag == 0 {
+		return
+	}
+	for k := 0; k < parts; k++ {
+		if flags[k] != 0 {
+			C.zk_set_flag_u(C.uintptr_t(flag))
+			return
+		}
+	}
+}
+
+// chunkSquaresHost writes the chunk sums of squares of x[0..n) (dtype dt)
+// into the float64s at sums.
+func chunkSquaresHost(x uintptr, dt DType, n int, sums uintptr) {
+	parallelPartsAligned(n, normChunk, func(_, a, b int) {
+		C.zk_chunk_squares_u(C.uintptr_t(x), C.int(dt), 0, C.int64_t(a), C.int64_t(b), C.uintptr_t(sums))
+	})
 }
 
 // castRange runs zero_cast over [lo, hi) on the calling goroutine.

@@ -49,6 +49,24 @@ void zero_cast(void* dst, int dst_dtype, const void* src, int src_dtype, float s
  * values and the range. Each square of an fp32 value is exact in double. */
 double zero_sumsq(const float* x, int64_t lo, int64_t hi);
 
+/* The norm's chunks: the global norm of the gradient shard is summed per
+ * chunk of ZERO_NORM_CHUNK elements (the CUDA accumulate's block, ZC_CHUNK),
+ * so the landing can sum what it stored while the chunk is in cache. */
+#define ZERO_NORM_CHUNK 8192
+
+/* Chunk sums of squares of x (fp32, bf16 or fp16): chunk k covers
+ * [origin + k*ZERO_NORM_CHUNK, +ZERO_NORM_CHUNK) clipped to hi; for every
+ * chunk starting in [lo, hi) (lo on a chunk boundary), sums[k] = zero_sumsq
+ * of its values widened to fp32. A chunk's sum depends only on its values. */
+void zero_chunk_squares(const void* x, int dtype, int64_t origin, int64_t lo, int64_t hi, double* sums);
+
+/* accumulate of the one segment seg over [lo, hi) (lo on a chunk boundary
+ * from seg->offset, hi on one or at the segment's end), that also writes the
+ * chunk sums of the values it stored: sums[k] is what zero_chunk_squares
+ * gives for chunk k (origin seg->offset) afterwards, bit for bit. */
+void zero_accumulate_squares(void* acc, int acc_dtype, const zero_seg* seg, int src_dtype, int first, float scale,
+                             float* flag, int64_t lo, int64_t hi, double* sums);
+
 /* reduce: for i in [lo, hi): dst[i] = op over srcs[0..n-1], in rank order, in
  * fp32 (elementwise.h: zero_op_combine, zero_op_finish), stored once in dtype.
  * dst may be one of the srcs: every input of a chunk is read before the chunk

@@ -29,7 +29,8 @@ type offload struct {
 	keep    int         // landing buffers to start with and to trim to
 	meter   memoryMeter // the landing pool's (hostMemory counts every host byte)
 
-	sum, raised Tensor // the host shard and the overflow flag
+	sum, raised Tensor     // the host shard and the overflow flag
+	norm        *shardNorm // the host shard's sums of squares, in pageable host memory; nil without an optimizer
 	scratch     Tensor // fp32, the largest bucket shard: a 16-bit shard widened for the optimizer
 	host        Tensor // the host's model-dtype copy of the new parameters
 	// saved is the device memory this engine does not hold: the shard and
@@ -40,7 +41,7 @@ type offload struct {
 	ends                    *backwardEnd // the engine's: when the window's last backward ended
 }
 
-func newOffload(dev Device, plan *Plan, copyStream Stream, commDType, shardDType DType, keep int, ends *backwardEnd) (*offload, error) {
+func newOffload(dev Device, plan *Plan, copyStream Stream, commDType, shardDType DType, keep int, withNorm bool, ends *backwardEnd) (*offload, error) {
 	mem, err := newHostMemory(dev)
 	if err != nil {
 		return nil, err
@@ -59,6 +60,11 @@ func newOffload(dev Device, plan *Plan, copyStream Stream, commDType, shardDType
 	if o.raised, err = mem.Alloc(1, FP32); err != nil {
 		return o, err
 	}
+	if withNorm {
+		if o.norm, err = newShardNorm(hostDev, plan); err != nil {
+			return o, err
+		}
+	}
 	return o, o.landing.grow(maxShard, keep)
 }
 
@@ -68,7 +74,12 @@ func (o *offload) shard() Tensor                   { return o.sum }
 func (o *offload) flag() Tensor                    { return o.raised }
 func (o *offload) side(Stream) (Device, Stream)    { return hostDev, o.stream }
 func (o *offload) deviceBytes() int64              { return 0 }
-func (o *offload) close() error                    { return errors.Join(o.Free(o.sum), o.mem.Free(o.raised)) }
+func (o *offload) newWindow()                      { o.norm.forget() }
+func (o *offload) close() error {
+	return errors.Join(o.Free(o.sum), o.mem.Free(o.raised), o.norm.close())
+}
+
+func (o *offload) squares(Stream) (float64, int64, error) { return o.norm.squares(o.stream, o.sum) }
 func (o *offload) drainHost() error                { return o.stream.Sync() }
 func (o *offload) hostStream() *HostStream         { return o.stream }
 func (o *offload) landingBuffers() (held, n int)   { return o.landing.held, o.maxLand }
@@ -79,7 +90,7 @@ func (o *offload) hostBytes() (held, locked int64) { return o.mem.bytes, o.mem.l
 // rs has reduced it, and accumulates it into the host shard at offset on
 // the host stream: copy when first, add after, times scale, raising the
 // flag on inf or NaN (the device accumulate's arithmetic, on the host).
-func (o *offload) land(rs Stream, mine Tensor, offset int, first bool, scale float32) (landing, error) {
+func (o *offload) land(rs Stream, mine Tensor, b, offset int, first bool, scale float32, last bool) (landing, error) {
 	reduced, err := record(rs)
 	if err != nil {
 		return landing{read: fence(rs)}, err
@@ -120,7 +131,7 @@ func (o *offload) land(rs Stream, mine Tensor, offset int, first bool, scale flo
 	if err := o.stream.Wait(copied); err != nil {
 		return fail(err)
 	}
-	if err := hostDev.accumulate(o.stream, o.sum, []Segment{{Src: dst, Offset: offset}}, first, scale, o.raised); err != nil {
+	if err := landInto(hostDev, o.stream, o.sum, dst, b, offset, first, scale, o.raised, o.norm, last); err != nil {
 		return fail(err)
 	}
 	added, err := o.stream.recordUntimed(nil)
@@ -243,10 +254,6 @@ func (o *offload) pass(_ Stream, kind optKind, b optTensors, ranges []optRange, 
 		return err
 	})
 	return ready, err
-}
-
-func (o *offload) squares(_ Stream, g Tensor) (float64, error) {
-	return squaresOf(hostDev, o.stream, o.plan, g, o.scratch)
 }
 
 // ---- stats -------------------------------------------------------------------------

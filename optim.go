@@ -135,9 +135,6 @@ type optimizerHome interface {
 	// loadMaster fills master from the model-dtype shard model (device
 	// memory, written on s) and waits for it.
 	loadMaster(s Stream, master, model Tensor) error
-	// squares is the sum of squares of the gradient shard g (fp32, or the
-	// 16-bit ShardDType, read bucket by bucket through an fp32 scratch).
-	squares(s Stream, g Tensor) (float64, error)
 	// pass runs the fused optimizer over b's ranges and leaves the new
 	// model-dtype parameters in model, on the device. It returns, per
 	// bucket, the event after which model holds them there; nil: in order
@@ -181,32 +178,6 @@ func widened(d Device, s Stream, g, scratch Tensor, bp BucketPlan, fn func(part 
 	return fn(part)
 }
 
-// squaresOf sums the squares of g on d's stream s: in one pass where g is
-// fp32, bucket by bucket through scratch where it is 16-bit (the sums added
-// in bucket order, in float64).
-func squaresOf(d Device, s Stream, plan *Plan, g, scratch Tensor) (float64, error) {
-	if g.dtype == FP32 {
-		var x float64
-		if err := d.sumSquares(s, g, &x); err != nil {
-			return 0, err
-		}
-		return x, s.Sync()
-	}
-	total := 0.0
-	for _, bp := range plan.Buckets {
-		var x float64
-		err := widened(d, s, g, scratch, bp, func(part Tensor) error { return d.sumSquares(s, part, &x) })
-		if err == nil {
-			err = s.Sync()
-		}
-		if err != nil {
-			return 0, err
-		}
-		total += x
-	}
-	return total, nil
-}
-
 // deviceHome keeps the state in device memory and runs the pass on the
 // engine's stream.
 type deviceHome struct {
@@ -246,14 +217,6 @@ func (h *deviceHome) scratchFor(g Tensor) (Tensor, error) {
 	var err error
 	h.scratch, err = h.Alloc(maxShardElems(h.plan), FP32)
 	return h.scratch, err
-}
-
-func (h *deviceHome) squares(s Stream, g Tensor) (float64, error) {
-	scratch, err := h.scratchFor(g)
-	if err != nil {
-		return 0, err
-	}
-	return squaresOf(h.dev, s, h.plan, g, scratch)
 }
 
 func (h *deviceHome) pass(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32, model Tensor) ([]Event, error) {
@@ -400,7 +363,8 @@ func (o *optState) ensureState(n int) error {
 const normWords = 4
 
 // step is the optimizer's part of Step, after the reductions: the overflow
-// and the global norm of grads (the fp32 shard, in the home's memory),
+// and the global norm of grads (the gradient shard, in the home's memory;
+// sumsq is this rank's sum of squares of it, from the pipeline's sink),
 // agreed by every rank in one all-gather; the decision to skip; the fused
 // optimizer pass over the master shard, with the mean's 1/G, the loss
 // scale and the clipping folded into one gradient factor; then the new
@@ -408,14 +372,10 @@ const normWords = 4
 // Nothing of the master, the moments, the step counts or the parameters
 // changes before the optimizer pass is enqueued; a skipped step changes only
 // the loss scale.
-func (o *optState) step(grads Tensor, readScale float32, used []bool, overflowFlag float32) (stepResult, error) {
+func (o *optState) step(grads Tensor, sumsq float64, readScale float32, used []bool, overflowFlag float32) (stepResult, error) {
 	s := o.s
 	_, ss := o.home.side(s)
 	res := stepResult{scale: o.scaler.scale}
-	sumsq, err := o.home.squares(ss, grads)
-	if err != nil {
-		return res, err
-	}
 	// Each rank's sum of squares travels as a mantissa split in two fp32
 	// halves (48 of its 53 bits) and an exponent (its whole range), in one all-gather with the overflow
 	// flag; every rank adds them in rank order in float64. A sum across

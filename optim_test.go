@@ -762,13 +762,17 @@ func TestPeerLeavesDuringTheNorm(t *testing.T) {
 // ---- memory -------------------------------------------------------------------
 
 // memoryFormula is the engine's memory per rank from the plan, in bytes:
-// gradients (the fp32 shard, ZeRO-1's fp32 local sums of every bucket, the
-// bf16 staging buffers) and the optimizer (fp32 master, m and v shards, the
+// gradients (the fp32 shard with the norm's float64 sums, one per 8192
+// elements of each bucket's shard and one per bucket; ZeRO-1's fp32 local
+// sums of every bucket, the bf16 staging buffers) and the optimizer (fp32 master, m and v shards, the
 // bf16 shard of the new parameters and the bf16 buffers they are gathered
 // in).
 func memoryFormula(stage int, p *Plan, staging, gathers int) (grad, opt int64) {
 	s, maxB := int64(p.ShardElems), int64(p.MaxBucket())
 	grad = 4*s + int64(staging)*maxB*2
+	for _, b := range p.Buckets {
+		grad += 8 * int64((b.Shard+8191)/8192+1)
+	}
 	if stage == 1 {
 		for _, b := range p.Buckets {
 			grad += 4 * int64(b.Elems)

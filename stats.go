@@ -67,6 +67,12 @@ type Stats struct {
 	// less.
 	ExposedReduceTime time.Duration
 	LastReduceTime    time.Duration // see ExposedReduceTime
+	// NormReadBytes is what GradNorm read of the gradient shard after the
+	// reductions: nothing where the step's last landing into each bucket
+	// summed its squares as it stored them (the boundary known:
+	// Grads.AccumSteps, SetBoundary(true), a window's or NoSync's flush,
+	// ZeRO-1's flush at Step), the buckets' bytes where it did not.
+	NormReadBytes int64
 	// Overflow is set when a reduced gradient on this rank was inf or NaN.
 	Overflow bool
 	// With an optimizer: Skipped is set when every rank skipped the step

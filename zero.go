@@ -113,10 +113,13 @@ func (e *Engine) init() error {
 	// Where the fp32 shard and the optimizer's state live: the device, or
 	// with offload the host, which is then both the pipeline's sink and the
 	// optimizer's home.
+	// The sink keeps the sums of squares of its shard for the optimizer's
+	// norm.
+	withNorm := len(e.cfg.Optimizer.Groups) > 0
 	var sk sink
 	var home optimizerHome
 	if e.cfg.Offload.Optimizer {
-		off, err := newOffload(e.dev, e.plan, e.copyStream, e.cfg.Precision.CommDType, e.cfg.Precision.ShardDType, e.cfg.StagingBuffers, e.ends)
+		off, err := newOffload(e.dev, e.plan, e.copyStream, e.cfg.Precision.CommDType, e.cfg.Precision.ShardDType, e.cfg.StagingBuffers, withNorm, e.ends)
 		if err != nil {
 			if off != nil { // no pipeline owns its shard yet
 				err = errors.Join(err, off.close(), off.shutdown())
@@ -127,7 +130,7 @@ func (e *Engine) init() error {
 		e.streams = append(e.streams, e.off.hostStream())
 		sk, home = e.off, e.off
 	} else {
-		ds, err := newDeviceSink(e.dev, e.plan, e.cfg.Precision.ShardDType)
+		ds, err := newDeviceSink(e.dev, e.plan, e.cfg.Precision.ShardDType, withNorm)
 		if err != nil {
 			return errors.Join(err, ds.close())
 		}
@@ -350,7 +353,7 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 	for _, p := range params {
 		e.usedWindow[p] = true
 	}
-	if err := e.pl.issueReady(stream, false, e.boundary); err != nil {
+	if err := e.pl.issueReady(stream, false, e.boundary, e.lastBackward()); err != nil {
 		return nil, e.fail(divergence("GradReady", e.backwards, err))
 	}
 	return ev, nil
@@ -392,6 +395,15 @@ func (e *Engine) checkGrads(params []int, grads []Tensor, stream Stream) error {
 	return e.pl.markReported(params, func(p int) string { return e.params[p].Name })
 }
 
+// lastBackward says whether the backward under way is known to be the
+// step's last: flagged as the boundary, or the Grads.AccumSteps-th. Its
+// landings then sum the norm's squares as they store (a hint: a later
+// landing into a bucket makes Step read that bucket again).
+func (e *Engine) lastBackward() bool {
+	n := e.cfg.Grads.AccumSteps
+	return e.boundary || (n > 0 && e.backwards+1 == n)
+}
+
 // EndBackward closes a backward. Members that did not report count as
 // zero. Streamed buckets are all reduced now; local buckets only when the
 // backward was flagged as the boundary, and otherwise at Step.
@@ -409,7 +421,7 @@ func (e *Engine) EndBackward() error {
 		e.boundary = true
 	}
 	e.pl.owesFlush()
-	if err := e.pl.issueReady(s, true, e.boundary); err != nil {
+	if err := e.pl.issueReady(s, true, e.boundary, e.lastBackward()); err != nil {
 		return e.fail(divergence("EndBackward", e.backwards, err))
 	}
 	e.pl.endBackward()
@@ -506,7 +518,11 @@ func (e *Engine) Step() error {
 		readScale = float32(1 / float64(g))
 	}
 	if e.opt != nil {
-		if _, err := e.opt.step(e.pl.gradShard(), readScale, used, overflow); err != nil {
+		sumsq, err := e.pl.squares(e.reduceStream)
+		if err != nil {
+			return e.fail(err)
+		}
+		if _, err := e.opt.step(e.pl.gradShard(), sumsq, readScale, used, overflow); err != nil {
 			return e.fail(err)
 		}
 	}
