@@ -68,8 +68,6 @@ func (n *shardNorm) forget() {
 	}
 }
 
-
-
 // squares is the sum of squares of shard, on the device's stream s, once
 // every landing has finished: the stale buckets' chunks summed from the
 // shard (read counts their bytes), then every bucket's chunks added.

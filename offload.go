@@ -31,8 +31,8 @@ type offload struct {
 
 	sum, raised Tensor     // the host shard and the overflow flag
 	norm        *shardNorm // the host shard's sums of squares, in pageable host memory; nil without an optimizer
-	scratch     Tensor // fp32, the largest bucket shard: a 16-bit shard widened for the optimizer
-	host        Tensor // the host's model-dtype copy of the new parameters
+	scratch     Tensor     // fp32, the largest bucket shard: a 16-bit shard widened for the optimizer
+	host        Tensor     // the host's model-dtype copy of the new parameters
 	// saved is the device memory this engine does not hold: the shard and
 	// the optimizer's state, allocated here.
 	saved int64
@@ -70,21 +70,21 @@ func newOffload(dev Device, plan *Plan, copyStream Stream, commDType, shardDType
 
 // ---- the pipeline's sink ----------------------------------------------------------
 
-func (o *offload) shard() Tensor                   { return o.sum }
-func (o *offload) flag() Tensor                    { return o.raised }
-func (o *offload) side(Stream) (Device, Stream)    { return hostDev, o.stream }
-func (o *offload) deviceBytes() int64              { return 0 }
-func (o *offload) newWindow()                      { o.norm.forget() }
+func (o *offload) shard() Tensor                { return o.sum }
+func (o *offload) flag() Tensor                 { return o.raised }
+func (o *offload) side(Stream) (Device, Stream) { return hostDev, o.stream }
+func (o *offload) deviceBytes() int64           { return 0 }
+func (o *offload) newWindow()                   { o.norm.forget() }
 func (o *offload) close() error {
 	return errors.Join(o.Free(o.sum), o.mem.Free(o.raised), o.norm.close())
 }
 
 func (o *offload) squares(Stream) (float64, int64, error) { return o.norm.squares(o.stream, o.sum) }
-func (o *offload) drainHost() error                { return o.stream.Sync() }
-func (o *offload) hostStream() *HostStream         { return o.stream }
-func (o *offload) landingBuffers() (held, n int)   { return o.landing.held, o.maxLand }
-func (o *offload) trim() error                     { return o.landing.trim(o.keep) }
-func (o *offload) hostBytes() (held, locked int64) { return o.mem.bytes, o.mem.locked }
+func (o *offload) drainHost() error                       { return o.stream.Sync() }
+func (o *offload) hostStream() *HostStream                { return o.stream }
+func (o *offload) landingBuffers() (held, n int)          { return o.landing.held, o.maxLand }
+func (o *offload) trim() error                            { return o.landing.trim(o.keep) }
+func (o *offload) hostBytes() (held, locked int64)        { return o.mem.bytes, o.mem.locked }
 
 // land copies mine, this rank's reduced part of a bucket, to the host once
 // rs has reduced it, and accumulates it into the host shard at offset on
