@@ -1,0 +1,301 @@
+package zero
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand"
+	"runtime"
+	"slices"
+	"testing"
+	"time"
+)
+
+// neumaierSquares is the sum of squares of vals in float64 with Neumaier's
+// compensation: within about 2 ulp of the exact sum, whatever the order.
+func neumaierSquares(vals []float64) float64 {
+	sum, c := 0.0, 0.0
+	for _, v := range vals {
+		x := v * v // exact: v is an fp32 value
+		t := sum + x
+		if math.Abs(sum) >= math.Abs(x) {
+			c += (sum - t) + x
+		} else {
+			c += (x - t) + sum
+		}
+		sum = t
+	}
+	return sum + c
+}
+
+// TestNormChunkSums: a landing that sums squares stores the bits plain
+// accumulate stores, raises the flag as it does, and its chunk sums are
+// chunkSquares' over the result bit for bit, at any GOMAXPROCS; each chunk
+// sum is within (chunk/16 + 4) ulp of the exact sum (16 lanes added in
+// order, then a tree of 4 levels), checked against a compensated float64
+// sum.
+func TestNormChunkSums(t *testing.T) {
+	rng := testRNG(t)
+	dev := CPU()
+	s := NewHostStream()
+	defer s.Close()
+	dts := []DType{FP32, BF16, FP16}
+	sizes := []int{0, 1, normChunk - 1, normChunk, normChunk + 1, 3*normChunk + 5, 40*normChunk + 77}
+	procs := runtime.GOMAXPROCS(0)
+	defer runtime.GOMAXPROCS(procs)
+	for _, at := range dts {
+		for _, st := range dts {
+			for _, n := range sizes {
+				for _, first := range []bool{true, false} {
+					for _, scale := range []float32{1, 0.37} {
+						what := fmt.Sprintf("acc %v src %v n %d first %v scale %v", at, st, n, first, scale)
+						off := 3 // the segment does not start at the accumulator's start
+						acc, src := newTBuf(at, n+off), newTBuf(st, n)
+						for i := range acc.len() {
+							acc.set(i, float32(rng.NormFloat64()))
+						}
+						for i := range n {
+							src.set(i, float32(rng.NormFloat64()*math.Exp2(float64(rng.IntN(9)-4))))
+						}
+						overflows := n > 5 && at == FP16 && !first && scale == 1
+						if overflows {
+							acc.set(off+n/2, 65504)
+							src.set(n/2, 65504) // the sum rounds to inf in fp16: the flag must rise
+						}
+						plain, fused := acc.clone(), acc.clone()
+						chunks := chunksOf(n)
+						parts, again := make([]float32, 2*chunks+2), make([]float32, 2*chunks+2)
+						flagPlain, flagFused := []float32{0}, []float32{0}
+						seg := Segment{Src: src.t(), Offset: off}
+						runtime.GOMAXPROCS(1 + rng.IntN(3))
+						err := errors.Join(
+							dev.accumulate(s, plain.t(), []Segment{seg}, first, scale, Float32s(flagPlain)),
+							dev.accumulateSquares(s, fused.t(), seg, first, scale, Float32s(flagFused), Float32s(parts)),
+							s.Sync())
+						if err != nil {
+							t.Fatalf("%s: %v", what, err)
+						}
+						for i := range acc.len() {
+							if plain.bits(i) != fused.bits(i) {
+								t.Fatalf("%s: element %d: %#x stored, accumulate stores %#x", what, i, fused.bits(i), plain.bits(i))
+							}
+						}
+						if flagPlain[0] != flagFused[0] || overflows != (flagFused[0] != 0) {
+							t.Fatalf("%s: flag %v, accumulate's %v", what, flagFused[0], flagPlain[0])
+						}
+						runtime.GOMAXPROCS(1 + rng.IntN(3))
+						stored := fused.t().slice(off, n)
+						if err := errors.Join(dev.chunkSquares(s, stored, Float32s(again)), s.Sync()); err != nil {
+							t.Fatalf("%s: %v", what, err)
+						}
+						got, want := float64s(Float32s(parts)), float64s(Float32s(again))
+						for k := range chunks {
+							if math.Float64bits(got[k]) != math.Float64bits(want[k]) {
+								t.Fatalf("%s: chunk %d: landing's sum %v, chunkSquares' %v", what, k, got[k], want[k])
+							}
+							if flagFused[0] != 0 {
+								continue // an inf square: no bound to check
+							}
+							lo, hi := k*normChunk, min((k+1)*normChunk, n)
+							vals := make([]float64, 0, hi-lo)
+							for i := lo; i < hi; i++ {
+								vals = append(vals, float64(fused.val(off+i)))
+							}
+							exact := neumaierSquares(vals)
+							if bound := float64(normChunk/16+4) * 0x1p-53 * exact; math.Abs(got[k]-exact) > bound {
+								t.Fatalf("%s: chunk %d: %v, exact %v: off by %.3g, bound %.3g", what, k, got[k], exact, got[k]-exact, bound)
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestNormChunkSumsRefuseBadInput: too few sums, a bad range, a bad dtype
+// are typed errors, and nothing is written.
+func TestNormChunkSumsRefuseBadInput(t *testing.T) {
+	dev := CPU()
+	s := NewHostStream()
+	defer s.Close()
+	x := newTBuf(FP32, 2*normChunk+1)
+	short := make([]float32, 5) // three chunks need 6 words
+	if err := dev.chunkSquares(s, x.t(), Float32s(short)); !errors.Is(err, ErrGradSize) {
+		t.Errorf("chunkSquares into 5 words for 3 chunks: %v, want ErrGradSize", err)
+	}
+	if err := dev.accumulateSquares(s, x.t(), Segment{Src: x.t().slice(0, 10), Offset: x.len() - 5}, true, 1, Tensor{}, Float32s(short)); !errors.Is(err, ErrGradSize) {
+		t.Errorf("accumulateSquares past the accumulator's end: %v, want ErrGradSize", err)
+	}
+	halfs := Halfs(make([]uint16, 6), BF16)
+	if err := dev.accumulateSquares(s, x.t(), Segment{Src: x.t().slice(0, 10)}, true, 1, Tensor{}, halfs); !errors.Is(err, ErrGradSize) {
+		t.Errorf("accumulateSquares into bf16 sums: %v, want ErrGradSize", err)
+	}
+	if err := dev.sumChunks(s, Float32s(short), []chunkRange{{2, 1}}, Float32s(make([]float32, 2))); !errors.Is(err, ErrGradSize) {
+		t.Errorf("sumChunks of range [2, 1): %v, want ErrGradSize", err)
+	}
+	if err := dev.sumChunks(s, Float32s(short), []chunkRange{{0, 4}}, Float32s(make([]float32, 2))); !errors.Is(err, ErrGradSize) {
+		t.Errorf("sumChunks of 4 sums out of 2: %v, want ErrGradSize", err)
+	}
+	if err := s.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	for i, w := range short {
+		if w != 0 {
+			t.Fatalf("word %d written after a refusal", i)
+		}
+	}
+}
+
+// normWay is one way a step's backwards run, and whether it tells the
+// engine which landing is the last.
+type normWay struct {
+	name  string
+	accum int                                          // Grads.AccumSteps
+	run   func(e *Engine, backward func() error) error // three backwards
+}
+
+var normWays = []normWay{
+	{name: "unknown", run: func(e *Engine, bw func() error) error { return repeatErr(3, bw) }},
+	{name: "accumsteps", accum: 3, run: func(e *Engine, bw func() error) error { return repeatErr(3, bw) }},
+	{name: "boundary", run: func(e *Engine, bw func() error) error {
+		return errors.Join(repeatErr(2, bw), func() error { e.SetBoundary(true); return bw() }())
+	}},
+	{name: "boundary-early", run: func(e *Engine, bw func() error) error { // a backward after the boundary
+		return errors.Join(bw(), func() error { e.SetBoundary(true); return bw() }(), bw())
+	}},
+	{name: "coalesce", run: func(e *Engine, bw func() error) error {
+		if err := e.BeginCoalesce(); err != nil {
+			return err
+		}
+		return errors.Join(repeatErr(3, bw), e.EndCoalesce())
+	}},
+	{name: "nosync", run: func(e *Engine, bw func() error) error {
+		if err := e.BeginNoSync(); err != nil {
+			return err
+		}
+		return errors.Join(repeatErr(2, bw), e.EndNoSync(), bw())
+	}},
+}
+
+func repeatErr(n int, fn func() error) error {
+	for range n {
+		if err := fn(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// normRun is what a normWay's run left on each rank after each step.
+type normRun struct {
+	master [2][][]uint32 // per step, the fp32 master shard's bits
+	norm   [2][]uint64   // per step, GradNorm's bits
+	read   [2][]int64    // per step, NormReadBytes
+	shard  int64         // the gradient shard's bytes
+}
+
+func runNormWay(t *testing.T, seed int64, stage int, offload bool, shardDType DType, way normWay, fused bool) normRun {
+	t.Helper()
+	normInLanding = fused
+	defer func() { normInLanding = true }()
+	sizes := []int{20000, 3000, 50001, 700}
+	const steps = 2
+	var out normRun
+	comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+	errs := eachRank(2, func(rank int) error {
+		defer comms[rank].Close()
+		rng := rand.New(rand.NewSource(seed))
+		ps := make([]Param, len(sizes))
+		for p, n := range sizes {
+			b := newTBuf(BF16, n)
+			for j := range n {
+				b.set(j, float32(rng.NormFloat64()))
+			}
+			ps[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: BF16, Data: b.t()}
+		}
+		cfg := Config{Stage: stage, BucketBytes: 64 << 10, Precision: PrecisionPolicy{ShardDType: shardDType},
+			Grads: GradPolicy{AccumSteps: way.accum}, Offload: OffloadPolicy{Optimizer: offload},
+			Optimizer: OptimizerPolicy{Clip: 1e-3, Groups: []Optimizer{NewAdamW(1e-2)}}}
+		e, err := New(cfg, comms[rank], ps)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		s := NewHostStream()
+		defer s.Close()
+		grads := rand.New(rand.NewSource(seed + 1 + int64(rank)))
+		backward := func() error {
+			for p := len(ps) - 1; p >= 0; p-- {
+				g := newTBuf(BF16, ps[p].Count)
+				for j := range g.len() {
+					g.set(j, float32(grads.NormFloat64()*math.Exp2(float64(grads.Intn(7)-3))))
+				}
+				if _, err := e.GradReady(p, g.t(), s); err != nil {
+					return err
+				}
+			}
+			return e.EndBackward()
+		}
+		for range steps {
+			if err := way.run(e, backward); err != nil {
+				return err
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			st := e.Stats()
+			out.master[rank] = append(out.master[rank], f32bits(e.opt.master.hostFloats()))
+			out.norm[rank] = append(out.norm[rank], math.Float64bits(st.GradNorm))
+			out.read[rank] = append(out.read[rank], st.NormReadBytes)
+			out.shard = int64(e.pl.gradShard().Bytes())
+		}
+		return nil
+	})
+	everyRankIs(t, fmt.Sprintf("stage %d offload %v shard %v %s fused %v", stage, offload, shardDType, way.name, fused), errs, nil)
+	return out
+}
+
+// TestNormInLanding: with the step's last landings known (Grads.AccumSteps,
+// SetBoundary, a window's or NoSync's flush, ZeRO-1's flush at Step), Step
+// reads nothing of the shard for the norm, and the norm and the master
+// weights have the bits of the same run with Step's own pass over the
+// shard; with a landing after the boundary, Step reads the shard again.
+// The clip is far below the norm, so the norm's bits reach the weights.
+func TestNormInLanding(t *testing.T) {
+	seed := testSeed(t)
+	for _, stage := range []int{1, 2, 3} {
+		for _, offload := range []bool{false, true} {
+			for _, sdt := range []DType{FP32, BF16} {
+				for _, way := range normWays {
+					what := fmt.Sprintf("stage %d offload %v shard %v %s", stage, offload, sdt, way.name)
+					pass := runNormWay(t, seed, stage, offload, sdt, way, false)
+					fused := runNormWay(t, seed, stage, offload, sdt, way, true)
+					// Every bucket is landed by a backward of its own at
+					// stages 2 and 3, the last of them unknown.
+					wantRead := int64(0)
+					if stage > 1 && (way.name == "unknown" || way.name == "boundary-early") {
+						wantRead = fused.shard
+					}
+					for rank := range 2 {
+						for st := range fused.norm[rank] {
+							if pass.read[rank][st] != pass.shard {
+								t.Fatalf("%s: rank %d step %d: Step's own pass read %d bytes, the shard has %d", what, rank, st, pass.read[rank][st], pass.shard)
+							}
+							if fused.read[rank][st] != wantRead {
+								t.Fatalf("%s: rank %d step %d: NormReadBytes %d, want %d", what, rank, st, fused.read[rank][st], wantRead)
+							}
+							if fused.norm[rank][st] != pass.norm[rank][st] {
+								t.Fatalf("%s: rank %d step %d: GradNorm %v, Step's pass gives %v", what, rank, st,
+									math.Float64frombits(fused.norm[rank][st]), math.Float64frombits(pass.norm[rank][st]))
+							}
+							if !slices.Equal(fused.master[rank][st], pass.master[rank][st]) {
+								t.Fatalf("%s: rank %d step %d: master weights differ from the run with Step's pass", what, rank, st)
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}
