@@ -145,6 +145,12 @@ func benchLevels(b *testing.B, fn func(b *testing.B)) {
 // between runs (other tenants); the ratio of interleaved runs is the figure
 // to compare.
 func vsYardstick(b *testing.B, bytes int64, kernel, yard func(), keep ...any) {
+	vsOther(b, bytes, kernel, yard, "yard-GB/s", "x-yardstick", keep...)
+}
+
+// vsOther is vsYardstick against another way of doing the kernel's work,
+// reported in otherUnit and, as other's time over the kernel's, ratioUnit.
+func vsOther(b *testing.B, bytes int64, kernel, yard func(), otherUnit, ratioUnit string, keep ...any) {
 	b.SetBytes(bytes)
 	kernel() // first touch and warm-up
 	yard()
@@ -170,7 +176,7 @@ func vsYardstick(b *testing.B, bytes int64, kernel, yard func(), keep ...any) {
 		}
 	}
 	b.StopTimer()
-	reportPair(b, bytes, median(tk), median(ty), "yard-GB/s", "x-yardstick")
+	reportPair(b, bytes, median(tk), median(ty), otherUnit, ratioUnit)
 	runtime.KeepAlive(keep)
 }
 
@@ -292,6 +298,27 @@ func BenchmarkKernelCastFP32toBF16(b *testing.B) {
 		vsYardstick(b, 6*benchElems,
 			func() { castHost(addrU16(dst), BF16, addrF32(src), FP32, benchElems, 1) },
 			yardRange(yardNarrow, addrU16(dst), addrF32(src), 0, 0, 0), src, dst)
+	})
+}
+
+// The landing of a reduced bf16 bucket part into the fp32 shard (add, with
+// a post-scale: 10 B moved per element) that also sums the squares of what
+// it stored, per chunk, while the chunk is in cache; against the landing
+// followed by Step's pass over the shard for the norm (4 B more read per
+// element). twopass/fused above 1 is the time the fused landing saves.
+func BenchmarkKernelLandingNorm(b *testing.B) {
+	benchLevels(b, func(b *testing.B) {
+		src, acc := benchU16(0, BF16), benchF32(2)
+		seg := segment{ptr: addrU16(src), count: benchElems}
+		flag := make([]float32, 1)
+		sums := make([]float64, chunksOf(benchElems))
+		at := uintptr(unsafe.Pointer(unsafe.SliceData(sums)))
+		vsOther(b, 10*benchElems,
+			func() { accumulateSquaresHost(addrF32(acc), FP32, seg, BF16, false, 0.125, addrF32(flag), at) },
+			func() {
+				accumulateHost(addrF32(acc), FP32, []segment{seg}, BF16, false, 0.125, addrF32(flag))
+				chunkSquaresHost(addrF32(acc), FP32, benchElems, at)
+			}, "twopass-GB/s", "twopass/fused", src, acc, flag, sums)
 	})
 }
 

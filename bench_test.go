@@ -414,3 +414,90 @@ func BenchmarkOffloadStep(b *testing.B) {
 		setup: func(rank, p, n int) { grads[[2]int{rank, p}] = make([]uint16, n) },
 	})
 }
+
+// BenchmarkNormInLanding: steps of 2 backwards of a 32M-parameter bf16
+// model on 2 in-process ranks at ZeRO-2 with AdamW, the boundary unknown
+// (Step sums the fp32 shard's squares in a pass of its own) or known
+// (Grads.AccumSteps 2: the last backward's landings sum them as they
+// store). Reported per step: the shard's bytes the norm read after the
+// reductions (NormReadBytes), the shard's reads by the step counted in
+// shards (the optimizer's pass, one, plus the norm's), and the wall time
+// of Step alone (on rank 0; the backwards are not in it).
+func BenchmarkNormInLanding(b *testing.B) {
+	const world, layers, hidden, backwards = 2, 8, 2048, 2
+	var params []Param
+	for l := range layers {
+		params = append(params, Param{Name: fmt.Sprint("w", l), Count: hidden * hidden, DType: BF16, Data: newTBuf(BF16, hidden*hidden).t()})
+	}
+	rng := rand.New(rand.NewSource(1))
+	grads := make([][]Tensor, world)
+	for r := range grads {
+		for _, p := range params {
+			grads[r] = append(grads[r], makeGrad(rng, p.Count, BF16, 1).t)
+		}
+	}
+	for _, known := range []bool{false, true} {
+		b.Run(fmt.Sprintf("boundary-known=%v", known), func(b *testing.B) {
+			accum := 0
+			if known {
+				accum = backwards
+			}
+			comms, _ := NewLocalGroup(world)
+			engines := make([]*Engine, world)
+			streams := make([]*HostStream, world)
+			for r, err := range eachRank(world, func(r int) error {
+				var err error
+				cfg := Config{Stage: 2, BucketBytes: 8 << 20, Grads: GradPolicy{AccumSteps: accum},
+					Optimizer: OptimizerPolicy{Clip: 1, Groups: []Optimizer{NewAdamW(1e-4)}}}
+				engines[r], err = New(cfg, comms[r], params)
+				streams[r] = NewHostStream()
+				return err
+			}) {
+				if err != nil {
+					b.Fatalf("rank %d: %v", r, err)
+				}
+			}
+			defer func() {
+				for r := range world {
+					engines[r].Close()
+					streams[r].Close()
+				}
+			}()
+			shard := int64(engines[0].pl.gradShard().Bytes())
+			b.SetBytes(shard)
+			var stepTime time.Duration
+			var read int64
+			b.ResetTimer()
+			for range b.N {
+				for r, err := range eachRank(world, func(r int) error {
+					e := engines[r]
+					for range backwards {
+						for p := len(params) - 1; p >= 0; p-- {
+							if _, err := e.GradReady(p, grads[r][p], streams[r]); err != nil {
+								return err
+							}
+						}
+						if err := e.EndBackward(); err != nil {
+							return err
+						}
+					}
+					start := time.Now()
+					err := e.Step()
+					if r == 0 {
+						stepTime += time.Since(start)
+						read += e.Stats().NormReadBytes
+					}
+					return err
+				}) {
+					if err != nil {
+						b.Fatalf("rank %d: %v", r, err)
+					}
+				}
+			}
+			b.StopTimer()
+			b.ReportMetric(float64(read)/float64(b.N)/(1<<20), "normReadMiB/step")
+			b.ReportMetric(1+float64(read)/float64(b.N)/float64(shard), "shardReads/step")
+			b.ReportMetric(float64(stepTime.Microseconds())/1000/float64(b.N), "stepMs")
+		})
+	}
+}

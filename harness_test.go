@@ -1788,3 +1788,11 @@ func toDType(x []float32, d DType) Tensor {
 	}
 	return Halfs(h, d)
 }
+
+func f32bits(x []float32) []uint32 {
+	out := make([]uint32, len(x))
+	for i, v := range x {
+		out[i] = math.Float32bits(v)
+	}
+	return out
+}

@@ -299,3 +299,69 @@ func TestNormInLanding(t *testing.T) {
 		}
 	}
 }
+
+// TestNormOrderVsFloat64: the norm's summation order (each chunk in
+// zero_sumsq's 16 lanes, a bucket's chunks in order, the buckets in order)
+// is the documented one, bit for bit, and no worse than the order it
+// replaced (the whole shard split in GOMAXPROCS parts, each in the lanes,
+// the parts added): its error bound, (chunk/16 + 4 + chunks + buckets) ulp
+// of the sum, is below that one's, (n/16/parts + 4 + parts) ulp, and both
+// measured errors against a compensated float64 sum are logged.
+func TestNormOrderVsFloat64(t *testing.T) {
+	rng := testRNG(t)
+	const n, bucket, parts = 5<<20 + 3, 3<<19 + 77, 2
+	x := make([]float32, n)
+	for i := range x {
+		x[i] = float32(rng.NormFloat64() * math.Exp2(float64(rng.IntN(41)-20)))
+	}
+	dev := CPU()
+	s := NewHostStream()
+	defer s.Close()
+	var ranges []chunkRange
+	for lo, at := 0, 0; lo < n; lo += bucket {
+		ranges = append(ranges, chunkRange{at, at + chunksOf(min(bucket, n-lo))})
+		at = ranges[len(ranges)-1].hi
+	}
+	sums, outs := make([]float32, 2*ranges[len(ranges)-1].hi), make([]float32, 2*len(ranges))
+	for b, r := range ranges {
+		lo := b * bucket
+		part := Float32s(x).slice(lo, min(bucket, n-lo))
+		if err := dev.chunkSquares(s, part, Float32s(sums).slice(2*r.lo, 2*(r.hi-r.lo))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := errors.Join(dev.sumChunks(s, Float32s(sums), ranges, Float32s(outs)), s.Sync()); err != nil {
+		t.Fatal(err)
+	}
+	got, want := 0.0, 0.0
+	for _, v := range float64s(Float32s(outs)) {
+		got += v
+	}
+	for lo := 0; lo < n; lo += bucket {
+		bsum := 0.0
+		for c := lo; c < min(lo+bucket, n); c += normChunk {
+			bsum += refSumSqLanes(x[c:min(c+normChunk, lo+bucket, n)])
+		}
+		want += bsum
+	}
+	if got != want {
+		t.Fatalf("norm's sum %v, the documented order gives %v", got, want)
+	}
+	old := 0.0
+	for k := range parts {
+		old += refSumSqLanes(x[k*n/parts : (k+1)*n/parts])
+	}
+	vals := make([]float64, n)
+	for i, v := range x {
+		vals[i] = float64(v)
+	}
+	exact := neumaierSquares(vals)
+	u := 0x1p-53 * exact
+	chunks := chunksOf(bucket)
+	bound, oldBound := float64(normChunk/16+4+chunks+len(ranges))*u, float64(n/16/parts+4+parts)*u
+	t.Logf("sum %.17g: error %.3g ulp (bound %.0f), the old order's %.3g ulp (bound %.0f)",
+		exact, math.Abs(got-exact)/u, bound/u, math.Abs(old-exact)/u, oldBound/u)
+	if math.Abs(got-exact) > bound || bound > oldBound {
+		t.Fatalf("error %.3g, bound %.3g, the old order's bound %.3g", math.Abs(got-exact), bound, oldBound)
+	}
+}

@@ -31,14 +31,6 @@ func sameRunBits(t *testing.T, what string, got, want []rankResult) {
 	}
 }
 
-func f32bits(x []float32) []uint32 {
-	out := make([]uint32, len(x))
-	for i, v := range x {
-		out[i] = math.Float32bits(v)
-	}
-	return out
-}
-
 // maxShardOf is the largest bucket shard of a plan, in elements.
 func maxShardOf(p *Plan) int {
 	m := 0

@@ -392,3 +392,19 @@ func (q *quadTask) loss(st int, theta []float64) float64 {
 	}
 	return l / float64(q.samples)
 }
+
+// refSumSqLanes repeats zero_sumsq's documented order exactly: element lo+i in
+// lane i%16, float64 lanes, tree reduction of the lanes.
+func refSumSqLanes(x []float32) float64 {
+	var s [16]float64
+	for i, v := range x {
+		d := float64(v)
+		s[i%16] = s[i%16] + float64(d*d)
+	}
+	for w := 8; w > 0; w /= 2 {
+		for k := 0; k < w; k++ {
+			s[k] = s[k] + s[k+w]
+		}
+	}
+	return s[0]
+}
