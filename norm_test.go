@@ -192,27 +192,53 @@ type normRun struct {
 	master [2][][]uint32 // per step, the fp32 master shard's bits
 	norm   [2][]uint64   // per step, GradNorm's bits
 	read   [2][]int64    // per step, NormReadBytes
-	shard  int64         // the gradient shard's bytes
+	shard  [2]int64      // the gradient shard's bytes
 }
 
-func runNormWay(t *testing.T, seed int64, stage int, offload bool, shardDType DType, way normWay, fused bool) normRun {
+// normData is a run's data: the parameters' bf16 bits, and the gradients'
+// per rank, step, backward and parameter.
+type normData struct {
+	sizes  []int
+	params [][]uint16
+	grads  [2][2][3][][]uint16
+}
+
+func makeNormData(seed int64) normData {
+	rng := rand.New(rand.NewSource(seed))
+	d := normData{sizes: []int{20000, 3000, 50001, 700}}
+	bits := func(n int, scale func() float64) []uint16 {
+		b := newTBuf(BF16, n)
+		for j := range n {
+			b.set(j, float32(rng.NormFloat64()*scale()))
+		}
+		return b.h
+	}
+	for _, n := range d.sizes {
+		d.params = append(d.params, bits(n, func() float64 { return 1 }))
+	}
+	for rank := range d.grads {
+		for st := range d.grads[rank] {
+			for k := range d.grads[rank][st] {
+				for _, n := range d.sizes {
+					d.grads[rank][st][k] = append(d.grads[rank][st][k], bits(n, func() float64 { return math.Exp2(float64(rng.Intn(7) - 3)) }))
+				}
+			}
+		}
+	}
+	return d
+}
+
+func runNormWay(t *testing.T, d normData, stage int, offload bool, shardDType DType, way normWay, fused bool) normRun {
 	t.Helper()
 	normInLanding = fused
 	defer func() { normInLanding = true }()
-	sizes := []int{20000, 3000, 50001, 700}
-	const steps = 2
 	var out normRun
 	comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
 	errs := eachRank(2, func(rank int) error {
 		defer comms[rank].Close()
-		rng := rand.New(rand.NewSource(seed))
-		ps := make([]Param, len(sizes))
-		for p, n := range sizes {
-			b := newTBuf(BF16, n)
-			for j := range n {
-				b.set(j, float32(rng.NormFloat64()))
-			}
-			ps[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: BF16, Data: b.t()}
+		ps := make([]Param, len(d.sizes))
+		for p, n := range d.sizes {
+			ps[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: BF16, Data: Halfs(slices.Clone(d.params[p]), BF16)}
 		}
 		cfg := Config{Stage: stage, BucketBytes: 64 << 10, Precision: PrecisionPolicy{ShardDType: shardDType},
 			Grads: GradPolicy{AccumSteps: way.accum}, Offload: OffloadPolicy{Optimizer: offload},
@@ -224,31 +250,28 @@ func runNormWay(t *testing.T, seed int64, stage int, offload bool, shardDType DT
 		defer e.Close()
 		s := NewHostStream()
 		defer s.Close()
-		grads := rand.New(rand.NewSource(seed + 1 + int64(rank)))
-		backward := func() error {
-			for p := len(ps) - 1; p >= 0; p-- {
-				g := newTBuf(BF16, ps[p].Count)
-				for j := range g.len() {
-					g.set(j, float32(grads.NormFloat64()*math.Exp2(float64(grads.Intn(7)-3))))
+		for st := range d.grads[rank] {
+			k := 0
+			backward := func() error {
+				for p := len(ps) - 1; p >= 0; p-- {
+					if _, err := e.GradReady(p, Halfs(d.grads[rank][st][k][p], BF16), s); err != nil {
+						return err
+					}
 				}
-				if _, err := e.GradReady(p, g.t(), s); err != nil {
-					return err
-				}
+				k++
+				return e.EndBackward()
 			}
-			return e.EndBackward()
-		}
-		for range steps {
 			if err := way.run(e, backward); err != nil {
 				return err
 			}
 			if err := e.Step(); err != nil {
 				return err
 			}
-			st := e.Stats()
+			stats := e.Stats()
 			out.master[rank] = append(out.master[rank], f32bits(e.opt.master.hostFloats()))
-			out.norm[rank] = append(out.norm[rank], math.Float64bits(st.GradNorm))
-			out.read[rank] = append(out.read[rank], st.NormReadBytes)
-			out.shard = int64(e.pl.gradShard().Bytes())
+			out.norm[rank] = append(out.norm[rank], math.Float64bits(stats.GradNorm))
+			out.read[rank] = append(out.read[rank], stats.NormReadBytes)
+			out.shard[rank] = int64(e.pl.gradShard().Bytes())
 		}
 		return nil
 	})
@@ -263,24 +286,24 @@ func runNormWay(t *testing.T, seed int64, stage int, offload bool, shardDType DT
 // shard; with a landing after the boundary, Step reads the shard again.
 // The clip is far below the norm, so the norm's bits reach the weights.
 func TestNormInLanding(t *testing.T) {
-	seed := testSeed(t)
+	data := makeNormData(testSeed(t))
 	for _, stage := range []int{1, 2, 3} {
 		for _, offload := range []bool{false, true} {
 			for _, sdt := range []DType{FP32, BF16} {
 				for _, way := range normWays {
 					what := fmt.Sprintf("stage %d offload %v shard %v %s", stage, offload, sdt, way.name)
-					pass := runNormWay(t, seed, stage, offload, sdt, way, false)
-					fused := runNormWay(t, seed, stage, offload, sdt, way, true)
+					pass := runNormWay(t, data, stage, offload, sdt, way, false)
+					fused := runNormWay(t, data, stage, offload, sdt, way, true)
 					// Every bucket is landed by a backward of its own at
 					// stages 2 and 3, the last of them unknown.
 					wantRead := int64(0)
 					if stage > 1 && (way.name == "unknown" || way.name == "boundary-early") {
-						wantRead = fused.shard
+						wantRead = fused.shard[0]
 					}
 					for rank := range 2 {
 						for st := range fused.norm[rank] {
-							if pass.read[rank][st] != pass.shard {
-								t.Fatalf("%s: rank %d step %d: Step's own pass read %d bytes, the shard has %d", what, rank, st, pass.read[rank][st], pass.shard)
+							if pass.read[rank][st] != pass.shard[rank] {
+								t.Fatalf("%s: rank %d step %d: Step's own pass read %d bytes, the shard has %d", what, rank, st, pass.read[rank][st], pass.shard[rank])
 							}
 							if fused.read[rank][st] != wantRead {
 								t.Fatalf("%s: rank %d step %d: NormReadBytes %d, want %d", what, rank, st, fused.read[rank][st], wantRead)
