@@ -200,7 +200,52 @@ type pipelineSpec struct {
 	overlap     bool     // reduce on the pipeline's own stream
 	staging     int      // staging buffers to start with and to trim to
 	modes       []bucketMode
-	windowDType DType // the local sums of buckets a window makes local
+	// windowDType is the dtype of the local sums: a window's, and ZeRO-1's
+	// own where it is 16-bit (fp32 keeps ZeRO-1's fp32 sums)
+	windowDType DType
+}
+
+// localSum is the elements and dtype of bucket b's local sums: ZeRO-1's own
+// in fp32 hold its elements; sums in a 16-bit dtype or a window's are
+// padded, so that sums in the comm dtype are reduced where they are.
+func localSum(plan *Plan, spec pipelineSpec, b int) (int, DType) {
+	bp := plan.Buckets[b]
+	if spec.modes[b] == local && spec.windowDType == FP32 {
+		return bp.Elems, FP32
+	}
+	return bp.Padded, spec.windowDType
+}
+
+// hostedSums says, per bucket, whether its local sums may live in the
+// shard's own memory while the modes hold, where canLend (the sink lends
+// its shard to sums of the comm dtype, reduced in place) is true: bucket b's
+// sums [ShardOffset, +Padded) lie inside the shard, every bucket whose part
+// of the shard they cover is local (so it lands only at the flush, in
+// bucket order, after b's sums were reduced where they are), and they do
+// not overlap the sums of an earlier bucket hosted so. The first Shard
+// elements are b's own part, where this rank's reduced part already lies:
+// rank 0's landing is in place, the others' copy from further along.
+func hostedSums(plan *Plan, spec pipelineSpec, modes []bucketMode, canLend bool) []bool {
+	hosted := make([]bool, len(plan.Buckets))
+	if !canLend || spec.prescale != 1 {
+		return hosted
+	}
+	free := 0 // the shard before free holds sums hosted earlier
+	for b, bp := range plan.Buckets {
+		n, dt := localSum(plan, pipelineSpec{modes: modes, windowDType: spec.windowDType}, b)
+		end := bp.ShardOffset + n
+		if modes[b] != local || dt != spec.commDType || n != bp.Padded || bp.ShardOffset < free || end > plan.ShardElems {
+			continue
+		}
+		ok := true
+		for c := b + 1; c < len(plan.Buckets) && plan.Buckets[c].ShardOffset < end; c++ {
+			ok = ok && modes[c] == local
+		}
+		if ok {
+			hosted[b], free = true, end
+		}
+	}
+	return hosted
 }
 
 // pipeline moves gradients from the framework's tensors into buckets, and
@@ -217,10 +262,12 @@ type pipeline struct {
 	sink sink
 
 	stagingPool *bufferPool // comm dtype, MaxBucket elements each
-	localPool   *bufferPool // fp32, one bucket's elements each
+	localPool   *bufferPool // ZeRO-1's own sums, one bucket's (localSum) each
 	windowPool  *bufferPool // windowDType, a bucket's padded elements each: a window's local sums
 	buckets     []bucketState
 	stageLocal  int // buckets local in the stage's own mode (ZeRO-1's), whose sums are kept
+	// hosted is hostedSums for the modes in force; nil when they changed
+	hosted []bool
 
 	batch struct { // GradsReady's grouping, kept from call to call
 		order  []int   // buckets of the batch
@@ -256,6 +303,10 @@ type bucketState struct {
 	reduced   Event            // the bucket's last reduction has finished
 }
 
+// hostSumsInShard lets local sums live in the shard's memory where
+// hostedSums allows it; only the tests that compare both clear it.
+var hostSumsInShard = true
+
 // normInLanding lets a landing known to be the step's last sum the norm's
 // squares; only the tests that compare it with Step's own pass clear it.
 var normInLanding = true
@@ -267,7 +318,7 @@ var waitOnlyLastProducer = false
 func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream Stream, sk sink, ends *backwardEnd) (*pipeline, error) {
 	pl := &pipeline{spec: spec, plan: plan, dev: dev, comm: comm, stream: stream, reducing: map[Stream]Event{}, sink: sk, ends: ends}
 	pl.stagingPool = newBufferPool(dev, spec.commDType, &pl.mem)
-	pl.localPool = newBufferPool(dev, FP32, &pl.mem)
+	pl.localPool = newBufferPool(dev, spec.windowDType, &pl.mem)
 	pl.windowPool = newBufferPool(dev, spec.windowDType, &pl.mem)
 	pl.mem.add(sk.deviceBytes())
 	if err := pl.stagingPool.grow(plan.MaxBucket(), spec.staging); err != nil {
@@ -310,6 +361,9 @@ type sink interface {
 	// newWindow forgets the landings' sums: the next window's landings
 	// overwrite the shard.
 	newWindow()
+	// lend returns the shard's memory [offset, offset+n) for local sums of
+	// dtype dt, where the shard is device memory of that dtype (ok).
+	lend(offset, n int, dt DType) (t Tensor, ok bool)
 	// onDevice returns the shard in device memory for a collective on s:
 	// the shard itself, or a copy in scratch that s waits for.
 	onDevice(s Stream, scratch Tensor) (Tensor, error)
@@ -356,6 +410,13 @@ func (d *deviceSink) flag() Tensor                            { return d.raised 
 func (d *deviceSink) side(s Stream) (Device, Stream)          { return d.dev, s }
 func (d *deviceSink) onDevice(Stream, Tensor) (Tensor, error) { return d.sum, nil }
 func (d *deviceSink) newWindow()                              { d.norm.forget() }
+
+func (d *deviceSink) lend(offset, n int, dt DType) (Tensor, bool) {
+	if dt != d.sum.dtype || offset < 0 || offset+n > d.sum.count {
+		return Tensor{}, false
+	}
+	return d.sum.slice(offset, n), true
+}
 
 func (d *deviceSink) deviceBytes() int64 {
 	n := int64(d.sum.Bytes())
@@ -484,13 +545,7 @@ func (pl *pipeline) take(b int, idx []int, params []int, grads []Tensor, stream 
 func (pl *pipeline) addLocal(b int, idx []int, params []int, grads []Tensor, stream Stream) error {
 	bs := &pl.buckets[b]
 	if bs.local == nil {
-		pool, n := pl.localPool, pl.plan.Buckets[b].Elems
-		if pl.spec.modes[b] != local {
-			// a window's bucket, summed in the window's dtype, padded so
-			// that sums in the comm dtype are reduced where they are
-			pool, n = pl.windowPool, pl.plan.Buckets[b].Padded
-		}
-		acc, err := pool.get(n)
+		acc, err := pl.takeLocal(b)
 		if err != nil {
 			return err
 		}
@@ -525,6 +580,45 @@ func (pl *pipeline) addLocal(b int, idx []int, params []int, grads []Tensor, str
 		return err
 	}
 	return pl.dev.accumulate(stream, bs.local.t, add, false, 1, Tensor{})
+}
+
+// takeLocal gives bucket b its local sums at its first gradient since its
+// last flush: in the shard's own memory where hostedSums allows it and no
+// landing of the step wrote the part of the shard they cover, else from
+// ZeRO-1's pool or, for a window's bucket, the window's.
+func (pl *pipeline) takeLocal(b int) (*buffer, error) {
+	n, dt := localSum(pl.plan, pl.spec, b)
+	if pl.hosted == nil {
+		modes := make([]bucketMode, len(pl.buckets))
+		for c := range modes {
+			modes[c] = pl.buckets[c].mode
+		}
+		_, lendable := pl.sink.lend(0, 0, pl.spec.commDType)
+		pl.hosted = hostedSums(pl.plan, pl.spec, modes, lendable)
+	}
+	if hostSumsInShard && pl.hosted[b] && pl.untouched(b, n) {
+		if t, ok := pl.sink.lend(pl.plan.Buckets[b].ShardOffset, n, dt); ok {
+			// Its last readers (the last step's optimizer pass) ran on the
+			// reduction stream.
+			return &buffer{t: t, free: fence(pl.stream)}, nil
+		}
+	}
+	if pl.spec.modes[b] != local {
+		return pl.windowPool.get(n)
+	}
+	return pl.localPool.get(n)
+}
+
+// untouched says whether no landing since the window began wrote the part
+// of the shard that bucket b's n sums would cover from its own part on.
+func (pl *pipeline) untouched(b, n int) bool {
+	end := pl.plan.Buckets[b].ShardOffset + n
+	for c := b; c < len(pl.buckets) && pl.plan.Buckets[c].ShardOffset < end; c++ {
+		if !pl.buckets[c].copyFirst {
+			return false
+		}
+	}
+	return true
 }
 
 // addLocal16 sums into a 16-bit local accumulator as a framework's .grad
@@ -738,10 +832,12 @@ func (pl *pipeline) reduce(b int, rs Stream, last bool) (err error) {
 	return nil
 }
 
-// reducesInPlace reports whether a local sum is reduced where it is: a
-// window's sums in the comm dtype, with no pre-scale to apply.
+// reducesInPlace reports whether a local sum is reduced where it is: padded
+// sums (all but ZeRO-1's own in fp32, see localSum) in the comm dtype, with
+// no pre-scale to apply.
 func (pl *pipeline) reducesInPlace(sum *buffer) bool {
-	return sum != nil && sum.from == pl.windowPool && sum.t.dtype == pl.spec.commDType && pl.spec.prescale == 1
+	padded := sum != nil && sum.from != pl.stagingPool && (sum.from != pl.localPool || sum.t.dtype != FP32) // localSum
+	return padded && sum.t.dtype == pl.spec.commDType && pl.spec.prescale == 1
 }
 
 // flattenLocal casts bucket b's local fp32 sums into its staging buffer
@@ -934,8 +1030,13 @@ func (pl *pipeline) takeOverflow(s Stream) (float32, error) {
 
 // stageMode is bucket b's own mode; setMode sets the mode it runs in (a
 // window's).
-func (pl *pipeline) stageMode(b int) bucketMode         { return pl.spec.modes[b] }
-func (pl *pipeline) setMode(b int, m bucketMode)        { pl.buckets[b].mode = m }
+func (pl *pipeline) stageMode(b int) bucketMode    { return pl.spec.modes[b] }
+func (pl *pipeline) localSumOf(b int) (int, DType) { return localSum(pl.plan, pl.spec, b) }
+func (pl *pipeline) setMode(b int, m bucketMode) {
+	if pl.buckets[b].mode != m {
+		pl.buckets[b].mode, pl.hosted = m, nil
+	}
+}
 func (pl *pipeline) residentBytes() (held, inUse int64) { return pl.mem.cur, pl.mem.inUse }
 
 // reducesOn reports whether s carries a reduction issued since the last

@@ -37,10 +37,8 @@ func (w *window) localInWindow() []bool {
 	inWindow := make([]bool, len(w.plan.Buckets))
 	used := int64(0)
 	for b := len(inWindow) - 1; b >= 0; b-- {
-		size := int64(w.plan.Buckets[b].Elems) * 4
-		if w.pl.stageMode(b) != local {
-			size = int64(w.plan.Buckets[b].Padded * w.dtype.Size())
-		}
+		n, dt := w.pl.localSumOf(b)
+		size := int64(n * dt.Size())
 		if w.budget > 0 && used+size > w.budget {
 			break
 		}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	mrand "math/rand"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 )
@@ -199,7 +200,7 @@ func checkFull(t *testing.T, e *Engine, want float32) {
 // result is within checkMean's bound (which counts a rounding to the model
 // dtype per backward), at stages 2 and 3 with and without Overlap, tiny and
 // default buckets, and the window holds half the accumulator bytes of an
-// fp32 window; at stage 1, whose own sums stay fp32, nothing changes.
+// fp32 window; at stage 1 too, whose own sums follow Window.DType.
 func TestCoalesceWindowDType(t *testing.T) {
 	seed := testSeed(t)
 	rng := rand.New(rand.NewPCG(uint64(seed), 9))
@@ -222,19 +223,18 @@ func TestCoalesceWindowDType(t *testing.T) {
 				r.windowDType = dt
 				narrow := runEngine(t, r, params, data, seed)
 				checkMean(t, r, params, data, narrow)
-				if stage == 1 { // ZeRO-1's own local sums stay fp32: the same bits
-					if err := sameShards(wide, narrow); err != nil {
-						t.Fatalf("%v: %v", r, err)
-					}
-					continue
-				}
-				accum := int64(0)
+				// fp32 sums hold the padded elements (ZeRO-1's own, the
+				// elements only); 16-bit ones the padded elements, 2 bytes each
+				want := int64(0)
 				for _, b := range narrow[0].plan.Buckets {
-					accum += int64(b.Padded)
+					want += int64(4*b.Padded - 2*b.Padded)
+					if stage == 1 {
+						want += int64(4*b.Elems - 4*b.Padded)
+					}
 				}
 				w, n := wide[0].stats[1].WindowResidentBytes, narrow[0].stats[1].WindowResidentBytes
-				if saved := w - n; saved != 2*accum {
-					t.Errorf("%v: the window holds %d bytes in %v, %d in fp32; want 2 bytes × %d (padded) elements less", r, n, dt, w, accum)
+				if saved := w - n; saved != want {
+					t.Errorf("%v: the window holds %d bytes in %v, %d in fp32; want %d less", r, n, dt, w, want)
 				}
 			}
 		}
@@ -489,6 +489,81 @@ func TestWindowSumsReusedClean(t *testing.T) {
 				}
 				if err := wantAll(g[p:p+1], want); err != nil {
 					t.Errorf("window sums %v, rank %d, %s: %v", wdt, rank, params[p].Name, err)
+				}
+			}
+		}
+	}
+}
+
+// TestLocalSumsInShard: where the local sums are in the shard's dtype and
+// the comm dtype (bf16 throughout, DeepSpeed's choice), the buckets
+// hostedSums picks keep their sums in the shard's own memory until their
+// flush: the shard has the bits of the run with every sum in a buffer of
+// its own, the optimizer's master weights too, and the window (or ZeRO-1's
+// backwards) holds exactly those sums' bytes less. Eight equal buckets on
+// two ranks: the sums of buckets 0, 2, 4 and 6 each cover their own part
+// and the next bucket's, so those four fit; under a budget that streams
+// buckets 0-2, bucket 2's sums would cover bucket 3's part, which streams.
+func TestLocalSumsInShard(t *testing.T) {
+	seed := testSeed(t)
+	params := make([]Param, 8)
+	for i := range params {
+		params[i] = Param{Name: fmt.Sprint("p", i), Count: 4096, DType: BF16}
+	}
+	base := runSpec{world: 2, dtype: BF16, shard: BF16, windowDType: BF16, bucket: 8192, backwards: 3, steps: 2,
+		streams: 2, overlap: true, predivide: 1, windowEvery: true}
+	data := makeWorkload(mrand.New(mrand.NewSource(seed)), base, params)
+	plan := newPlan(params, base.bucket, base.world, 64)
+	if len(plan.Buckets) != 8 || plan.Buckets[0].Padded != 4096 {
+		t.Fatalf("plan: %d buckets of %d elements; the test wants 8 of 4096", len(plan.Buckets), plan.Buckets[0].Padded)
+	}
+	for _, c := range []struct {
+		stage  int
+		window string
+		budget int // bytes of local sums; the rest stream
+	}{{1, "", 0}, {1, "coalesce", 0}, {2, "coalesce", 0}, {2, "nosync", 0}, {3, "coalesce", 0}, {2, "coalesce", 5 * 8192}} {
+		r := base
+		r.stage, r.window, r.budget = c.stage, c.window, c.budget
+		hostSumsInShard = false
+		own := runEngine(t, r, params, data, seed)
+		hostSumsInShard = true
+		hosted := runEngine(t, r, params, data, seed)
+		if err := sameShards(own, hosted); err != nil {
+			t.Fatalf("%v: %v", r, err)
+		}
+		for rank := range hosted {
+			for st := range hosted[rank].stats {
+				o, h := own[rank].stats[st], hosted[rank].stats[st]
+				held, ownHeld := h.WindowResidentBytes, o.WindowResidentBytes
+				if c.window == "" { // ZeRO-1's backwards: the step's peak
+					held, ownHeld = h.PeakGradBytesInUse, o.PeakGradBytesInUse
+				}
+				// Under the budget buckets 3-7 are local: 4 and 6 are
+				// hosted (3 and 5 cover a part of the next bucket's).
+				hostedBytes := int64(4 * 4096 * 2)
+				if c.budget > 0 {
+					hostedBytes = 2 * 4096 * 2
+				}
+				if ownHeld-held != hostedBytes {
+					t.Errorf("%v: rank %d step %d: %d bytes held, %d with the sums apart; want %d less", r, rank, st, held, ownHeld, hostedBytes)
+				}
+			}
+		}
+	}
+	// With the optimizer: the last step's pass reads the shard that the
+	// next step's first sums overwrite.
+	d := makeNormData(seed)
+	for _, stage := range []int{1, 2, 3} {
+		for _, way := range normWays {
+			hostSumsInShard = false
+			own := runNormWayIn(t, d, stage, false, BF16, BF16, way, true)
+			hostSumsInShard = true
+			hosted := runNormWayIn(t, d, stage, false, BF16, BF16, way, true)
+			for rank := range 2 {
+				for st := range own.master[rank] {
+					if !slices.Equal(own.master[rank][st], hosted.master[rank][st]) {
+						t.Fatalf("stage %d %s: rank %d step %d: master weights differ with the sums in the shard", stage, way.name, rank, st)
+					}
 				}
 			}
 		}

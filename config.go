@@ -119,10 +119,12 @@ type WindowPolicy struct {
 	// every bucket is local): only the buckets that backward produces last
 	// are local, as many as fit; the others are reduced every backward.
 	BudgetBytes int `zero:"reshard"`
-	// DType is the dtype of a window's local sums: FP32 (default) or the
-	// model dtype, half the memory for bf16 and fp16, each backward's sum
-	// rounded to it as a framework's .grad is (DeepSpeed's choice). ZeRO-1's
-	// own local sums stay fp32.
+	// DType is the dtype of the local sums, a window's and ZeRO-1's own:
+	// FP32 (default) or the model dtype, half the memory for bf16 and fp16,
+	// each backward's sum rounded to it as a framework's .grad is
+	// (DeepSpeed's choice). Where it is also the comm dtype and the
+	// ShardDType, the shard's own memory hosts some of them until their
+	// flush (README, "Memory").
 	DType DType `zero:"match"`
 }
 

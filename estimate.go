@@ -1,6 +1,9 @@
 package zero
 
-import "fmt"
+import (
+	"fmt"
+	"slices"
+)
 
 // The estimator: what one rank of an engine will hold and move, from the
 // parameters, the Config and the world size, before any memory exists. It
@@ -48,7 +51,7 @@ type DeviceBytes struct {
 	GradShard       int64 // the reduced gradient shard, in Precision.ShardDType
 	GradScratch     int64 // fp32, the largest bucket shard: the optimizer reads a 16-bit shard widened through it
 	Staging         int64 // staging buffers, comm dtype, one largest bucket each
-	LocalSums       int64 // ZeRO-1's local sums, fp32, every bucket's elements
+	LocalSums       int64 // ZeRO-1's local sums: fp32, every bucket's elements, or padded in a 16-bit Window.DType
 	WindowSums      int64 // a window's sums in Window.DType, the buckets it makes local
 	Master          int64 // fp32 master weights
 	OptimizerState  int64 // AdamW's m and v (and amsgrad's maximum), SGD's momentum
@@ -152,18 +155,33 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 	modes := make([]bucketMode, len(plan.Buckets))
 	for b := range modes {
 		modes[b] = stageModes[cfg.Stage]
-		if modes[b] == local {
-			d.LocalSums += int64(plan.Buckets[b].Elems) * 4
-		}
 	}
+	spec := pipelineSpec{modes: modes, windowDType: cfg.Window.DType, commDType: cfg.Precision.CommDType,
+		prescale: float32(1 / cfg.Grads.PredivideFactor)}
+	inForce := modes // the modes of the step's backwards
 	var inWindow []bool
 	if run.Window {
-		win := newWindow(&pipeline{spec: pipelineSpec{modes: modes}}, plan, cfg.Window)
+		win := newWindow(&pipeline{spec: spec, plan: plan}, plan, cfg.Window)
 		inWindow = win.localInWindow()
+		inForce = slices.Clone(modes)
 		for b, in := range inWindow {
-			if in && modes[b] != local { // 16-bit sums are added into in their dtype
-				d.WindowSums += int64(plan.Buckets[b].Padded * cfg.Window.DType.Size())
+			if in {
+				inForce[b] = local
 			}
+		}
+	}
+	// Local sums take memory of their own, except those the shard's
+	// memory hosts (a device shard in the comm dtype).
+	hosted := hostedSums(plan, spec, inForce, !offload && sdt == cfg.Precision.CommDType)
+	for b := range modes {
+		if inForce[b] != local || hosted[b] {
+			continue
+		}
+		n, dt := localSum(plan, spec, b) // 16-bit sums are added into in their dtype
+		if modes[b] == local {
+			d.LocalSums += int64(n * dt.Size())
+		} else {
+			d.WindowSums += int64(n * dt.Size())
 		}
 	}
 

@@ -1796,3 +1796,143 @@ func f32bits(x []float32) []uint32 {
 	}
 	return out
 }
+
+// ---- the norm and the local sums, run with an optimizer --------------------
+
+// normWay is one way a step's backwards run, and whether it tells the
+// engine which landing is the last.
+type normWay struct {
+	name  string
+	accum int                                          // Grads.AccumSteps
+	run   func(e *Engine, backward func() error) error // three backwards
+}
+
+var normWays = []normWay{
+	{name: "unknown", run: func(e *Engine, bw func() error) error { return repeatErr(3, bw) }},
+	{name: "accumsteps", accum: 3, run: func(e *Engine, bw func() error) error { return repeatErr(3, bw) }},
+	{name: "boundary", run: func(e *Engine, bw func() error) error {
+		return errors.Join(repeatErr(2, bw), func() error { e.SetBoundary(true); return bw() }())
+	}},
+	{name: "boundary-early", run: func(e *Engine, bw func() error) error { // a backward after the boundary
+		return errors.Join(bw(), func() error { e.SetBoundary(true); return bw() }(), bw())
+	}},
+	{name: "coalesce", run: func(e *Engine, bw func() error) error {
+		if err := e.BeginCoalesce(); err != nil {
+			return err
+		}
+		return errors.Join(repeatErr(3, bw), e.EndCoalesce())
+	}},
+	{name: "nosync", run: func(e *Engine, bw func() error) error {
+		if err := e.BeginNoSync(); err != nil {
+			return err
+		}
+		return errors.Join(repeatErr(2, bw), e.EndNoSync(), bw())
+	}},
+}
+
+func repeatErr(n int, fn func() error) error {
+	for range n {
+		if err := fn(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// normRun is what a normWay's run left on each rank after each step.
+type normRun struct {
+	master [2][][]uint32 // per step, the fp32 master shard's bits
+	norm   [2][]uint64   // per step, GradNorm's bits
+	read   [2][]int64    // per step, NormReadBytes
+	shard  [2]int64      // the gradient shard's bytes
+}
+
+// normData is a run's data: the parameters' bf16 bits, and the gradients'
+// per rank, step, backward and parameter.
+type normData struct {
+	sizes  []int
+	params [][]uint16
+	grads  [2][2][3][][]uint16
+}
+
+func makeNormData(seed int64) normData {
+	rng := rand.New(rand.NewSource(seed))
+	d := normData{sizes: []int{20000, 3000, 50001, 700}}
+	bits := func(n int, scale func() float64) []uint16 {
+		b := newTBuf(BF16, n)
+		for j := range n {
+			b.set(j, float32(rng.NormFloat64()*scale()))
+		}
+		return b.h
+	}
+	for _, n := range d.sizes {
+		d.params = append(d.params, bits(n, func() float64 { return 1 }))
+	}
+	for rank := range d.grads {
+		for st := range d.grads[rank] {
+			for k := range d.grads[rank][st] {
+				for _, n := range d.sizes {
+					d.grads[rank][st][k] = append(d.grads[rank][st][k], bits(n, func() float64 { return math.Exp2(float64(rng.Intn(7) - 3)) }))
+				}
+			}
+		}
+	}
+	return d
+}
+
+func runNormWay(t *testing.T, d normData, stage int, offload bool, shardDType DType, way normWay, fused bool) normRun {
+	t.Helper()
+	return runNormWayIn(t, d, stage, offload, shardDType, FP32, way, fused)
+}
+
+// runNormWayIn is runNormWay with the local sums in windowDType.
+func runNormWayIn(t *testing.T, d normData, stage int, offload bool, shardDType, windowDType DType, way normWay, fused bool) normRun {
+	t.Helper()
+	normInLanding = fused
+	defer func() { normInLanding = true }()
+	var out normRun
+	comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+	errs := eachRank(2, func(rank int) error {
+		defer comms[rank].Close()
+		ps := make([]Param, len(d.sizes))
+		for p, n := range d.sizes {
+			ps[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: BF16, Data: Halfs(slices.Clone(d.params[p]), BF16)}
+		}
+		cfg := Config{Stage: stage, BucketBytes: 64 << 10, Precision: PrecisionPolicy{ShardDType: shardDType}, Window: WindowPolicy{DType: windowDType},
+			Grads: GradPolicy{AccumSteps: way.accum}, Offload: OffloadPolicy{Optimizer: offload},
+			Optimizer: OptimizerPolicy{Clip: 1e-3, Groups: []Optimizer{NewAdamW(1e-2)}}}
+		e, err := New(cfg, comms[rank], ps)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		s := NewHostStream()
+		defer s.Close()
+		for st := range d.grads[rank] {
+			k := 0
+			backward := func() error {
+				for p := len(ps) - 1; p >= 0; p-- {
+					if _, err := e.GradReady(p, Halfs(d.grads[rank][st][k][p], BF16), s); err != nil {
+						return err
+					}
+				}
+				k++
+				return e.EndBackward()
+			}
+			if err := way.run(e, backward); err != nil {
+				return err
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			stats := e.Stats()
+			out.master[rank] = append(out.master[rank], f32bits(e.opt.master.hostFloats()))
+			out.norm[rank] = append(out.norm[rank], math.Float64bits(stats.GradNorm))
+			out.read[rank] = append(out.read[rank], stats.NormReadBytes)
+			out.shard[rank] = int64(e.pl.gradShard().Bytes())
+		}
+		return nil
+	})
+	everyRankIs(t, fmt.Sprintf("stage %d offload %v shard %v %s fused %v", stage, offload, shardDType, way.name, fused), errs, nil)
+	return out
+}

@@ -70,11 +70,12 @@ func newOffload(dev Device, plan *Plan, copyStream Stream, commDType, shardDType
 
 // ---- the pipeline's sink ----------------------------------------------------------
 
-func (o *offload) shard() Tensor                { return o.sum }
-func (o *offload) flag() Tensor                 { return o.raised }
-func (o *offload) side(Stream) (Device, Stream) { return hostDev, o.stream }
-func (o *offload) deviceBytes() int64           { return 0 }
-func (o *offload) newWindow()                   { o.norm.forget() }
+func (o *offload) shard() Tensor                       { return o.sum }
+func (o *offload) flag() Tensor                        { return o.raised }
+func (o *offload) side(Stream) (Device, Stream)        { return hostDev, o.stream }
+func (o *offload) deviceBytes() int64                  { return 0 }
+func (o *offload) newWindow()                          { o.norm.forget() }
+func (o *offload) lend(int, int, DType) (Tensor, bool) { return Tensor{}, false } // the shard is host memory
 func (o *offload) close() error {
 	return errors.Join(o.Free(o.sum), o.mem.Free(o.raised), o.norm.close())
 }

@@ -17,7 +17,14 @@ type buffer struct {
 
 // release gives the buffer back to its pool; free fires when its last
 // user is done with it.
-func (b *buffer) release(free Event) { b.from.put(b, free) }
+//
+// A buffer of no pool lends memory another owns (the shard's, hosting local
+// sums): there is nothing to give back.
+func (b *buffer) release(free Event) {
+	if b.from != nil {
+		b.from.put(b, free)
+	}
+}
 
 // bufferPool keeps buffers of one dtype between uses, by element count, so
 // the steady state allocates nothing. Buffers of one size come back

@@ -393,6 +393,23 @@ MUTANTS = [
      "C.zk_chunk_squares_u(C.uintptr_t(x), C.int(dt), 0, C.int64_t(a), C.int64_t(b), C.uintptr_t(sums))",
      "C.zk_chunk_squares_u(C.uintptr_t(x), C.int(dt), C.int64_t(a), C.int64_t(a), C.int64_t(b), C.uintptr_t(sums))",
      "TestNormChunkSums"),
+    # issue 22: local sums in the shard's memory
+    ("hosted-sums-overlap", "bucket.go",
+     "bp.ShardOffset < free || end > plan.ShardElems",
+     "end > plan.ShardElems",
+     "TestLocalSumsInShard"),
+    ("hosted-sums-over-landed-shard", "bucket.go",
+     "if hostSumsInShard && pl.hosted[b] && pl.untouched(b, n) {",
+     "if hostSumsInShard && pl.hosted[b] {",
+     "TestLocalSumsInShard"),
+    ("hosted-sums-not-counted", "estimate.go",
+     "if inForce[b] != local || hosted[b] {",
+     "if inForce[b] != local {",
+     "TestEstimateMatchesAllocations"),
+    ("zero1-sums-stay-fp32", "bucket.go",
+     "\tpl.localPool = newBufferPool(dev, spec.windowDType, &pl.mem)",
+     "\tpl.localPool = newBufferPool(dev, FP32, &pl.mem)",
+     "TestCoalesceWindowDType"),
 ]
 
 
