@@ -396,7 +396,7 @@ MUTANTS = [
     # issue 22: local sums in the shard's memory
     ("hosted-sums-overlap", "bucket.go",
      "bp.ShardOffset < free || end > plan.ShardElems",
-     "end > plan.ShardElems",
+     "bp.ShardOffset < free-free || end > plan.ShardElems",
      "TestLocalSumsInShard"),
     ("hosted-sums-over-landed-shard", "bucket.go",
      "if hostSumsInShard && pl.hosted[b] && pl.untouched(b, n) {",
@@ -404,7 +404,7 @@ MUTANTS = [
      "TestLocalSumsInShard"),
     ("hosted-sums-not-counted", "estimate.go",
      "if inForce[b] != local || hosted[b] {",
-     "if inForce[b] != local {",
+     "if inForce[b] != local || hosted[b] && false {",
      "TestEstimateMatchesAllocations"),
     ("zero1-sums-stay-fp32", "bucket.go",
      "\tpl.localPool = newBufferPool(dev, spec.windowDType, &pl.mem)",
