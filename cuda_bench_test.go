@@ -235,6 +235,10 @@ func BenchmarkCUDAPipeline(b *testing.B) {
 			b.ReportMetric(float64(el.Microseconds())/1000/float64(b.N), "ms/step")
 			b.ReportMetric(float64(stats[0].PeakGradBytes)/(1<<20), "peakMiB")
 			b.ReportMetric(float64(stats[0].Collectives.Total().Calls), "collectives/step")
+			// what backward left of the reductions, beside one bucket's
+			// reduction (the floor overlap can reach), on the card
+			b.ReportMetric(float64(stats[0].ExposedReduceTime.Microseconds())/1000, "exposedMs")
+			b.ReportMetric(float64(stats[0].LastReduceTime.Microseconds())/1000, "lastReduceMs")
 		})
 	}
 }
