@@ -295,10 +295,10 @@ func localBuckets(p *zero.Plan, cfg zero.Config) int {
 	return n
 }
 
-// sumsDType is the dtype of a window's local sums: ZeRO-1's own are fp32,
-// the others' in Window.DType (fp32 where unset).
+// sumsDType is the dtype of the local sums, a window's and ZeRO-1's own:
+// Window.DType (fp32 where unset).
 func sumsDType(cfg zero.Config) zero.DType {
-	if cfg.Stage == 1 || cfg.Window.DType == 0 {
+	if cfg.Window.DType == 0 {
 		return zero.FP32
 	}
 	return cfg.Window.DType
