@@ -940,24 +940,28 @@ func (d *cudaDevice) sumChunks(s Stream, parts Tensor, ranges []chunkRange, outs
 	if err != nil {
 		return err
 	}
+	// the ranges as the kernel reads them (chunkRange's fields are device.go's)
+	var cr []C.zc_crange
+	if len(ranges) > 0 {
+		cr = unsafe.Slice((*C.zc_crange)(unsafe.Pointer(&ranges[0])), len(ranges))
+	}
 	top := 0
-	for _, r := range ranges {
+	for _, r := range cr {
 		if r.lo < 0 || r.lo > r.hi {
 			return errorf(ErrGradSize, "%s: range [%d, %d); pass lo ≤ hi, both ≥ 0", op, r.lo, r.hi)
 		}
-		top = max(top, r.hi)
+		top = max(top, int(r.hi))
 	}
-	if err := errors.Join(checkSums(op, parts, top), checkSums(op, outs, len(ranges))); err != nil {
+	if err := errors.Join(checkSums(op, parts, top), checkSums(op, outs, len(cr))); err != nil {
 		return err
 	}
 	if err := d.deviceOnly(op, parts, outs); err != nil {
 		return err
 	}
-	if len(ranges) == 0 {
+	if len(cr) == 0 {
 		return nil
 	}
-	code := C.zc_sum_chunks(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(parts.ptr), (*C.zc_crange)(unsafe.Pointer(&ranges[0])),
-		C.int(len(ranges)), C.uintptr_t(outs.ptr))
+	code := C.zc_sum_chunks(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(parts.ptr), &cr[0], C.int(len(cr)), C.uintptr_t(outs.ptr))
 	return d.err(op, code)
 }
 
