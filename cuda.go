@@ -12,6 +12,7 @@ import "C"
 
 import (
 	_ "embed"
+	"errors"
 	"fmt"
 	"runtime"
 	"sync"
@@ -700,7 +701,7 @@ func (d *cudaDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool
 		f = 1
 	}
 	code := C.zc_accumulate(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(acc.ptr), cdtype(acc.dtype),
-		(*C.zc_seg)(unsafe.Pointer(&c[0])), C.int(len(c)), cdtype(src), f, C.float(scale), C.uintptr_t(flag.ptr))
+		(*C.zc_seg)(unsafe.Pointer(&c[0])), C.int(len(c)), cdtype(src), f, C.float(scale), C.uintptr_t(flag.ptr), 0)
 	return d.err("accumulate", code)
 }
 
@@ -840,6 +841,128 @@ func (d *cudaDevice) sumSquares(s Stream, x Tensor, out *float64) error {
 	*out = *(*float64)(sc.out.hostPtr())
 	d.putSumsq(sc)
 	return nil
+}
+
+// ---- the norm's chunk sums of squares --------------------------------------------
+
+// zcChunk is the accumulate kernels' chunk (ZC_CHUNK elements, a block's):
+// block k of a one-segment landing sums the norm's chunk k, so it must be
+// normChunk (TestCUDANormChunkIsTheKernelsBlock).
+const zcChunk = C.ZC_CHUNK
+
+// Compile-time checks that chunkRange and zc_crange have the same layout.
+var (
+	_ [unsafe.Sizeof(chunkRange{}) - C.sizeof_zc_crange]byte
+	_ [C.sizeof_zc_crange - unsafe.Sizeof(chunkRange{})]byte
+)
+
+// checkSums is checkParts for the kernels: the float64 sums must also be
+// 8-byte aligned, as a GPU faults on a double at any other address.
+func checkSums(op string, sums Tensor, n int) error {
+	if err := checkParts(op, sums, n); err != nil {
+		return err
+	}
+	if sums.ptr%8 != 0 {
+		return errorf(ErrGradSize, "%s: sums at %#x; float64s need an 8-byte aligned address (slice the fp32 tensor at an even element)", op, sums.ptr)
+	}
+	return nil
+}
+
+// accumulateSquares is accumulate of the one segment seg that also writes
+// the sums of squares of the values it stored, chunk k (seg's elements
+// [k·normChunk, (k+1)·normChunk)) into the float64 at parts' words 2k, 2k+1:
+// block k of the launch sums what it stored, read back from L2. The bits are
+// chunkSquares' for the same values.
+func (d *cudaDevice) accumulateSquares(s Stream, acc Tensor, seg Segment, first bool, scale float32, flag, parts Tensor) error {
+	const op = "accumulateSquares"
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	if !acc.dtype.valid() || !seg.Src.dtype.valid() || (flag.ptr != 0 && flag.dtype != FP32) {
+		return errorf(ErrDType, "%s of %v into %v with a %v flag; use an fp32, bf16 or fp16 source and accumulator and an fp32 flag",
+			op, seg.Src.dtype, acc.dtype, flag.dtype)
+	}
+	if seg.Offset < 0 || seg.Offset+seg.Src.count > acc.count {
+		return errorf(ErrGradSize, "%s of %d elements at %d into %d", op, seg.Src.count, seg.Offset, acc.count)
+	}
+	if err := checkSums(op, parts, chunksOf(seg.Src.count)); err != nil {
+		return err
+	}
+	if err := d.deviceOnly(op, acc, seg.Src, flag, parts); err != nil {
+		return err
+	}
+	if seg.Src.count == 0 {
+		return nil
+	}
+	buf := segScratch.Get().(*[]segment)
+	defer segScratch.Put(buf)
+	if cap(*buf) < 1 {
+		*buf = make([]segment, 1)
+	}
+	c := (*buf)[:1]
+	c[0] = segment{ptr: seg.Src.ptr, count: int64(seg.Src.count), offset: int64(seg.Offset)}
+	code := C.zc_accumulate(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(acc.ptr), cdtype(acc.dtype),
+		(*C.zc_seg)(unsafe.Pointer(&c[0])), 1, cdtype(seg.Src.dtype), cbool(first), C.float(scale), C.uintptr_t(flag.ptr),
+		C.uintptr_t(parts.ptr))
+	return d.err(op, code)
+}
+
+// chunkSquares writes the sums of squares of x (fp32, bf16 or fp16, read as
+// it is: no widened copy) per chunk of normChunk elements into parts, the
+// bits accumulateSquares gives for the same values.
+func (d *cudaDevice) chunkSquares(s Stream, x, parts Tensor) error {
+	const op = "chunkSquares"
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	if !x.dtype.valid() {
+		return errorf(ErrDType, "%s of %v; use fp32, bf16 or fp16", op, x.dtype)
+	}
+	if err := checkSums(op, parts, chunksOf(x.count)); err != nil {
+		return err
+	}
+	if err := d.deviceOnly(op, x, parts); err != nil {
+		return err
+	}
+	code := C.zc_chunk_squares(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(x.ptr), cdtype(x.dtype), C.int64_t(x.count), C.uintptr_t(parts.ptr))
+	return d.err(op, code)
+}
+
+// sumChunks writes outs[i] (a float64, two fp32 words) = the sum of parts'
+// float64s ranges[i].lo..hi-1, one block per range, in zc_sumsq_final's
+// order: thread t adds the range's sums t, t+256, ... in order, then a fixed
+// tree over the 256 threads. Valid once s has synced.
+func (d *cudaDevice) sumChunks(s Stream, parts Tensor, ranges []chunkRange, outs Tensor) error {
+	const op = "sumChunks"
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	// the ranges as the kernel reads them (chunkRange's fields are device.go's)
+	var cr []C.zc_crange
+	if len(ranges) > 0 {
+		cr = unsafe.Slice((*C.zc_crange)(unsafe.Pointer(&ranges[0])), len(ranges))
+	}
+	top := 0
+	for _, r := range cr {
+		if r.lo < 0 || r.lo > r.hi {
+			return errorf(ErrGradSize, "%s: range [%d, %d); pass lo ≤ hi, both ≥ 0", op, r.lo, r.hi)
+		}
+		top = max(top, int(r.hi))
+	}
+	if err := errors.Join(checkSums(op, parts, top), checkSums(op, outs, len(cr))); err != nil {
+		return err
+	}
+	if err := d.deviceOnly(op, parts, outs); err != nil {
+		return err
+	}
+	if len(cr) == 0 {
+		return nil
+	}
+	code := C.zc_sum_chunks(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(parts.ptr), &cr[0], C.int(len(cr)), C.uintptr_t(outs.ptr))
+	return d.err(op, code)
 }
 
 // reduce is the in-process reduce-scatter: for each output j,

@@ -83,6 +83,12 @@ typedef struct {
 	int64_t block0;
 } zc_odesc;
 
+/* A run [lo, hi) of chunk sums (the norm's), summed into one output. The
+ * layout matches chunkRange of device.go. */
+typedef struct {
+	int64_t lo, hi;
+} zc_crange;
+
 ZC_ABI_FN int zc_size(int t) { return t == ZERO_F32 ? 4 : 2; }
 
 /* Row of a dtype or op in the kernel tables, in the order F32, BF16, F16 and
@@ -157,13 +163,20 @@ static inline int zc_red_setup(zc_red_arg* a, const uintptr_t* dsts, int nout, c
  * d, s, t: dtype rows (zc_dt_index); o: op row (zc_op_index); c: 1 when a
  * scale other than 1 is applied; f: 1 for the first accumulate (copy).
  *   zc_flatten_<d><s><c>(char* dst, zc_segs_arg a, float scale)
- *   zc_acc_<d><s><c><f>(char* acc, zc_segs_arg a, float scale, float* flag)   d: acc's dtype row
+ *   zc_acc_<d><s><c><f>(char* acc, zc_segs_arg a, float scale, float* flag, double* part)
+ *                                         d: acc's dtype row; part: NULL, or block b's sum of
+ *                                         squares of what it stored goes to part[b] (one
+ *                                         segment: b is its chunk, ZC_CHUNK elements)
  *   zc_reduce_<t><o>(zc_red_arg a)        grid (x, nout)
  *   zc_allreduce_<t><o>(zc_red_arg a)
  *   zc_unflatten_<t>(const char* flat, zc_segs_arg a)   seg.src is the destination
  *   zc_adamw_<d>(float* p, const float* g, float* m, float* v, float* vmax, char* out,
  *                const zc_odesc* ranges, int n, float gscale)     d: out's dtype row
  *   zc_sgd_<d>(float* p, const float* g, float* buf, char* out, const zc_odesc* ranges, int n, float gscale)
+ *   zc_chunksq_<t>(const char* x, int64_t n, double* part)   block b: part[b] = the sum of
+ *                                         squares of chunk b of x, as zc_acc's part
+ *   zc_sumchunks(const double* part, const zc_crange* r, double* out)   block i: out[i] =
+ *                                         the sum of part[r[i].lo .. r[i].hi), as zc_sumsq_final
  *   zc_sumsq_part(const float* x, int64_t n, double* part)
  *   zc_sumsq_final(const double* part, int nb, double* out)
  *   zc_spin(int64_t ns)

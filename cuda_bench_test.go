@@ -70,6 +70,20 @@ func BenchmarkCUDAKernelBandwidth(b *testing.B) {
 	sgdRange := optRange{count: int64(n)}
 	with(NewSGD(1e-2), func(o *SGD) { o.Momentum = 0.9 }).rangeFor(&sgdRange, 3)
 	var sumsq float64
+	// the norm's chunk sums of a shard of n elements, their total and its
+	// host copy: what shardNorm.squares does for a one-bucket shard
+	parts, outs := alloc(2*chunksOf(n), FP32), alloc(2, FP32)
+	whole := []chunkRange{{0, chunksOf(n)}}
+	host := make([]float32, 2)
+	norm := func(x Tensor) error {
+		if err := d.chunkSquares(s, x, parts); err != nil {
+			return err
+		}
+		if err := d.sumChunks(s, parts, whole, outs); err != nil {
+			return err
+		}
+		return d.copy(s, Float32s(host), outs) // pageable: done when it returns
+	}
 	segs := func(src Tensor, parts int) []Segment {
 		out := make([]Segment, parts)
 		per := src.count / parts
@@ -89,6 +103,17 @@ func BenchmarkCUDAKernelBandwidth(b *testing.B) {
 		{"accumulate_bf16_add", 10 * n, func() error {
 			return d.accumulate(s, f32[0], []Segment{{Src: bf[0]}}, false, 0.25, flag)
 		}},
+		// the landing of a step's last reduction with its squares: the same
+		// bytes from memory (the squares are read back from L2)
+		{"accumulate_bf16_add_squares", 10 * n, func() error {
+			return d.accumulateSquares(s, f32[0], Segment{Src: bf[0]}, false, 0.25, flag, parts)
+		}},
+		{"accumulate_f32_add", 12 * n, func() error {
+			return d.accumulate(s, f32[0], []Segment{{Src: f32[1]}}, false, 0.25, flag)
+		}},
+		{"accumulate_f32_add_squares", 12 * n, func() error {
+			return d.accumulateSquares(s, f32[0], Segment{Src: f32[1]}, false, 0.25, flag, parts)
+		}},
 		{"accumulate_bf16_into_bf16_add", 6 * n, func() error {
 			return d.accumulate(s, bf[1], []Segment{{Src: bf[0]}}, false, 0.25, flag)
 		}},
@@ -104,6 +129,10 @@ func BenchmarkCUDAKernelBandwidth(b *testing.B) {
 			return d.optimize(s, optSGD, optTensors{p: f32[0], g: f32[1], m: m, out: bf[0]}, []optRange{sgdRange}, 0.5)
 		}},
 		{"sumsq_f32", 4 * n, func() error { return d.sumSquares(s, f32[1], &sumsq) }},
+		// the norm of a shard no landing summed: its chunks read once (a
+		// 16-bit shard as it is), their sums added, the total read back
+		{"norm_chunks_f32", 4 * n, func() error { return norm(f32[1]) }},
+		{"norm_chunks_bf16", 2 * n, func() error { return norm(bf[0]) }},
 		{"allreduce_w2_bf16", 8 * n, func() error {
 			return d.allReduce(s, []uintptr{bf[0].ptr, bf[1].ptr}, BF16, OpSum, n)
 		}},

@@ -370,7 +370,9 @@ enum {
 	ZK_UNFLATTEN = ZK_ALLREDUCE + 9, /* 3: [t] */
 	ZK_ADAMW = ZK_UNFLATTEN + 3,     /* 3: [out dtype] */
 	ZK_SGD = ZK_ADAMW + 3,           /* 3: [out dtype] */
-	ZK_SUMSQ_PART = ZK_SGD + 3,
+	ZK_CHUNKSQ = ZK_SGD + 3,         /* 3: [t] */
+	ZK_SUMCHUNKS = ZK_CHUNKSQ + 3,
+	ZK_SUMSQ_PART,
 	ZK_SUMSQ_FINAL,
 	ZK_SPIN,
 	ZK_N
@@ -390,10 +392,12 @@ static void zk_name(int id, char* buf, size_t n) {
 		snprintf(buf, n, "zc_unflatten_%d", id - ZK_UNFLATTEN);
 	else if (id < ZK_SGD)
 		snprintf(buf, n, "zc_adamw_%d", id - ZK_ADAMW);
-	else if (id < ZK_SUMSQ_PART)
+	else if (id < ZK_CHUNKSQ)
 		snprintf(buf, n, "zc_sgd_%d", id - ZK_SGD);
+	else if (id < ZK_SUMCHUNKS)
+		snprintf(buf, n, "zc_chunksq_%d", id - ZK_CHUNKSQ);
 	else
-		snprintf(buf, n, "%s", id == ZK_SUMSQ_PART ? "zc_sumsq_part" : id == ZK_SUMSQ_FINAL ? "zc_sumsq_final" : "zc_spin");
+		snprintf(buf, n, "%s", id == ZK_SUMCHUNKS ? "zc_sumchunks" : id == ZK_SUMSQ_PART ? "zc_sumsq_part" : id == ZK_SUMSQ_FINAL ? "zc_sumsq_final" : "zc_spin");
 }
 
 static CUmodule zc_module[ZC_MAX_DEVICES];
@@ -540,12 +544,13 @@ typedef struct {
 	uintptr_t dst;
 	float scale;
 	uintptr_t flag; /* accumulate only */
+	uintptr_t part; /* accumulate only: the blocks' sums of squares, or 0 */
 } zc_batch;
 
 static int zc_launch_batch(int dev, CUstream s, const zc_batch* b, zc_segs_arg* a, int64_t blocks) {
 	if (blocks > 0x7fffffffLL) return CUDA_ERROR_INVALID_VALUE;
 	void* flat[] = {(void*)&b->dst, a, (void*)&b->scale};
-	void* acc[] = {(void*)&b->dst, a, (void*)&b->scale, (void*)&b->flag};
+	void* acc[] = {(void*)&b->dst, a, (void*)&b->scale, (void*)&b->flag, (void*)&b->part};
 	void* unflat[] = {(void*)&b->dst, a};
 	void** params = b->id < ZK_ACC ? flat : b->id >= ZK_UNFLATTEN ? unflat : acc;
 	return zc_launch(dev, b->id, (unsigned)blocks, 1, ZC_THREADS, s, params);
@@ -603,23 +608,24 @@ int zc_flatten(int dev, uintptr_t s, uintptr_t dst, int dst_dtype, const zc_seg*
                float scale) {
 	if (!zc_dtype_ok(dst_dtype) || !zc_dtype_ok(src_dtype)) return ZC_ERR_BAD_DTYPE;
 	ZC_ENTER(dev);
-	zc_batch b = {ZK_FLATTEN + zc_dt_index(dst_dtype) * 6 + zc_dt_index(src_dtype) * 2 + (scale != 1.0f), dst, scale, 0};
+	zc_batch b = {ZK_FLATTEN + zc_dt_index(dst_dtype) * 6 + zc_dt_index(src_dtype) * 2 + (scale != 1.0f), dst, scale, 0, 0};
 	ZC_LEAVE(zc_run_segs(dev, (CUstream)s, segs, nseg, &b));
 }
 
 int zc_accumulate(int dev, uintptr_t s, uintptr_t acc, int acc_dtype, const zc_seg* segs, int nseg, int src_dtype,
-                  int first, float scale, uintptr_t flag) {
+                  int first, float scale, uintptr_t flag, uintptr_t part) {
 	if (!zc_dtype_ok(acc_dtype) || !zc_dtype_ok(src_dtype)) return ZC_ERR_BAD_DTYPE;
+	if (part && nseg != 1) return CUDA_ERROR_INVALID_VALUE; /* part is indexed by the one segment's chunks */
 	ZC_ENTER(dev);
 	zc_batch b = {ZK_ACC + zc_dt_index(acc_dtype) * 12 + zc_dt_index(src_dtype) * 4 + (scale != 1.0f) * 2 + (first != 0),
-	              acc, scale, flag};
+	              acc, scale, flag, part};
 	ZC_LEAVE(zc_run_segs(dev, (CUstream)s, segs, nseg, &b));
 }
 
 int zc_unflatten(int dev, uintptr_t s, uintptr_t flat, int dtype, const zc_seg* segs, int nseg) {
 	if (!zc_dtype_ok(dtype)) return ZC_ERR_BAD_DTYPE;
 	ZC_ENTER(dev);
-	zc_batch b = {ZK_UNFLATTEN + zc_dt_index(dtype), flat, 1.0f, 0};
+	zc_batch b = {ZK_UNFLATTEN + zc_dt_index(dtype), flat, 1.0f, 0, 0};
 	ZC_LEAVE(zc_run_segs(dev, (CUstream)s, segs, nseg, &b));
 }
 
@@ -679,6 +685,46 @@ int zc_sumsq(int dev, uintptr_t s, uintptr_t x, int64_t n, uintptr_t scratch, ui
 	int err = zc_launch(dev, ZK_SUMSQ_PART, (unsigned)nb, 1, ZC_THREADS, (CUstream)s, p1);
 	if (!err) err = zc_launch(dev, ZK_SUMSQ_FINAL, 1, 1, ZC_THREADS, (CUstream)s, p2);
 	if (!err) err = cu.cuMemcpyAsync((CUdeviceptr)out, (CUdeviceptr)res, sizeof(double), (CUstream)s);
+	ZC_LEAVE(err);
+}
+
+int zc_chunk_squares(int dev, uintptr_t s, uintptr_t x, int dtype, int64_t n, uintptr_t part) {
+	if (!zc_dtype_ok(dtype)) return ZC_ERR_BAD_DTYPE;
+	if (n <= 0) return 0;
+	const int64_t blocks = (n + ZC_CHUNK - 1) / ZC_CHUNK;
+	if (blocks > 0x7fffffffLL) return CUDA_ERROR_INVALID_VALUE;
+	ZC_ENTER(dev);
+	void* params[] = {&x, &n, &part};
+	ZC_LEAVE(zc_launch(dev, ZK_CHUNKSQ + zc_dt_index(dtype), (unsigned)blocks, 1, ZC_THREADS, (CUstream)s, params));
+}
+
+/* The ranges go to the device through the ring (up to half of it per
+ * launch), then one launch of a block per range. */
+int zc_sum_chunks(int dev, uintptr_t s, uintptr_t part, const zc_crange* ranges, int nr, uintptr_t out) {
+	if (nr <= 0) return 0;
+	ZC_ENTER(dev);
+	const int max_ring = (int)(ZC_RING_BYTES / 2 / sizeof(zc_crange));
+	pthread_once(&zc_rings_once, zc_rings_init);
+	zc_ring* r = &zc_rings[dev];
+	int err = 0;
+	for (int i = 0; i < nr && !err;) {
+		int j = i + max_ring < nr ? i + max_ring : nr;
+		pthread_mutex_lock(&r->mu);
+		err = zc_ring_setup(r);
+		size_t pos = 0, bytes = (size_t)(j - i) * sizeof(zc_crange);
+		if (!err) err = zc_ring_reserve(r, bytes, &pos);
+		if (!err) {
+			memcpy(r->host + pos, ranges + i, bytes);
+			uintptr_t rd = (uintptr_t)(r->dev + pos), o = out + (uintptr_t)i * sizeof(double);
+			err = cu.cuMemcpyAsync(r->dev + pos, (CUdeviceptr)(uintptr_t)(r->host + pos), bytes, (CUstream)s);
+			void* params[] = {&part, &rd, &o};
+			if (!err) err = zc_launch(dev, ZK_SUMCHUNKS, (unsigned)(j - i), 1, ZC_THREADS, (CUstream)s, params);
+			int cerr = zc_ring_commit(r, (CUstream)s, pos, bytes);
+			if (!err) err = cerr;
+		}
+		pthread_mutex_unlock(&r->mu);
+		i = j;
+	}
 	ZC_LEAVE(err);
 }
 

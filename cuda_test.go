@@ -388,6 +388,331 @@ func TestCUDAKernelsSumSquares(t *testing.T) {
 	}
 }
 
+// ---- the norm's chunk sums of squares ---------------------------------------------
+
+// TestCUDANormChunkIsTheKernelsBlock: block k of a one-segment accumulate
+// launch writes the norm's chunk k only while the kernels' chunk is
+// normChunk.
+func TestCUDANormChunkIsTheKernelsBlock(t *testing.T) {
+	if zcChunk != normChunk {
+		t.Fatalf("ZC_CHUNK = %d elements, normChunk = %d: a landing's part[k] would not be chunk k", zcChunk, normChunk)
+	}
+}
+
+// sumsSentinel fills the fp32 words of a sums buffer: a NaN (as fp32 words
+// and as float64s) that no sum gives, to see what a kernel left untouched.
+const sumsSentinel = 0x7ff4dead
+
+func sentinelSums(n int) *gbuf {
+	b := newGBuf(FP32, 2*n)
+	for i := range b.f {
+		b.f[i] = math.Float32frombits(sumsSentinel)
+	}
+	return b
+}
+
+// neumaier sums xs in float64 with Neumaier's compensation: for
+// nonnegative terms within a few units in the last place of the exact sum,
+// a reference far tighter than the kernels' bound.
+func neumaier(xs []float64) float64 {
+	var sum, c float64
+	for _, x := range xs {
+		t := sum + x
+		if math.Abs(sum) >= math.Abs(x) {
+			c += (sum - t) + x
+		} else {
+			c += (x - t) + sum
+		}
+		sum = t
+	}
+	return sum + c
+}
+
+// gammaSum is the relative error bound of a double sum of nonnegative terms
+// that each pass through at most c additions (γ_c = c·u/(1−c·u), u = 2⁻⁵³),
+// plus 4u for the reference's own error.
+func gammaSum(c int) float64 {
+	u := math.Ldexp(1, -53)
+	return float64(c)*u/(1-float64(c)*u) + 4*u
+}
+
+// chunkAdds is the most additions a term goes through in a chunk's sum of
+// m elements on the device: its thread's (every ZC_THREADS-th element,
+// one add each) and the 8 levels of the tree over 256 threads.
+func chunkAdds(m int) int { return (m+255)/256 + 8 }
+
+// refChunkSums are the sums of squares of x's values per normChunk
+// elements, float64(v)² (exact: 48 significant bits) added with Neumaier.
+func refChunkSums(x *gbuf) []float64 {
+	out := make([]float64, chunksOf(x.len()))
+	for k := range out {
+		lo, hi := k*normChunk, min((k+1)*normChunk, x.len())
+		sq := make([]float64, 0, hi-lo)
+		for i := lo; i < hi; i++ {
+			v := float64(x.val(i))
+			sq = append(sq, v*v)
+		}
+		out[k] = neumaier(sq)
+	}
+	return out
+}
+
+// TestCUDAKernelsAccumulateSquares: the landing with squares stores the
+// bits (and raises the flag) the plain accumulate does; its chunk sums are
+// chunkSquares' of the stored values bit for bit, nothing is written past
+// the last chunk, and each sum is within gammaSum of a float64 reference.
+// Every dtype pair, first or not, scale 1 or not, a 16-byte aligned
+// segment and a misaligned one, sizes around the chunk.
+func TestCUDAKernelsAccumulateSquares(t *testing.T) {
+	d := needCUDA(t)
+	s := gpuStream(t, d)
+	rng := testRNG(t)
+	flags := upload(t, d, s, newGBuf(FP32, 2), 0)
+	for _, n := range []int{0, 1, 8191, 8192, 8193, 3*8192 + 5, 100003} {
+		for _, aligned := range []bool{true, false} {
+			pad, off := 0, 8
+			if !aligned {
+				pad, off = 3, 5
+			}
+			for _, st := range allDTypes {
+				src := newGBuf(st, n)
+				src.fill(rng, false)
+				seg := Segment{Src: upload(t, d, s, src, pad), Offset: off}
+				chunks := chunksOf(n)
+				for _, at := range allDTypes {
+					for _, first := range []bool{true, false} {
+						for _, scale := range []float32{1, -3.75} {
+							name := fmt.Sprintf("n=%d aligned=%v %v into %v first=%v scale=%v", n, aligned, st, at, first, scale)
+							init := newGBuf(at, n+off+3)
+							init.fill(rng, false)
+							plain, with := upload(t, d, s, init, 0), upload(t, d, s, init, 0)
+							parts := upload(t, d, s, sentinelSums(chunks+1), 0)
+							again := upload(t, d, s, sentinelSums(chunks+1), 0)
+							if err := d.zero(s, flags); err != nil {
+								t.Fatal(err)
+							}
+							if err := d.accumulate(s, plain, []Segment{seg}, first, scale, flags.slice(0, 1)); err != nil {
+								t.Fatal(err)
+							}
+							if err := d.accumulateSquares(s, with, seg, first, scale, flags.slice(1, 1), parts); err != nil {
+								t.Fatalf("%s: %v", name, err)
+							}
+							gp, gw := download(t, d, s, plain), download(t, d, s, with)
+							if i, ok := gw.sameAs(gp); !ok {
+								t.Fatalf("%s: element %d stored %#x with squares, %#x without", name, i, gw.bits(i), gp.bits(i))
+							}
+							if gf := download(t, d, s, flags); gf.f[0] != gf.f[1] {
+								t.Fatalf("%s: flag %v with squares, %v without", name, gf.f[1], gf.f[0])
+							}
+							if err := d.chunkSquares(s, with.slice(off, n), again); err != nil {
+								t.Fatal(err)
+							}
+							gpart, gagain := download(t, d, s, parts), download(t, d, s, again)
+							for i := range gpart.f {
+								if gpart.bits(i) != gagain.bits(i) {
+									t.Fatalf("%s: parts word %d (chunk %d of %d) = %#x, chunkSquares %#x", name, i, i/2, chunks, gpart.bits(i), gagain.bits(i))
+								}
+							}
+							stored := newGBuf(at, n)
+							for i := range n {
+								stored.setBits(i, gw.bits(off+i))
+							}
+							got := float64s(gpart.t())
+							for k, want := range refChunkSums(stored) {
+								m := min(normChunk, n-k*normChunk)
+								if !(math.Abs(got[k]-want) <= gammaSum(chunkAdds(m))*want) { // NaN fails too
+									t.Fatalf("%s: chunk %d sum %v, float64 %v (bound %.2g relative)", name, k, got[k], want, gammaSum(chunkAdds(m)))
+								}
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestCUDAKernelsChunkSquares: chunkSquares reads a 16-bit tensor as it is
+// (no widened copy: the device's free memory does not move) and gives the
+// bits it gives for the same values widened to fp32; the chunks' total
+// through sumChunks is within its bound of a float64 reference and of
+// sumSquares.
+func TestCUDAKernelsChunkSquares(t *testing.T) {
+	d := needCUDA(t)
+	s := gpuStream(t, d)
+	rng := testRNG(t)
+	fake := os.Getenv("ZERO_FAKE_CUDA") == "1" // its free memory is exact
+	// the descriptor ring sumChunks stages ranges in is the device's, taken once
+	ring := upload(t, d, s, sentinelSums(2), 0)
+	if err := d.sumChunks(s, ring, []chunkRange{{0, 1}}, ring.slice(2, 2)); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []int{1, 3*8192 + 5, 300007} {
+		for _, dt := range allDTypes {
+			x := newGBuf(dt, n)
+			x.fill(rng, false)
+			chunks := chunksOf(n)
+			dx := upload(t, d, s, x, 1)
+			parts := upload(t, d, s, sentinelSums(chunks+1), 0)
+			outs := upload(t, d, s, sentinelSums(2), 0)
+			if err := s.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			free0, _, err := d.memInfo()
+			if err != nil {
+				t.Fatal(err)
+			}
+			// behind a busy stream, the calls neither wait for it nor hold
+			// memory: a widened copy would have to do one or the other
+			if err := cudaSpin(s, 300*time.Millisecond); err != nil {
+				t.Fatal(err)
+			}
+			busy, err := s.Record()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := d.chunkSquares(s, dx, parts); err != nil {
+				t.Fatal(err)
+			}
+			if err := d.sumChunks(s, parts, []chunkRange{{0, chunks}}, outs); err != nil {
+				t.Fatal(err)
+			}
+			if busy.Done() {
+				t.Errorf("n=%d %v: chunkSquares+sumChunks returned after the stream's earlier work was done: they waited for it", n, dt)
+			}
+			if free1, _, _ := d.memInfo(); fake && free1 != free0 {
+				t.Errorf("n=%d %v: free device memory %d before chunkSquares+sumChunks, %d after: a scratch was taken", n, dt, free0, free1)
+			}
+			if err := s.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			gpart := download(t, d, s, parts)
+			if gpart.bits(2*chunks) != sumsSentinel || gpart.bits(2*chunks+1) != sumsSentinel {
+				t.Errorf("n=%d %v: written past chunk %d", n, dt, chunks)
+			}
+			// the same values widened to fp32 (exactly): the same bits
+			wide := newGBuf(FP32, n)
+			for i := range n {
+				wide.f[i] = x.val(i)
+			}
+			wparts := upload(t, d, s, sentinelSums(chunks+1), 0)
+			if err := d.chunkSquares(s, upload(t, d, s, wide, 0), wparts); err != nil {
+				t.Fatal(err)
+			}
+			gw := download(t, d, s, wparts)
+			for i := range gpart.f {
+				if gpart.bits(i) != gw.bits(i) {
+					t.Fatalf("n=%d %v: parts word %d = %#x, %#x from the fp32 copy", n, dt, i, gpart.bits(i), gw.bits(i))
+				}
+			}
+			ref := refChunkSums(x)
+			want := neumaier(ref)
+			total := float64s(download(t, d, s, outs).t())[0]
+			bound := gammaSum(chunkAdds(min(n, normChunk)) + chunkAdds(chunks))
+			if !(math.Abs(total-want) <= bound*want) {
+				t.Fatalf("n=%d %v: total %v, float64 %v (bound %.2g relative)", n, dt, total, want, bound)
+			}
+			if dt == FP32 {
+				var ss float64
+				if err := d.sumSquares(s, dx, &ss); err != nil {
+					t.Fatal(err)
+				}
+				if !(math.Abs(total-ss) <= 1e-12*ss) {
+					t.Fatalf("n=%d: chunks' total %v, sumSquares %v", n, total, ss)
+				}
+			}
+		}
+	}
+}
+
+// TestCUDAKernelsSumChunks: each range's sum (empty, one, across the 256
+// threads, overlapping others) is within gammaSum of a float64 reference,
+// the same bits run to run, and no out past the ranges is written.
+func TestCUDAKernelsSumChunks(t *testing.T) {
+	d := needCUDA(t)
+	s := gpuStream(t, d)
+	rng := testRNG(t)
+	const np = 3000
+	parts := sentinelSums(np)
+	ps := float64s(parts.t())
+	for i := range ps {
+		ps[i] = rng.Float64() * math.Ldexp(1, rng.IntN(40)-20)
+	}
+	ranges := []chunkRange{{0, 0}, {0, 1}, {0, np}, {5, 261}, {1000, 1000}, {7, 2999}, {2999, 3000}, {256, 512}, {100, 356}}
+	dparts := upload(t, d, s, parts, 0)
+	outs := upload(t, d, s, sentinelSums(len(ranges)+1), 0)
+	var first []float64
+	for run := range 2 {
+		if err := d.sumChunks(s, dparts, ranges, outs); err != nil {
+			t.Fatal(err)
+		}
+		got := float64s(download(t, d, s, outs).t())
+		if math.Float64bits(got[len(ranges)]) != sumsSentinel<<32|sumsSentinel {
+			t.Fatalf("written past the last range: %v", got[len(ranges)])
+		}
+		for i, r := range ranges {
+			want := neumaier(ps[r.lo:r.hi])
+			if bound := gammaSum(chunkAdds(r.hi - r.lo)); !(math.Abs(got[i]-want) <= bound*want) || (r.lo == r.hi && got[i] != 0) {
+				t.Fatalf("range %v: %v, float64 %v (bound %.2g relative)", r, got[i], want, bound)
+			}
+			if run == 1 && math.Float64bits(got[i]) != math.Float64bits(first[i]) {
+				t.Fatalf("range %v: %v, then %v", r, first[i], got[i])
+			}
+		}
+		first = got
+	}
+}
+
+// TestCUDAKernelsSquaresRefuseBadInput: sums too short, misaligned or not
+// fp32, a dtype out of range, a segment past the accumulator, a bad range
+// and Go slices are typed errors, and the stream is still good.
+func TestCUDAKernelsSquaresRefuseBadInput(t *testing.T) {
+	d := needCUDA(t)
+	s := gpuStream(t, d)
+	const n = 2*8192 + 1 // three chunks
+	x := upload(t, d, s, newGBuf(FP32, n), 0)
+	acc := upload(t, d, s, newGBuf(FP32, n), 0)
+	parts := upload(t, d, s, newGBuf(FP32, 8), 0)
+	short := parts.slice(0, 5)
+	odd := parts.slice(1, 6)
+	half := upload(t, d, s, newGBuf(BF16, 8), 0)
+	badX := x
+	badX.dtype = DType(77)
+	seg := Segment{Src: x}
+	host := Float32s(make([]float32, 8))
+	for _, c := range []struct {
+		name string
+		err  error
+		want error
+	}{
+		{"accumulateSquares, parts for 2 of 3 chunks", d.accumulateSquares(s, acc, seg, true, 1, Tensor{}, short), ErrGradSize},
+		{"accumulateSquares, parts not 8-byte aligned", d.accumulateSquares(s, acc, seg, true, 1, Tensor{}, odd), ErrGradSize},
+		{"accumulateSquares, bf16 parts", d.accumulateSquares(s, acc, seg, true, 1, Tensor{}, half), ErrGradSize},
+		{"accumulateSquares, a segment past the accumulator", d.accumulateSquares(s, acc, Segment{Src: x, Offset: 1}, true, 1, Tensor{}, parts), ErrGradSize},
+		{"accumulateSquares, a bf16 flag", d.accumulateSquares(s, acc, seg, true, 1, half.slice(0, 1), parts), ErrDType},
+		{"accumulateSquares, a dtype out of range", d.accumulateSquares(s, acc, Segment{Src: badX}, true, 1, Tensor{}, parts), ErrDType},
+		{"accumulateSquares, parts in a Go slice", d.accumulateSquares(s, acc, seg, true, 1, Tensor{}, host), ErrStream},
+		{"chunkSquares, parts for 2 of 3 chunks", d.chunkSquares(s, x, short), ErrGradSize},
+		{"chunkSquares, parts not 8-byte aligned", d.chunkSquares(s, x, odd), ErrGradSize},
+		{"chunkSquares, a dtype out of range", d.chunkSquares(s, badX, parts), ErrDType},
+		{"chunkSquares, x in a Go slice", d.chunkSquares(s, Float32s(make([]float32, 9)), parts), ErrStream},
+		{"sumChunks, a range past parts", d.sumChunks(s, parts, []chunkRange{{0, 5}}, parts.slice(0, 2)), ErrGradSize},
+		{"sumChunks, lo > hi", d.sumChunks(s, parts, []chunkRange{{2, 1}}, parts.slice(0, 2)), ErrGradSize},
+		{"sumChunks, lo < 0", d.sumChunks(s, parts, []chunkRange{{-1, 1}}, parts.slice(0, 2)), ErrGradSize},
+		{"sumChunks, outs for 1 of 2 ranges", d.sumChunks(s, parts, []chunkRange{{0, 1}, {1, 2}}, parts.slice(4, 3)), ErrGradSize},
+		{"sumChunks, outs not 8-byte aligned", d.sumChunks(s, parts, []chunkRange{{0, 1}}, odd), ErrGradSize},
+		{"sumChunks, outs in a Go slice", d.sumChunks(s, parts, []chunkRange{{0, 1}}, host), ErrStream},
+		{"sumChunks, a host stream", d.sumChunks(NewHostStream(), parts, []chunkRange{{0, 1}}, parts.slice(4, 2)), ErrStream},
+	} {
+		if !errors.Is(c.err, c.want) {
+			t.Errorf("%s: %v, want an error wrapping %v", c.name, c.err, c.want)
+		}
+	}
+	if err := s.Sync(); err != nil {
+		t.Fatalf("the stream is still good: %v", err)
+	}
+}
+
 // TestCUDAKernelsRefuseHostSlices: a Go slice as a kernel operand is an
 // error, not a dead CUDA context.
 func TestCUDAKernelsRefuseHostSlices(t *testing.T) {

@@ -109,9 +109,26 @@ int zc_flatten(int dev, uintptr_t s, uintptr_t dst, int dst_dtype, const zc_seg*
  * acc[seg.offset + i] = acc_dtype((first ? 0 : float(acc[..])) +
  * float(seg.ptr[i]) * scale), the sum in fp32 rounded once, one launch; sets
  * the fp32 at flag (device memory, may be 0) to 1.0 when a stored value is
- * inf or NaN. Same arithmetic as zero_accumulate. */
+ * inf or NaN. Same arithmetic as zero_accumulate. With part (device memory,
+ * 8-byte aligned; 0 for none) and exactly one segment, part[k] (a double)
+ * becomes the sum of squares of the values stored at seg.offset +
+ * [k*ZC_CHUNK, (k+1)*ZC_CHUNK), what zc_chunk_squares gives for them. */
 int zc_accumulate(int dev, uintptr_t s, uintptr_t acc, int acc_dtype, const zc_seg* segs, int nseg, int src_dtype,
-                  int first, float scale, uintptr_t flag);
+                  int first, float scale, uintptr_t flag, uintptr_t part);
+
+/* The sums of squares of x[0, n) (dtype fp32, bf16 or fp16, values widened
+ * to fp32, squared in double) per chunk: part[k] (double, device memory)
+ * for elements [k*ZC_CHUNK, (k+1)*ZC_CHUNK). Thread t of a chunk's block adds
+ * its elements t, t+ZC_THREADS, ... in order, then a fixed tree over the
+ * threads: the bits depend on the values only. */
+int zc_chunk_squares(int dev, uintptr_t s, uintptr_t x, int dtype, int64_t n, uintptr_t part);
+
+/* out[i] (double) = the sum of part[ranges[i].lo, ranges[i].hi), for i < nr,
+ * in zc_sumsq_final's fixed order: thread t adds the elements t, t+ZC_THREADS,
+ * ... of the range in order, then the fixed tree over the threads (0 for an
+ * empty range). One launch per half ring of ranges; ranges is copied before
+ * the call returns. */
+int zc_sum_chunks(int dev, uintptr_t s, uintptr_t part, const zc_crange* ranges, int nr, uintptr_t out);
 
 /* unflatten: seg.ptr[i] = flat[seg.offset + i] for every segment, one dtype,
  * one launch: the inverse of flatten. */

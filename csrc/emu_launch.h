@@ -42,39 +42,80 @@ static void emu_flatten(char* dst, int dt, int st, const zc_dseg* d, int n, floa
 	}
 }
 
+/* A block's threads run one after another, so a block's barrier is the end
+ * of the loop over its threads: with part, the squares of what block b
+ * stored are read back after all of them, then the tree. */
 template <int AT, int ST, bool SC, bool FIRST>
-static bool run_acc(char* acc, const zc_dseg* d, int n, float scale, int64_t blocks) {
+static bool run_acc(char* acc, const zc_dseg* d, int n, float scale, int64_t blocks, double* part) {
 	uint32_t bad = 0;
+	double s[ZC_THREADS];
 	for (int64_t b = 0; b < blocks; b++) {
 		uint32_t block_bad = 0; /* __syncthreads_or over the block */
 		for (int t = 0; t < ZC_THREADS; t++) block_bad |= zc_accumulate_block<AT, ST, SC, FIRST>(acc, d, n, scale, b, t);
 		bad |= block_bad;
+		if (!part) continue;
+		for (int t = 0; t < ZC_THREADS; t++) s[t] = zc_acc_sq_thread<AT>(acc, d, n, b, t);
+		part[b] = zc_tree(s);
 	}
 	return bad != 0;
 }
 
 template <int AT, int ST>
-static bool run_acc2(char* acc, const zc_dseg* d, int n, float scale, int first, int64_t blocks) {
+static bool run_acc2(char* acc, const zc_dseg* d, int n, float scale, int first, int64_t blocks, double* part) {
 	if (scale != 1.0f)
-		return first ? run_acc<AT, ST, true, true>(acc, d, n, scale, blocks) : run_acc<AT, ST, true, false>(acc, d, n, scale, blocks);
-	return first ? run_acc<AT, ST, false, true>(acc, d, n, scale, blocks) : run_acc<AT, ST, false, false>(acc, d, n, scale, blocks);
+		return first ? run_acc<AT, ST, true, true>(acc, d, n, scale, blocks, part)
+		             : run_acc<AT, ST, true, false>(acc, d, n, scale, blocks, part);
+	return first ? run_acc<AT, ST, false, true>(acc, d, n, scale, blocks, part)
+	             : run_acc<AT, ST, false, false>(acc, d, n, scale, blocks, part);
 }
 
 template <int AT>
-static bool run_acc1(char* acc, int st, const zc_dseg* d, int n, float scale, int first, int64_t blocks) {
+static bool run_acc1(char* acc, int st, const zc_dseg* d, int n, float scale, int first, int64_t blocks, double* part) {
 	switch (st) {
-	case ZERO_F32: return run_acc2<AT, ZERO_F32>(acc, d, n, scale, first, blocks);
-	case ZERO_BF16: return run_acc2<AT, ZERO_BF16>(acc, d, n, scale, first, blocks);
-	default: return run_acc2<AT, ZERO_F16>(acc, d, n, scale, first, blocks);
+	case ZERO_F32: return run_acc2<AT, ZERO_F32>(acc, d, n, scale, first, blocks, part);
+	case ZERO_BF16: return run_acc2<AT, ZERO_BF16>(acc, d, n, scale, first, blocks, part);
+	default: return run_acc2<AT, ZERO_F16>(acc, d, n, scale, first, blocks, part);
 	}
 }
 
-/* An accumulate launch into acc of dtype at; true if a block raised the flag. */
-static bool emu_accumulate(char* acc, int at, int st, const zc_dseg* d, int n, float scale, int first, int64_t blocks) {
+/* An accumulate launch into acc of dtype at; true if a block raised the
+ * flag. With part, block b's sum of squares of what it stored goes to
+ * part[b]. */
+static bool emu_accumulate(char* acc, int at, int st, const zc_dseg* d, int n, float scale, int first, int64_t blocks,
+                           double* part = nullptr) {
 	switch (at) {
-	case ZERO_F32: return run_acc1<ZERO_F32>(acc, st, d, n, scale, first, blocks);
-	case ZERO_BF16: return run_acc1<ZERO_BF16>(acc, st, d, n, scale, first, blocks);
-	default: return run_acc1<ZERO_F16>(acc, st, d, n, scale, first, blocks);
+	case ZERO_F32: return run_acc1<ZERO_F32>(acc, st, d, n, scale, first, blocks, part);
+	case ZERO_BF16: return run_acc1<ZERO_BF16>(acc, st, d, n, scale, first, blocks, part);
+	default: return run_acc1<ZERO_F16>(acc, st, d, n, scale, first, blocks, part);
+	}
+}
+
+template <int T>
+static void run_chunksq(const char* x, int64_t n, double* part) {
+	double s[ZC_THREADS];
+	for (int64_t b = 0; b * ZC_CHUNK < n; b++) {
+		const int64_t start = b * ZC_CHUNK, end = n < start + ZC_CHUNK ? n : start + ZC_CHUNK;
+		for (int t = 0; t < ZC_THREADS; t++) s[t] = zc_chunk_sq_thread<T>(x, start, end, t);
+		part[b] = zc_tree(s);
+	}
+}
+
+/* A zc_chunksq launch over x[0, n) of dtype dt: part[b] for chunk b. */
+static void emu_chunk_squares(const char* x, int dt, int64_t n, double* part) {
+	switch (dt) {
+	case ZERO_F32: run_chunksq<ZERO_F32>(x, n, part); break;
+	case ZERO_BF16: run_chunksq<ZERO_BF16>(x, n, part); break;
+	default: run_chunksq<ZERO_F16>(x, n, part); break;
+	}
+}
+
+/* A zc_sumchunks launch of nr blocks: out[i] = the sum of part[r[i].lo,
+ * r[i].hi). With r = {0, nb}, zc_sumsq_final's. */
+static void emu_sum_chunks(const double* part, const zc_crange* r, int64_t nr, double* out) {
+	double s[ZC_THREADS];
+	for (int64_t i = 0; i < nr; i++) {
+		for (int t = 0; t < ZC_THREADS; t++) s[t] = zc_sum_thread(part + r[i].lo, r[i].hi - r[i].lo, t);
+		out[i] = zc_tree(s);
 	}
 }
 

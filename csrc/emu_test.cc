@@ -445,6 +445,122 @@ static void test_sumsq() {
 	}
 }
 
+/* gamma_c = c u / (1 - c u), u = 2^-53: the relative error bound of a sum of
+ * nonnegative terms in double that each pass through at most c additions. */
+static double gamma_d(double c) { return c * ldexp(1.0, -53) / (1 - c * ldexp(1.0, -53)); }
+
+/* The norm in the landing. For every accumulator and source dtype, first or
+ * not, scale 1 or not, a 16-byte aligned segment and a misaligned one, and
+ * sizes around the chunk (ZC_CHUNK = 8192):
+ *  (a) an accumulate launch with part stores the bits (and raises the flag)
+ *      it does without;
+ *  (b) part[k] has the bits of zc_chunksq over the stored result, and part
+ *      past the last chunk is untouched;
+ *  (c) each chunk sum, and the chunks' total through zc_sumchunks, is within
+ *      a bound of a long double sum of the squares of the stored values
+ *      (decoded by formula, ref_decode). The bound: a square of an fp32
+ *      value is exact in double (24-bit significands: 48 bits), so the only
+ *      errors are additions of nonnegative terms, each term passing through
+ *      at most c of them: a thread's ceil(m / ZC_THREADS) and the tree's 8
+ *      for a chunk of m elements, plus ceil(chunks / ZC_THREADS) + 8 for the
+ *      total; such a sum is within gamma_c of the exact one. The long double
+ *      reference (squares exact in its 64-bit significand) is within
+ *      terms * 2^-64 of it; both added, with a factor 2 on the latter. A
+ *      chunk sum that missed or repeated one element would be off by its
+ *      square, about 1/m of the sum: far outside. */
+static void test_norm_squares() {
+	const int64_t sizes[] = {0, 1, 8191, 8192, 8193, 3 * 8192 + 5, 100003, 262144 + 77};
+	const float scales[] = {1.0f, -3.75f};
+	const uint64_t sentinel = 0x7ff4dead7ff4deadull; /* a NaN no sum gives */
+	for (int64_t n : sizes) {
+		for (int aligned = 0; aligned <= 1; aligned++) {
+			for (int st : dtypes) {
+				hbuf src(st, n, aligned ? 0 : 3);
+				src.fill(false);
+				const int64_t off = aligned ? 8 : 5; /* the segment's place in acc */
+				zc_seg sg = {(uintptr_t)src.p, n, off};
+				zc_dseg d[1];
+				int64_t blocks = 0;
+				int nd = zc_build_descs(&sg, 0, 1, d, &blocks);
+				const int64_t chunks = (n + ZC_CHUNK - 1) / ZC_CHUNK;
+				check(blocks == chunks, "norm: a block per chunk", (long)n, (long)blocks, 0, 0);
+				for (int at : dtypes) {
+					for (int first = 0; first <= 1; first++) {
+						for (float scale : scales) {
+							const long what = (long)n * 10000 + at * 1000 + st * 100 + first * 10 + aligned;
+							hbuf plain(at, n + off + 3, 0), with(at, n + off + 3, 0);
+							plain.fill(false);
+							memcpy(with.p, plain.p, (size_t)((n + off + 3) * dsize(at)));
+							std::vector<uint64_t> part(chunks + 1, sentinel), again(chunks + 1, sentinel);
+							bool bad0 = emu_accumulate((char*)plain.p, at, st, d, nd, scale, first, blocks);
+							bool bad1 = emu_accumulate((char*)with.p, at, st, d, nd, scale, first, blocks, (double*)part.data());
+							/* (a) */
+							int64_t i = 0;
+							while (i < n + off + 3 && plain.bits(i) == with.bits(i)) i++;
+							check(i == n + off + 3, "norm: accumulate with part stores the same bits", what, (long)i,
+							      i < n + off + 3 ? with.bits(i) : 0, i < n + off + 3 ? plain.bits(i) : 0);
+							check(bad0 == bad1, "norm: accumulate with part raises the same flag", what, 0, bad1, bad0);
+							/* (b) */
+							emu_chunk_squares((const char*)with.p + off * dsize(at), at, n, (double*)again.data());
+							int64_t k = 0;
+							while (k <= chunks && part[k] == again[k]) k++;
+							check(k > chunks, "norm: part = zc_chunksq of the stored values, bit for bit", what, (long)k,
+							      k <= chunks ? (unsigned)part[k] : 0, k <= chunks ? (unsigned)again[k] : 0);
+							check(part[chunks] == sentinel, "norm: nothing written past the last chunk", what, (long)chunks, 0, 0);
+							/* (c) */
+							long double total_ref = 0;
+							double worst = 0; /* the largest chunk's thread additions */
+							bool ok = true;
+							for (k = 0; k < chunks && ok; k++) {
+								const int64_t lo = k * ZC_CHUNK, hi = lo + ZC_CHUNK < n ? lo + ZC_CHUNK : n, m = hi - lo;
+								long double r = 0;
+								for (int64_t j = lo; j < hi; j++) {
+									const long double v = ref_decode(at, with.bits(off + j));
+									r += v * v;
+								}
+								total_ref += r;
+								const double c = (double)((m + ZC_THREADS - 1) / ZC_THREADS) + 8;
+								worst = c > worst ? c : worst;
+								double got;
+								memcpy(&got, &part[k], 8);
+								ok = fabsl((long double)got - r) <= (gamma_d(c) + 2 * m * ldexpl(1.0L, -64)) * r;
+								check(ok, "norm: chunk sum vs long double reference", what, (long)k, 0, 0);
+							}
+							double total = -1;
+							const zc_crange all = {0, chunks};
+							emu_sum_chunks((const double*)part.data(), &all, 1, &total);
+							const double c = worst + (double)((chunks + ZC_THREADS - 1) / ZC_THREADS) + 8;
+							ok = fabsl((long double)total - total_ref) <= (gamma_d(c) + 2 * (n + chunks) * ldexpl(1.0L, -64)) * total_ref;
+							check(ok && (n > 0 || total == 0), "norm: total vs long double reference", what, 0, 0, 0);
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+/* zc_sumchunks over ranges: each block's sum in zc_sumsq_final's order
+ * (zc_sum_thread, zc_tree), so a range of all the sums is what
+ * zc_sumsq_final gives, and ranges are independent of their neighbours:
+ * checked against a long double sum within gamma_c as above. */
+static void test_sum_chunks() {
+	std::uniform_real_distribution<double> ud(0.0, 1.0);
+	const int64_t np = 3000;
+	std::vector<double> p(np);
+	for (double& x : p) x = ud(rng) * ldexp(1.0, (int)(rng() % 40) - 20);
+	std::vector<zc_crange> r = {{0, 0}, {0, 1}, {0, np}, {5, 261}, {1000, 1000}, {7, 2999}, {2999, 3000}, {256, 512}};
+	std::vector<double> out(r.size(), -1.0);
+	emu_sum_chunks(p.data(), r.data(), (int64_t)r.size(), out.data());
+	for (size_t i = 0; i < r.size(); i++) {
+		long double ref = 0;
+		for (int64_t k = r[i].lo; k < r[i].hi; k++) ref += p[k];
+		const double c = (double)((r[i].hi - r[i].lo + ZC_THREADS - 1) / ZC_THREADS) + 8;
+		const bool ok = fabsl(out[i] - ref) <= (gamma_d(c) + 2 * (r[i].hi - r[i].lo) * ldexpl(1.0L, -64)) * ref;
+		check(ok && (r[i].hi > r[i].lo || out[i] == 0), "sumchunks vs long double reference", (long)i, 0, 0, 0);
+	}
+}
+
 static void test_descs() {
 	/* block numbering: every chunk of every non-empty segment exactly once */
 	zc_seg segs[5] = {{1, 0, 0}, {2, ZC_CHUNK, 0}, {3, 1, 0}, {4, 0, 0}, {5, 2 * ZC_CHUNK + 1, 0}};
@@ -589,6 +705,8 @@ int main() {
 	test_accumulate16_flag();
 	test_reductions();
 	test_sumsq();
+	test_norm_squares();
+	test_sum_chunks();
 	test_optimizers();
 	check(misaligned == 0, "16-byte accesses on misaligned addresses", misaligned, 0, 0, 0);
 	printf("emu_test: %d passed, %d failed\n", passed, failed);

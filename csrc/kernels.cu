@@ -28,11 +28,27 @@ __device__ __forceinline__ void zc_flatten(char* __restrict__ dst, const zc_segs
 	zc_flatten_block<DT, ST, SCALE>(dst, segs, a.nseg, scale, blockIdx.x, threadIdx.x);
 }
 
+/* Block blockIdx.x's sum of squares of what it stored into acc, to
+ * part[blockIdx.x]: read back after the block's barrier, from L2 where the
+ * stores just went (the landing of a step's last reduction: the norm costs
+ * no second read of the shard from memory). Not inlined, so that the
+ * accumulate's registers stay as they were without it. */
+template <int AT>
+__device__ __noinline__ void zc_acc_squares(const char* acc, const zc_dseg* segs, int nseg, double* part) {
+	__shared__ double s[ZC_THREADS];
+	s[threadIdx.x] = zc_acc_sq_thread<AT>(acc, segs, nseg, blockIdx.x, threadIdx.x);
+	const double r = zc_tree(s);
+	if (threadIdx.x == 0) part[blockIdx.x] = r;
+}
+
 template <int AT, int ST, bool SCALE, bool FIRST>
-__device__ __forceinline__ void zc_acc(char* __restrict__ acc, const zc_segs_arg& a, float scale, float* flag) {
+__device__ __forceinline__ void zc_acc(char* __restrict__ acc, const zc_segs_arg& a, float scale, float* flag,
+                                       double* part) {
 	const zc_dseg* segs = a.ext ? (const zc_dseg*)a.ext : a.inl;
 	uint32_t bad = zc_accumulate_block<AT, ST, SCALE, FIRST>(acc, segs, a.nseg, scale, blockIdx.x, threadIdx.x);
+	/* a barrier as __syncthreads is: the block's stores are visible to all its threads after it */
 	if (__syncthreads_or((int)bad) && threadIdx.x == 0 && flag) *flag = 1.0f;
+	if (part) zc_acc_squares<AT>(acc, segs, a.nseg, part);
 }
 
 #define ZC_T0 ZERO_F32
@@ -56,8 +72,8 @@ ZC_FLATTEN_D(2)
 #define ZC_ACC(d, s, c, f)                                                                                 \
 	extern "C" __global__ void __launch_bounds__(ZC_THREADS)                                           \
 	    zc_acc_##d##s##c##f(char* __restrict__ acc, const __grid_constant__ zc_segs_arg a, float scale,  \
-	                        float* flag) {                                                             \
-		zc_acc<ZC_T##d, ZC_T##s, c, f>(acc, a, scale, flag);                                       \
+	                        float* flag, double* part) {                                               \
+		zc_acc<ZC_T##d, ZC_T##s, c, f>(acc, a, scale, flag, part);                                 \
 	}
 #define ZC_ACC_S(d, s) ZC_ACC(d, s, 0, 0) ZC_ACC(d, s, 0, 1) ZC_ACC(d, s, 1, 0) ZC_ACC(d, s, 1, 1)
 #define ZC_ACC_D(d) ZC_ACC_S(d, 0) ZC_ACC_S(d, 1) ZC_ACC_S(d, 2)
@@ -108,32 +124,49 @@ ZC_RED_T(0)
 ZC_RED_T(1)
 ZC_RED_T(2)
 
-/* ---- sum of squares: per-block trees, then one tree over the blocks -------- */
+/* ---- sums of squares ------------------------------------------------------- */
 
-/* A fixed tree over the block's threads; the result is in s[0]. */
-__device__ __forceinline__ void zc_tree(double* s) {
-	for (int w = ZC_THREADS / 2; w > 0; w >>= 1) {
-		__syncthreads();
-		if ((int)threadIdx.x < w) s[threadIdx.x] = s[threadIdx.x] + s[threadIdx.x + w];
+/* The norm's chunks: block b sums the squares of chunk b of x, as the
+ * accumulate kernels do for the chunk they stored (zc_chunk_sq_thread). */
+#define ZC_CHUNKSQ(t)                                                                                      \
+	extern "C" __global__ void __launch_bounds__(ZC_THREADS)                                           \
+	    zc_chunksq_##t(const char* __restrict__ x, int64_t n, double* part) {                          \
+		__shared__ double s[ZC_THREADS];                                                           \
+		const int64_t start = (int64_t)blockIdx.x * ZC_CHUNK;                                      \
+		s[threadIdx.x] = zc_chunk_sq_thread<ZC_T##t>(x, start, n < start + ZC_CHUNK ? n : start + ZC_CHUNK, \
+		                                             threadIdx.x);                                 \
+		const double r = zc_tree(s);                                                               \
+		if (threadIdx.x == 0) part[blockIdx.x] = r;                                                \
 	}
-	__syncthreads();
+ZC_CHUNKSQ(0)
+ZC_CHUNKSQ(1)
+ZC_CHUNKSQ(2)
+
+/* Block i adds the chunk sums of range i in zc_sumsq_final's order. */
+extern "C" __global__ void __launch_bounds__(ZC_THREADS)
+    zc_sumchunks(const double* __restrict__ part, const zc_crange* __restrict__ r, double* out) {
+	__shared__ double s[ZC_THREADS];
+	const zc_crange c = r[blockIdx.x];
+	s[threadIdx.x] = zc_sum_thread(part + c.lo, c.hi - c.lo, threadIdx.x);
+	const double sum = zc_tree(s);
+	if (threadIdx.x == 0) out[blockIdx.x] = sum;
 }
 
+/* The whole fp32 shard's: per-block trees over a capped grid, then one tree
+ * over the blocks. */
 extern "C" __global__ void __launch_bounds__(ZC_THREADS)
     zc_sumsq_part(const float* __restrict__ x, int64_t n, double* part) {
 	__shared__ double s[ZC_THREADS];
 	s[threadIdx.x] = zc_sumsq_thread(x, n, (int64_t)blockIdx.x * ZC_THREADS + threadIdx.x, (int64_t)gridDim.x * ZC_THREADS);
-	zc_tree(s);
-	if (threadIdx.x == 0) part[blockIdx.x] = s[0];
+	const double r = zc_tree(s);
+	if (threadIdx.x == 0) part[blockIdx.x] = r;
 }
 
 extern "C" __global__ void __launch_bounds__(ZC_THREADS) zc_sumsq_final(const double* part, int nb, double* out) {
 	__shared__ double s[ZC_THREADS];
-	double acc = 0.0;
-	for (int i = threadIdx.x; i < nb; i += ZC_THREADS) acc = acc + part[i];
-	s[threadIdx.x] = acc;
-	zc_tree(s);
-	if (threadIdx.x == 0) *out = s[0];
+	s[threadIdx.x] = zc_sum_thread(part, nb, threadIdx.x);
+	const double r = zc_tree(s);
+	if (threadIdx.x == 0) *out = r;
 }
 
 /* ---- spin (tests): hold a stream back for about ns nanoseconds ------------- */

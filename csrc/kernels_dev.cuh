@@ -590,4 +590,75 @@ ZC_DEV double zc_sumsq_thread(const float* ZC_RESTRICT x, int64_t n, int64_t gti
 	return acc;
 }
 
+/* ---- the norm: sums of squares per chunk ----------------------------------- */
+
+/* The fixed tree over a block's ZC_THREADS doubles: at widths w =
+ * ZC_THREADS/2, ..., 1, s[t] = s[t] + s[t + w] for every t < w; the result
+ * is s[0]. On the host the steps run for every thread in turn. */
+#ifdef __CUDACC__
+ZC_DEV double zc_tree(double* s) {
+	for (int w = ZC_THREADS / 2; w > 0; w >>= 1) {
+		__syncthreads();
+		if ((int)threadIdx.x < w) s[threadIdx.x] = s[threadIdx.x] + s[threadIdx.x + w];
+	}
+	__syncthreads();
+	return s[0];
+}
+#else
+ZC_DEV double zc_tree(double* s) {
+	for (int w = ZC_THREADS / 2; w > 0; w >>= 1)
+		for (int t = 0; t < w; t++) s[t] = s[t] + s[t + w];
+	return s[0];
+}
+#endif
+
+#define ZC_SQ_BATCH 8 /* loads a thread has in flight before it adds */
+
+/* Thread tid's share of the sum of squares of x[start, end), at most
+ * ZC_CHUNK elements of dtype T: (double)v * (double)v for its elements
+ * start+tid, start+tid+ZC_THREADS, ..., added in that order from 0 (the
+ * square of an fp32 value is exact in double). The order depends on the
+ * positions in the chunk only, not on the address: the landing that stored
+ * a chunk (zc_acc_sq_thread) and a later pass over it (zc_chunksq) give the
+ * same bits. */
+template <int T>
+ZC_DEV double zc_chunk_sq_thread(const char* ZC_RESTRICT x, int64_t start, int64_t end, int tid) {
+	double acc = 0.0;
+	for (int64_t i0 = start + tid; i0 < end; i0 += (int64_t)ZC_SQ_BATCH * ZC_THREADS) {
+		float v[ZC_SQ_BATCH];
+#pragma unroll
+		for (int u = 0; u < ZC_SQ_BATCH; u++) {
+			const int64_t i = i0 + (int64_t)u * ZC_THREADS;
+			v[u] = i < end ? zero_load(x, T, i) : 0.0f;
+		}
+#pragma unroll
+		for (int u = 0; u < ZC_SQ_BATCH; u++) {
+			if (i0 + (int64_t)u * ZC_THREADS < end) {
+				const double d = (double)v[u];
+				acc = acc + d * d;
+			}
+		}
+	}
+	return acc;
+}
+
+/* Thread tid's share of the squares of what block b of an accumulate
+ * launch stored into acc (dtype AT): its chunk of its segment, read back
+ * after the block's barrier. */
+template <int AT>
+ZC_DEV double zc_acc_sq_thread(const char* acc, const zc_dseg* segs, int nseg, int64_t b, int tid) {
+	const zc_dseg sg = zc_find(segs, nseg, b);
+	const int64_t start = (b - sg.block0) * ZC_CHUNK;
+	const int64_t end = sg.count < start + ZC_CHUNK ? sg.count : start + ZC_CHUNK;
+	return zc_chunk_sq_thread<AT>(acc + sg.offset * zc_size(AT), start, end, tid);
+}
+
+/* Thread tid's share of the sum of p[0, n): p[tid] + p[tid + ZC_THREADS] +
+ * ..., in that order from 0; zc_tree then adds the threads' shares. */
+ZC_DEV double zc_sum_thread(const double* p, int64_t n, int tid) {
+	double acc = 0.0;
+	for (int64_t i = tid; i < n; i += ZC_THREADS) acc = acc + p[i];
+	return acc;
+}
+
 #endif /* ZERO_KERNELS_DEV_CUH */

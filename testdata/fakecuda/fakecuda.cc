@@ -178,7 +178,20 @@ struct CUevent_st {
 
 /* ---- kernels ----------------------------------------------------------------------- */
 
-enum kind { K_FLATTEN, K_ACC, K_REDUCE, K_ALLREDUCE, K_UNFLATTEN, K_ADAMW, K_SGD, K_SUMSQ_PART, K_SUMSQ_FINAL, K_SPIN };
+enum kind {
+	K_FLATTEN,
+	K_ACC,
+	K_REDUCE,
+	K_ALLREDUCE,
+	K_UNFLATTEN,
+	K_ADAMW,
+	K_SGD,
+	K_CHUNKSQ,
+	K_SUMCHUNKS,
+	K_SUMSQ_PART,
+	K_SUMSQ_FINAL,
+	K_SPIN
+};
 
 struct CUfunc_st {
 	kind k;
@@ -201,17 +214,12 @@ static CUfunc_st* parse(const char* name) {
 	if (sscanf(name, "zc_unflatten_%1d", &a) == 1 && a < 3) return new CUfunc_st{K_UNFLATTEN, a, 0, 0};
 	if (sscanf(name, "zc_adamw_%1d", &a) == 1 && a < 3) return new CUfunc_st{K_ADAMW, a, 0, 0};
 	if (sscanf(name, "zc_sgd_%1d", &a) == 1 && a < 3) return new CUfunc_st{K_SGD, a, 0, 0};
+	if (sscanf(name, "zc_chunksq_%1d", &a) == 1 && a < 3) return new CUfunc_st{K_CHUNKSQ, a, 0, 0};
+	if (!strcmp(name, "zc_sumchunks")) return new CUfunc_st{K_SUMCHUNKS, 0, 0, 0};
 	if (!strcmp(name, "zc_sumsq_part")) return new CUfunc_st{K_SUMSQ_PART, 0, 0, 0};
 	if (!strcmp(name, "zc_sumsq_final")) return new CUfunc_st{K_SUMSQ_FINAL, 0, 0, 0};
 	if (!strcmp(name, "zc_spin")) return new CUfunc_st{K_SPIN, 0, 0, 0};
 	return nullptr;
-}
-
-/* The fixed tree of the sum-of-squares kernels over one block's values. */
-static double tree(double* s) {
-	for (int w = ZC_THREADS / 2; w > 0; w >>= 1)
-		for (int t = 0; t < w; t++) s[t] = s[t] + s[t + w];
-	return s[0];
 }
 
 template <class T>
@@ -521,9 +529,10 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned, unsign
 		zc_segs_arg a = arg<zc_segs_arg>(p, 1);
 		float scale = arg<float>(p, 2);
 		float* flag = arg<float*>(p, 3);
+		double* part = arg<double*>(p, 4);
 		int at = dts[f->a], st = dts[f->b], first = f->d;
 		S(s)->push([=] {
-			if (emu_accumulate(acc, at, st, a.ext ? (const zc_dseg*)a.ext : a.inl, a.nseg, scale, first, gx) && flag)
+			if (emu_accumulate(acc, at, st, a.ext ? (const zc_dseg*)a.ext : a.inl, a.nseg, scale, first, gx, part) && flag)
 				*flag = 1.0f;
 		});
 		break;
@@ -561,6 +570,24 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned, unsign
 		S(s)->push([=] { emu_opt(adam, pp, g, m, v, vmax, out, dt, ds, nd, gscale, gx); });
 		break;
 	}
+	case K_CHUNKSQ: {
+		if (bx != ZC_THREADS) return CUDA_ERROR_INVALID_VALUE;
+		const char* x = arg<const char*>(p, 0);
+		int64_t n = arg<int64_t>(p, 1);
+		double* part = arg<double*>(p, 2);
+		int dt = dts[f->a];
+		if ((int64_t)gx != (n + ZC_CHUNK - 1) / ZC_CHUNK) return CUDA_ERROR_INVALID_VALUE; /* a block per chunk */
+		S(s)->push([=] { emu_chunk_squares(x, dt, n, part); });
+		break;
+	}
+	case K_SUMCHUNKS: {
+		if (bx != ZC_THREADS) return CUDA_ERROR_INVALID_VALUE;
+		const double* part = arg<const double*>(p, 0);
+		const zc_crange* r = arg<const zc_crange*>(p, 1);
+		double* out = arg<double*>(p, 2);
+		S(s)->push([=] { emu_sum_chunks(part, r, gx, out); });
+		break;
+	}
 	case K_SUMSQ_PART: {
 		const float* x = arg<const float*>(p, 0);
 		int64_t n = arg<int64_t>(p, 1);
@@ -569,7 +596,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned, unsign
 			double t[ZC_THREADS];
 			for (unsigned b = 0; b < gx; b++) {
 				for (int i = 0; i < ZC_THREADS; i++) t[i] = zc_sumsq_thread(x, n, (int64_t)b * ZC_THREADS + i, (int64_t)gx * ZC_THREADS);
-				part[b] = tree(t);
+				part[b] = zc_tree(t);
 			}
 		});
 		break;
@@ -578,15 +605,8 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned, unsign
 		const double* part = arg<const double*>(p, 0);
 		int nb = arg<int>(p, 1);
 		double* out = arg<double*>(p, 2);
-		S(s)->push([=] {
-			double t[ZC_THREADS];
-			for (int i = 0; i < ZC_THREADS; i++) {
-				double acc = 0.0;
-				for (int k = i; k < nb; k += ZC_THREADS) acc = acc + part[k];
-				t[i] = acc;
-			}
-			*out = tree(t);
-		});
+		const zc_crange all = {0, nb};
+		S(s)->push([=] { emu_sum_chunks(part, &all, 1, out); });
 		break;
 	}
 	case K_SPIN: {
