@@ -806,7 +806,9 @@ func (d *cudaDevice) copyScaled(s Stream, dst, src Tensor, scale float32) error 
 	return err
 }
 
-// sumSquares writes the sum of squares of x to *out. The result comes back
+// sumSquares writes the sum of squares of x to *out, in one pass over the
+// whole tensor: not the norm's order (norm.go), kept as the benchmarks'
+// and tests' reference for the chunked kernels. The result comes back
 // through a pinned double and an explicit sync of s (not of the device);
 // the scratch memory comes from a pool, so a step allocates nothing.
 func (d *cudaDevice) sumSquares(s Stream, x Tensor, out *float64) error {

@@ -37,7 +37,6 @@ type Device interface {
 	// copyScaled copies fp32 elements between host memory (a Go slice)
 	// and the device's, times scale; the copy is done when s syncs.
 	copyScaled(s Stream, dst, src Tensor, scale float32) error
-	sumSquares(s Stream, x Tensor, out *float64) error
 	// accumulateSquares is accumulate of the one segment seg that also
 	// writes the sum of squares of the values it stored, per chunk of
 	// normChunk elements from seg.Offset, into parts (see checkParts):
@@ -259,17 +258,6 @@ func (h *hostDevice) copyScaled(s Stream, dst, src Tensor, scale float32) error 
 		return errorf(ErrDType, "copyScaled of %v into %v; it copies fp32", src.dtype, dst.dtype)
 	}
 	return h.cast(s, dst, src, scale)
-}
-
-func (h *hostDevice) sumSquares(s Stream, x Tensor, out *float64) error {
-	if x.dtype != FP32 {
-		return errorf(ErrDType, "sumSquares of %v; it takes the fp32 shard", x.dtype)
-	}
-	return h.launch(s, func() error {
-		*out = sumSquaresHost(x.ptr, x.count)
-		keepAlive(x)
-		return nil
-	})
 }
 
 func (h *hostDevice) accumulateSquares(s Stream, acc Tensor, seg Segment, first bool, scale float32, flag, parts Tensor) error {

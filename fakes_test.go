@@ -256,13 +256,6 @@ func (d *failingDevice) copyScaled(s Stream, dst, src Tensor, scale float32) err
 	return d.Device.copyScaled(s, dst, src, scale)
 }
 
-func (d *failingDevice) sumSquares(s Stream, x Tensor, out *float64) error {
-	if err := d.hit(x); err != nil {
-		return err
-	}
-	return d.Device.sumSquares(s, x, out)
-}
-
 func (d *failingDevice) optimize(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32) error {
 	if err := d.hit(b.p, b.g, b.m, b.v, b.vmax, b.out); err != nil {
 		return err

@@ -120,9 +120,10 @@ else
 		skip racecheck "compute-sanitizer not found"
 	else
 		for tool in memcheck racecheck; do
-			# racecheck: the kernels that use shared memory (sum of squares)
+			# racecheck: the kernels that use shared memory (sums of squares:
+			# the whole-shard reference, the landing's and the chunks')
 			run='TestCUDAKernels|TestCUDAGroupCollectives'
-			[[ $tool == racecheck ]] && run='TestCUDAKernelsSumSquares'
+			[[ $tool == racecheck ]] && run='TestCUDAKernels(SumSquares|AccumulateSquares|ChunkSquares|SumChunks)'
 			step "$tool" 40 env GODEBUG=asyncpreemptoff=1 "$sanitizer" --tool "$tool" --error-exitcode 1 \
 				--target-processes all "$bin" -test.count=1 -test.run "$run"
 			if grep -q -E 'not supported|Device not supported|unable to|Target application returned an error.*initialize' "$out/$tool.log" &&
