@@ -48,7 +48,8 @@
 
 /* Chunk of the reductions, in elements: every rank's chunk is read into an
  * fp32 work space on the stack (1 KiB), and the next chunk of every rank is
- * prefetched meanwhile. Small chunks keep all ranks' streams in flight at once,
+ * prefetched meanwhile. (The bf16 reductions take one pass per vector and use
+ * the chunk only to prefetch: zk_reduce_bf16.) Small chunks keep all ranks' streams in flight at once,
  * as a loop over all ranks per element would; measured on 4 ranks of 64 MiB,
  * 256 elements ran at 0.9-1.0x the plain loop, 4096 (16 KiB) at 0.6-0.8x. */
 #ifndef ZK_CHUNK
@@ -72,7 +73,8 @@ static int zk_size(int dtype) { return dtype == ZERO_F32 ? 4 : 2; }
  *  zk_swpf:   software prefetch in the streaming kernels and the reductions.
  *             Zen 4 pays for it (accumulate 0.7-0.8x its yardstick with it,
  *             0.9-1.0x without); Zen 3 needs it for the bf16 reduction (0.8x
- *             with it, 0.6-0.7x without), as Intel does for the conversions.
+ *             with it, 0.6-0.7x without, measured with the chunked kernel
+ *             before the one-pass one), as Intel does for the conversions.
  *             Off on AMD CPUs with AVX-512, Zen 4 and later.
  *  zk_chunk:  the reductions' chunk, at most ZK_CHUNK. With 8 ranks, 256
  *             elements fall behind on Zen 3 and 4; 128 keeps up.
@@ -1010,6 +1012,102 @@ ZK_TARGET static uint32_t ZK_FN(zk_acc16)(uint16_t* restrict acc, int at, const 
 	return bad;
 }
 
+/* ---- bf16 reductions: one pass over all ranks per vector ---------------------- */
+
+/* The bf16 reduce and fused all-reduce read every rank's vector, widen it in
+ * registers, combine in rank order and round once: no fp32 work space. The
+ * chunked passes through one (zk_reduce_chunk) store and reload every partial
+ * sum and run a loop per rank and chunk, and ran at 0.7-0.9x their yardstick
+ * on Zen 3-5. A 32-bit lane holds two bf16: the low one widens by a shift,
+ * the high one by a mask, so no shuffles are needed, and each element's
+ * arithmetic is elementwise.h's (zero_bf16_to_f32, zero_op_combine,
+ * zero_op_finish, zero_f32_to_bf16). GCC's vector extensions write it once
+ * for the 16-, 32- and 64-byte vectors of the three levels. */
+#define ZK_VB (ZK_F16C >= 2 ? 64 : ZK_F16C ? 32 : 16)
+typedef uint32_t ZK_FN(zk_vu) __attribute__((vector_size(ZK_VB)));
+typedef int32_t ZK_FN(zk_vi) __attribute__((vector_size(ZK_VB)));
+typedef float ZK_FN(zk_vf) __attribute__((vector_size(ZK_VB)));
+#define ZK_VU ZK_FN(zk_vu)
+#define ZK_VI ZK_FN(zk_vi)
+#define ZK_VF ZK_FN(zk_vf)
+
+/* zero_op_combine on every lane */
+ZK_TARGET ZK_INLINE ZK_VF ZK_FN(zk_vcombine)(int op, ZK_VF s, ZK_VF x) {
+	if (op != ZERO_MAX) return s + x;
+	ZK_VU take = (ZK_VU)((x > s) | (x != x)); /* zero_max */
+	return (ZK_VF)(((ZK_VU)x & take) | ((ZK_VU)s & ~take));
+}
+
+/* zero_op_finish on every lane */
+ZK_TARGET ZK_INLINE ZK_VF ZK_FN(zk_vfinish)(int op, ZK_VF s, int n) {
+	if (op != ZERO_AVG) return s;
+	return (n & (n - 1)) == 0 ? s * (1.0f / (float)n) : s / (float)n;
+}
+
+/* zero_f32_to_bf16 on every lane, the bf16 left in the lane's high half */
+ZK_TARGET ZK_INLINE ZK_VU ZK_FN(zk_vround)(ZK_VF f) {
+	ZK_VU u = (ZK_VU)f;
+	ZK_VU nan = (ZK_VU)((ZK_VI)(u & 0x7fffffffu) > 0x7f800000);
+	ZK_VU bias = (0x7fffu + ((u >> 16) & 1u)) & ~nan;
+	return (u + bias) | (nan & 0x00400000u);
+}
+
+/* bf16(op over the n sources' elements [i, i + m), rank order, fp32) in a
+ * vector, m <= ZK_VB / 2. A short m reads into zero-filled vectors, so the
+ * last elements of a span take the same instructions as the rest (the lanes
+ * past m are never stored). */
+ZK_TARGET ZK_INLINE ZK_VU ZK_FN(zk_bf16_vec)(const uintptr_t* srcs, int n, int op, int64_t i, int64_t m) {
+	ZK_VU x = {0};
+	memcpy(&x, (const uint16_t*)srcs[0] + i, (size_t)m * 2);
+	ZK_VF low = (ZK_VF)(x << 16), high = (ZK_VF)(x & 0xffff0000u);
+	for (int r = 1; r < n; r++) {
+		memcpy(&x, (const uint16_t*)srcs[r] + i, (size_t)m * 2);
+		low = ZK_FN(zk_vcombine)(op, low, (ZK_VF)(x << 16));
+		high = ZK_FN(zk_vcombine)(op, high, (ZK_VF)(x & 0xffff0000u));
+	}
+	return (ZK_FN(zk_vround)(ZK_FN(zk_vfinish)(op, low, n)) >> 16) |
+	       (ZK_FN(zk_vround)(ZK_FN(zk_vfinish)(op, high, n)) & 0xffff0000u);
+}
+
+/* dsts[0..nd)[i] = bf16(op over srcs[0..n)[i]) for i in [lo, hi). Every source
+ * vector is read before a destination is written, so a destination may be a
+ * source. */
+ZK_TARGET ZK_INLINE void ZK_FN(zk_bf16_span)(const uintptr_t* dsts, int nd, const uintptr_t* srcs, int n, int op,
+                                             int64_t lo, int64_t hi) {
+	int64_t i = lo;
+	for (; i + ZK_VB / 2 <= hi; i += ZK_VB / 2) {
+		const ZK_VU out = ZK_FN(zk_bf16_vec)(srcs, n, op, i, ZK_VB / 2);
+		for (int d = 0; d < nd; d++) memcpy((uint16_t*)dsts[d] + i, &out, ZK_VB);
+	}
+	if (i < hi) {
+		const ZK_VU out = ZK_FN(zk_bf16_vec)(srcs, n, op, i, hi - i);
+		for (int d = 0; d < nd; d++) memcpy((uint16_t*)dsts[d] + i, &out, (size_t)(hi - i) * 2);
+	}
+}
+
+/* zk_bf16_span with the op fixed in each loop. Where the CPU wants software
+ * prefetch (zk_swpf), chunk by chunk, prefetching every source's next chunk;
+ * elsewhere in one span, since each span sets up its constants again. */
+ZK_TARGET static void ZK_FN(zk_reduce_bf16)(const uintptr_t* dsts, int nd, const uintptr_t* srcs, int n, int op,
+                                            int64_t lo, int64_t hi) {
+	const int64_t chunk =
+		__atomic_load_n(&zk_swpf, __ATOMIC_RELAXED) ? __atomic_load_n(&zk_chunk, __ATOMIC_RELAXED) : hi - lo;
+	for (int64_t i = lo; i < hi; i += chunk) {
+		int64_t e = zk_min(i + chunk, hi);
+		for (int r = 0; r < n; r++) zk_prefetch((const void*)srcs[r], 2, e, zk_min(e + chunk, hi), 0);
+		switch (op) {
+		case ZERO_SUM: ZK_FN(zk_bf16_span)(dsts, nd, srcs, n, ZERO_SUM, i, e); break;
+		case ZERO_AVG: ZK_FN(zk_bf16_span)(dsts, nd, srcs, n, ZERO_AVG, i, e); break;
+		case ZERO_MAX: ZK_FN(zk_bf16_span)(dsts, nd, srcs, n, ZERO_MAX, i, e); break;
+		default: break;
+		}
+	}
+}
+#undef ZK_VB
+#undef ZK_VU
+#undef ZK_VI
+#undef ZK_VF
+
 /* t[0..m) = op over the n buffers' elements [i, i+m), in rank order, in fp32;
  * prefetches every buffer's next chunk [i+m, i+m+next). */
 ZK_TARGET static void ZK_FN(zk_reduce_chunk)(float* restrict t, const uintptr_t* bufs, int n, int dt, int op,
@@ -1021,6 +1119,11 @@ ZK_TARGET static void ZK_FN(zk_reduce_chunk)(float* restrict t, const uintptr_t*
 
 ZK_TARGET static void ZK_FN(zk_reduce)(void* dst, const uintptr_t* srcs, int n, int dtype, int op, int64_t lo,
                                        int64_t hi) {
+	if (dtype == ZERO_BF16) {
+		const uintptr_t d = (uintptr_t)dst;
+		ZK_FN(zk_reduce_bf16)(&d, 1, srcs, n, op, lo, hi);
+		return;
+	}
 	float t[ZK_CHUNK] __attribute__((aligned(64)));
 	const int64_t chunk = __atomic_load_n(&zk_chunk, __ATOMIC_RELAXED);
 	for (int64_t i = lo; i < hi; i += chunk) {
@@ -1032,6 +1135,10 @@ ZK_TARGET static void ZK_FN(zk_reduce)(void* dst, const uintptr_t* srcs, int n, 
 
 ZK_TARGET static void ZK_FN(zk_allreduce)(const uintptr_t* bufs, int n, int dtype, int op, int64_t lo,
                                           int64_t hi) {
+	if (dtype == ZERO_BF16) {
+		ZK_FN(zk_reduce_bf16)(bufs, n, bufs, n, op, lo, hi);
+		return;
+	}
 	float t[ZK_CHUNK] __attribute__((aligned(64)));
 	const int64_t chunk = __atomic_load_n(&zk_chunk, __ATOMIC_RELAXED);
 	for (int64_t i = lo; i < hi; i += chunk) {

@@ -74,10 +74,10 @@ void zero_accumulate_squares(void* acc, int acc_dtype, const zero_seg* seg, int 
  * specified (a NaN result is). */
 void zero_reduce(void* dst, const uintptr_t* srcs, int n, int dtype, int op, int64_t lo, int64_t hi);
 
-/* fused in-place all-reduce: chunk by chunk (256 elements, an fp32 work space
- * on the stack; see ZK_CHUNK in kernels.c), read every buffer's chunk once,
- * form the op result in fp32 in rank order, and write it (cast to dtype) to
- * every buffer while it is in cache. */
+/* fused in-place all-reduce: read every buffer's elements once, form the op
+ * result in fp32 in rank order, and write it (cast to dtype) to every buffer
+ * while it is in cache: chunk by chunk through an fp32 work space on the
+ * stack (ZK_CHUNK in kernels.c), and bf16 vector by vector in registers. */
 void zero_allreduce_fused(const uintptr_t* bufs, int n, int dtype, int op, int64_t lo, int64_t hi);
 
 /* AdamW (and SGD) on the fp32 master shard p with its moments m, v (vmax
