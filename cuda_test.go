@@ -411,23 +411,6 @@ func sentinelSums(n int) *gbuf {
 	return b
 }
 
-// neumaier sums xs in float64 with Neumaier's compensation: for
-// nonnegative terms within a few units in the last place of the exact sum,
-// a reference far tighter than the kernels' bound.
-func neumaier(xs []float64) float64 {
-	var sum, c float64
-	for _, x := range xs {
-		t := sum + x
-		if math.Abs(sum) >= math.Abs(x) {
-			c += (sum - t) + x
-		} else {
-			c += (x - t) + sum
-		}
-		sum = t
-	}
-	return sum + c
-}
-
 // gammaSum is the relative error bound of a double sum of nonnegative terms
 // that each pass through at most c additions (γ_c = c·u/(1−c·u), u = 2⁻⁵³),
 // plus 4u for the reference's own error.

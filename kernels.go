@@ -227,11 +227,17 @@ func accumulateHost(acc uintptr, accType DType, segs []segment, srcType DType, f
 	parts := parallelParts(int(hi-lo), func(k, a, b int) {
 		accumulateRange(acc, accType, segs, srcType, first, scale, &flags[k], lo+int64(a), lo+int64(b))
 	})
+	raiseFlag(flag, flags[:parts])
+}
+
+// raiseFlag stores 1.0 into the float32 at flag (when not 0) if any part
+// raised its own.
+func raiseFlag(flag uintptr, parts []float32) {
 	if flag == 0 {
 		return
 	}
-	for k := 0; k < parts; k++ {
-		if flags[k] != 0 {
+	for _, f := range parts {
+		if f != 0 {
 			C.zk_set_flag_u(C.uintptr_t(flag))
 			return
 		}
@@ -257,15 +263,7 @@ func accumulateSquaresHost(acc uintptr, accType DType, seg segment, srcType DTyp
 			cbool(first), C.float(scale), (*C.float)(unsafe.Pointer(&flags[k])), C.int64_t(seg.offset+int64(a)),
 			C.int64_t(seg.offset+int64(b)), C.uintptr_t(sums))
 	})
-	if flag == 0 {
-		return
-	}
-	for k := 0; k < parts; k++ {
-		if flags[k] != 0 {
-			C.zk_set_flag_u(C.uintptr_t(flag))
-			return
-		}
-	}
+	raiseFlag(flag, flags[:parts])
 }
 
 // chunkSquaresHost writes the chunk sums of squares of x[0..n) (dtype dt)

@@ -9,29 +9,12 @@ import (
 	"testing"
 )
 
-// neumaierSquares is the sum of squares of vals in float64 with Neumaier's
-// compensation: within about 2 ulp of the exact sum, whatever the order.
-func neumaierSquares(vals []float64) float64 {
-	sum, c := 0.0, 0.0
-	for _, v := range vals {
-		x := v * v // exact: v is an fp32 value
-		t := sum + x
-		if math.Abs(sum) >= math.Abs(x) {
-			c += (sum - t) + x
-		} else {
-			c += (x - t) + sum
-		}
-		sum = t
-	}
-	return sum + c
-}
-
 // TestNormChunkSums: a landing that sums squares stores the bits plain
 // accumulate stores, raises the flag as it does, and its chunk sums are
 // chunkSquares' over the result bit for bit, at any GOMAXPROCS; each chunk
 // sum is within (chunk/16 + 4) ulp of the exact sum (16 lanes added in
 // order, then a tree of 4 levels), checked against a compensated float64
-// sum.
+// sum (neumaier).
 func TestNormChunkSums(t *testing.T) {
 	rng := testRNG(t)
 	dev := CPU()
@@ -97,9 +80,10 @@ func TestNormChunkSums(t *testing.T) {
 							lo, hi := k*normChunk, min((k+1)*normChunk, n)
 							vals := make([]float64, 0, hi-lo)
 							for i := lo; i < hi; i++ {
-								vals = append(vals, float64(fused.val(off+i)))
+								v := float64(fused.val(off + i))
+								vals = append(vals, v*v) // exact: an fp32 value's square
 							}
-							exact := neumaierSquares(vals)
+							exact := neumaier(vals)
 							if bound := float64(normChunk/16+4) * 0x1p-53 * exact; math.Abs(got[k]-exact) > bound {
 								t.Fatalf("%s: chunk %d: %v, exact %v: off by %.3g, bound %.3g", what, k, got[k], exact, got[k]-exact, bound)
 							}
@@ -242,9 +226,9 @@ func TestNormOrderVsFloat64(t *testing.T) {
 	}
 	vals := make([]float64, n)
 	for i, v := range x {
-		vals[i] = float64(v)
+		vals[i] = float64(v) * float64(v)
 	}
-	exact := neumaierSquares(vals)
+	exact := neumaier(vals)
 	u := 0x1p-53 * exact
 	chunks := chunksOf(bucket)
 	bound, oldBound := float64(normChunk/16+4+chunks+len(ranges))*u, float64(n/16/parts+4+parts)*u

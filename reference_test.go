@@ -408,3 +408,20 @@ func refSumSqLanes(x []float32) float64 {
 	}
 	return s[0]
 }
+
+// neumaier sums xs in float64 with Neumaier's compensation: for
+// nonnegative terms within a few units in the last place of the exact sum,
+// a reference far tighter than the kernels' bound.
+func neumaier(xs []float64) float64 {
+	var sum, c float64
+	for _, x := range xs {
+		t := sum + x
+		if math.Abs(sum) >= math.Abs(x) {
+			c += (sum - t) + x
+		} else {
+			c += (x - t) + sum
+		}
+		sum = t
+	}
+	return sum + c
+}
