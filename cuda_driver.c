@@ -537,6 +537,33 @@ static int zc_ring_commit(zc_ring* r, CUstream s, size_t pos, size_t bytes) {
 	return 0;
 }
 
+/* One batch of descriptors through dev's ring: zc_ring_begin takes the ring's
+ * lock and reserves bytes at *pos (r->host + *pos for the caller to fill, then
+ * copy to r->dev + *pos on its stream and launch); zc_ring_end marks the slot
+ * busy until the stream passed the launch (or the copy, if the launch failed)
+ * and lets go of the lock. It returns err, or its own error where err is 0. */
+static int zc_ring_begin(int dev, size_t bytes, zc_ring** rp, size_t* pos) {
+	pthread_once(&zc_rings_once, zc_rings_init);
+	zc_ring* r = &zc_rings[dev];
+	pthread_mutex_lock(&r->mu);
+	int err = zc_ring_setup(r);
+	if (!err) err = zc_ring_reserve(r, bytes, pos);
+	if (err) pthread_mutex_unlock(&r->mu);
+	*rp = r;
+	return err;
+}
+
+static int zc_ring_end(zc_ring* r, CUstream s, size_t pos, size_t bytes, int err) {
+	int cerr = zc_ring_commit(r, s, pos, bytes);
+	pthread_mutex_unlock(&r->mu);
+	return err ? err : cerr;
+}
+
+/* Copies the descriptors at r->host + pos to the device on s. */
+static int zc_ring_send(zc_ring* r, CUstream s, size_t pos, size_t bytes) {
+	return cu.cuMemcpyAsync(r->dev + pos, (CUdeviceptr)(uintptr_t)(r->host + pos), bytes, s);
+}
+
 /* ---- batches of segments ------------------------------------------------------------------ */
 
 typedef struct {
@@ -577,27 +604,17 @@ static int zc_run_segs(int dev, CUstream s, const zc_seg* segs, int nseg, const 
 			int err = zc_launch_batch(dev, s, b, &a, blocks);
 			if (err) return err;
 		} else {
-			pthread_once(&zc_rings_once, zc_rings_init);
-			zc_ring* r = &zc_rings[dev];
-			pthread_mutex_lock(&r->mu);
-			int err = zc_ring_setup(r);
+			zc_ring* r;
 			size_t pos = 0, bytes = (size_t)n * sizeof(zc_dseg);
-			if (!err) err = zc_ring_reserve(r, bytes, &pos);
-			if (!err) {
-				zc_dseg* h = (zc_dseg*)(r->host + pos);
-				int64_t blocks = 0;
-				memset(&a, 0, sizeof a);
-				a.nseg = zc_build_descs(segs, i, j, h, &blocks);
-				a.ext = (uintptr_t)(r->dev + pos);
-				err = cu.cuMemcpyAsync(r->dev + pos, (CUdeviceptr)(uintptr_t)h, bytes, s);
-				if (!err) err = zc_launch_batch(dev, s, b, &a, blocks);
-				/* the slot is reused only after this stream passed the launch
-				 * (or the copy, if the launch failed) */
-				int cerr = zc_ring_commit(r, s, pos, bytes);
-				if (!err) err = cerr;
-			}
-			pthread_mutex_unlock(&r->mu);
+			int err = zc_ring_begin(dev, bytes, &r, &pos);
 			if (err) return err;
+			int64_t blocks = 0;
+			memset(&a, 0, sizeof a);
+			a.nseg = zc_build_descs(segs, i, j, (zc_dseg*)(r->host + pos), &blocks);
+			a.ext = (uintptr_t)(r->dev + pos);
+			err = zc_ring_send(r, s, pos, bytes);
+			if (!err) err = zc_launch_batch(dev, s, b, &a, blocks);
+			if ((err = zc_ring_end(r, s, pos, bytes, err))) return err;
 		}
 		i = j;
 	}
@@ -637,31 +654,23 @@ int zc_optimize(int dev, uintptr_t s, int sgd, uintptr_t p, uintptr_t g, uintptr
 	ZC_ENTER(dev);
 	const int max_ring = (int)(ZC_RING_BYTES / 2 / sizeof(zc_odesc));
 	int id = (sgd ? ZK_SGD : ZK_ADAMW) + (out ? zc_dt_index(out_dtype) : 0);
-	pthread_once(&zc_rings_once, zc_rings_init);
-	zc_ring* r = &zc_rings[dev];
 	int err = 0;
 	for (int i = 0; i < nr && !err;) {
 		int j = i + max_ring < nr ? i + max_ring : nr;
-		pthread_mutex_lock(&r->mu);
-		err = zc_ring_setup(r);
+		zc_ring* r;
 		size_t pos = 0, bytes = (size_t)(j - i) * sizeof(zc_odesc);
-		if (!err) err = zc_ring_reserve(r, bytes, &pos);
-		if (!err) {
-			zc_odesc* h = (zc_odesc*)(r->host + pos);
-			int64_t blocks = 0;
-			int nd = zc_build_odescs(ranges, i, j, h, &blocks);
-			uintptr_t ds = (uintptr_t)(r->dev + pos);
-			err = cu.cuMemcpyAsync(r->dev + pos, (CUdeviceptr)(uintptr_t)h, bytes, (CUstream)s);
-			if (!err && nd > 0 && blocks > 0x7fffffffLL) err = CUDA_ERROR_INVALID_VALUE;
-			if (!err && nd > 0) {
-				void* pa[] = {&p, &g, &m, &v, &vmax, &out, &ds, &nd, &gscale};
-				void* ps[] = {&p, &g, &m, &out, &ds, &nd, &gscale};
-				err = zc_launch(dev, id, (unsigned)blocks, 1, ZC_THREADS, (CUstream)s, sgd ? ps : pa);
-			}
-			int cerr = zc_ring_commit(r, (CUstream)s, pos, bytes);
-			if (!err) err = cerr;
+		if ((err = zc_ring_begin(dev, bytes, &r, &pos))) break;
+		int64_t blocks = 0;
+		int nd = zc_build_odescs(ranges, i, j, (zc_odesc*)(r->host + pos), &blocks);
+		uintptr_t ds = (uintptr_t)(r->dev + pos);
+		err = zc_ring_send(r, (CUstream)s, pos, bytes);
+		if (!err && nd > 0 && blocks > 0x7fffffffLL) err = CUDA_ERROR_INVALID_VALUE;
+		if (!err && nd > 0) {
+			void* pa[] = {&p, &g, &m, &v, &vmax, &out, &ds, &nd, &gscale};
+			void* ps[] = {&p, &g, &m, &out, &ds, &nd, &gscale};
+			err = zc_launch(dev, id, (unsigned)blocks, 1, ZC_THREADS, (CUstream)s, sgd ? ps : pa);
 		}
-		pthread_mutex_unlock(&r->mu);
+		err = zc_ring_end(r, (CUstream)s, pos, bytes, err);
 		i = j;
 	}
 	ZC_LEAVE(err);
@@ -704,25 +713,18 @@ int zc_sum_chunks(int dev, uintptr_t s, uintptr_t part, const zc_crange* ranges,
 	if (nr <= 0) return 0;
 	ZC_ENTER(dev);
 	const int max_ring = (int)(ZC_RING_BYTES / 2 / sizeof(zc_crange));
-	pthread_once(&zc_rings_once, zc_rings_init);
-	zc_ring* r = &zc_rings[dev];
 	int err = 0;
 	for (int i = 0; i < nr && !err;) {
 		int j = i + max_ring < nr ? i + max_ring : nr;
-		pthread_mutex_lock(&r->mu);
-		err = zc_ring_setup(r);
+		zc_ring* r;
 		size_t pos = 0, bytes = (size_t)(j - i) * sizeof(zc_crange);
-		if (!err) err = zc_ring_reserve(r, bytes, &pos);
-		if (!err) {
-			memcpy(r->host + pos, ranges + i, bytes);
-			uintptr_t rd = (uintptr_t)(r->dev + pos), o = out + (uintptr_t)i * sizeof(double);
-			err = cu.cuMemcpyAsync(r->dev + pos, (CUdeviceptr)(uintptr_t)(r->host + pos), bytes, (CUstream)s);
-			void* params[] = {&part, &rd, &o};
-			if (!err) err = zc_launch(dev, ZK_SUMCHUNKS, (unsigned)(j - i), 1, ZC_THREADS, (CUstream)s, params);
-			int cerr = zc_ring_commit(r, (CUstream)s, pos, bytes);
-			if (!err) err = cerr;
-		}
-		pthread_mutex_unlock(&r->mu);
+		if ((err = zc_ring_begin(dev, bytes, &r, &pos))) break;
+		memcpy(r->host + pos, ranges + i, bytes);
+		uintptr_t rd = (uintptr_t)(r->dev + pos), o = out + (uintptr_t)i * sizeof(double);
+		err = zc_ring_send(r, (CUstream)s, pos, bytes);
+		void* params[] = {&part, &rd, &o};
+		if (!err) err = zc_launch(dev, ZK_SUMCHUNKS, (unsigned)(j - i), 1, ZC_THREADS, (CUstream)s, params);
+		err = zc_ring_end(r, (CUstream)s, pos, bytes, err);
 		i = j;
 	}
 	ZC_LEAVE(err);

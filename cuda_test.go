@@ -1453,6 +1453,65 @@ func TestCUDARingBatchesBackToBack(t *testing.T) {
 	second()
 }
 
+// TestCUDARingWrapsBehindAHeldLaunch: three batches of 12000 descriptors
+// (375 KiB each; the staging ring holds 1 MiB, so the third wraps onto the
+// first's bytes) issued while the first batch's launch still waits behind a
+// spin: the ring must not hand the first batch's bytes out again before
+// that launch ran, and each batch gives its own result.
+func TestCUDARingWrapsBehindAHeldLaunch(t *testing.T) {
+	d := needCUDA(t)
+	s := gpuStream(t, d)
+	gate := gpuStream(t, d)
+	if err := cudaSpin(gate, 300*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	held, err := gate.Record()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Wait(held); err != nil {
+		t.Fatal(err)
+	}
+	const nseg = 12000
+	var checks []func()
+	for b := range 3 {
+		src := newGBuf(FP32, nseg*8)
+		for i := range src.f {
+			src.f[i] = float32(b*1_000_000 + i)
+		}
+		up := gpuStream(t, d)
+		dsrc := upload(t, d, up, src, 0)
+		if err := up.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		segs := make([]Segment, nseg)
+		for k := range segs { // each segment's 8 elements land reversed in order of segments
+			segs[k] = Segment{Src: dsrc.slice(k*8, 8), Offset: (nseg - 1 - k) * 8}
+		}
+		dst, err := d.Alloc(nseg*8, FP32)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { d.Free(dst) })
+		if err := d.flatten(s, dst, segs, 1); err != nil {
+			t.Fatalf("batch %d: %v", b, err)
+		}
+		checks = append(checks, func() {
+			got := download(t, d, s, dst)
+			for k := range nseg {
+				for i := range 8 {
+					if w := src.f[k*8+i]; got.f[(nseg-1-k)*8+i] != w {
+						t.Fatalf("batch %d: segment %d element %d = %g, want %g", b, k, i, got.f[(nseg-1-k)*8+i], w)
+					}
+				}
+			}
+		})
+	}
+	for _, check := range checks {
+		check()
+	}
+}
+
 // TestCUDALocalDevice: with one visible device (the launcher set
 // CUDA_VISIBLE_DEVICES per process) every local rank uses ordinal 0; with
 // all of them visible, LOCAL_RANK picks the device.
