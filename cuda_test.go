@@ -1427,13 +1427,11 @@ func TestCUDALaunchAfterNotReadyQuery(t *testing.T) {
 	}
 }
 
-// TestCUDARingBatchesBackToBack: two batches of more than ZC_INLINE_SEGS
-// segments (descriptors through the staging ring), the second issued while
-// the first still waits behind a spin, both give their own results.
-func TestCUDARingBatchesBackToBack(t *testing.T) {
-	d := needCUDA(t)
-	s := gpuStream(t, d)
-	gate := gpuStream(t, d)
+// heldStream is a stream of d whose work waits behind a 300 ms spin on
+// another stream, and the event that ends the wait.
+func heldStream(t *testing.T, d *cudaDevice) (Stream, Event) {
+	t.Helper()
+	s, gate := gpuStream(t, d), gpuStream(t, d)
 	if err := cudaSpin(gate, 300*time.Millisecond); err != nil {
 		t.Fatal(err)
 	}
@@ -1444,6 +1442,15 @@ func TestCUDARingBatchesBackToBack(t *testing.T) {
 	if err := s.Wait(held); err != nil {
 		t.Fatal(err)
 	}
+	return s, held
+}
+
+// TestCUDARingBatchesBackToBack: two batches of more than ZC_INLINE_SEGS
+// segments (descriptors through the staging ring), the second issued while
+// the first still waits behind a spin, both give their own results.
+func TestCUDARingBatchesBackToBack(t *testing.T) {
+	d := needCUDA(t)
+	s, held := heldStream(t, d)
 	first := flattenBatch(t, d, s, 40, 0)
 	second := flattenBatch(t, d, s, 50, 1000)
 	if held.Done() {
@@ -1460,18 +1467,7 @@ func TestCUDARingBatchesBackToBack(t *testing.T) {
 // that launch ran, and each batch gives its own result.
 func TestCUDARingWrapsBehindAHeldLaunch(t *testing.T) {
 	d := needCUDA(t)
-	s := gpuStream(t, d)
-	gate := gpuStream(t, d)
-	if err := cudaSpin(gate, 300*time.Millisecond); err != nil {
-		t.Fatal(err)
-	}
-	held, err := gate.Record()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Wait(held); err != nil {
-		t.Fatal(err)
-	}
+	s, held := heldStream(t, d)
 	const nseg = 12000
 	var checks []func()
 	for b := range 3 {
@@ -1495,6 +1491,9 @@ func TestCUDARingWrapsBehindAHeldLaunch(t *testing.T) {
 		t.Cleanup(func() { d.Free(dst) })
 		if err := d.flatten(s, dst, segs, 1); err != nil {
 			t.Fatalf("batch %d: %v", b, err)
+		}
+		if b == 0 && held.Done() {
+			t.Error("the spin ended before the first batch was issued; the test saw no wait")
 		}
 		checks = append(checks, func() {
 			got := download(t, d, s, dst)
