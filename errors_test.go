@@ -2,6 +2,7 @@ package zero
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"slices"
 	"strings"
@@ -135,6 +136,51 @@ func TestGradReadyErrors(t *testing.T) {
 		s.Close()
 		if _, err := e.GradReady(1, Halfs(good, BF16), s); !errors.Is(err, ErrClosed) {
 			t.Errorf("after Close: %v, want ErrClosed", err)
+		}
+	}
+}
+
+// errWrappingComm fails its first reduce-scatter with an error of its own
+// that wraps ErrCollective, as a caller's Comm may report a failed
+// collective.
+type errWrappingComm struct {
+	Comm
+	fired bool
+}
+
+func (c *errWrappingComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
+	if !c.fired {
+		c.fired = true
+		return fmt.Errorf("%w: the caller's comm lost a peer", ErrCollective)
+	}
+	return c.Comm.ReduceScatter(s, send, recv, op)
+}
+
+// TestCommErrorWrappingErrCollectiveFailsTheEngine: a Comm's error that
+// wraps ErrCollective is a cause like any other: the engine fails on it and
+// refuses every later call (it once took such an error for its own failure
+// and went on; the fuzzer found it).
+func TestCommErrorWrappingErrCollectiveFailsTheEngine(t *testing.T) {
+	comms, _ := NewLocalGroup(1)
+	e, err := New(Config{Stage: 1, BucketBytes: 1 << 20}, &errWrappingComm{Comm: comms[0]}, []Param{{Name: "w", Count: 64, DType: FP32}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	s := NewHostStream()
+	defer s.Close()
+	e.SetBoundary(true) // the local bucket is reduced in the backward, on GradReady
+	g := make([]float32, 64)
+	_, err = e.GradReady(0, Float32s(g), s)
+	if err == nil {
+		err = e.EndBackward()
+	}
+	if !errors.Is(err, ErrCollective) {
+		t.Fatalf("the failed reduce-scatter: %v, want ErrCollective", err)
+	}
+	for op, call := range map[string]func() error{"EndBackward": e.EndBackward, "Step": e.Step} {
+		if err := call(); !errors.Is(err, ErrCollective) || !strings.Contains(err.Error(), "failed earlier") {
+			t.Errorf("%s after the failure: %v, want the engine's earlier failure", op, err)
 		}
 	}
 }

@@ -217,8 +217,12 @@ func (e *Engine) usable(op string) error {
 // memory once it returns, and returns err as a fatal error: one that
 // errors.Is finds as ErrCollective and as its cause.
 func (e *Engine) fail(err error) error {
-	if errors.Is(err, ErrCollective) {
-		return err // failed already
+	// Failed already: the error is the engine's failure. A Comm's own error
+	// may wrap ErrCollective too (a caller's Comm, the fuzzer's faults):
+	// that is a cause, and the engine fails on it.
+	var already *failure
+	if errors.As(err, &already) && e.failed != nil {
+		return err
 	}
 	var kinds []error
 	if reason := e.aborted.Load(); reason != nil && !errors.Is(err, ErrAborted) {

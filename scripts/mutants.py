@@ -393,6 +393,10 @@ MUTANTS = [
      "C.zk_chunk_squares_u(C.uintptr_t(x), C.int(dt), 0, C.int64_t(a), C.int64_t(b), C.uintptr_t(sums))",
      "C.zk_chunk_squares_u(C.uintptr_t(x), C.int(dt), C.int64_t(a), C.int64_t(a), C.int64_t(b), C.uintptr_t(sums))",
      "TestNormChunkSums"),
+    ("fail-trusts-errcollective", "zero.go",
+     "\tif errors.As(err, &already) && e.failed != nil {",
+     "\tif errors.Is(err, ErrCollective) {",
+     "TestCommErrorWrappingErrCollectiveFailsTheEngine|FuzzProtocol"),
     # issue 22: local sums in the shard's memory
     ("hosted-sums-overlap", "bucket.go",
      "bp.ShardOffset < free || end > plan.ShardElems",
