@@ -395,7 +395,7 @@ MUTANTS = [
      "TestNormChunkSums"),
     ("fail-trusts-errcollective", "zero.go",
      "\tif errors.As(err, &already) && e.failed != nil {",
-     "\tif errors.Is(err, ErrCollective) {",
+     "\tif errors.Is(err, ErrCollective) || already != nil {",
      "TestCommErrorWrappingErrCollectiveFailsTheEngine|FuzzProtocol"),
     # issue 22: local sums in the shard's memory
     ("hosted-sums-overlap", "bucket.go",
