@@ -268,6 +268,10 @@ type pipeline struct {
 	stageLocal  int // buckets local in the stage's own mode (ZeRO-1's), whose sums are kept
 	// hosted is hostedSums for the modes in force; nil when they changed
 	hosted []bool
+	// coveredBy is, per bucket, the bucket whose sums the shard hosts over
+	// its part in this window (-1: none): its landing must follow that
+	// bucket's reduction, which reads there, whatever stream each runs on
+	coveredBy []int
 
 	batch struct { // GradsReady's grouping, kept from call to call
 		order  []int   // buckets of the batch
@@ -333,6 +337,7 @@ func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream St
 	}
 	n := len(plan.counts)
 	pl.reported, pl.dirty, pl.writer = make([]bool, n), make([]bool, n), make([]streamEvent, n)
+	pl.coveredBy = slices.Repeat([]int{-1}, len(plan.Buckets))
 	return pl, nil
 }
 
@@ -598,6 +603,10 @@ func (pl *pipeline) takeLocal(b int) (*buffer, error) {
 	}
 	if hostSumsInShard && pl.hosted[b] && pl.untouched(b, n) {
 		if t, ok := pl.sink.lend(pl.plan.Buckets[b].ShardOffset, n, dt); ok {
+			end := pl.plan.Buckets[b].ShardOffset + n
+			for c := b + 1; c < len(pl.buckets) && pl.plan.Buckets[c].ShardOffset < end; c++ {
+				pl.coveredBy[c] = b
+			}
 			// Its last readers (the last step's optimizer pass) ran on the
 			// reduction stream.
 			return &buffer{t: t, free: fence(pl.stream)}, nil
@@ -768,6 +777,13 @@ func (pl *pipeline) reduce(b int, rs Stream, last bool) (err error) {
 	// then add): each must follow the last, whatever stream it ran on.
 	if err := rs.Wait(bs.reduced); err != nil {
 		return err
+	}
+	// A bucket whose part of the shard hosted an earlier bucket's sums
+	// lands there only once that bucket's reduction has read them.
+	if h := pl.coveredBy[b]; h >= 0 {
+		if err := rs.Wait(pl.buckets[h].reduced); err != nil {
+			return err
+		}
 	}
 	if waitOnlyLastProducer {
 		if err := rs.Wait(bs.last); err != nil {
@@ -943,6 +959,9 @@ func (pl *pipeline) newWindow() {
 		pl.buckets[i].reduced = nil
 	}
 	clear(pl.writer) // their writes were flushed
+	for c := range pl.coveredBy {
+		pl.coveredBy[c] = -1
+	}
 	pl.sink.newWindow()
 }
 

@@ -518,12 +518,14 @@ func TestLocalSumsInShard(t *testing.T) {
 		t.Fatalf("plan: %d buckets of %d elements; the test wants 8 of 4096", len(plan.Buckets), plan.Buckets[0].Padded)
 	}
 	for _, c := range []struct {
-		stage  int
-		window string
-		budget int // bytes of local sums; the rest stream
-	}{{1, "", 0}, {1, "coalesce", 0}, {2, "coalesce", 0}, {2, "nosync", 0}, {3, "coalesce", 0}, {2, "coalesce", 5 * 8192}} {
+		stage   int
+		window  string
+		budget  int  // bytes of local sums; the rest stream
+		overlap bool // off: each bucket reduces on the stream that completed it
+	}{{1, "", 0, true}, {1, "", 0, false}, {1, "coalesce", 0, false}, {2, "coalesce", 0, true}, {2, "nosync", 0, false},
+		{3, "coalesce", 0, true}, {2, "coalesce", 5 * 8192, true}} {
 		r := base
-		r.stage, r.window, r.budget = c.stage, c.window, c.budget
+		r.stage, r.window, r.budget, r.overlap = c.stage, c.window, c.budget, c.overlap
 		hostSumsInShard = false
 		own := runEngine(t, r, params, data, seed)
 		hostSumsInShard = true
@@ -567,5 +569,52 @@ func TestLocalSumsInShard(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// slowHostedComm holds every other reduce-scatter back on its stream (the
+// hosted buckets' under TestLocalSumsInShard's plan), so that a bucket
+// covered by the previous bucket's sums, reduced on another stream, would
+// land before those sums were read, were it not made to wait.
+type slowHostedComm struct {
+	Comm
+	calls int
+}
+
+func (c *slowHostedComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
+	if c.calls++; c.calls%2 == 1 {
+		if err := s.(*HostStream).Launch(func() error { time.Sleep(20 * time.Millisecond); return nil }); err != nil {
+			return err
+		}
+	}
+	return c.Comm.ReduceScatter(s, send, recv, op)
+}
+
+// TestLocalSumsInShardAcrossStreams: ZeRO-1's boundary backward reduces
+// each bucket on the stream that completed it; with the hosted buckets'
+// reductions held back, the covered buckets' landings must still wait for
+// them: the shard keeps the bits of the run with every sum apart.
+func TestLocalSumsInShardAcrossStreams(t *testing.T) {
+	seed := testSeed(t)
+	params := make([]Param, 8)
+	for i := range params {
+		params[i] = Param{Name: fmt.Sprint("p", i), Count: 4096, DType: BF16}
+	}
+	r := runSpec{stage: 1, world: 2, dtype: BF16, shard: BF16, windowDType: BF16, bucket: 8192, backwards: 2, steps: 2,
+		streams: 2, predivide: 1, boundary: true}
+	data := makeWorkload(mrand.New(mrand.NewSource(seed)), r, params)
+	run := func(hosted bool) []rankResult {
+		hostSumsInShard = hosted
+		defer func() { hostSumsInShard = true }()
+		comms, err := NewLocalGroupTimeout(r.world, 20*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return runRanks(t, r, func(cfg Config, rank int, out *rankResult) error {
+			return runRank(cfg, &slowHostedComm{Comm: comms[rank]}, r, params, data, seed, out)
+		})
+	}
+	if err := sameShards(run(false), run(true)); err != nil {
+		t.Fatal(err)
 	}
 }
