@@ -220,9 +220,9 @@ func localSum(plan *Plan, spec pipelineSpec, b int) (int, DType) {
 // shard's own memory while the modes hold, where canLend (the sink lends
 // its shard to sums of the comm dtype, reduced in place) is true: bucket b's
 // sums [ShardOffset, +Padded) lie inside the shard, every bucket whose part
-// of the shard they cover is local (so it lands only at the flush, in
-// bucket order, after b's sums were reduced where they are), and they do
-// not overlap the sums of an earlier bucket hosted so. The first Shard
+// of the shard they cover is local (so it lands only at the flush, after
+// b's, and waits for b's reduction: coveredBy), and they do not overlap the
+// sums of an earlier bucket hosted so. The first Shard
 // elements are b's own part, where this rank's reduced part already lies:
 // rank 0's landing is in place, the others' copy from further along.
 func hostedSums(plan *Plan, spec pipelineSpec, modes []bucketMode, canLend bool) []bool {
@@ -453,16 +453,14 @@ func (d *deviceSink) close() error {
 // and records which it did.
 func landInto(dev Device, rs Stream, shard, mine Tensor, b, offset int, first bool, scale float32, flag Tensor, norm *shardNorm, last bool) error {
 	seg := Segment{Src: mine, Offset: offset}
-	if norm == nil {
-		return dev.accumulate(rs, shard, []Segment{seg}, first, scale, flag)
-	}
+	summed := last && norm != nil
 	var err error
-	if last {
+	if summed {
 		err = dev.accumulateSquares(rs, shard, seg, first, scale, flag, norm.partsOf(b))
 	} else {
 		err = dev.accumulate(rs, shard, []Segment{seg}, first, scale, flag)
 	}
-	norm.landed(b, last && err == nil)
+	norm.landed(b, summed && err == nil)
 	return err
 }
 

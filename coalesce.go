@@ -12,7 +12,6 @@ type window struct {
 	pl        *pipeline
 	plan      *Plan
 	budget    int64 // Window.BudgetBytes (0: every bucket is local)
-	dtype     DType // Window.DType: of the window's local sums
 	active    bool  // inside BeginCoalesce/EndCoalesce
 	noSync    bool  // inside BeginNoSync/EndNoSync
 	flushNext bool  // NoSync ended: the next backward reduces (DDP's rule)
@@ -22,7 +21,7 @@ type window struct {
 }
 
 func newWindow(pl *pipeline, plan *Plan, cfg WindowPolicy) window {
-	return window{pl: pl, plan: plan, budget: int64(cfg.BudgetBytes), dtype: cfg.DType}
+	return window{pl: pl, plan: plan, budget: int64(cfg.BudgetBytes)}
 }
 
 // open reports whether a coalesced window or NoSync is open: Step and
@@ -30,8 +29,8 @@ func newWindow(pl *pipeline, plan *Plan, cfg WindowPolicy) window {
 func (w *window) open() bool { return w.active || w.noSync }
 
 // localInWindow picks the buckets a window makes local: from the last
-// produced (the highest index) down, while their sums (ZeRO-1's own in
-// fp32, the others' in the window's dtype) fit the budget (0: every
+// produced (the highest index) down, while their sums (localSum: in the
+// window's dtype, ZeRO-1's own fp32 ones unpadded) fit the budget (0: every
 // bucket). The plan is the same on every rank, so the choice is too.
 func (w *window) localInWindow() []bool {
 	inWindow := make([]bool, len(w.plan.Buckets))

@@ -59,7 +59,11 @@ func (n *shardNorm) partsOf(b int) Tensor {
 
 // landed records a landing into bucket b's part of the shard, which summed
 // its chunks or not.
-func (n *shardNorm) landed(b int, summed bool) { n.fresh[b] = summed }
+func (n *shardNorm) landed(b int, summed bool) {
+	if n != nil {
+		n.fresh[b] = summed
+	}
+}
 
 // forget marks every bucket's sums as stale: a new window begins.
 func (n *shardNorm) forget() {
