@@ -16,6 +16,10 @@ func noCUDA(what string) error {
 // CUDADeviceCount returns the number of CUDA devices this process sees.
 func CUDADeviceCount() (int, error) { return 0, noCUDA("CUDADeviceCount") }
 
+// DriverVersion returns the CUDA version the NVIDIA driver supports (built
+// with -tags cuda; this build returns ErrNoCUDA).
+func DriverVersion() (int, error) { return 0, noCUDA("DriverVersion") }
+
 // CUDA returns the CUDA device with the given ordinal (built with -tags
 // cuda; this build returns ErrNoCUDA). The same ordinal always gives the same
 // Device. A host without a usable driver gives an error wrapping ErrNoCUDA;

@@ -69,3 +69,8 @@
 // Each rank's Engine is driven from one goroutine. Errors are typed
 // (errors.Is with ErrProtocol, ErrMismatch, …) and say what to change.
 package zero
+
+// Version is this copy's release, the newest released section of
+// CHANGELOG.md; a copy built from an untagged commit says the release it
+// follows (the Unreleased section lists what it adds).
+const Version = "0.1.0"

@@ -3,13 +3,9 @@ package zero
 import (
 	"fmt"
 	"go/ast"
-	"go/build"
 	"go/importer"
-	"go/parser"
-	"go/token"
 	"go/types"
 	"path/filepath"
-	"slices"
 	"strings"
 	"testing"
 )
@@ -126,32 +122,4 @@ func isInterfaceMethod(obj types.Object) bool {
 	}
 	_, iface := recv.Type().Underlying().(*types.Interface)
 	return iface
-}
-
-// parsePackage parses the package's non-test files of the build with tags.
-func parsePackage(t *testing.T, tags []string) (*token.FileSet, []*ast.File) {
-	t.Helper()
-	ctx := build.Default
-	ctx.BuildTags, ctx.CgoEnabled = tags, true
-	names, err := filepath.Glob("*.go")
-	if err != nil {
-		t.Fatal(err)
-	}
-	slices.Sort(names)
-	fset := token.NewFileSet()
-	var files []*ast.File
-	for _, name := range names {
-		if strings.HasSuffix(name, "_test.go") {
-			continue
-		}
-		if ok, err := ctx.MatchFile(".", name); err != nil || !ok {
-			continue
-		}
-		f, err := parser.ParseFile(fset, name, nil, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		files = append(files, f)
-	}
-	return fset, files
 }

@@ -16,12 +16,13 @@ import (
 )
 
 // testRooms are the test files that others may borrow from: the harness
-// (running ranks, seeds, stream gates, small builders), the fakes (failing
+// (running ranks, seeds, stream gates, small builders), the package's source
+// read for go/types (source_test.go), the fakes (failing
 // and counting devices, comms and streams), the float64 references, and the
 // partition plan's tests. harness_cuda_test.go is the part of the harness
 // that only compiles with -tags cuda (it names *cudaDevice). Every other
 // test file keeps to itself: what it declares only it uses.
-var testRooms = []string{"harness_test.go", "harness_cuda_test.go", "fakes_test.go", "reference_test.go", "bucket_test.go"}
+var testRooms = []string{"harness_test.go", "source_test.go", "harness_cuda_test.go", "fakes_test.go", "reference_test.go", "bucket_test.go"}
 
 // A roomBorrow is a use, in one test file, of a package-level identifier
 // (or a method) declared in another test file that is not a room.
