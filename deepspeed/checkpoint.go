@@ -737,7 +737,7 @@ func adamGroup(pg any) (zero.AdamW, error) {
 	get := func(k string) (float64, error) {
 		v, _ := field(pg, k)
 		x, ok := number(v)
-		if !ok {
+		if !ok || math.IsInf(x, 0) || math.IsNaN(x) {
 			return 0, fmt.Errorf("%s is %s", k, describe(v))
 		}
 		return x, nil
@@ -760,7 +760,7 @@ func adamGroup(pg any) (zero.AdamW, error) {
 	}
 	b1, ok1 := number(betas[0])
 	b2, ok2 := number(betas[1])
-	if !ok1 || !ok2 {
+	if !ok1 || !ok2 || !(b1 >= 0 && b1 < 1) || !(b2 >= 0 && b2 < 1) {
 		return a, fmt.Errorf("betas is %s", describe(bv))
 	}
 	a.Beta1, a.Beta2 = b1, b2
