@@ -51,10 +51,11 @@ func asFP32(t Tensor) Tensor {
 	return Tensor{Float32, t.Shape, float32Bytes(x)}
 }
 
-// OptimizerTensors are the trainable parameters' Adam moments, named
-// exp_avg/NAME and exp_avg_sq/NAME, and metadata that records each
-// group's hyperparameters, step and parameters (key
-// "deepspeed_optimizer", JSON).
+// OptimizerTensors are the trainable parameters' Adam state, named as
+// torch names it and as zero's own export (ExportOptions.Optimizer) does:
+// NAME.exp_avg, NAME.exp_avg_sq and NAME.step (a float32 scalar); and
+// metadata that records each group's hyperparameters, step and
+// parameters (key "deepspeed_optimizer", JSON).
 func OptimizerTensors(s *State) ([]NamedTensor, map[string]string) {
 	var out []NamedTensor
 	type group struct {
@@ -75,8 +76,9 @@ func OptimizerTensors(s *State) ([]NamedTensor, map[string]string) {
 			continue
 		}
 		out = append(out,
-			NamedTensor{"exp_avg/" + p.Name, Tensor{Float32, slices.Clone(p.Shape), float32Bytes(p.ExpAvg)}},
-			NamedTensor{"exp_avg_sq/" + p.Name, Tensor{Float32, slices.Clone(p.Shape), float32Bytes(p.ExpAvgSq)}})
+			NamedTensor{p.Name + ".exp_avg", Tensor{Float32, slices.Clone(p.Shape), float32Bytes(p.ExpAvg)}},
+			NamedTensor{p.Name + ".exp_avg_sq", Tensor{Float32, slices.Clone(p.Shape), float32Bytes(p.ExpAvgSq)}},
+			NamedTensor{p.Name + ".step", Tensor{Float32, []int{}, float32Bytes([]float32{float32(p.Step)})}})
 		groups[p.Group].Params = append(groups[p.Group].Params, p.Name)
 	}
 	meta, _ := json.Marshal(map[string]any{"type": "AdamW", "groups": groups})

@@ -300,12 +300,17 @@ func TestConvertOptimizer(t *testing.T) {
 			want := readST(t, filepath.Join(golden, run, "state_step3.safetensors"))
 			n := 0
 			for name, w := range want {
-				if strings.HasPrefix(name, "exp_avg") {
-					n += sameTensor(t, name, got[name], w)
+				if kind, param, ok := strings.Cut(name, "/"); ok && strings.HasPrefix(kind, "exp_avg") {
+					n += sameTensor(t, name, got[param+"."+kind], w)
 				}
 			}
 			if n != 10 {
 				t.Errorf("compared %d moments, want 10", n)
+			}
+			if st := got["gain.step"]; len(st.Shape) != 0 || st.DType != Float32 {
+				t.Errorf("gain.step is %v %v", st.DType, st.Shape)
+			} else if x, _ := st.Float32s(); x[0] != 3 {
+				t.Errorf("gain.step %v, want 3", x)
 			}
 			var m struct {
 				Groups []struct {

@@ -6,9 +6,10 @@
 //	go run ./cmd/convert DIR -o state.safetensors -optimizer
 //
 // DIR is the directory save_checkpoint was given (its latest file names
-// the tag) or a global_stepN directory. -optimizer adds Adam's moments as
-// exp_avg/NAME and exp_avg_sq/NAME, and each group's hyperparameters and
-// step as the file's "deepspeed_optimizer" metadata.
+// the tag) or a global_stepN directory. -optimizer adds Adam's state as
+// torch and zero's own export name it (NAME.exp_avg, NAME.exp_avg_sq,
+// NAME.step), and each group's hyperparameters and step as the file's
+// "deepspeed_optimizer" metadata.
 package main
 
 import (
@@ -26,7 +27,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("convert", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	out := fs.String("o", "", "write the fp32 weights to this safetensors `file`")
-	opt := fs.Bool("optimizer", false, "add Adam's moments (exp_avg/NAME, exp_avg_sq/NAME) and the groups' settings")
+	opt := fs.Bool("optimizer", false, "add Adam's state (NAME.exp_avg, NAME.exp_avg_sq, NAME.step) and the groups' settings")
 	zeroOut := fs.String("zero", "", "write a zero checkpoint to this `dir` (not available yet)")
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, "usage: convert DIR -o FILE [-optimizer]")
