@@ -37,9 +37,9 @@ var (
 	z3ModelRE   = regexp.MustCompile(`^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$`)
 )
 
-// Read reads a DeepSpeed ZeRO-1 or ZeRO-2 checkpoint: dir is the directory
-// save_checkpoint was given (its latest file names the tag) or the tag
-// directory itself. What zero cannot continue is refused with
+// Read reads a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3): dir is the
+// directory save_checkpoint was given (its latest file names the tag) or
+// the tag directory itself. What zero cannot continue is refused with
 // ErrUnsupported, naming it; files that disagree with each other or with
 // their names give ErrInconsistent; damaged files ErrFormat. On any error
 // no State is returned.
@@ -52,14 +52,18 @@ func Read(dir string) (*State, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := &reader{dir: tagDir}
-	model, err := openTorchFile(files.model)
+	r := &reader{dir: tagDir, stage3: files.model == ""}
+	modelFile := files.model
+	if r.stage3 {
+		modelFile = files.z3models[0]
+	}
+	model, err := openTorchFile(modelFile)
 	if err != nil {
 		return nil, err
 	}
 	s, err := r.modelStates(model)
 	if err != nil {
-		return nil, inFile(err, files.model)
+		return nil, inFile(err, modelFile)
 	}
 	if len(files.optim) != s.World {
 		return nil, errorf(ErrInconsistent, tagDir, "%d optimizer files for a data-parallel world of %d (dp_world_size); a rank's file is missing or left from another save", len(files.optim), s.World)
@@ -76,7 +80,23 @@ func Read(dir string) (*State, error) {
 		}
 		ranks[rank] = o
 	}
-	if err := r.assemble(s, ranks, model); err != nil {
+	if r.stage3 {
+		if len(files.z3models) != s.World {
+			return nil, errorf(ErrInconsistent, tagDir, "%d model-states files for a data-parallel world of %d; a rank's file is missing or left from another save", len(files.z3models), s.World)
+		}
+		models := []*torchFile{model}
+		for rank := 1; rank < s.World; rank++ {
+			f, err := openTorchFile(files.z3models[rank])
+			if err != nil {
+				return nil, err
+			}
+			models = append(models, f)
+		}
+		err = r.assemble3(s, ranks, models)
+	} else {
+		err = r.assemble(s, ranks, model)
+	}
+	if err != nil {
 		return nil, err
 	}
 	return s, nil
@@ -107,8 +127,9 @@ func resolveTag(dir string) (string, error) {
 }
 
 type checkpointFiles struct {
-	model string
-	optim map[int]string // by rank
+	model    string         // mp_rank_00_model_states.pt (stages 1, 2)
+	z3models map[int]string // zero_pp_rank_R_mp_rank_00_model_states.pt (stage 3), by rank
+	optim    map[int]string // by rank
 	bf16  bool           // the optimizer files carry the bf16_ prefix
 }
 
@@ -119,9 +140,8 @@ func listCheckpoint(dir string) (*checkpointFiles, error) {
 	if err != nil {
 		return nil, &Error{Kind: ErrInconsistent, File: dir, Msg: err.Error()}
 	}
-	c := &checkpointFiles{optim: map[int]string{}}
+	c := &checkpointFiles{optim: map[int]string{}, z3models: map[int]string{}}
 	prefixes := map[bool]bool{}
-	z3 := false
 	for _, e := range ents {
 		name := e.Name()
 		switch {
@@ -153,16 +173,23 @@ func listCheckpoint(dir string) (*checkpointFiles, error) {
 			c.model = filepath.Join(dir, name)
 			continue
 		}
-		if z3ModelRE.MatchString(name) {
-			z3 = true
+		if m := z3ModelRE.FindStringSubmatch(name); m != nil {
+			if m[2] != "00" {
+				return nil, errorf(ErrUnsupported, dir, "%s: a tensor-parallel checkpoint (model-parallel rank %s); zero has data parallelism only", name, m[2])
+			}
+			rank, err := strconv.Atoi(m[1])
+			if err != nil || rank > 1<<20 {
+				return nil, errorf(ErrInconsistent, dir, "%s: rank %s", name, m[1])
+			}
+			c.z3models[rank] = filepath.Join(dir, name)
 		}
 	}
 	switch {
 	case len(prefixes) > 1:
 		return nil, errorf(ErrInconsistent, dir, "optimizer files with and without the bf16_ prefix: files of two saves")
-	case c.model == "" && z3:
-		return nil, errorf(ErrUnsupported, dir, "a ZeRO-3 checkpoint (zero_pp_rank_*_model_states.pt); Read takes ZeRO-1 and ZeRO-2 checkpoints")
-	case c.model == "":
+	case c.model != "" && len(c.z3models) > 0:
+		return nil, errorf(ErrInconsistent, dir, "both mp_rank_00_model_states.pt (ZeRO-1/2) and zero_pp_rank_*_model_states.pt (ZeRO-3): files of two saves")
+	case c.model == "" && len(c.z3models) == 0:
 		return nil, errorf(ErrInconsistent, dir, "no mp_rank_00_model_states.pt: not a DeepSpeed checkpoint directory (give the directory save_checkpoint wrote, or its global_stepN)")
 	case len(c.optim) == 0:
 		return nil, errorf(ErrUnsupported, dir, "no *_optim_states.pt files: not a ZeRO checkpoint (stage 0 keeps the optimizer in the model file)")
@@ -172,12 +199,18 @@ func listCheckpoint(dir string) (*checkpointFiles, error) {
 			return nil, errorf(ErrInconsistent, dir, "no optimizer file for rank %d (ranks 0..%d expected)", r, len(c.optim)-1)
 		}
 	}
+	for r := range len(c.z3models) {
+		if _, ok := c.z3models[r]; !ok {
+			return nil, errorf(ErrInconsistent, dir, "no model-states file for rank %d (ranks 0..%d expected)", r, len(c.z3models)-1)
+		}
+	}
 	return c, nil
 }
 
 // reader carries what the files say as it goes.
 type reader struct {
 	dir       string
+	stage3    bool
 	world     int
 	shapes    [][]kv // per group: name → torchSize
 	module    []kv
@@ -187,7 +220,8 @@ type reader struct {
 	config    any
 }
 
-// modelStates reads mp_rank_00_model_states.pt.
+// modelStates reads mp_rank_00_model_states.pt (at stage 3, rank 0's
+// zero_pp_rank_0_mp_rank_00_model_states.pt).
 func (r *reader) modelStates(f *torchFile) (*State, error) {
 	s := &State{Dir: r.dir, Shared: map[string]string{}}
 	root := f.root
@@ -321,14 +355,15 @@ func (r *reader) optimFile(f *torchFile, rank int, bf16Name bool) (*optimFile, e
 	if !ok {
 		return nil, errorf(ErrInconsistent, "", "zero_stage %s: not a ZeRO optimizer file", describe(zs))
 	}
-	switch stage.value {
-	case 1, 2:
-		o.stage = stage.value
-	case 3:
+	switch {
+	case stage.value == 3 && !r.stage3:
 		return nil, errorf(ErrInconsistent, "", "a ZeRO-3 optimizer file beside a ZeRO-1/2 model file: files of two saves")
-	default:
+	case (stage.value == 1 || stage.value == 2) && r.stage3:
+		return nil, errorf(ErrInconsistent, "", "a ZeRO-%d optimizer file beside ZeRO-3 model files: files of two saves", stage.value)
+	case stage.value < 1 || stage.value > 3:
 		return nil, errorf(ErrUnsupported, "", "zero_stage %d", stage.value)
 	}
+	o.stage = stage.value
 	pc, _ := field(sd, "partition_count")
 	counts, ok := ints(pc)
 	if n, isInt := pc.(int); isInt {
@@ -348,10 +383,14 @@ func (r *reader) optimFile(f *torchFile, rank int, bf16Name bool) (*optimFile, e
 	if bf16Name != configBool(o.config, "bf16", "enabled") {
 		return nil, errorf(ErrInconsistent, "", "the file's name says bf16 %v, its config's bf16.enabled %v: not what its name says", bf16Name, !bf16Name)
 	}
-	fp, _ := field(sd, "single_partition_of_fp32_groups")
+	masterKey := "single_partition_of_fp32_groups"
+	if r.stage3 {
+		masterKey = "fp32_flat_groups"
+	}
+	fp, _ := field(sd, masterKey)
 	parts, ok := list(fp)
 	if !ok || len(parts) != len(r.shapes) {
-		return nil, errorf(ErrInconsistent, "", "single_partition_of_fp32_groups is %s for %d parameter groups", describe(fp), len(r.shapes))
+		return nil, errorf(ErrInconsistent, "", "%s is %s for %d parameter groups", masterKey, describe(fp), len(r.shapes))
 	}
 	for g, p := range parts {
 		t, ok := p.(*tensorView)
@@ -362,6 +401,15 @@ func (r *reader) optimFile(f *torchFile, rank int, bf16Name bool) (*optimFile, e
 			return nil, errorf(ErrUnsupported, "", "the master weights of group %d are %v: zero keeps an fp32 master (the run set a 16-bit master)", g, t.st.dtype)
 		}
 		o.fp32 = append(o.fp32, t)
+	}
+	ls, _ := field(sd, "loss_scaler")
+	if o.scaler, ok = ls.(*pyObject); !ok {
+		return nil, errorf(ErrInconsistent, "", "loss_scaler is %s", describe(ls))
+	}
+	if r.stage3 {
+		// ZeRO-3 keeps torch's state_dict of the flat groups under this key
+		o.state, _ = field(sd, "optimizer_state_dict")
+		return o, nil
 	}
 	gp, _ := field(sd, "group_paddings")
 	if o.paddings, ok = ints(gp); !ok || len(o.paddings) != len(r.shapes) {
@@ -394,10 +442,6 @@ func (r *reader) optimFile(f *torchFile, rank int, bf16Name bool) (*optimFile, e
 		}
 	}
 	o.state, _ = field(sd, "base_optimizer_state")
-	ls, _ := field(sd, "loss_scaler")
-	if o.scaler, ok = ls.(*pyObject); !ok {
-		return nil, errorf(ErrInconsistent, "", "loss_scaler is %s", describe(ls))
-	}
 	if c, _ := field(sd, "clip_grad"); c != nil {
 		if o.clip, ok = number(c); !ok {
 			return nil, errorf(ErrInconsistent, "", "clip_grad %s", describe(c))
@@ -416,24 +460,9 @@ func (r *reader) assemble(s *State, ranks []*optimFile, model *torchFile) error 
 			return errorf(ErrInconsistent, r.dir, "rank 0 is a ZeRO-%d file, rank %d a ZeRO-%d file: files of two saves", s.Stage, o.rank, o.stage)
 		}
 	}
-	if err := r.optimizerKind(first); err != nil {
+	if err := r.common(s, first); err != nil {
 		return err
 	}
-	if off, _ := configString(first.config, "zero_optimization", "offload_optimizer", "device"); off == "nvme" {
-		return errorf(ErrUnsupported, r.dir, "zero_optimization.offload_optimizer.device nvme: the moments are in swap files beside the checkpoint, not in it")
-	}
-	cfg := 1 << 16
-	js, ok := toJSON(first.config, &cfg)
-	if !ok {
-		return errorf(ErrInconsistent, r.dir, "ds_config is not a plain JSON value")
-	}
-	if s.Config, _ = json.Marshal(js); s.Config == nil {
-		return errorf(ErrInconsistent, r.dir, "ds_config cannot be written as JSON")
-	}
-	if t, ok := configString(first.config, "scheduler", "type"); ok {
-		s.Scheduler.Type = t
-	}
-	s.ClipGrad = first.clip
 
 	byName := map[string]any{}
 	for _, e := range r.module {
@@ -449,11 +478,10 @@ func (r *reader) assemble(s *State, ranks []*optimFile, model *torchFile) error 
 		if err != nil {
 			return err
 		}
-		moments, step, grp, err := r.moments(g, ranks, lay)
+		moments, step, err := r.moments(s, g, ranks, lay)
 		if err != nil {
 			return err
 		}
-		s.Groups = append(s.Groups, grp)
 		for i, e := range shapes {
 			if trainable[e.key] {
 				return errorf(ErrInconsistent, r.dir, "parameter %s in param_shapes twice", e.key)
@@ -535,6 +563,35 @@ func (r *reader) assemble(s *State, ranks []*optimFile, model *torchFile) error 
 		return errorf(ErrInconsistent, r.dir, "frozen parameters %v are not in the module's state_dict", sortedKeys(listed))
 	}
 	return r.scaler(s, ranks)
+}
+
+// common reads what every stage keeps alike: the optimizer's kind, the
+// config, the schedule's type, the clipping.
+func (r *reader) common(s *State, first *optimFile) error {
+	if err := r.optimizerKind(first); err != nil {
+		return err
+	}
+	for _, k := range []string{"offload_optimizer", "offload_param"} {
+		if off, _ := configString(first.config, "zero_optimization", k, "device"); off == "nvme" {
+			return errorf(ErrUnsupported, r.dir, "zero_optimization.%s.device nvme: the state is in swap files beside the checkpoint, not in it", k)
+		}
+	}
+	cfg := 1 << 16
+	js, ok := toJSON(first.config, &cfg)
+	if !ok {
+		return errorf(ErrInconsistent, r.dir, "ds_config is not a plain JSON value")
+	}
+	if s.Config, _ = json.Marshal(js); s.Config == nil {
+		return errorf(ErrInconsistent, r.dir, "ds_config cannot be written as JSON")
+	}
+	if t, ok := configString(first.config, "scheduler", "type"); ok {
+		s.Scheduler.Type = t
+	}
+	s.ClipGrad = first.clip
+	if v, ok := configValue(first.config, "gradient_clipping"); ok && first.clip == 0 {
+		s.ClipGrad, _ = number(v)
+	}
+	return nil
 }
 
 // layout is one group's flat layout.
@@ -634,71 +691,109 @@ func (r *reader) concatMaster(g int, ranks []*optimFile, l layout) ([]float32, e
 	return out, nil
 }
 
-// moments reads group g's Adam state from every rank: the moments joined
-// over the ranks (each rank's are its padded partition), and the step,
-// which every rank must agree on.
-func (r *reader) moments(g int, ranks []*optimFile, l layout) ([2][]float32, int, Group, error) {
-	var m [2][]float32
-	var grp Group
-	step := -1
-	for _, o := range ranks {
-		if _, elastic := list(o.state); elastic {
-			return m, 0, grp, errorf(ErrUnsupported, r.dir, "an elastic checkpoint (zero_optimization.elastic_checkpoint: true) is not read yet; save with elastic_checkpoint false")
-		}
-		st, _ := field(o.state, "state")
-		pgs, _ := field(o.state, "param_groups")
-		states, ok1 := intKeyed(st)
-		groups, ok2 := list(pgs)
-		if !ok1 || !ok2 || len(groups) != len(r.shapes) {
-			return m, 0, grp, errorf(ErrInconsistent, r.dir, "rank %d's base_optimizer_state is not torch's state_dict of one flat tensor per group", o.rank)
-		}
-		pg := groups[g]
+// flatState reads rank o's Adam state of its flat tensor k (torch's
+// state id k, the k-th flat tensor the file holds): the two moments, want
+// elements each, the step, and the index and settings of the optimizer
+// group that lists it.
+func (r *reader) flatState(o *optimFile, k, want int) (m [2][]float32, step, group int, a zero.AdamW, err error) {
+	if _, elastic := list(o.state); elastic {
+		return m, 0, 0, a, errorf(ErrUnsupported, r.dir, "an elastic checkpoint (zero_optimization.elastic_checkpoint: true) is not read yet; save with elastic_checkpoint false")
+	}
+	st, _ := field(o.state, "state")
+	pgs, _ := field(o.state, "param_groups")
+	states, ok1 := intKeyed(st)
+	groups, ok2 := list(pgs)
+	if !ok1 || !ok2 {
+		return m, 0, 0, a, errorf(ErrInconsistent, r.dir, "rank %d's optimizer state is not torch's state_dict", o.rank)
+	}
+	group = -1
+	for g, pg := range groups {
 		ids, _ := field(pg, "params")
 		idl, ok := ints(ids)
-		if !ok || len(idl) != 1 {
-			return m, 0, grp, errorf(ErrInconsistent, r.dir, "rank %d's optimizer group %d holds %s, not one flat tensor", o.rank, g, describe(ids))
-		}
-		ps, ok := states[idl[0]]
 		if !ok {
-			return m, 0, grp, errorf(ErrUnsupported, r.dir, "rank %d's optimizer has no state for group %d: the checkpoint was saved before the first step", o.rank, g)
+			return m, 0, 0, a, errorf(ErrInconsistent, r.dir, "rank %d's optimizer group %d lists %s", o.rank, g, describe(ids))
 		}
-		for k, key := range []string{"exp_avg", "exp_avg_sq"} {
-			v, ok := field(ps, key)
-			if !ok {
-				return m, 0, grp, errorf(ErrUnsupported, r.dir, "rank %d's optimizer state for group %d has no %s: not Adam's", o.rank, g, key)
+		for _, id := range idl {
+			if id == k {
+				if group >= 0 {
+					return m, 0, 0, a, errorf(ErrInconsistent, r.dir, "rank %d's optimizer groups %d and %d both list flat tensor %d", o.rank, group, g, k)
+				}
+				group = g
 			}
-			tv, ok := v.(*tensorView)
-			if !ok || tv.st.dtype != Float32 || len(tv.shape) != 1 || tv.numel != l.part {
-				return m, 0, grp, errorf(ErrInconsistent, r.dir, "rank %d's %s of group %d is %s, not %d fp32 elements (the partition)", o.rank, key, g, describe(v), l.part)
-			}
-			t, err := r.tensor(o.file, tv, key, nil)
-			if err != nil {
-				return m, 0, grp, err
-			}
-			x, _ := t.Float32s()
-			m[k] = append(m[k], x...)
-		}
-		sv, _ := field(ps, "step")
-		n, err := r.step(o.file, sv)
-		if err != nil {
-			return m, 0, grp, errorf(ErrInconsistent, r.dir, "rank %d's step of group %d: %v", o.rank, g, err)
-		}
-		if step >= 0 && n != step {
-			return m, 0, grp, errorf(ErrInconsistent, r.dir, "ranks disagree on group %d's step (%d and %d)", g, step, n)
-		}
-		step = n
-		a, err := adamGroup(pg)
-		if err != nil {
-			return m, 0, grp, errorf(ErrUnsupported, r.dir, "rank %d's optimizer group %d: %v", o.rank, g, err)
-		}
-		if o.rank == 0 {
-			grp.AdamW = a
-		} else if a != grp.AdamW {
-			return m, 0, grp, errorf(ErrInconsistent, r.dir, "ranks 0 and %d disagree on group %d's hyperparameters", o.rank, g)
 		}
 	}
-	grp.Step = step
-	return m, step, grp, nil
+	if group < 0 {
+		return m, 0, 0, a, errorf(ErrInconsistent, r.dir, "rank %d's optimizer groups do not list flat tensor %d", o.rank, k)
+	}
+	ps, ok := states[k]
+	if !ok {
+		return m, 0, 0, a, errorf(ErrUnsupported, r.dir, "rank %d's optimizer has no state for flat tensor %d: the checkpoint was saved before the first step", o.rank, k)
+	}
+	for i, key := range []string{"exp_avg", "exp_avg_sq"} {
+		v, ok := field(ps, key)
+		if !ok {
+			return m, 0, 0, a, errorf(ErrUnsupported, r.dir, "rank %d's optimizer state of flat tensor %d has no %s: not Adam's", o.rank, k, key)
+		}
+		tv, ok := v.(*tensorView)
+		if !ok || tv.st.dtype != Float32 || len(tv.shape) != 1 || tv.numel != want {
+			return m, 0, 0, a, errorf(ErrInconsistent, r.dir, "rank %d's %s of flat tensor %d is %s, not %d fp32 elements (its partition)", o.rank, key, k, describe(v), want)
+		}
+		t, err := r.tensor(o.file, tv, key, nil)
+		if err != nil {
+			return m, 0, 0, a, err
+		}
+		m[i], _ = t.Float32s()
+	}
+	sv, _ := field(ps, "step")
+	if step, err = r.step(o.file, sv); err != nil {
+		return m, 0, 0, a, errorf(ErrInconsistent, r.dir, "rank %d's step of flat tensor %d: %v", o.rank, k, err)
+	}
+	if a, err = adamGroup(groups[group]); err != nil {
+		return m, 0, 0, a, errorf(ErrUnsupported, r.dir, "rank %d's optimizer group %d: %v", o.rank, group, err)
+	}
+	return m, step, group, a, nil
+}
+
+// groupState keeps one optimizer group's settings and step, which every
+// rank and every flat tensor of the group must agree on.
+func (r *reader) groupState(s *State, g int, a zero.AdamW, step int, rank int) error {
+	for len(s.Groups) <= g {
+		s.Groups = append(s.Groups, Group{Step: -1})
+	}
+	grp := &s.Groups[g]
+	if grp.Step < 0 {
+		grp.AdamW, grp.Step = a, step
+		return nil
+	}
+	if grp.Step != step {
+		return errorf(ErrInconsistent, r.dir, "group %d's step is %d on rank %d and %d elsewhere", g, step, rank, grp.Step)
+	}
+	if grp.AdamW != a {
+		return errorf(ErrInconsistent, r.dir, "rank %d disagrees with rank 0 on group %d's hyperparameters", rank, g)
+	}
+	return nil
+}
+
+// moments reads group g's Adam state from every rank (ZeRO-1/2: rank r's
+// flat tensor g is its padded partition of group g) and joins the ranks'
+// partitions.
+func (r *reader) moments(s *State, g int, ranks []*optimFile, l layout) ([2][]float32, int, error) {
+	var m [2][]float32
+	for _, o := range ranks {
+		x, step, group, a, err := r.flatState(o, g, l.part)
+		if err != nil {
+			return m, 0, err
+		}
+		if group != g {
+			return m, 0, errorf(ErrInconsistent, r.dir, "rank %d's optimizer group %d lists flat tensor %d, not %d", o.rank, group, g, g)
+		}
+		if err := r.groupState(s, g, a, step, o.rank); err != nil {
+			return m, 0, err
+		}
+		m[0] = append(m[0], x[0]...)
+		m[1] = append(m[1], x[1]...)
+	}
+	return m, s.Groups[g].Step, nil
 }
 
 // step reads torch's step: a scalar tensor (float32 since torch 1.12) or

@@ -112,7 +112,26 @@ func TestReadRefusals(t *testing.T) {
 		kind error
 		say  string
 	}{
-		{"zero-3", "z3-fp32", nil, ErrUnsupported, "ZeRO-3"},
+		{"zero-3 rank missing", "z3-fp32", func(t *testing.T, dir string) {
+			os.Remove(filepath.Join(dir, "zero_pp_rank_1_mp_rank_00_model_states.pt"))
+		}, ErrInconsistent, "1 model-states files for a data-parallel world of 2"},
+		{"zero-3 beside zero-2", "z3-fp32", func(t *testing.T, dir string) {
+			b, _ := os.ReadFile(filepath.Join(golden, "z2-fp32", "ckpt", "global_step3", modelF))
+			os.WriteFile(filepath.Join(dir, modelF), b, 0o644)
+		}, ErrInconsistent, "files of two saves"},
+		{"zero-3 MiCS", "z3-fp32", func(t *testing.T, dir string) {
+			rewritePickle(t, filepath.Join(dir, optim0), func(p []byte) []byte {
+				// the config's zero_optimization dict gets mics_shard_size 2
+				i := bytes.Index(p, []byte("X\x11\x00\x00\x00zero_optimization"))
+				j := i + bytes.IndexByte(p[i:], '}') + 1
+				if p[j] == 'q' { // BINPUT
+					j += 2
+				}
+				out := append([]byte(nil), p[:j]...)
+				out = append(out, "X\x0f\x00\x00\x00mics_shard_sizeK\x02s"...)
+				return append(out, p[j:]...)
+			})
+		}, ErrUnsupported, "MiCS"},
 		{"ranks swapped", "z2-fp32", func(t *testing.T, dir string) {
 			rename(t, dir, optim0, "x")
 			rename(t, dir, optim1, optim0)

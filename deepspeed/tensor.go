@@ -164,3 +164,66 @@ func numel(shape []int) int {
 	}
 	return n
 }
+
+// roundTo rounds fp32 values to d (bfloat16 or float16, to nearest even,
+// as PyTorch's copy_ into a 16-bit tensor does), or copies them for
+// float32.
+func roundTo(x []float32, d DType) Tensor {
+	t := Tensor{DType: d, Data: make([]byte, len(x)*d.Size())}
+	for i, v := range x {
+		switch d {
+		case Float32:
+			binary.LittleEndian.PutUint32(t.Data[4*i:], math.Float32bits(v))
+		case BFloat16:
+			binary.LittleEndian.PutUint16(t.Data[2*i:], floatToBF16(v))
+		case Float16:
+			binary.LittleEndian.PutUint16(t.Data[2*i:], floatToHalf(v))
+		}
+	}
+	return t
+}
+
+// floatToBF16 is binary32 to bfloat16, round to nearest even; a NaN stays
+// a (quiet) NaN.
+func floatToBF16(f float32) uint16 {
+	u := math.Float32bits(f)
+	if u&0x7fffffff > 0x7f800000 {
+		return uint16(u>>16) | 0x40
+	}
+	return uint16((u + 0x7fff + (u>>16)&1) >> 16)
+}
+
+// floatToHalf is binary32 to binary16, round to nearest even, with
+// subnormals, overflow to infinity and NaN kept a (quiet) NaN.
+func floatToHalf(f float32) uint16 {
+	u := math.Float32bits(f)
+	sign := uint16(u>>16) & 0x8000
+	a := u & 0x7fffffff
+	switch {
+	case a > 0x7f800000: // NaN
+		return sign | 0x7e00 | uint16(a>>13)&0x3ff
+	case a >= 0x477ff000: // rounds to ≥ 65520: infinity
+		return sign | 0x7c00
+	case a >= 0x38800000: // normal in binary16
+		h := (a - 0x38000000) >> 13 // rebias 127→15
+		rest := a & 0x1fff
+		if rest > 0x1000 || (rest == 0x1000 && h&1 == 1) {
+			h++
+		}
+		return sign | uint16(h)
+	case a < 0x33000000: // below half the smallest subnormal: ±0
+		return sign
+	}
+	// subnormal in binary16: the value is m·2^(e-150) with the implicit
+	// bit; the result counts units of 2^-24
+	e := a >> 23
+	m := a&0x7fffff | 0x800000
+	shift := 126 - e // 2^(e-127-23) / 2^-24 = 2^(e-126); m >> (126-e)
+	h := m >> shift
+	rest := m & (1<<shift - 1)
+	half := uint32(1) << (shift - 1)
+	if rest > half || (rest == half && h&1 == 1) {
+		h++
+	}
+	return sign | uint16(h)
+}

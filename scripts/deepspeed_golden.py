@@ -231,7 +231,7 @@ def worker(stage, dtype, out):
             "dtype": dtype,
             "world_size": WORLD,
             "config": ds_config(stage, dtype),
-            "params": [{"name": n, "shape": list(p.shape), "trainable": p.requires_grad}
+            "params": [{"name": n, "shape": list(getattr(p, "ds_shape", p.shape)), "trainable": p.requires_grad}
                        for n, p in model.named_parameters()],
             "param_groups": [[names[p] for p in g["params"]] for g in param_groups(model)],
             "batch": "torch.Generator().manual_seed(1000*step + rank): x = randn(4, 8), y = randn(4, 7); "

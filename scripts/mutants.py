@@ -466,6 +466,14 @@ MUTANTS = [
      "\tif s.frozenListed {\n\t\tfor _, p := range s.Params {",
      "\tif true {\n\t\tfor _, p := range s.Params {",
      "TestConvertMatchesZeroToFP32"),
+    ("dsckpt-z3-pad-not-ceil", "deepspeed/zero3.go",
+     "\t\t\ttotal += (numel([]int(e.val.(torchSize))) + w - 1) / w\n",
+     "\t\t\ttotal += numel([]int(e.val.(torchSize))) / w\n",
+     "TestReadGolden"),
+    ("dsckpt-bf16-truncated", "deepspeed/tensor.go",
+     "\treturn uint16((u + 0x7fff + (u>>16)&1) >> 16)",
+     "\treturn uint16(u >> 16)",
+     "TestRoundTo16|TestReadGolden"),
 ]
 
 

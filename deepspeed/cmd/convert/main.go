@@ -1,4 +1,4 @@
-// Command convert reads a DeepSpeed ZeRO-1/2 checkpoint and writes its
+// Command convert reads a DeepSpeed ZeRO checkpoint and writes its
 // fp32 weights as one safetensors file with DeepSpeed's tensor names,
 // byte for byte what zero_to_fp32.py writes, without Python:
 //

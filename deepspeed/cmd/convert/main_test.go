@@ -48,7 +48,7 @@ func TestConvertCommandErrors(t *testing.T) {
 	}{
 		{[]string{}, 2, "usage"},
 		{[]string{filepath.Join(golden, "z1-fp32", "ckpt")}, 2, "usage"},
-		{[]string{filepath.Join(golden, "z3-fp32", "ckpt"), "-o", out}, 1, "ZeRO-3"},
+		{[]string{filepath.Join(golden, "z3-fp32", "ckpt", "zero"), "-o", out}, 1, "no such file"},
 		{[]string{filepath.Join(golden, "z1-fp32", "ckpt"), "-zero", dir}, 2, "-zero is not available"},
 		{[]string{dir, "-o", out}, 1, "mp_rank_00_model_states.pt"},
 	} {
