@@ -130,7 +130,7 @@ type checkpointFiles struct {
 	model    string         // mp_rank_00_model_states.pt (stages 1, 2)
 	z3models map[int]string // zero_pp_rank_R_mp_rank_00_model_states.pt (stage 3), by rank
 	optim    map[int]string // by rank
-	bf16  bool           // the optimizer files carry the bf16_ prefix
+	bf16     bool           // the optimizer files carry the bf16_ prefix
 }
 
 // listCheckpoint sorts a tag directory's files, refusing the layouts
