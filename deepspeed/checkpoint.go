@@ -38,8 +38,9 @@ var (
 )
 
 // Read reads a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3): dir is the
-// directory save_checkpoint was given (its latest file names the tag) or
-// the tag directory itself. What zero cannot continue is refused with
+// directory save_checkpoint was given (its latest file names the tag), the
+// tag directory itself, or the universal layout ds_to_universal made of
+// one (its output folder). What zero cannot continue is refused with
 // ErrUnsupported, naming it; files that disagree with each other or with
 // their names give ErrInconsistent; damaged files ErrFormat. On any error
 // no State is returned.
@@ -53,6 +54,12 @@ func Read(dir string) (*State, error) {
 		return nil, err
 	}
 	r := &reader{dir: tagDir, stage3: files.model == ""}
+	if st, err := os.Stat(filepath.Join(tagDir, "zero", "optimizer_state.pt")); err == nil && st.Mode().IsRegular() {
+		return r.universal(files)
+	}
+	if len(files.optim) == 0 {
+		return nil, errorf(ErrUnsupported, tagDir, "no *_optim_states.pt files: not a ZeRO checkpoint (stage 0 keeps the optimizer in the model file)")
+	}
 	modelFile := files.model
 	if r.stage3 {
 		modelFile = files.z3models[0]
@@ -191,8 +198,6 @@ func listCheckpoint(dir string) (*checkpointFiles, error) {
 		return nil, errorf(ErrInconsistent, dir, "both mp_rank_00_model_states.pt (ZeRO-1/2) and zero_pp_rank_*_model_states.pt (ZeRO-3): files of two saves")
 	case c.model == "" && len(c.z3models) == 0:
 		return nil, errorf(ErrInconsistent, dir, "no mp_rank_00_model_states.pt: not a DeepSpeed checkpoint directory (give the directory save_checkpoint wrote, or its global_stepN)")
-	case len(c.optim) == 0:
-		return nil, errorf(ErrUnsupported, dir, "no *_optim_states.pt files: not a ZeRO checkpoint (stage 0 keeps the optimizer in the model file)")
 	}
 	for r := range len(c.optim) {
 		if _, ok := c.optim[r]; !ok {
@@ -512,6 +517,20 @@ func (r *reader) assemble(s *State, ranks []*optimFile, model *torchFile) error 
 	if want := modelDType(first.config); s.ModelDType != want {
 		return errorf(ErrInconsistent, r.dir, "the module's parameters are %v, but the config trains in %v", s.ModelDType, want)
 	}
+	if err := r.extras12(s, model, trainable); err != nil {
+		return err
+	}
+	return r.scaler(s, ranks)
+}
+
+// extras12 reads a ZeRO-1/2 model file's buffers and frozen parameters:
+// those frozen_param_shapes lists (stage 2, with their fragments) or, at
+// stage 1, every other entry of the module's state_dict.
+func (r *reader) extras12(s *State, model *torchFile, trainable map[string]bool) error {
+	byName := map[string]any{}
+	for _, e := range r.module {
+		byName[e.key] = e.val
+	}
 	isBuffer := map[string]bool{}
 	for _, name := range r.buffers {
 		v, ok := byName[name]
@@ -562,7 +581,7 @@ func (r *reader) assemble(s *State, ranks []*optimFile, model *torchFile) error 
 	if len(listed) > 0 {
 		return errorf(ErrInconsistent, r.dir, "frozen parameters %v are not in the module's state_dict", sortedKeys(listed))
 	}
-	return r.scaler(s, ranks)
+	return nil
 }
 
 // common reads what every stage keeps alike: the optimizer's kind, the

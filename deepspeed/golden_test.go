@@ -252,35 +252,46 @@ func sameTensor(t *testing.T, what string, got, want Tensor) int {
 }
 
 // TestConvertMatchesZeroToFP32: the safetensors file written from each
-// golden checkpoint is byte for byte zero_to_fp32's.
+// golden checkpoint, and from its universal layout, is byte for byte
+// zero_to_fp32's.
 func TestConvertMatchesZeroToFP32(t *testing.T) {
 	for _, run := range goldenRuns {
 		t.Run(run, func(t *testing.T) {
-			s, err := Read(filepath.Join(golden, run, "ckpt"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			out := filepath.Join(t.TempDir(), "model.safetensors")
-			if err := WriteSafetensors(out, FP32Tensors(s), map[string]string{"format": "pt"}); err != nil {
-				t.Fatal(err)
-			}
-			got, _ := os.ReadFile(out)
-			want, err := os.ReadFile(filepath.Join(golden, run, "zero_to_fp32", "model.safetensors"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if !bytes.Equal(got, want) {
-				t.Errorf("%d bytes, zero_to_fp32 wrote %d; they differ", len(got), len(want))
-				w := readST(t, filepath.Join(golden, run, "zero_to_fp32", "model.safetensors"))
-				g := readST(t, out)
-				for name, wt := range w {
-					sameTensor(t, name, g[name], wt)
+			for _, src := range []string{"ckpt", "ckpt/global_step3_universal"} {
+				s, err := Read(filepath.Join(golden, run, src))
+				if err != nil {
+					t.Fatal(err)
 				}
-				if len(g) != len(w) {
-					t.Errorf("%d tensors, zero_to_fp32 wrote %d", len(g), len(w))
+				out := filepath.Join(t.TempDir(), "model.safetensors")
+				if err := WriteSafetensors(out, FP32Tensors(s), map[string]string{"format": "pt"}); err != nil {
+					t.Fatal(err)
 				}
+				convertedLikeZeroToFP32(t, run, src, out)
 			}
 		})
+	}
+}
+
+// convertedLikeZeroToFP32 holds the file at out to the run's zero_to_fp32
+// output, byte for byte, and names the tensors that differ.
+func convertedLikeZeroToFP32(t *testing.T, run, src, out string) {
+	t.Helper()
+	got, _ := os.ReadFile(out)
+	want, err := os.ReadFile(filepath.Join(golden, run, "zero_to_fp32", "model.safetensors"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bytes.Equal(got, want) {
+		return
+	}
+	t.Errorf("from %s: %d bytes, zero_to_fp32 wrote %d; they differ", src, len(got), len(want))
+	w := readST(t, filepath.Join(golden, run, "zero_to_fp32", "model.safetensors"))
+	g := readST(t, out)
+	for name, wt := range w {
+		sameTensor(t, name, g[name], wt)
+	}
+	if len(g) != len(w) {
+		t.Errorf("%d tensors, zero_to_fp32 wrote %d", len(g), len(w))
 	}
 }
 
@@ -327,3 +338,69 @@ func TestConvertOptimizer(t *testing.T) {
 }
 
 func isKind(err, kind error) bool { return err != nil && errors.Is(err, kind) }
+
+// TestReadUniversal: each golden checkpoint's universal layout
+// (ds_to_universal) reads into the State its checkpoint reads into, every
+// tensor bit for bit (so DeepSpeed's own, by TestReadGolden), every
+// counter and setting equal.
+func TestReadUniversal(t *testing.T) {
+	for _, run := range goldenRuns {
+		t.Run(run, func(t *testing.T) {
+			want, err := Read(filepath.Join(golden, run, "ckpt"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := Read(filepath.Join(golden, run, "ckpt", "global_step3_universal"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			sameState(t, got, want)
+		})
+	}
+}
+
+// sameState reports every difference between two States but Dir.
+func sameState(t *testing.T, got, want *State) {
+	t.Helper()
+	if got.Stage != want.Stage || got.World != want.World || got.ModelDType != want.ModelDType || got.DSVersion != want.DSVersion {
+		t.Errorf("stage %d world %d dtype %v version %s; want %d %d %v %s", got.Stage, got.World, got.ModelDType, got.DSVersion, want.Stage, want.World, want.ModelDType, want.DSVersion)
+	}
+	if got.Scaler != want.Scaler || got.Scheduler != want.Scheduler || got.ClipGrad != want.ClipGrad ||
+		got.GlobalSteps != want.GlobalSteps || got.SkippedSteps != want.SkippedSteps || got.GlobalSamples != want.GlobalSamples {
+		t.Errorf("scalars %+v %+v %v %d %d %d; want %+v %+v %v %d %d %d", got.Scaler, got.Scheduler, got.ClipGrad, got.GlobalSteps, got.SkippedSteps, got.GlobalSamples,
+			want.Scaler, want.Scheduler, want.ClipGrad, want.GlobalSteps, want.SkippedSteps, want.GlobalSamples)
+	}
+	if len(got.Groups) != len(want.Groups) {
+		t.Fatalf("%d groups, want %d", len(got.Groups), len(want.Groups))
+	}
+	for i := range got.Groups {
+		if got.Groups[i] != want.Groups[i] {
+			t.Errorf("group %d: %+v, want %+v", i, got.Groups[i], want.Groups[i])
+		}
+	}
+	if !bytes.Equal(got.Config, want.Config) {
+		t.Errorf("config %s, want %s", got.Config, want.Config)
+	}
+	if len(got.Params) != len(want.Params) || len(got.Buffers) != len(want.Buffers) {
+		t.Fatalf("%d parameters %d buffers, want %d %d", len(got.Params), len(got.Buffers), len(want.Params), len(want.Buffers))
+	}
+	for i, w := range want.Params {
+		g := got.Params[i]
+		if g.Name != w.Name || !sameShape(g.Shape, w.Shape) || g.Group != w.Group || g.Frozen != w.Frozen || g.Step != w.Step {
+			t.Errorf("parameter %d: %s %v group %d frozen %v step %d; want %s %v %d %v %d", i, g.Name, g.Shape, g.Group, g.Frozen, g.Step, w.Name, w.Shape, w.Group, w.Frozen, w.Step)
+			continue
+		}
+		sameTensor(t, w.Name+" model", g.Model, w.Model)
+		if !w.Frozen {
+			sameTensor(t, w.Name+" fp32", f32Tensor(g.Shape, g.Master), f32Tensor(w.Shape, w.Master))
+			sameTensor(t, w.Name+" exp_avg", f32Tensor(g.Shape, g.ExpAvg), f32Tensor(w.Shape, w.ExpAvg))
+			sameTensor(t, w.Name+" exp_avg_sq", f32Tensor(g.Shape, g.ExpAvgSq), f32Tensor(w.Shape, w.ExpAvgSq))
+		}
+	}
+	for i, w := range want.Buffers {
+		if got.Buffers[i].Name != w.Name {
+			t.Errorf("buffer %d: %s, want %s", i, got.Buffers[i].Name, w.Name)
+		}
+		sameTensor(t, w.Name, got.Buffers[i].Tensor, w.Tensor)
+	}
+}

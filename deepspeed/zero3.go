@@ -92,6 +92,15 @@ func (r *reader) assemble3(s *State, ranks []*optimFile, models []*torchFile) er
 			return errorf(ErrInconsistent, r.dir, "optimizer group %d holds no sub-group", g)
 		}
 	}
+	if err := r.extras3(s, models); err != nil {
+		return err
+	}
+	return r.scaler(s, ranks)
+}
+
+// extras3 reads a ZeRO-3 checkpoint's buffers (rank 0's model file) and
+// frozen parameters (each rank's partition, from its model file).
+func (r *reader) extras3(s *State, models []*torchFile) error {
 	byName := map[string]any{}
 	for _, e := range r.module {
 		byName[e.key] = e.val
@@ -113,7 +122,7 @@ func (r *reader) assemble3(s *State, ranks []*optimFile, models []*torchFile) er
 			return errorf(ErrInconsistent, r.dir, "frozen_param_shapes[%q] is %s", e.key, describe(e.val))
 		}
 		n := numel(sz)
-		pn := (n + w - 1) / w
+		pn := (n + len(models) - 1) / len(models)
 		var data []byte
 		var dt DType
 		for rank, f := range models {
@@ -135,7 +144,7 @@ func (r *reader) assemble3(s *State, ranks []*optimFile, models []*torchFile) er
 		s.Params = append(s.Params, Param{Name: e.key, Shape: []int(sz), Group: -1, Frozen: true,
 			Model: Tensor{DType: dt, Shape: []int(sz), Data: data[:n*dt.Size()]}})
 	}
-	return r.scaler(s, ranks)
+	return nil
 }
 
 // gather3 joins a parameter's pieces: pn elements at off in each rank's

@@ -474,6 +474,14 @@ MUTANTS = [
      "\treturn uint16((u + 0x7fff + (u>>16)&1) >> 16)",
      "\treturn uint16(u >> 16)",
      "TestRoundTo16|TestReadGolden"),
+    ("dsckpt-universal-group-0", "deepspeed/universal.go",
+     "\t\tg := k // ZeRO-1/2: one param_shapes dict per group\n",
+     "\t\tg := 0\n",
+     "TestReadUniversal"),
+    ("dsckpt-universal-flat-unshaped", "deepspeed/universal.go",
+     "\t\tif len(tv.shape) == 1 && len(shape) != 1 {",
+     "\t\tif false {",
+     "TestReadUniversal"),
 ]
 
 
