@@ -135,35 +135,54 @@ func eachTensor(v any, seen map[any]bool, budget *int, visit func(*tensorView)) 
 	}
 }
 
-// FuzzCheckpoint puts the input in place of one file of a ZeRO-2 fp16
-// checkpoint (the model file or a rank's optimizer file) and reads the
-// whole checkpoint.
+// FuzzCheckpoint puts the input in place of one file of a golden
+// checkpoint (a ZeRO-2 fp16 one, a ZeRO-3 bf16 one, or a universal
+// layout: which picks the checkpoint and the file) and reads the whole
+// checkpoint.
 func FuzzCheckpoint(f *testing.F) {
-	src := filepath.Join(golden, "z2-fp16", "ckpt", "global_step3")
-	names := []string{modelF, optim0, optim1}
-	orig := map[string][]byte{}
+	type source struct {
+		files map[string][]byte // every file, by path in the checkpoint
+		names []string          // in order
+	}
+	var sources []source
 	total := 0
-	for _, n := range names {
-		b, err := os.ReadFile(filepath.Join(src, n))
+	for _, dir := range []string{"z2-fp16/ckpt/global_step3", "z3-bf16/ckpt/global_step3", "z1-fp16/ckpt/global_step3_universal"} {
+		src := source{files: map[string][]byte{}}
+		root := filepath.Join(golden, dir)
+		err := filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+			if err != nil || d.IsDir() {
+				return err
+			}
+			rel, _ := filepath.Rel(root, path)
+			b, err := os.ReadFile(path)
+			src.files[rel], src.names = b, append(src.names, rel)
+			total += len(b)
+			return err
+		})
 		if err != nil {
 			f.Fatal(err)
 		}
-		orig[n] = b
-		total += len(b)
+		sources = append(sources, src)
 	}
-	for i, n := range names {
-		b := orig[n]
-		f.Add(uint8(i), b)
-		f.Add(uint8(i), b[:len(b)-100])
-		f.Add(uint8(i), orig[names[(i+1)%3]])
+	for i, src := range sources {
+		for j, n := range src.names {
+			b := src.files[n]
+			which := uint16(i + len(sources)*j)
+			f.Add(which, b)
+			f.Add(which, b[:len(b)-100])
+			f.Add(which, src.files[src.names[(j+1)%len(src.names)]])
+		}
 	}
-	f.Fuzz(func(t *testing.T, which uint8, in []byte) {
+	f.Fuzz(func(t *testing.T, which uint16, in []byte) {
+		src := sources[int(which)%len(sources)]
+		victim := src.names[int(which)/len(sources)%len(src.names)]
 		dir := t.TempDir()
-		for _, n := range names {
-			b := orig[n]
-			if n == names[int(which)%3] {
+		for _, n := range src.names {
+			b := src.files[n]
+			if n == victim {
 				b = in
 			}
+			os.MkdirAll(filepath.Dir(filepath.Join(dir, n)), 0o755)
 			if err := os.WriteFile(filepath.Join(dir, n), b, 0o644); err != nil {
 				t.Fatal(err)
 			}

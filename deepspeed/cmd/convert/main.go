@@ -6,10 +6,10 @@
 //	go run ./cmd/convert DIR -o state.safetensors -optimizer
 //
 // DIR is the directory save_checkpoint was given (its latest file names
-// the tag), a global_stepN directory, or ds_to_universal's output. -optimizer adds Adam's state as
-// torch and zero's own export name it (NAME.exp_avg, NAME.exp_avg_sq,
-// NAME.step), and each group's hyperparameters and step as the file's
-// "deepspeed_optimizer" metadata.
+// the tag), a global_stepN directory, or ds_to_universal's output.
+// -optimizer adds Adam's state as torch and zero's own export name it
+// (NAME.exp_avg, NAME.exp_avg_sq, NAME.step), and each group's
+// hyperparameters and step as the file's "deepspeed_optimizer" metadata.
 package main
 
 import (
