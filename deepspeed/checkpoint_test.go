@@ -252,3 +252,28 @@ func TestCheckSlices(t *testing.T) {
 		t.Errorf("rank 1's mappings as rank 0's: %v", err)
 	}
 }
+
+// TestLayoutAlignmentPaddings: param_alignment_paddings (DeepSpeed's
+// parameter_alignment, off in the golden runs) move the later parameters
+// and count in the group's length, as zero_to_fp32 counts them.
+func TestLayoutAlignmentPaddings(t *testing.T) {
+	// W=2, sizes 3 and 5, one element of padding after the first: offsets
+	// 0 and 4, 9 elements, padded to 12 (a multiple of 2·W), 6 per rank
+	r := &reader{dir: "x", shapes: [][]kv{{{"a", torchSize{3}}, {"b", torchSize{5}}}}}
+	view := func(n int) *tensorView { return &tensorView{st: &storage{dtype: Float32}, numel: n, shape: []int{n}} }
+	ranks := []*optimFile{
+		{rank: 0, fp32: []*tensorView{view(6)}, paddings: []int{0}, align: [][]int{{1, 0}}},
+		{rank: 1, fp32: []*tensorView{view(3)}, paddings: []int{3}, align: [][]int{{1, 0}}},
+	}
+	l, err := r.layout(0, ranks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l.offsets[0] != 0 || l.offsets[1] != 4 || l.unpadded != 9 || l.part != 6 {
+		t.Errorf("layout %+v, want offsets [0 4], 9 elements, 6 per rank", l)
+	}
+	ranks[1].fp32[0] = view(2) // as if the padding were not counted
+	if _, err := r.layout(0, ranks); !errors.Is(err, ErrInconsistent) {
+		t.Errorf("a partition one short: %v", err)
+	}
+}

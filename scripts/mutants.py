@@ -482,6 +482,10 @@ MUTANTS = [
      "\t\tif len(tv.shape) == 1 && len(shape) != 1 {",
      "\t\tif false {",
      "TestReadUniversal"),
+    ("dsckpt-alignment-padding-ignored", "deepspeed/checkpoint.go",
+     "\t\t\toff += align[g][i]\n",
+     "",
+     "TestLayoutAlignmentPaddings"),
 ]
 
 
