@@ -12,6 +12,9 @@ reported STALE: update its text after the code moves, never drop it.
     scripts/mutants.py --all           # every mutant, the whole root package
     scripts/mutants.py norm-unscaled   # the mutants whose names contain this
 
+A mutant's file may lie in a module of its own (deepspeed/...): its tests run
+in that file's folder.
+
 Exit status 1 when any mutant is missed or stale.
 """
 import os
@@ -418,15 +421,81 @@ MUTANTS = [
      "\tpl.localPool = newBufferPool(dev, spec.windowDType, &pl.mem)",
      "\tpl.localPool = newBufferPool(dev, FP32, &pl.mem)",
      "TestCoalesceWindowDType"),
+    # deepspeed/: the reader of DeepSpeed's checkpoints (a module of its own)
+    ("dsckpt-align-w-not-2w", "deepspeed/checkpoint.go",
+     "\ta := 2 * w\n",
+     "\ta := w\n",
+     "TestReadGolden"),
+    ("dsckpt-moments-swapped", "deepspeed/checkpoint.go",
+     'range []string{"exp_avg", "exp_avg_sq"} {',
+     'range []string{"exp_avg_sq", "exp_avg"} {',
+     "TestReadGolden"),
+    ("dsckpt-prescan-no-length-check", "deepspeed/prescan.go",
+     "\t\tif n > uint64(len(p)-i) {",
+     "\t\tif false && n > uint64(len(p)-i) {",
+     "TestTorchFileRefusals|FuzzTorchFile"),
+    ("dsckpt-allow-any-class", "deepspeed/classes.go",
+     "func allowed(module, name string) bool { return allowList[module][name] }",
+     "func allowed(module, name string) bool { return true }",
+     "TestTorchFileRefusals"),
+    ("dsckpt-storage-size-unchecked", "deepspeed/torchfile.go",
+     "\tif uint64(n) > e.UncompressedSize64/uint64(es) || uint64(n)*uint64(es) != e.UncompressedSize64 {",
+     "\tif false {",
+     "TestTorchFileRefusals"),
+    ("dsckpt-slices-unchecked", "deepspeed/checkpoint.go",
+     "\tbad := len(got) != len(want)\n\tfor i := 0; !bad && i < len(got); i++ {",
+     "\tbad := false\n\tfor i := 0; false && i < len(got); i++ {",
+     "TestCheckSlices"),
+    ("dsckpt-safetensors-name-order", "deepspeed/safetensors.go",
+     "\t\treturn strings.Compare(a.Name, b.Name)",
+     "\t\treturn strings.Compare(b.Name, a.Name)",
+     "TestConvertMatchesZeroToFP32"),
+    ("dsckpt-half-exponent", "deepspeed/tensor.go",
+     "return math.Float32frombits(sign | (exp+112)<<23 | man<<13)",
+     "return math.Float32frombits(sign | (exp+111)<<23 | man<<13)",
+     "TestConvertMatchesZeroToFP32"),
+    ("dsckpt-bf16-name-unchecked", "deepspeed/checkpoint.go",
+     '\tif bf16Name != configBool(o.config, "bf16", "enabled") {',
+     '\tif false && bf16Name != configBool(o.config, "bf16", "enabled") {',
+     "TestReadRefusals"),
+    ("dsckpt-strided-view-ignored", "deepspeed/classes.go",
+     "\t\t\tsrc += idx[i] * v.stride[i]",
+     "\t\t\tsrc += idx[i]",
+     "TestTorchFileTensor"),
+    ("dsckpt-frozen-always-exported", "deepspeed/convert.go",
+     "\tif s.frozenListed {\n\t\tfor _, p := range s.Params {",
+     "\tif true {\n\t\tfor _, p := range s.Params {",
+     "TestConvertMatchesZeroToFP32"),
+    ("dsckpt-z3-pad-not-ceil", "deepspeed/zero3.go",
+     "\t\t\ttotal += (numel([]int(e.val.(torchSize))) + w - 1) / w\n",
+     "\t\t\ttotal += numel([]int(e.val.(torchSize))) / w\n",
+     "TestReadGolden"),
+    ("dsckpt-bf16-truncated", "deepspeed/tensor.go",
+     "\treturn uint16((u + 0x7fff + (u>>16)&1) >> 16)",
+     "\treturn uint16(u >> 16)",
+     "TestRoundTo16|TestReadGolden"),
+    ("dsckpt-universal-group-0", "deepspeed/universal.go",
+     "\t\tg := k // ZeRO-1/2: one param_shapes dict per group\n",
+     "\t\tg := 0\n",
+     "TestReadUniversal"),
+    ("dsckpt-universal-flat-unshaped", "deepspeed/universal.go",
+     "\t\tif len(tv.shape) == 1 && len(shape) != 1 {",
+     "\t\tif false {",
+     "TestReadUniversal"),
+    ("dsckpt-alignment-padding-ignored", "deepspeed/checkpoint.go",
+     "\t\t\toff += align[g][i]\n",
+     "",
+     "TestLayoutAlignmentPaddings"),
 ]
 
 
-def run_tests(tree, pattern):
+def run_tests(tree, pattern, pkg=""):
+    """Runs the tests of the package in folder pkg (the root by default)."""
     cmd = ["go", "test", "-count=1", "-timeout", "300s"]
     if pattern:
         cmd += ["-run", pattern]
     cmd.append(".")
-    p = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+    p = subprocess.run(cmd, cwd=os.path.join(tree, pkg), capture_output=True, text=True)
     return p.returncode, p.stdout + p.stderr
 
 
@@ -454,7 +523,7 @@ def main(argv):
         try:
             with open(full, "w") as f:
                 f.write(src.replace(old, new))
-            rc, out = run_tests(tree, None if whole else tests)
+            rc, out = run_tests(tree, None if whole else tests, os.path.dirname(path))
         finally:
             with open(full, "w") as f:
                 f.write(src)
