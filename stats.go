@@ -84,6 +84,12 @@ type Stats struct {
 	Skipped   bool
 	GradNorm  float64 // see Skipped
 	LossScale float64 // see Skipped
+	// LR is the learning rate of each optimizer group in the step, after
+	// the schedule (Optimizer.Schedule, or the rate SetGroup set). A skipped
+	// step gives the rate it would have used, which the next step uses
+	// again: a skip does not advance the schedule, as in DeepSpeed. Nil
+	// without Optimizer.Groups.
+	LR []float64
 	// OptimizerBytes is the optimizer's device memory on this rank: the
 	// fp32 master shard and the moments (on the host with Offload), the
 	// model-dtype shard and the buffers the new parameters are gathered in.

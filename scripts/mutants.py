@@ -418,6 +418,10 @@ MUTANTS = [
      "\tpl.localPool = newBufferPool(dev, spec.windowDType, &pl.mem)",
      "\tpl.localPool = newBufferPool(dev, FP32, &pl.mem)",
      "TestCoalesceWindowDType"),
+    ("lr-reported-after-advance", "optim.go",
+     "\t\t\topt = o.schedule.At(o.scheduled, o.base[g])\n\t\t}\n\t\tlrs[g]",
+     "\t\t\topt = o.schedule.At(o.scheduled+1, o.base[g])\n\t\t}\n\t\tlrs[g]",
+     "TestScheduleSteppedByTheEngine"),
 ]
 
 
