@@ -3,7 +3,8 @@
 
 Each mutant replaces one exact piece of source (it must occur exactly once)
 and names the tests that should fail on it. The script applies the mutant,
-runs those tests (or, with --all, the whole root package), restores the file
+runs those tests in the file's package (or, with --all, all of that
+package's tests), restores the file
 and reports CAUGHT or MISSED. It works on a copy of the working tree, so the
 tree itself is never left mutated. A mutant whose source no longer matches is
 reported STALE: update its text after the code moves, never drop it.
@@ -422,14 +423,34 @@ MUTANTS = [
      "\t\t\topt = o.schedule.At(o.scheduled, o.base[g])\n\t\t}\n\t\tlrs[g]",
      "\t\t\topt = o.schedule.At(o.scheduled+1, o.base[g])\n\t\t}\n\t\tlrs[g]",
      "TestScheduleSteppedByTheEngine"),
+    ("metrics-truncated-on-resume", "cmd/train/main.go",
+     "flags = os.O_WRONLY | os.O_CREATE | os.O_APPEND",
+     "flags = os.O_WRONLY | os.O_CREATE | os.O_TRUNC",
+     "TestMetrics"),
+    ("metrics-only-logged-steps", "cmd/train/progress.go",
+     "\tif p.metrics != nil {",
+     "\tif p.metrics != nil && (m.Step%p.every == 0 || m.Step == p.last) {",
+     "TestMetrics"),
+    ("metrics-nonfinite-kept", "cmd/train/progress.go",
+     "\tif math.IsInf(x, 0) || math.IsNaN(x) {\n\t\treturn nil",
+     "\tif math.IsInf(x, 0) && false {\n\t\treturn nil",
+     "TestMetrics"),
+    ("log-every-not-from-deepspeed", "cmd/train/main.go",
+     "\t\t\tc.logEvery = c.ds.StepsPerPrint",
+     "\t\t\tc.logEvery = 1",
+     "TestLogEvery"),
+    ("steps-per-print-unread", "dsconfig.go",
+     "\tout.StepsPerPrint, _ = r.intIn(",
+     "\t_, _ = r.intIn(",
+     "TestDeepSpeedStepsPerPrint"),
 ]
 
 
-def run_tests(tree, pattern):
+def run_tests(tree, pattern, pkg="."):
     cmd = ["go", "test", "-count=1", "-timeout", "300s"]
     if pattern:
         cmd += ["-run", pattern]
-    cmd.append(".")
+    cmd.append(pkg)
     p = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
     return p.returncode, p.stdout + p.stderr
 
@@ -458,7 +479,9 @@ def main(argv):
         try:
             with open(full, "w") as f:
                 f.write(src.replace(old, new))
-            rc, out = run_tests(tree, None if whole else tests)
+            # the tests of the mutated file's own package
+            pkg = "./" + (os.path.dirname(path) or ".")
+            rc, out = run_tests(tree, None if whole else tests, pkg)
         finally:
             with open(full, "w") as f:
                 f.write(src)
