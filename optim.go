@@ -557,6 +557,7 @@ func (o *optState) report(st *Stats) error {
 	o.sent = CommCounters{}
 	st.Skipped, st.GradNorm, st.LossScale, st.LR = o.last.skipped, o.last.norm, o.last.scale, o.last.lrs
 	st.OptimizerBytes, st.OptimizerTime = o.mem.cur, o.last.optimizeTime
+	st.ControlBytes += int64(o.norm.Bytes())
 	if !o.sharedModel { // at stage 3 the parameters' gathers are the window's
 		st.ParamGatherTime = o.last.gatherTime
 	}
