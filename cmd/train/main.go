@@ -47,6 +47,8 @@ func main() {
 	flag.IntVar(&c.logEvery, "log-every", 0, "print every K-th step as it ends: loss, learning rate, loss scale, skipped, gradient norm, samples per second (0: a DeepSpeed config's steps_per_print, else 1)")
 	flag.StringVar(&c.metrics, "metrics", "", "write every step as one JSON object a line into this file (pandas: read_json(FILE, lines=True)); with -resume the lines are appended")
 	flag.Parse()
+	c.given = map[string]bool{}
+	flag.Visit(func(f *flag.Flag) { c.given[f.Name] = true })
 	switch {
 	case *bf16 && *fp16:
 		fmt.Fprintln(os.Stderr, "train: -bf16 and -fp16 together; pick one")
@@ -91,6 +93,9 @@ type config struct {
 	// steps_per_print, else 1); metrics: a file of JSON lines, a step each.
 	logEvery int
 	metrics  string
+	// given are the flags the command line set: a message marks the
+	// others' values as defaults, never as the user's choice
+	given map[string]bool
 }
 
 func defaultConfig() config {
@@ -103,7 +108,13 @@ func (c config) check() error {
 		return errors.New("world, accum, steps, in and hidden must be at least 1")
 	}
 	if c.batch%(c.world*c.accum) != 0 {
-		return fmt.Errorf("batch %d does not split into %d ranks × %d micro-batches; use a multiple of %d", c.batch, c.world, c.accum, c.world*c.accum)
+		def := defaultConfig()
+		accum := c.flagText("accum", c.accum, def.accum)
+		if c.ds != nil && c.ds.Config.Grads.AccumSteps > 0 {
+			accum = fmt.Sprintf("gradient_accumulation_steps %d (the DeepSpeed config)", c.accum)
+		}
+		return fmt.Errorf("%s does not split into %s ranks × %s micro-batches; give a -batch that is a multiple of %d",
+			c.flagText("batch", c.batch, def.batch), c.flagText("world", c.world, def.world), accum, c.world*c.accum)
 	}
 	switch {
 	case c.saveEvery < 0 || c.keep < 0 || c.logEvery < 0:
@@ -112,6 +123,16 @@ func (c config) check() error {
 		return errors.New("-save-every needs -save DIR: the directory the checkpoints go to")
 	}
 	return nil
+}
+
+// flagText is flag name's value v for a message, marked as the default
+// where the command line did not set it and v is def.
+func (c config) flagText(name string, v, def any) string {
+	s := fmt.Sprintf("-%s %v", name, v)
+	if !c.given[name] && v == def {
+		s += " (the default)"
+	}
+	return s
 }
 
 // ---- the model ----------------------------------------------------------------
@@ -700,8 +721,9 @@ func resumePosition(c config, comm zero.Comm, client []byte) (int, error) {
 		if err := json.Unmarshal(client, &ts); err != nil {
 			own = fmt.Errorf("%s: the trainer's state in the checkpoint is unreadable (%v); was it written by cmd/train?", c.resume, err)
 		} else if ts.Seed != c.seed || ts.Batch != c.batch || ts.In != c.in {
-			own = fmt.Errorf("%s was trained on the data of -seed %d -batch %d -in %d; resume with those (this run has %d, %d, %d)",
-				c.resume, ts.Seed, ts.Batch, ts.In, c.seed, c.batch, c.in)
+			def := defaultConfig()
+			own = fmt.Errorf("%s was trained on the data of -seed %d -batch %d -in %d; resume with those (this run has %s, %s, %s)",
+				c.resume, ts.Seed, ts.Batch, ts.In, c.flagText("seed", c.seed, def.seed), c.flagText("batch", c.batch, def.batch), c.flagText("in", c.in, def.in))
 		}
 	}
 	// one all-reduce of the outcome and the positions' max and min

@@ -520,7 +520,7 @@ func TestResumeRefusals(t *testing.T) {
 		change func(*config)
 		want   string
 	}{
-		{func(c *config) { c.seed++ }, fmt.Sprintf("resume with those (this run has %d, 24, 4)", seed+1)},
+		{func(c *config) { c.seed++ }, fmt.Sprintf("resume with those (this run has -seed %d, -batch 24 (the default), -in 4 (the default))", seed+1)},
 		{func(c *config) { c.batch = 48 }, "-batch 24"},
 		{func(c *config) { c.steps = 3 }, "give at least 4"},
 	} {
@@ -528,6 +528,30 @@ func TestResumeRefusals(t *testing.T) {
 		v.change(&bad)
 		if _, err := run(nil, bad); err == nil || !strings.Contains(err.Error(), v.want) {
 			t.Errorf("got %v, want an error saying %q", err, v.want)
+		}
+	}
+}
+
+// TestMessagesMarkDefaults: a batch that does not split names each value
+// with where it came from: a flag the command line set, one left at its
+// default (marked so), or the DeepSpeed config.
+func TestMessagesMarkDefaults(t *testing.T) {
+	for _, v := range []struct {
+		edit func(*config)
+		want string
+	}{
+		{func(c *config) { c.accum, c.given = 5, map[string]bool{"accum": true} },
+			"-batch 24 (the default) does not split into -world 2 (the default) ranks × -accum 5 micro-batches; give a -batch that is a multiple of 10"},
+		{func(c *config) { c.batch, c.accum, c.given = 30, 4, map[string]bool{"batch": true, "accum": true} },
+			"-batch 30 does not split into -world 2 (the default) ranks × -accum 4 micro-batches; give a -batch that is a multiple of 8"},
+		{func(c *config) {
+			c.deepspeed = writeConfig(t, `{"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 5}`)
+		}, "-batch 24 (the default) does not split into -world 2 (the default) ranks × gradient_accumulation_steps 5 (the DeepSpeed config) micro-batches"},
+	} {
+		c := defaultConfig()
+		v.edit(&c)
+		if _, err := run(nil, c); err == nil || !strings.Contains(err.Error(), v.want) {
+			t.Errorf("%v, want %q", err, v.want)
 		}
 	}
 }
