@@ -12,6 +12,7 @@ test:
 
 
 demo:
+	@echo "make demo: compiling cmd/demo and the host C kernels (the first build takes a few minutes; later ones are cached)"
 	$(GO) run ./cmd/demo
 
 bench:

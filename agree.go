@@ -136,6 +136,7 @@ func divergence(op string, backwards int, err error) error {
 // report counts the check's all-reduce in the step's collectives.
 func (c *stepCheck) report(st *Stats) error {
 	st.Collectives = st.Collectives.Add(c.sent)
+	st.ControlBytes += int64(c.buf.Bytes())
 	c.sent = CommCounters{}
 	return nil
 }

@@ -373,7 +373,10 @@ type sink interface {
 	// the shard itself, or a copy in scratch that s waits for.
 	onDevice(s Stream, scratch Tensor) (Tensor, error)
 	deviceBytes() int64 // the device memory the shard takes
-	close() error       // frees the shard and the flag
+	// controlBytes is the device memory of the flag and the norm's sums
+	// (Stats.ControlBytes)
+	controlBytes() int64
+	close() error // frees the shard, the flag and the sums
 }
 
 // landing is what a sink enqueued for one reduction: read fires once the
@@ -406,7 +409,7 @@ func newDeviceSink(dev Device, plan *Plan, dt DType, withNorm bool) (*deviceSink
 	if d.raised, err = dev.Alloc(1, FP32); err != nil || !withNorm {
 		return d, err
 	}
-	d.norm, err = newShardNorm(dev, plan)
+	d.norm, err = newShardNorm(dev, dev, plan)
 	return d, err
 }
 
@@ -423,13 +426,8 @@ func (d *deviceSink) lend(offset, n int, dt DType) (Tensor, bool) {
 	return d.sum.slice(offset, n), true
 }
 
-func (d *deviceSink) deviceBytes() int64 {
-	n := int64(d.sum.Bytes())
-	if d.norm != nil {
-		n += d.norm.bytes()
-	}
-	return n
-}
+func (d *deviceSink) deviceBytes() int64  { return int64(d.sum.Bytes()) }
+func (d *deviceSink) controlBytes() int64 { return int64(d.raised.Bytes()) + d.norm.bytes() }
 
 func (d *deviceSink) land(rs Stream, mine Tensor, b, offset int, first bool, scale float32, last bool) (landing, error) {
 	if err := landInto(d.dev, rs, d.sum, mine, b, offset, first, scale, d.raised, d.norm, last); err != nil {
@@ -1078,6 +1076,7 @@ func (pl *pipeline) report(st *Stats) error {
 	st.PeakGradBytes, st.ResidentGradBytes = pl.mem.peak, pl.mem.cur
 	st.PeakGradBytesInUse, st.GradBytesInUse = pl.mem.peakInUse, pl.mem.inUse
 	st.PooledGradBytes = pl.stagingPool.bytes + pl.localPool.bytes + pl.windowPool.bytes
+	st.ControlBytes += pl.sink.controlBytes()
 	st.NormReadBytes = pl.normRead
 	pl.sent = CommCounters{}
 	pl.normRead = 0

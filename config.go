@@ -221,6 +221,8 @@ type Optimizer interface {
 	check(path string) error
 	// rangeFor fills the settings of one parameter's range for its t-th step.
 	rangeFor(r *optRange, t int)
+	// rate is the learning rate, as Stats.LR reports it.
+	rate() float64
 }
 
 // AdamW is torch.optim.AdamW: decoupled weight decay, bias correction, eps
@@ -273,6 +275,9 @@ type SGD struct {
 // NewSGD is SGD with learning rate lr and PyTorch's defaults: no momentum,
 // no dampening, no weight decay.
 func NewSGD(lr float64) SGD { return SGD{LR: lr, set: true} }
+
+func (o AdamW) rate() float64 { return o.LR }
+func (o SGD) rate() float64   { return o.LR }
 
 func (o AdamW) kind() optKind { return optAdamW }
 func (o SGD) kind() optKind   { return optSGD }

@@ -8,8 +8,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestEveryExportedIdentifierHasADoc: functions, methods, types, constants,
@@ -147,6 +149,99 @@ func TestBuildWithoutCgo(t *testing.T) {
 		}
 		if !strings.Contains(first, "CGO_ENABLED_1") {
 			t.Errorf("tags %q: the first error is %q, want the one naming cgo\n%s", tags, first, out)
+		}
+	}
+}
+
+// TestReadmeCheckpointNames: the names the README gives a checkpoint and
+// its files are those Save writes. Two ranks take 6 steps and save three
+// times: step-00000006, step-00000006.1 and step-00000006.2, latest naming
+// the last, each holding manifest.json, rank-00000.bin and rank-00001.bin;
+// the README quotes those names and no placeholder of them.
+func TestReadmeCheckpointNames(t *testing.T) {
+	dir := t.TempDir()
+	comms, err := NewLocalGroupTimeout(2, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := eachRank(2, func(rank int) error {
+		defer comms[rank].Close()
+		params := []Param{{Name: "w", Count: 8, DType: FP32, Data: Float32s(make([]float32, 8))}}
+		e, err := New(Config{Stage: 2, BucketBytes: 64, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.1)}}}, comms[rank], params)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		s := NewHostStream()
+		defer s.Close()
+		g := constGrads(params, 0.5)
+		for range 6 {
+			if _, err := e.GradReady(0, g[0], s); err != nil {
+				return err
+			}
+			if err := e.EndBackward(); err != nil {
+				return err
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+		}
+		for range 3 {
+			if err := e.Save(dir, SaveOptions{Keep: 3}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	everyRankIs(t, "6 steps and 3 saves", errs, nil)
+	ckpts := []string{"step-00000006", "step-00000006.1", "step-00000006.2"}
+	var dirs []string
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		if e.IsDir() {
+			dirs = append(dirs, e.Name())
+		}
+	}
+	if !slices.Equal(dirs, ckpts) {
+		t.Fatalf("Save wrote %q, want %q", dirs, ckpts)
+	}
+	if latest, err := os.ReadFile(filepath.Join(dir, "latest")); err != nil || strings.TrimSpace(string(latest)) != ckpts[2] {
+		t.Fatalf("latest holds %q (%v), want %q", latest, err, ckpts[2])
+	}
+	files := []string{"manifest.json", "rank-00000.bin", "rank-00001.bin"}
+	for _, c := range ckpts {
+		var names []string
+		ents, err := os.ReadDir(filepath.Join(dir, c))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range ents {
+			names = append(names, e.Name())
+		}
+		if !slices.Equal(names, files) {
+			t.Fatalf("%s holds %q, want %q", c, names, files)
+		}
+	}
+	if partial := ckptPartial + ckptName(6, 0); partial != ".partial-step-00000006" {
+		t.Fatalf("a save at step 6 writes into %s, which the README does not name", partial)
+	}
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := strings.Join(strings.Fields(string(readme)), " ") // lines rewrapped
+	for _, quoted := range []string{"`ckpt/step-00000006`", "`step-00000006.1`", "`step-00000006.2`", "`ckpt/latest`",
+		"`.partial-step-00000006`", "`rank-00000.bin`", "`rank-00001.bin`"} {
+		if !strings.Contains(text, quoted) {
+			t.Errorf("README.md does not quote %s, a name Save writes", quoted)
+		}
+	}
+	for _, placeholder := range []string{"step-N", "rank-RRRRR"} {
+		if strings.Contains(text, placeholder) {
+			t.Errorf("README.md names a checkpoint file %s; quote the name Save writes", placeholder)
 		}
 	}
 }

@@ -95,6 +95,9 @@ type DeepSpeedConfig struct {
 	// MicroBatch and GlobalBatch are the batch sizes as DeepSpeed resolves
 	// them from the file and the world size (0 where the file gives none).
 	MicroBatch, GlobalBatch int
+	// StepsPerPrint is the file's steps_per_print (0 where it gives none):
+	// how often a trainer logs progress. The engine does nothing with it.
+	StepsPerPrint int
 	// Notices list, by path, every key accepted without effect, every
 	// DeepSpeed default taken where it differs from zero's, and every
 	// difference in arithmetic that the mapped config keeps.
@@ -481,7 +484,7 @@ var dsTopKeys = map[string]dsKey{
 	"gradient_predivide_factor":      mapped(),
 	"gradient_allreduce_op":          mapped(),
 	"allgather_size":                 mapped(),
-	"steps_per_print":                noted("logging: " + noEffect),
+	"steps_per_print":                noted("logging: " + noEffect + " (DeepSpeedConfig.StepsPerPrint holds it for the trainer)"),
 	"wall_clock_breakdown":           noted("timing: " + noEffect + " (Stats has the engine's times)"),
 	"memory_breakdown":               noted("logging: " + noEffect + " (Stats has the engine's memory)"),
 	"dump_state":                     noted("logging: " + noEffect),
@@ -538,6 +541,7 @@ func (r *dsReader) read(root map[string]any) DeepSpeedConfig {
 		r.notice("gradient_clipping", "DeepSpeed scales by clip/(norm + 1e-6), zero by clip/norm: a relative difference of 1e-6/norm, kept")
 	}
 	out.MicroBatch, out.GlobalBatch, cfg.Grads.AccumSteps = r.batch(root)
+	out.StepsPerPrint, _ = r.intIn(root, "steps_per_print", "", 0, 1, math.MaxInt32)
 	r.reduction(root, cfg, stage)
 	opt := r.optimizer(root, cfg)
 	r.scheduler(root, cfg, opt)

@@ -871,3 +871,22 @@ func TestDeepSpeedBadInput(t *testing.T) {
 		t.Errorf("override notices at %q, want only gradient_clipping (the file sets 0.5; scheduler has no such key)", paths)
 	}
 }
+
+// TestDeepSpeedStepsPerPrint: steps_per_print reaches the trainer as
+// StepsPerPrint (0 where the file gives none), still with its notice; a
+// value that is not a positive whole number is refused.
+func TestDeepSpeedStepsPerPrint(t *testing.T) {
+	if c := dsRead(t, `{"zero_optimization": {"stage": 2}, "steps_per_print": 7}`); c.StepsPerPrint != 7 || !slices.ContainsFunc(c.Notices, func(n DeepSpeedNotice) bool { return n.Path == "steps_per_print" }) {
+		t.Errorf("steps_per_print 7: StepsPerPrint %d, notices %v", c.StepsPerPrint, c.Notices)
+	}
+	if c := dsRead(t, `{"zero_optimization": {"stage": 2}}`); c.StepsPerPrint != 0 {
+		t.Errorf("no steps_per_print: StepsPerPrint %d, want 0", c.StepsPerPrint)
+	}
+	for _, bad := range []string{`0`, `-3`, `2.5`, `"10"`} {
+		_, err := ReadDeepSpeed([]byte(`{"zero_optimization": {"stage": 2}, "steps_per_print": `+bad+`}`), DeepSpeedOptions{World: 2})
+		var ds *DeepSpeedError
+		if !errors.As(err, &ds) || !slices.Equal(ds.Paths(), []string{"steps_per_print"}) {
+			t.Errorf("steps_per_print %s: %v, want steps_per_print refused", bad, err)
+		}
+	}
+}

@@ -27,6 +27,8 @@ type Run struct {
 }
 
 // Estimation is one rank's memory at its peak and one step's collectives.
+// Its memory categories add up to the fields Stats reports (Stats gives
+// them in those words).
 type Estimation struct {
 	Plan   *Plan       // the plan the engine would build
 	Device DeviceBytes // device memory by kind
@@ -37,10 +39,16 @@ type Estimation struct {
 	// without prefetch; with it an upper bound, since a bucket the prefetch
 	// keeps gathered from one ask to the next is not gathered again.
 	Wire CommCounters
+	// window: the run's backwards were in a window (WindowResidentBytes)
+	window bool
 }
 
 // DeviceBytes is one rank's device memory by kind. FrameworkParams is the
-// framework's own; every other field is memory the engine allocates.
+// framework's own; every other field is memory the engine allocates, and
+// counts in one field of Stats: GradShard, Staging, LocalSums and
+// WindowSums in PeakGradBytes; GradScratch, Master, OptimizerState,
+// NewParams and ParamGather in OptimizerBytes; Control in ControlBytes;
+// ParamShard and Gathered in PeakParamBytes.
 type DeviceBytes struct {
 	// FrameworkParams are the framework's model-dtype parameters: all of
 	// them at stages 1 and 2 (the engine writes into them), the frozen ones
@@ -60,7 +68,8 @@ type DeviceBytes struct {
 	Control         int64 // the overflow flag, Step's check, the norm's chunk sums and its all-gather
 }
 
-// HostBytes is an offloading rank's page-locked host memory by kind.
+// HostBytes is an offloading rank's page-locked host memory by kind: all of
+// it in Stats.HostBytes, GradShard and Landing in Stats.HostGradBytes.
 type HostBytes struct {
 	GradShard      int64 // the gradient shard, in Precision.ShardDType
 	GradScratch    int64 // fp32, the largest bucket shard: the optimizer reads a 16-bit shard widened through it
@@ -68,7 +77,7 @@ type HostBytes struct {
 	Master         int64 // fp32 master weights
 	OptimizerState int64 // as DeviceBytes.OptimizerState
 	NewParams      int64 // the host's model-dtype copy of the new parameters
-	Control        int64 // the overflow flag
+	Control        int64 // the overflow flag and the norm's chunk sums
 }
 
 // Engine is the device memory the engine allocates: all but the
@@ -93,6 +102,34 @@ func (d DeviceBytes) Buffers() int64 {
 // Total is the engine's host memory.
 func (h HostBytes) Total() int64 {
 	return h.GradShard + h.GradScratch + h.Landing + h.Master + h.OptimizerState + h.NewParams + h.Control
+}
+
+// Stats is the estimate in the words of the Stats a Step of the run
+// reports on this rank: the memory fields PeakGradBytes,
+// ResidentGradBytes, PooledGradBytes, GradBytesInUse, WindowResidentBytes
+// (with Run.Window), OptimizerBytes, ControlBytes, ParamShardBytes,
+// PeakParamBytes, HostBytes, HostGradBytes and DeviceBytesSaved, each
+// equal to the engine's once its pools hold what the run needs (from its
+// first Step on, where no pool grew past the estimate); the other fields
+// are zero. HostPinnedBytes is not estimated: on the CPU device it is what
+// mlock accepts (all of HostBytes on a GPU).
+func (e Estimation) Stats() Stats {
+	d, h := e.Device, e.Host
+	grads := d.GradShard + d.Staging + d.LocalSums + d.WindowSums
+	st := Stats{
+		PeakGradBytes: grads, ResidentGradBytes: grads,
+		// at Step every staging buffer and sum is back in its pool
+		PooledGradBytes: grads - d.GradShard, GradBytesInUse: d.GradShard,
+		OptimizerBytes:  d.GradScratch + d.Master + d.OptimizerState + d.NewParams + d.ParamGather,
+		ControlBytes:    d.Control,
+		ParamShardBytes: d.ParamShard, PeakParamBytes: d.ParamShard + d.Gathered,
+		HostBytes: h.Total(), HostGradBytes: h.GradShard + h.Landing,
+		DeviceBytesSaved: h.GradShard + h.Master + h.OptimizerState,
+	}
+	if e.window {
+		st.WindowResidentBytes = grads
+	}
+	return st
 }
 
 // Estimate is what one rank of an engine built by New(cfg, comm, params)
@@ -121,7 +158,7 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 		}
 	}
 	plan := newPlan(params, cfg.BucketBytes, world, cfg.Align)
-	est := Estimation{Plan: plan}
+	est := Estimation{Plan: plan, window: run.Window}
 	d, h := &est.Device, &est.Host
 
 	msize, comm, sdt := int64(model.Size()), int64(cfg.Precision.CommDType.Size()), cfg.Precision.ShardDType
@@ -217,7 +254,9 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 			d.ParamGather = maxB * msize // loading uses it at New; the step's gathers reuse it
 		}
 		d.Control += normWords * int64(world) * 4
-		if !offload {
+		if offload {
+			h.Control += normSumsBytes(plan)
+		} else {
 			d.Control += normSumsBytes(plan)
 		}
 	}

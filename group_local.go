@@ -233,8 +233,9 @@ func splitRange(count, n, r int) (int, int) {
 
 // RunLocal runs fn on the n ranks of a new in-process group
 // (NewLocalGroup), one goroutine each, and returns when every rank has
-// returned: nil, or every failed rank's error joined ("rank r: …"). When a
-// rank fails (or panics), RunLocal aborts the group, so that the other
+// returned: nil, or every failed rank's error joined ("rank r: …"); a
+// rank's panic is ErrAborted with the panic's value and, once, the rank's
+// stack. When a rank fails (or panics), RunLocal aborts the group, so that the other
 // ranks' blocked and later collectives fail at once instead of at the
 // group's timeout. Each rank's Comm is closed when its fn returns.
 func RunLocal(n int, fn func(comm Comm) error) error {
@@ -259,12 +260,17 @@ func RunRanks(comms []Comm, fn func(comm Comm) error) error {
 			defer wg.Done()
 			defer comm.Close()
 			defer func() {
+				var reason error // what the peers' errors say: a panic's stack only once, in this rank's
 				if p := recover(); p != nil {
-					errs[r] = fmt.Errorf("%w: rank %d panicked: %v\n%s", ErrAborted, r, p, debug.Stack())
+					errs[r] = fmt.Errorf("%w: panicked: %v\n%s", ErrAborted, p, debug.Stack())
+					reason = fmt.Errorf("rank %d: %w: panicked: %v (its stack is in rank %d's error)", r, ErrAborted, p, r)
 				}
 				if errs[r] != nil {
 					errs[r] = fmt.Errorf("rank %d: %w", r, errs[r])
-					AbortComm(comm, errs[r])
+					if reason == nil {
+						reason = errs[r]
+					}
+					AbortComm(comm, reason)
 				}
 			}()
 			errs[r] = fn(comm)

@@ -529,6 +529,51 @@ func TestRunLocal(t *testing.T) {
 	}
 }
 
+// panicInRank is a bug in a rank's code, named so its frame can be found.
+//
+//go:noinline
+func panicInRank(r int) {
+	var positions map[int]int
+	positions[r] = 1 // a nil map: panics
+}
+
+// TestRunLocalPanicStackOnce: a rank that panics while the others wait in
+// a collective makes RunLocal return ErrAborted with the panic's value, and
+// its stack (the panicking frame) exactly once, in the panicking rank's
+// error; the others' errors name that rank and its panic, without the stack.
+func TestRunLocalPanicStackOnce(t *testing.T) {
+	err := RunLocal(3, func(c Comm) error {
+		if c.Rank() == 1 {
+			panicInRank(1)
+		}
+		buf, err := c.Device().Alloc(64, FP32)
+		if err != nil {
+			return err
+		}
+		defer c.Device().Free(buf)
+		s := NewHostStream()
+		defer s.Close()
+		if err := c.AllReduce(s, buf, OpSum); err != nil {
+			return err
+		}
+		return s.Sync()
+	})
+	if !errors.Is(err, ErrAborted) {
+		t.Fatalf("%v, want ErrAborted", err)
+	}
+	text := err.Error()
+	if n := strings.Count(text, "zero.panicInRank("); n != 1 {
+		t.Errorf("the panicking frame shows %d times, want once:\n%s", n, text)
+	}
+	if n := strings.Count(text, "runtime/debug.Stack"); n != 1 {
+		t.Errorf("%d stacks, want one:\n%s", n, text)
+	}
+	if !strings.HasPrefix(text, "rank 0: ") || !strings.Contains(text, "rank 1: zero: aborted: panicked: assignment to entry in nil map") ||
+		strings.Count(text, "(its stack is in rank 1's error)") != 2 {
+		t.Errorf("want rank 1's error with the panic and its stack, the others pointing to it:\n%s", text)
+	}
+}
+
 // TestAllReduceScalars: a few of the caller's float64s reduced across 3
 // ranks, as sum, average and max, against float64 in rank order: to 48
 // bits, over the whole float64 range, the same on every rank.

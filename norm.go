@@ -14,7 +14,8 @@ import "errors"
 // shardNorm keeps the chunk sums of a sink's shard, and which buckets' sums
 // are those of the shard as it stands.
 type shardNorm struct {
-	dev    Device // where the sums live and are added
+	dev    Device    // where the sums are added
+	mem    allocator // where they live: dev, or the offload's host memory
 	plan   *Plan
 	parts  Tensor       // chunk sums (float64s, two fp32 words each), the buckets' chunks in bucket order
 	outs   Tensor       // per bucket, the sum of its chunks
@@ -23,8 +24,8 @@ type shardNorm struct {
 	host   []float32    // outs, read back
 }
 
-func newShardNorm(dev Device, plan *Plan) (*shardNorm, error) {
-	n := &shardNorm{dev: dev, plan: plan, ranges: make([]chunkRange, len(plan.Buckets)), fresh: make([]bool, len(plan.Buckets))}
+func newShardNorm(dev Device, mem allocator, plan *Plan) (*shardNorm, error) {
+	n := &shardNorm{dev: dev, mem: mem, plan: plan, ranges: make([]chunkRange, len(plan.Buckets)), fresh: make([]bool, len(plan.Buckets))}
 	at := 0
 	for b, bp := range plan.Buckets {
 		n.ranges[b] = chunkRange{at, at + chunksOf(bp.Shard)}
@@ -32,10 +33,10 @@ func newShardNorm(dev Device, plan *Plan) (*shardNorm, error) {
 	}
 	n.host = make([]float32, 2*len(plan.Buckets))
 	var err error
-	if n.parts, err = dev.Alloc(2*at, FP32); err != nil {
+	if n.parts, err = mem.Alloc(2*at, FP32); err != nil {
 		return n, err
 	}
-	n.outs, err = dev.Alloc(2*len(plan.Buckets), FP32)
+	n.outs, err = mem.Alloc(2*len(plan.Buckets), FP32)
 	return n, err
 }
 
@@ -48,8 +49,13 @@ func normSumsBytes(plan *Plan) int64 {
 	return 8 * int64(chunks+len(plan.Buckets))
 }
 
-// bytes is the memory the sums take on their device.
-func (n *shardNorm) bytes() int64 { return int64(n.parts.Bytes() + n.outs.Bytes()) }
+// bytes is the memory the sums take (0 without them).
+func (n *shardNorm) bytes() int64 {
+	if n == nil {
+		return 0
+	}
+	return int64(n.parts.Bytes() + n.outs.Bytes())
+}
 
 // partsOf is where bucket b's chunk sums go.
 func (n *shardNorm) partsOf(b int) Tensor {
@@ -108,5 +114,5 @@ func (n *shardNorm) close() error {
 	if n == nil {
 		return nil
 	}
-	return errors.Join(n.dev.Free(n.parts), n.dev.Free(n.outs))
+	return errors.Join(n.mem.Free(n.parts), n.mem.Free(n.outs))
 }

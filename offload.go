@@ -30,7 +30,7 @@ type offload struct {
 	meter   memoryMeter // the landing pool's (hostMemory counts every host byte)
 
 	sum, raised Tensor     // the host shard and the overflow flag
-	norm        *shardNorm // the host shard's sums of squares, in pageable host memory; nil without an optimizer
+	norm        *shardNorm // the host shard's sums of squares; nil without an optimizer
 	scratch     Tensor     // fp32, the largest bucket shard: a 16-bit shard widened for the optimizer
 	host        Tensor     // the host's model-dtype copy of the new parameters
 	// saved is the device memory this engine does not hold: the shard and
@@ -61,7 +61,7 @@ func newOffload(dev Device, plan *Plan, copyStream Stream, commDType, shardDType
 		return o, err
 	}
 	if withNorm {
-		if o.norm, err = newShardNorm(hostDev, plan); err != nil {
+		if o.norm, err = newShardNorm(hostDev, mem, plan); err != nil {
 			return o, err
 		}
 	}
@@ -74,6 +74,7 @@ func (o *offload) shard() Tensor                       { return o.sum }
 func (o *offload) flag() Tensor                        { return o.raised }
 func (o *offload) side(Stream) (Device, Stream)        { return hostDev, o.stream }
 func (o *offload) deviceBytes() int64                  { return 0 }
+func (o *offload) controlBytes() int64                 { return 0 } // the flag and the sums are host memory
 func (o *offload) newWindow()                          { o.norm.forget() }
 func (o *offload) lend(int, int, DType) (Tensor, bool) { return Tensor{}, false } // the shard is host memory
 func (o *offload) close() error {
@@ -263,7 +264,7 @@ func (o *offload) pass(_ Stream, kind optKind, b optTensors, ranges []optRange, 
 // next step's.
 func (o *offload) report(st *Stats) error {
 	st.HostBytes, st.HostPinnedBytes = o.mem.bytes, o.mem.locked
-	st.HostGradBytes = int64(o.sum.Bytes()+o.scratch.Bytes()) + int64(o.landing.held*o.maxLand*o.landing.dtype.Size())
+	st.HostGradBytes = int64(o.sum.Bytes()) + int64(o.landing.held*o.maxLand*o.landing.dtype.Size())
 	st.DeviceBytesSaved = o.saved
 	var err error
 	if st.GradCopyExposed, _, _, err = o.ends.exposure(&o.gradCopies); err != nil {

@@ -273,19 +273,19 @@ func TestOffloadHostMemory(t *testing.T) {
 		shardElems, normBytes := 0, int64(0)
 		for _, n := range sizes { // 8 KiB buckets: one parameter each, split in 2 × 64-element multiples
 			shardElems += (n + 127) / 128 * 64
-			normBytes += int64(8*chunksOf((n+127)/128*64) + 8) // its chunk sums and their total, with the shard
+			normBytes += int64(8*chunksOf((n+127)/128*64) + 8) // its chunk sums and their total, beside the shard
 		}
 		shard := int64(4 * shardElems)
-		wantHost := 4*shard + 4*int64(shardElems) + 2*int64(4*maxShard(sizes)) + 4 // grad, master, m, v; model copy; landing; flag
+		wantHost := 4*shard + 4*int64(shardElems) + 2*int64(4*maxShard(sizes)) + 4 + normBytes // grad, master, m, v; model copy; landing; flag; norm sums
 		if got.HostBytes != wantHost {
 			t.Errorf("stage %d: HostBytes %d, want %d", stage, got.HostBytes, wantHost)
 		}
 		if got.DeviceBytesSaved != 4*shard {
 			t.Errorf("stage %d: DeviceBytesSaved %d, want %d (gradient shard, master, m, v)", stage, got.DeviceBytesSaved, 4*shard)
 		}
-		if dev.OptimizerBytes-got.OptimizerBytes != 3*shard || dev.ResidentGradBytes-got.ResidentGradBytes != shard+normBytes {
-			t.Errorf("stage %d: device bytes: optimizer %d → %d, gradients %d → %d; want 3 shards (%d bytes each) and 1 with its %d bytes of norm sums less",
-				stage, dev.OptimizerBytes, got.OptimizerBytes, dev.ResidentGradBytes, got.ResidentGradBytes, shard, normBytes)
+		if dev.OptimizerBytes-got.OptimizerBytes != 3*shard || dev.ResidentGradBytes-got.ResidentGradBytes != shard || dev.ControlBytes-got.ControlBytes != normBytes+4 {
+			t.Errorf("stage %d: device bytes: optimizer %d → %d, gradients %d → %d, control %d → %d; want 3 shards (%d bytes each) and 1 less, and the flag and %d bytes of norm sums",
+				stage, dev.OptimizerBytes, got.OptimizerBytes, dev.ResidentGradBytes, got.ResidentGradBytes, dev.ControlBytes, got.ControlBytes, shard, normBytes)
 		}
 		if host.bytes != 0 || host.locked != 0 || len(host.pinned) != 0 {
 			t.Errorf("stage %d: after Close the host memory holds %d bytes (%d locked)", stage, host.bytes, host.locked)

@@ -328,11 +328,26 @@ func (o *optState) setGroup(g int, opt Optimizer) error {
 
 // stepResult is what an optimizer step reports.
 type stepResult struct {
+	// lrs is each group's learning rate in the step: the schedule's for
+	// the step's t (a skipped step does not advance t)
+	lrs     []float64
 	skipped bool
 	norm    float64
 	scale   float64
 	// device time of the optimizer pass and of the parameters' all-gather
 	optimizeTime, gatherTime time.Duration
+}
+
+// rates gives each group's learning rate at the schedule's current t.
+func (o *optState) rates() []float64 {
+	lrs := make([]float64, len(o.groups))
+	for g, opt := range o.groups {
+		if o.schedule != nil {
+			opt = o.schedule.At(o.scheduled, o.base[g])
+		}
+		lrs[g] = opt.rate()
+	}
+	return lrs
 }
 
 // ensureState allocates the state that only some settings need (SGD's
@@ -406,6 +421,7 @@ func (o *optState) step(grads Tensor, sumsq float64, readScale float32, used []b
 		total += math.Ldexp(float64(w[1])+float64(w[2]), int(w[3]))
 	}
 	res.norm = math.Sqrt(total) * float64(readScale) / o.scaler.scale
+	res.lrs = o.rates()
 	finite := !overflow && !math.IsInf(res.norm, 0) && !math.IsNaN(res.norm)
 	if !finite && (o.plan.modelDType() == FP16 || !o.keepNonFinite || o.clip > 0) {
 		res.skipped = true
@@ -539,8 +555,9 @@ func (o *optState) gatherParams(used []bool, ready []Event) error {
 func (o *optState) report(st *Stats) error {
 	st.Collectives = st.Collectives.Add(o.sent)
 	o.sent = CommCounters{}
-	st.Skipped, st.GradNorm, st.LossScale = o.last.skipped, o.last.norm, o.last.scale
+	st.Skipped, st.GradNorm, st.LossScale, st.LR = o.last.skipped, o.last.norm, o.last.scale, o.last.lrs
 	st.OptimizerBytes, st.OptimizerTime = o.mem.cur, o.last.optimizeTime
+	st.ControlBytes += int64(o.norm.Bytes())
 	if !o.sharedModel { // at stage 3 the parameters' gathers are the window's
 		st.ParamGatherTime = o.last.gatherTime
 	}

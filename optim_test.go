@@ -762,16 +762,19 @@ func TestPeerLeavesDuringTheNorm(t *testing.T) {
 // ---- memory -------------------------------------------------------------------
 
 // memoryFormula is the engine's memory per rank from the plan, in bytes:
-// gradients (the fp32 shard with the norm's float64 sums, one per 8192
-// elements of each bucket's shard and one per bucket; ZeRO-1's fp32 local
-// sums of every bucket, the bf16 staging buffers) and the optimizer (fp32 master, m and v shards, the
+// gradients (the fp32 shard; ZeRO-1's fp32 local sums of every bucket, the
+// bf16 staging buffers), the optimizer (fp32 master, m and v shards, the
 // bf16 shard of the new parameters and the bf16 buffers they are gathered
-// in).
-func memoryFormula(stage int, p *Plan, staging, gathers int) (grad, opt int64) {
+// in) and the control buffers (the overflow flag; Step's check of 2 words,
+// the groups' digest and a flag per parameter; the norm's float64 sums,
+// one per 8192 elements of each bucket's shard and one per bucket, and its
+// all-gather of 4 words per rank).
+func memoryFormula(stage int, p *Plan, staging, gathers, world int) (grad, opt, control int64) {
 	s, maxB := int64(p.ShardElems), int64(p.MaxBucket())
 	grad = 4*s + int64(staging)*maxB*2
+	control = 4 + 4*int64(2+2*3+len(p.ParamBucket)) + 4*4*int64(world)
 	for _, b := range p.Buckets {
-		grad += 8 * int64((b.Shard+8191)/8192+1)
+		control += 8 * int64((b.Shard+8191)/8192+1)
 	}
 	if stage == 1 {
 		for _, b := range p.Buckets {
@@ -779,7 +782,7 @@ func memoryFormula(stage int, p *Plan, staging, gathers int) (grad, opt int64) {
 		}
 	}
 	opt = 12*s + 2*s + int64(gathers)*maxB*2
-	return grad, opt
+	return grad, opt, control
 }
 
 // TestMemoryFormula: the stats' gradient and optimizer bytes after a step
@@ -792,11 +795,11 @@ func TestMemoryFormula(t *testing.T) {
 				st, plan := memoryRun(t, stage, world, 3, 200, bucket)
 				// The gather buffers ping-pong: one is reused when the
 				// previous bucket's copy has finished, so 1 or 2 are held.
-				grad, opt := memoryFormula(stage, plan, st.StagingBuffers, 1)
-				_, opt2 := memoryFormula(stage, plan, st.StagingBuffers, min(2, len(plan.Buckets)))
-				if st.PeakGradBytes != grad || st.OptimizerBytes != opt && st.OptimizerBytes != opt2 {
-					t.Errorf("ZeRO-%d W=%d bucket %d (%d buckets): stats grad %d opt %d bytes, formula %d and %d",
-						stage, world, bucket, len(plan.Buckets), st.PeakGradBytes, st.OptimizerBytes, grad, opt2)
+				grad, opt, control := memoryFormula(stage, plan, st.StagingBuffers, 1, world)
+				_, opt2, _ := memoryFormula(stage, plan, st.StagingBuffers, min(2, len(plan.Buckets)), world)
+				if st.PeakGradBytes != grad || st.OptimizerBytes != opt && st.OptimizerBytes != opt2 || st.ControlBytes != control {
+					t.Errorf("ZeRO-%d W=%d bucket %d (%d buckets): stats grad %d opt %d control %d bytes, formula %d, %d and %d",
+						stage, world, bucket, len(plan.Buckets), st.PeakGradBytes, st.OptimizerBytes, st.ControlBytes, grad, opt2, control)
 				}
 			}
 		}

@@ -243,6 +243,16 @@ type ImportOptions struct {
 	// parameter's dtype, rounded to the nearest value of the parameter's
 	// dtype (ties to even); without it such a tensor is refused.
 	Convert bool
+	// Strict refuses a file that holds a tensor no parameter names, as
+	// torch's load_state_dict(strict=True) refuses unexpected keys (a
+	// parameter without its tensor is refused always); without it such
+	// tensors are ignored.
+	Strict bool
+	// RequireFinite refuses a tensor that holds an inf or a NaN, naming it
+	// and the element. Parameters read into Data are checked before any is
+	// written, which reads their tensors twice; a stage-3 Init checks the
+	// ranges it reads, so New fails on them.
+	RequireFinite bool
 }
 
 // ImportSafetensors makes params, the parameters you will give New with
@@ -252,7 +262,8 @@ type ImportOptions struct {
 // its name, its shape, or its element count where Param.Shape is not
 // given, and its dtype) and refuses the first mismatch with ErrCheckpoint
 // (ErrDType too for a dtype) naming the parameter and the tensor, before
-// anything is written. Tensors no parameter names are ignored.
+// anything is written. Tensors no parameter names are ignored, unless
+// opt.Strict; values are not checked, unless opt.RequireFinite.
 //
 // At stage 3 a trained parameter without Data gets an Init that reads
 // this rank's ranges from the file when New calls it: the full model never
@@ -300,6 +311,26 @@ func ImportSafetensors(name string, cfg Config, dev Device, params []Param, opt 
 			return errorf(ErrParam, "parameter %d (%q) has Data of %d %v elements for %d %v; give its own memory", i, p.Name, p.Data.count, p.Data.dtype, p.Count, p.DType)
 		}
 	}
+	if opt.Strict {
+		if err := h.onlyNamed(name, params); err != nil {
+			return err
+		}
+	}
+	if opt.RequireFinite { // the tensors read into Data, before any is written
+		var buf []byte
+		for i, p := range params {
+			if p.Count == 0 || cfg.Stage == 3 && !p.Frozen && p.Data.count == 0 {
+				continue
+			}
+			if buf == nil {
+				buf = make([]byte, ckptChunk)
+			}
+			src := stReader{path: name, t: srcs[i], start: h.DataStart, size: st.Size()}
+			if err := src.checkFinite(f, 0, p.Count, buf); err != nil {
+				return err
+			}
+		}
+	}
 	var s Stream
 	defer func() {
 		if s != nil {
@@ -312,7 +343,7 @@ func ImportSafetensors(name string, cfg Config, dev Device, params []Param, opt 
 		if p.Count == 0 {
 			continue
 		}
-		src := stReader{path: name, t: srcs[i], start: h.DataStart, size: st.Size()}
+		src := stReader{path: name, t: srcs[i], start: h.DataStart, size: st.Size(), finite: opt.RequireFinite}
 		if cfg.Stage == 3 && !p.Frozen && p.Data.count == 0 {
 			p.Init = src.init
 			continue
@@ -369,11 +400,88 @@ func (h *stHeader) importable(file string, i int, p Param, opt ImportOptions) (s
 	return t, nil
 }
 
+// onlyNamed refuses the tensors of the file no parameter names.
+func (h *stHeader) onlyNamed(file string, params []Param) error {
+	named := map[string]bool{}
+	for _, p := range params {
+		named[p.Name] = true
+	}
+	var extra []string
+	for _, t := range h.Tensors {
+		if !named[t.Name] {
+			extra = append(extra, strconv.Quote(t.Name))
+		}
+	}
+	if len(extra) == 0 {
+		return nil
+	}
+	more := ""
+	if len(extra) > 4 {
+		extra, more = extra[:4], ", …"
+	}
+	return errorf(ErrCheckpoint, "%s holds %d tensor(s) no parameter names (%s%s) and ImportOptions.Strict refuses them; register them as parameters (Frozen if they do not train), or drop Strict to ignore them",
+		file, len(extra), strings.Join(extra, ", "), more)
+}
+
 // stReader reads one tensor of a file checked by readSTHeader.
 type stReader struct {
 	path        string
 	t           stTensor
 	start, size int64 // the data's start, the file's size when checked
+	finite      bool  // ImportOptions.RequireFinite: init refuses an inf or a NaN
+}
+
+// checkFinite refuses an inf or a NaN among elements [from, from+n) of the
+// tensor, read a chunk at a time through buf.
+func (r stReader) checkFinite(f io.ReaderAt, from, n int, buf []byte) error {
+	d := r.dtype()
+	per := len(buf) / d.Size()
+	for lo := 0; lo < n; lo += per {
+		k := min(per, n-lo)
+		raw := buf[:k*d.Size()]
+		if err := r.read(f, from+lo, raw); err != nil {
+			return err
+		}
+		if err := r.finiteIn(raw, from+lo); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// finiteIn refuses an inf or a NaN in raw, the tensor's elements from
+// element at on, in the file's dtype.
+func (r stReader) finiteIn(raw []byte, at int) error {
+	d := r.dtype()
+	// an inf or a NaN has every exponent bit set; a NaN's mantissa is not 0
+	var exp, man, sign uint32
+	switch d {
+	case FP32:
+		exp, man, sign = 0x7f800000, 0x007fffff, 0x80000000
+	case BF16:
+		exp, man, sign = 0x7f80, 0x007f, 0x8000
+	default:
+		exp, man, sign = 0x7c00, 0x03ff, 0x8000
+	}
+	for i := 0; i < len(raw); i += d.Size() {
+		x := uint32(binary.LittleEndian.Uint16(raw[i:]))
+		if d == FP32 {
+			x = binary.LittleEndian.Uint32(raw[i:])
+		}
+		if x&exp != exp {
+			continue
+		}
+		v := math.Inf(1)
+		switch {
+		case x&man != 0:
+			v = math.NaN()
+		case x&sign != 0:
+			v = math.Inf(-1)
+		}
+		return errorf(ErrCheckpoint, "%s: tensor %q holds %v at element %d, and ImportOptions.RequireFinite refuses it; import a file without it, or drop RequireFinite",
+			r.path, r.t.Name, v, at+i/d.Size())
+	}
+	return nil
 }
 
 func (r stReader) dtype() DType { d, _ := dtypeOfST(r.t.DType); return d }
@@ -402,7 +510,10 @@ func (r stReader) init(dst []float32, offset int) error {
 	d := r.dtype()
 	out := unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(dst))), 4*len(dst))
 	if d == FP32 {
-		return r.read(f, offset, out)
+		if err := r.read(f, offset, out); err != nil || !r.finite {
+			return err
+		}
+		return r.finiteIn(out, offset)
 	}
 	per := ckptChunk / d.Size()
 	buf := make([]byte, min(len(dst), per)*d.Size())
@@ -410,6 +521,11 @@ func (r stReader) init(dst []float32, offset int) error {
 		n := min(per, len(dst)-lo)
 		if err := r.read(f, offset+lo, buf[:n*d.Size()]); err != nil {
 			return err
+		}
+		if r.finite {
+			if err := r.finiteIn(buf[:n*d.Size()], offset+lo); err != nil {
+				return err
+			}
 		}
 		castHost(hostTensor(out[4*lo:4*(lo+n)], FP32).ptr, FP32, hostTensor(buf, d).ptr, d, n, 1)
 	}

@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 // The safetensors tests: exports read back by a reader of the test's own
@@ -665,13 +666,13 @@ func TestSafetensorsImportRefusals(t *testing.T) {
 		}
 		return p
 	}
-	// the file with one tensor changed, as the test's writer writes it
-	variant := func(name string, edit func(*stOut)) string {
+	// the file with tensor q changed, as the test's writer writes it
+	variantAt := func(name string, q int, edit func(*stOut)) string {
 		var out []stOut
 		for p := len(stModel) - 1; p >= 0; p-- {
 			m := stModel[p]
 			x := stOut{m.name, "F32", shapeOf(m), le32(values[p])}
-			if p == last {
+			if p == q {
 				edit(&x)
 			}
 			out = append(out, x)
@@ -680,7 +681,20 @@ func TestSafetensorsImportRefusals(t *testing.T) {
 		writeSafetensors(t, path, out, nil)
 		return path
 	}
+	variant := func(name string, edit func(*stOut)) string { return variantAt(name, last, edit) }
 	hdr := int(binary.LittleEndian.Uint64(raw))
+	// with element i of the last tensor's values, in dtype d, the bits v
+	poisoned := func(name string, d DType, i int, v uint32) string {
+		return variant(name, func(x *stOut) {
+			x.dtype, x.data = stDType(d), leDType(values[last], d)
+			if d == FP32 {
+				binary.LittleEndian.PutUint32(x.data[4*i:], v)
+			} else {
+				binary.LittleEndian.PutUint16(x.data[2*i:], uint16(v))
+			}
+		})
+	}
+	strict, finite := ImportOptions{Strict: true}, ImportOptions{RequireFinite: true, Convert: true}
 	for _, tc := range []struct {
 		name  string
 		file  string
@@ -688,19 +702,20 @@ func TestSafetensorsImportRefusals(t *testing.T) {
 		edit  func([]Param)
 		kinds []error
 		says  string
+		opt   ImportOptions
 	}{
-		{"a parameter the file lacks", good, 2, func(ps []Param) { ps[last].Name = "head.weights" }, []error{ErrCheckpoint}, `"head.weights"`},
-		{"another shape", good, 2, func(ps []Param) { ps[last].Shape = []int{43, 3} }, []error{ErrCheckpoint}, "head.weight"},
-		{"another count", good, 3, func(ps []Param) { ps[last].Shape, ps[last].Count = nil, 128 }, []error{ErrCheckpoint}, "head.weight"},
-		{"another dtype", variant("bf16.safetensors", func(x *stOut) { x.dtype, x.data = "BF16", leDType(values[last], BF16) }), 2, nil, []error{ErrCheckpoint, ErrDType}, "BF16"},
-		{"a dtype zero does not take", variant("i32.safetensors", func(x *stOut) { x.dtype = "I32" }), 3, nil, []error{ErrCheckpoint, ErrDType}, "I32"},
-		{"no Data at stage 2", good, 2, func(ps []Param) { ps[last].Data = Tensor{} }, []error{ErrParam}, "head.weight"},
-		{"an Init of the caller's at stage 3", good, 3, func(ps []Param) { ps[last].Init = func([]float32, int) error { return nil } }, []error{ErrParam}, "head.weight"},
-		{"truncated", rewrite("short.safetensors", func(b []byte) []byte { return b[:len(b)-1] }), 2, nil, []error{ErrCheckpoint}, "short.safetensors"},
-		{"a header past the end", rewrite("long.safetensors", func(b []byte) []byte { binary.LittleEndian.PutUint64(b, uint64(len(b))); return b }), 2, nil, []error{ErrCheckpoint}, "long.safetensors"},
-		{"a header that is not JSON", rewrite("json.safetensors", func(b []byte) []byte { b[8] = '['; return b }), 2, nil, []error{ErrCheckpoint}, "json.safetensors"},
-		{"a tensor's bytes not its shape's", variant("span.safetensors", func(x *stOut) { x.shape = []int{3, 42} }), 2, nil, []error{ErrCheckpoint}, "head.weight"},
-		{"bytes no tensor holds", rewrite("tail.safetensors", func(b []byte) []byte { return append(b, 0, 0, 0, 0) }), 2, nil, []error{ErrCheckpoint}, "tail.safetensors"},
+		{"a parameter the file lacks", good, 2, func(ps []Param) { ps[last].Name = "head.weights" }, []error{ErrCheckpoint}, `"head.weights"`, ImportOptions{}},
+		{"another shape", good, 2, func(ps []Param) { ps[last].Shape = []int{43, 3} }, []error{ErrCheckpoint}, "head.weight", ImportOptions{}},
+		{"another count", good, 3, func(ps []Param) { ps[last].Shape, ps[last].Count = nil, 128 }, []error{ErrCheckpoint}, "head.weight", ImportOptions{}},
+		{"another dtype", variant("bf16.safetensors", func(x *stOut) { x.dtype, x.data = "BF16", leDType(values[last], BF16) }), 2, nil, []error{ErrCheckpoint, ErrDType}, "BF16", ImportOptions{}},
+		{"a dtype zero does not take", variant("i32.safetensors", func(x *stOut) { x.dtype = "I32" }), 3, nil, []error{ErrCheckpoint, ErrDType}, "I32", ImportOptions{}},
+		{"no Data at stage 2", good, 2, func(ps []Param) { ps[last].Data = Tensor{} }, []error{ErrParam}, "head.weight", ImportOptions{}},
+		{"an Init of the caller's at stage 3", good, 3, func(ps []Param) { ps[last].Init = func([]float32, int) error { return nil } }, []error{ErrParam}, "head.weight", ImportOptions{}},
+		{"truncated", rewrite("short.safetensors", func(b []byte) []byte { return b[:len(b)-1] }), 2, nil, []error{ErrCheckpoint}, "short.safetensors", ImportOptions{}},
+		{"a header past the end", rewrite("long.safetensors", func(b []byte) []byte { binary.LittleEndian.PutUint64(b, uint64(len(b))); return b }), 2, nil, []error{ErrCheckpoint}, "long.safetensors", ImportOptions{}},
+		{"a header that is not JSON", rewrite("json.safetensors", func(b []byte) []byte { b[8] = '['; return b }), 2, nil, []error{ErrCheckpoint}, "json.safetensors", ImportOptions{}},
+		{"a tensor's bytes not its shape's", variant("span.safetensors", func(x *stOut) { x.shape = []int{3, 42} }), 2, nil, []error{ErrCheckpoint}, "head.weight", ImportOptions{}},
+		{"bytes no tensor holds", rewrite("tail.safetensors", func(b []byte) []byte { return append(b, 0, 0, 0, 0) }), 2, nil, []error{ErrCheckpoint}, "tail.safetensors", ImportOptions{}},
 		{"offsets that disagree with the shape", rewrite("gap.safetensors", func(b []byte) []byte {
 			s := string(b[8 : 8+hdr])
 			i := strings.Index(s, `"data_offsets":[0,`)
@@ -710,8 +725,17 @@ func TestSafetensorsImportRefusals(t *testing.T) {
 			j := i + len(`"data_offsets":[`)
 			copy(b[8+j:], "4")
 			return b
-		}), 2, nil, []error{ErrCheckpoint}, "gap.safetensors"},
-		{"not a file", filepath.Join(dir, "none.safetensors"), 2, nil, []error{ErrCheckpoint}, "none.safetensors"},
+		}), 2, nil, []error{ErrCheckpoint}, "gap.safetensors", ImportOptions{}},
+		{"not a file", filepath.Join(dir, "none.safetensors"), 2, nil, []error{ErrCheckpoint}, "none.safetensors", ImportOptions{}},
+		{"a tensor no parameter names, Strict", good, 2, nil, []error{ErrCheckpoint}, `"unused.bias"`, strict},
+		{"a tensor no parameter names, Strict, stage 3", good, 3, nil, []error{ErrCheckpoint}, `"unused.bias"`, strict},
+		{"a NaN, RequireFinite", poisoned("nan.safetensors", FP32, 5, 0x7fc00001), 2, nil, []error{ErrCheckpoint}, `"head.weight" holds NaN at element 5`, finite},
+		{"-inf in bf16, RequireFinite", poisoned("ninf.safetensors", BF16, 128, 0xff80), 2, nil, []error{ErrCheckpoint}, `"head.weight" holds -Inf at element 128`, finite},
+		{"+inf in fp16, RequireFinite", poisoned("inf.safetensors", FP16, 0, 0x7c00), 2, nil, []error{ErrCheckpoint}, `"head.weight" holds +Inf at element 0`, finite},
+		{"a fp16 NaN in the frozen parameter at stage 3", variantAt("frozen.safetensors", 1, func(x *stOut) {
+			x.dtype, x.data = "F16", leDType(values[1], FP16)
+			binary.LittleEndian.PutUint16(x.data[2*14:], 0xfe01)
+		}), 3, nil, []error{ErrCheckpoint}, `"embed.frozen" holds NaN at element 14`, finite},
 	} {
 		ps := stParams(FP32, make([][]float32, len(stModel)))
 		for p := range ps {
@@ -728,7 +752,7 @@ func TestSafetensorsImportRefusals(t *testing.T) {
 			tc.edit(ps)
 		}
 		before := slices.Clone(ps)
-		err := ImportSafetensors(tc.file, Config{Stage: tc.stage}, CPU(), ps, ImportOptions{})
+		err := ImportSafetensors(tc.file, Config{Stage: tc.stage}, CPU(), ps, tc.opt)
 		t.Logf("%s: %v", tc.name, err)
 		for _, k := range tc.kinds {
 			if !errors.Is(err, k) {
@@ -745,6 +769,73 @@ func TestSafetensorsImportRefusals(t *testing.T) {
 			if ps[p].Data.count > 0 && slices.ContainsFunc(ps[p].Data.HostFloat32s(), func(v float32) bool { return v != -7 }) {
 				t.Fatalf("%s: parameter %d's Data was written", tc.name, p)
 			}
+		}
+	}
+}
+
+// TestSafetensorsImportStrictFinite: Strict takes a file whose every
+// tensor a parameter names, RequireFinite one of finite values, each
+// imported as without them; at stage 3, where New reads through the Init
+// ImportSafetensors set, RequireFinite makes New refuse an inf or a NaN in
+// what it reads, naming the tensor and the element, and without it the NaN
+// arrives as it is.
+func TestSafetensorsImportStrictFinite(t *testing.T) {
+	seed := seedFromEnv(t)
+	values := stValues(seed, FP32)
+	path := filepath.Join(t.TempDir(), "model.safetensors")
+	stFileFor(t, path, values, FP32) // with "unused.bias"
+	ps := append(stParams(FP32, make([][]float32, len(stModel))), Param{Name: "unused.bias", Count: 2, DType: FP32, Frozen: true})
+	for p := range ps {
+		ps[p].Data = Float32s(make([]float32, ps[p].Count))
+	}
+	if err := ImportSafetensors(path, Config{Stage: 2}, CPU(), ps, ImportOptions{Strict: true, RequireFinite: true}); err != nil {
+		t.Fatal(err)
+	}
+	for p := range stModel {
+		if !slices.Equal(f32bits(ps[p].Data.HostFloat32s()), f32bits(values[p])) {
+			t.Fatalf("parameter %d: %v, want the file's %v", p, ps[p].Data.HostFloat32s(), values[p])
+		}
+	}
+	if got := ps[len(stModel)].Data.HostFloat32s(); !slices.Equal(got, []float32{1, 2}) {
+		t.Fatalf("unused.bias: %v, want [1 2]", got)
+	}
+
+	values[len(stModel)-1][5] = float32(math.NaN())
+	stFileFor(t, path, values, FP32)
+	for _, require := range []bool{true, false} {
+		ps := stParams(FP32, nil)
+		for p := range ps {
+			if ps[p].Frozen {
+				ps[p].Data = Float32s(make([]float32, ps[p].Count))
+			}
+		}
+		cfg := Config{Stage: 3, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.1), NewSGD(0.1)}}}
+		if err := ImportSafetensors(path, cfg, CPU(), ps, ImportOptions{RequireFinite: require}); err != nil {
+			t.Fatalf("RequireFinite %v: %v; the Init checks, at New", require, err)
+		}
+		comms, err := NewLocalGroupTimeout(1, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		e, err := New(cfg, comms[0], ps)
+		if require {
+			if err == nil || !strings.Contains(err.Error(), `"head.weight" holds NaN at element 5`) {
+				t.Fatalf("New: %v, want the NaN of head.weight refused", err)
+			}
+			comms[0].Close()
+			continue
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		full, err := e.FullParams()
+		e.Close()
+		comms[0].Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := full[len(stModel)-1][5]; !math.IsNaN(float64(got)) {
+			t.Fatalf("without RequireFinite head.weight[5] is %v, want the file's NaN", got)
 		}
 	}
 }

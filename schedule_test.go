@@ -322,8 +322,9 @@ func schedFloat(t *testing.T, what string, got, want float64) {
 }
 
 // TestScheduleSteppedByTheEngine: an engine with DeepSpeed's WarmupDecayLR
-// runs each applied step at the rate DeepSpeed's scheduler gives, and a
-// step skipped on overflow advances nothing; OneCycle's momentum cycle
+// runs each applied step at the rate DeepSpeed's scheduler gives, and
+// reports it in Stats.LR; a step skipped on overflow advances nothing (its
+// Stats.LR is the rate the next step uses); OneCycle's momentum cycle
 // reaches AdamW's first moment. SGD and AdamW in float64 are the reference.
 func TestScheduleSteppedByTheEngine(t *testing.T) {
 	const g0 = 0.25
@@ -345,6 +346,11 @@ func TestScheduleSteppedByTheEngine(t *testing.T) {
 		sim := newSimWarmup(g, 0.01, 0.5, 3, true, 6)
 		want := 1.0
 		for st := range 8 {
+			for r := range tr.stats {
+				if lr := tr.stats[r][st].LR; len(lr) != 1 || lr[0] != g.lr {
+					t.Fatalf("step %d rank %d: Stats.LR %v, want [%v] (DeepSpeed's rate for the step; a skip repeats it)", st, r, lr, g.lr)
+				}
+			}
 			if st == skip {
 				if !tr.stats[0][st].Skipped {
 					t.Fatalf("step %d did not skip", st)
@@ -367,6 +373,9 @@ func TestScheduleSteppedByTheEngine(t *testing.T) {
 		p, m, v := 1.0, 0.0, 0.0
 		applied := 0
 		for st := range 7 {
+			if lr := tr.stats[0][st].LR; len(lr) != 1 || math.Abs(lr[0]-g.lr) > 1e-15*g.lr {
+				t.Fatalf("step %d: Stats.LR %v, want [%v]", st, lr, g.lr)
+			}
 			if st != skip {
 				applied++
 				ref := refAdamW{lr: g.lr, b1: g.beta1, b2: 0.999, eps: 1e-8}

@@ -22,6 +22,14 @@ func collectStats(st *Stats, reporters []statsReporter) error {
 }
 
 // Stats describes one step.
+//
+// Memory: every buffer the engine holds is counted in exactly one of
+// PeakGradBytes (and its resident and pooled figures), OptimizerBytes,
+// ControlBytes and PeakParamBytes on the device, and HostBytes on the host
+// (HostGradBytes being a part of it). Estimation.Stats gives the same
+// fields before the engine exists. Temporaries of New, Load, Save and the
+// reads (GradShard, FullGrads, FullParams) are freed before the call
+// returns and count in none.
 type Stats struct {
 	Step int // the step's index, from 0
 	// Backwards is the number of backwards G in the window.
@@ -38,9 +46,10 @@ type Stats struct {
 	// Config.StagingBuffers only when buckets complete out of order.
 	StagingBuffers int
 	// PeakGradBytes and ResidentGradBytes count the gradient memory the
-	// engine holds on the device: the shard (on the host with Offload), the
-	// staging buffers and the local sums, in use or pooled. The peak is over the window; it starts again from the
-	// resident bytes at Step.
+	// engine holds on the device: the shard (not with Offload, which keeps
+	// it on the host: HostGradBytes), the staging buffers and the local
+	// sums (ZeRO-1's and a window's), in use or pooled. The peak is over
+	// the window; it starts again from the resident bytes at Step.
 	PeakGradBytes     int64
 	ResidentGradBytes int64 // see PeakGradBytes
 	// WindowResidentBytes is the gradient memory held at the end of a
@@ -84,10 +93,23 @@ type Stats struct {
 	Skipped   bool
 	GradNorm  float64 // see Skipped
 	LossScale float64 // see Skipped
+	// LR is the learning rate of each optimizer group in the step, after
+	// the schedule (Optimizer.Schedule, or the rate SetGroup set). A skipped
+	// step gives the rate it would have used, which the next step uses
+	// again: a skip does not advance the schedule, as in DeepSpeed. Nil
+	// without Optimizer.Groups.
+	LR []float64
 	// OptimizerBytes is the optimizer's device memory on this rank: the
-	// fp32 master shard and the moments (on the host with Offload), the
-	// model-dtype shard and the buffers the new parameters are gathered in.
+	// fp32 master shard and the moments, and the fp32 scratch a 16-bit
+	// gradient shard is widened through bucket by bucket (all three on the
+	// host with Offload, in HostBytes), the model-dtype shard of the new
+	// parameters and the buffer they are all-gathered in (stages 1 and 2).
 	OptimizerBytes int64
+	// ControlBytes is the engine's small fixed device buffers: the overflow
+	// flag, Step's check, and with an optimizer the norm's all-gather and
+	// (without Offload) its sums of squares: 8 bytes per started 8192
+	// elements of each bucket's shard, and 8 per bucket.
+	ControlBytes int64
 	// OptimizerTime is the device time of the fused optimizer pass (with
 	// Offload, the host's), and ParamGatherTime that of the all-gather of
 	// the new parameters into their memory (with Offload, from the end of
@@ -110,15 +132,17 @@ type Stats struct {
 	PrefetchMisses  int   // see ParamShardBytes
 	PrefetchWasted  int   // see ParamShardBytes
 
-	// With Offload: HostBytes is the engine's host memory (the fp32
-	// gradient shard, the master weights, the optimizer state, the
-	// model-dtype copy of the new parameters and the buffers reduced shards
-	// land in), HostPinnedBytes the part of it that is page-locked (all of
-	// it on a GPU; on the CPU device, what mlock accepted), HostGradBytes
-	// the part that holds gradients (the shard and the landing buffers,
-	// whatever the number of backwards), DeviceBytesSaved the device memory
-	// the same engine holds without Offload and this one does not (the
-	// gradient shard, the master weights and the optimizer state).
+	// With Offload: HostBytes is the engine's host memory (the gradient
+	// shard, the master weights, the optimizer state, the fp32 scratch a
+	// 16-bit shard is widened through, the model-dtype copy of the new
+	// parameters, the buffers reduced shards land in, the overflow flag and
+	// the norm's chunk sums), HostPinnedBytes the part of it that is
+	// page-locked (all of it on a GPU; on the CPU device, what mlock
+	// accepted), HostGradBytes the part that holds gradients (the shard and
+	// the landing buffers, whatever the number of backwards),
+	// DeviceBytesSaved the device memory the same engine holds without
+	// Offload and this one does not (the gradient shard, the master weights
+	// and the optimizer state).
 	HostBytes        int64
 	HostPinnedBytes  int64 // see HostBytes
 	HostGradBytes    int64 // see HostBytes

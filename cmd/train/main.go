@@ -2,7 +2,8 @@
 // in-process ranks with zero: forward and backward written by hand, each
 // layer's gradients handed to the engine as backward produces them, on two
 // streams, and the sharded AdamW step updating the parameters in place. It
-// prints the loss per step. -save writes a checkpoint, -resume continues
+// prints each step as it ends (every -log-every steps), -metrics writes
+// every step as a JSON line. -save writes a checkpoint, -resume continues
 // from one to -steps in all, on the data the run that never stopped had;
 // -export writes the fp32 parameters as one safetensors file.
 package main
@@ -43,7 +44,11 @@ func main() {
 	flag.StringVar(&c.deepspeed, "deepspeed", "", "train from a DeepSpeed config (ds_config.json): its stage, precision, optimizer, schedule, clipping and batch sizes; its \"auto\" values come from the flags, as the Hugging Face Trainer fills them")
 	flag.IntVar(&c.warmup, "warmup", c.warmup, "warmup steps: fills a DeepSpeed config's \"auto\" warmup_num_steps")
 	flag.StringVar(&c.export, "export", "", "at the end, write the fp32 parameters (the master) into this safetensors file")
+	flag.IntVar(&c.logEvery, "log-every", 0, "print every K-th step as it ends: loss, learning rate, loss scale, skipped, gradient norm, samples per second (0: a DeepSpeed config's steps_per_print, else 1)")
+	flag.StringVar(&c.metrics, "metrics", "", "write every step as one JSON object a line into this file (pandas: read_json(FILE, lines=True)); with -resume the lines are appended")
 	flag.Parse()
+	c.given = map[string]bool{}
+	flag.Visit(func(f *flag.Flag) { c.given[f.Name] = true })
 	switch {
 	case *bf16 && *fp16:
 		fmt.Fprintln(os.Stderr, "train: -bf16 and -fp16 together; pick one")
@@ -84,6 +89,13 @@ type config struct {
 	ds        *zero.DeepSpeedConfig
 	// export: a safetensors file of the fp32 parameters at the end.
 	export string
+	// logEvery: a line every so many steps (0: the DeepSpeed config's
+	// steps_per_print, else 1); metrics: a file of JSON lines, a step each.
+	logEvery int
+	metrics  string
+	// given are the flags the command line set: a message marks the
+	// others' values as defaults, never as the user's choice
+	given map[string]bool
 }
 
 func defaultConfig() config {
@@ -96,15 +108,31 @@ func (c config) check() error {
 		return errors.New("world, accum, steps, in and hidden must be at least 1")
 	}
 	if c.batch%(c.world*c.accum) != 0 {
-		return fmt.Errorf("batch %d does not split into %d ranks × %d micro-batches; use a multiple of %d", c.batch, c.world, c.accum, c.world*c.accum)
+		def := defaultConfig()
+		accum := c.flagText("accum", c.accum, def.accum)
+		if c.ds != nil && c.ds.Config.Grads.AccumSteps > 0 {
+			accum = fmt.Sprintf("gradient_accumulation_steps %d (the DeepSpeed config)", c.accum)
+		}
+		return fmt.Errorf("%s does not split into %s ranks × %s micro-batches; give a -batch that is a multiple of %d",
+			c.flagText("batch", c.batch, def.batch), c.flagText("world", c.world, def.world), accum, c.world*c.accum)
 	}
 	switch {
-	case c.saveEvery < 0 || c.keep < 0:
-		return errors.New("-save-every and -keep must be 0 or more")
+	case c.saveEvery < 0 || c.keep < 0 || c.logEvery < 0:
+		return errors.New("-save-every, -keep and -log-every must be 0 or more")
 	case c.saveEvery > 0 && c.save == "":
 		return errors.New("-save-every needs -save DIR: the directory the checkpoints go to")
 	}
 	return nil
+}
+
+// flagText is flag name's value v for a message, marked as the default
+// where the command line did not set it and v is def.
+func (c config) flagText(name string, v, def any) string {
+	s := fmt.Sprintf("-%s %v", name, v)
+	if !c.given[name] && v == def {
+		s += " (the default)"
+	}
+	return s
 }
 
 // ---- the model ----------------------------------------------------------------
@@ -288,11 +316,13 @@ type result struct {
 	waited []time.Duration
 	// settings is rank 0's engine's settings record
 	settings []zero.Setting
+	// log reports each step as it ends
+	log *progress
 }
 
-// run trains c.steps steps on c.world in-process ranks and prints the loss
-// per step to out (nil: prints nothing).
-func run(out io.Writer, c config) (result, error) {
+// run trains c.steps steps on c.world in-process ranks and prints each
+// step as it ends to out (nil: prints nothing).
+func run(out io.Writer, c config) (res result, err error) {
 	if c.deepspeed != "" {
 		var err error
 		if c, err = withDeepSpeed(c, out); err != nil {
@@ -302,9 +332,32 @@ func run(out io.Writer, c config) (result, error) {
 	if err := c.check(); err != nil {
 		return result{}, err
 	}
+	if c.logEvery == 0 {
+		c.logEvery = 1
+		if c.ds != nil && c.ds.StepsPerPrint > 0 {
+			c.logEvery = c.ds.StepsPerPrint
+		}
+	}
 	comms, err := zero.NewLocalGroupTimeout(c.world, time.Minute)
 	if err != nil {
 		return result{}, err
+	}
+	res.log = &progress{out: out, every: c.logEvery, last: c.steps, batch: c.batch}
+	if c.metrics != "" {
+		flags := os.O_WRONLY | os.O_CREATE | os.O_TRUNC
+		if c.resume != "" {
+			flags = os.O_WRONLY | os.O_CREATE | os.O_APPEND
+		}
+		f, err := os.OpenFile(c.metrics, flags, 0o644)
+		if err != nil {
+			return result{}, fmt.Errorf("-metrics: %w", err)
+		}
+		defer func() {
+			if cerr := f.Close(); cerr != nil && err == nil {
+				err = fmt.Errorf("-metrics: %w", cerr)
+			}
+		}()
+		res.log.metrics = f
 	}
 	data := makeData(c)
 	if out != nil {
@@ -322,7 +375,6 @@ func run(out io.Writer, c config) (result, error) {
 			fmt.Fprintf(out, "%v parameters and gradients, fp32 master and moments\n", c.dtype)
 		}
 	}
-	var res result
 	// one goroutine per rank; a rank that fails aborts the others at once
 	err = zero.RunRanks(comms, func(comm zero.Comm) error {
 		var rec *result
@@ -334,32 +386,8 @@ func run(out io.Writer, c config) (result, error) {
 	if err != nil {
 		return res, err
 	}
-	if out != nil {
-		if c.ds != nil {
-			printSettings(out, res.settings)
-		}
-		if c.resume != "" {
-			fmt.Fprintf(out, "resumed from %s after step %d\n", c.resume, res.first)
-		}
-		saved := 0
-		for i, l := range res.loss {
-			st := res.first + i + 1
-			fmt.Fprintf(out, "step %2d  loss %.4f", st, l)
-			if c.dtype == zero.FP16 { // the scale this step's loss was multiplied by
-				fmt.Fprintf(out, "  scale %g", res.stats[i].LossScale)
-				if res.stats[i].Skipped {
-					fmt.Fprint(out, "  skipped: overflow")
-				}
-			}
-			fmt.Fprintln(out)
-			if saved < len(res.saved) && res.saved[saved] == st {
-				fmt.Fprintf(out, "checkpoint of step %d saved in %s\n", st, c.save)
-				saved++
-			}
-		}
-		if c.export != "" {
-			fmt.Fprintf(out, "fp32 parameters exported to %s\n", c.export)
-		}
+	if out != nil && c.export != "" {
+		fmt.Fprintf(out, "fp32 parameters exported to %s\n", c.export)
 	}
 	return res, nil
 }
@@ -552,6 +580,7 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 	if rec != nil {
 		rec.first = start
 		record()
+		rec.log.begin(c, start, rec.settings)
 	}
 	g64 := make([][]float64, 4)
 	for p, n := range m.sizes() {
@@ -655,8 +684,12 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 			rec.stats = append(rec.stats, stats)
 			rec.wall = append(rec.wall, wall)
 			rec.waited = append(rec.waited, stepWaited)
+			if err := rec.log.stepEnded(st, global[0], stats, wall); err != nil {
+				return err
+			}
 			if saved {
 				rec.saved = append(rec.saved, st+1)
+				rec.log.saved(st+1, c.save)
 			}
 		}
 	}
@@ -688,8 +721,9 @@ func resumePosition(c config, comm zero.Comm, client []byte) (int, error) {
 		if err := json.Unmarshal(client, &ts); err != nil {
 			own = fmt.Errorf("%s: the trainer's state in the checkpoint is unreadable (%v); was it written by cmd/train?", c.resume, err)
 		} else if ts.Seed != c.seed || ts.Batch != c.batch || ts.In != c.in {
-			own = fmt.Errorf("%s was trained on the data of -seed %d -batch %d -in %d; resume with those (this run has %d, %d, %d)",
-				c.resume, ts.Seed, ts.Batch, ts.In, c.seed, c.batch, c.in)
+			def := defaultConfig()
+			own = fmt.Errorf("%s was trained on the data of -seed %d -batch %d -in %d; resume with those (this run has %s, %s, %s)",
+				c.resume, ts.Seed, ts.Batch, ts.In, c.flagText("seed", c.seed, def.seed), c.flagText("batch", c.batch, def.batch), c.flagText("in", c.in, def.in))
 		}
 	}
 	// one all-reduce of the outcome and the positions' max and min

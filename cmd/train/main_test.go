@@ -9,6 +9,7 @@ import (
 	"math/rand"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -19,21 +20,28 @@ import (
 )
 
 // Example trains the MLP for five steps on two ranks (ZeRO-2, AdamW) and
-// prints the mean loss of each step's global batch.
+// prints each step as it ends: the mean loss of its global batch, the
+// learning rate, the loss scale, the global gradient norm and the
+// throughput (which varies from run to run: N here).
 func Example() {
 	c := defaultConfig()
 	c.steps = 5
-	if _, err := run(os.Stdout, c); err != nil {
+	var out strings.Builder
+	if _, err := run(&out, c); err != nil {
 		fmt.Println(err)
 	}
+	fmt.Print(throughput.ReplaceAllString(out.String(), "N samples/s"))
 	// Output:
 	// MLP 4→16→1 on 2 ranks, ZeRO-2, AdamW lr 0.01, global batch 24 in 1 backward(s) per step
-	// step  1  loss 130.2793
-	// step  2  loss 133.3672
-	// step  3  loss 124.4466
-	// step  4  loss 121.9456
-	// step  5  loss 117.9970
+	// step  1  loss 130.2793  lr 0.01  scale 1  norm 35.46  N samples/s
+	// step  2  loss 133.3672  lr 0.01  scale 1  norm 36.31  N samples/s
+	// step  3  loss 124.4466  lr 0.01  scale 1  norm 35.89  N samples/s
+	// step  4  loss 121.9456  lr 0.01  scale 1  norm 36.52  N samples/s
+	// step  5  loss 117.9970  lr 0.01  scale 1  norm 36.48  N samples/s
 }
+
+// throughput is a printed step's samples per second.
+var throughput = regexp.MustCompile(`[0-9]+ samples/s`)
 
 // testSeed is ZERO_TEST_SEED, or the clock; the test logs it for a replay.
 func testSeed(t *testing.T) int64 {
@@ -326,12 +334,12 @@ func TestOffloadMatchesDevice(t *testing.T) {
 	}
 }
 
-// lossLines are a run's printed loss lines.
+// lossLines are a run's printed step lines, the throughput left out.
 func lossLines(out string) []string {
 	var ls []string
 	for l := range strings.Lines(out) {
 		if strings.HasPrefix(l, "step ") {
-			ls = append(ls, l)
+			ls = append(ls, throughput.ReplaceAllString(l, "N samples/s"))
 		}
 	}
 	return ls
@@ -512,7 +520,7 @@ func TestResumeRefusals(t *testing.T) {
 		change func(*config)
 		want   string
 	}{
-		{func(c *config) { c.seed++ }, fmt.Sprintf("resume with those (this run has %d, 24, 4)", seed+1)},
+		{func(c *config) { c.seed++ }, fmt.Sprintf("resume with those (this run has -seed %d, -batch 24 (the default), -in 4 (the default))", seed+1)},
 		{func(c *config) { c.batch = 48 }, "-batch 24"},
 		{func(c *config) { c.steps = 3 }, "give at least 4"},
 	} {
@@ -520,6 +528,30 @@ func TestResumeRefusals(t *testing.T) {
 		v.change(&bad)
 		if _, err := run(nil, bad); err == nil || !strings.Contains(err.Error(), v.want) {
 			t.Errorf("got %v, want an error saying %q", err, v.want)
+		}
+	}
+}
+
+// TestMessagesMarkDefaults: a batch that does not split names each value
+// with where it came from: a flag the command line set, one left at its
+// default (marked so), or the DeepSpeed config.
+func TestMessagesMarkDefaults(t *testing.T) {
+	for _, v := range []struct {
+		edit func(*config)
+		want string
+	}{
+		{func(c *config) { c.accum, c.given = 5, map[string]bool{"accum": true} },
+			"-batch 24 (the default) does not split into -world 2 (the default) ranks × -accum 5 micro-batches; give a -batch that is a multiple of 10"},
+		{func(c *config) { c.batch, c.accum, c.given = 30, 4, map[string]bool{"batch": true, "accum": true} },
+			"-batch 30 does not split into -world 2 (the default) ranks × -accum 4 micro-batches; give a -batch that is a multiple of 8"},
+		{func(c *config) {
+			c.deepspeed = writeConfig(t, `{"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 5}`)
+		}, "-batch 24 (the default) does not split into -world 2 (the default) ranks × gradient_accumulation_steps 5 (the DeepSpeed config) micro-batches"},
+	} {
+		c := defaultConfig()
+		v.edit(&c)
+		if _, err := run(nil, c); err == nil || !strings.Contains(err.Error(), v.want) {
+			t.Errorf("%v, want %q", err, v.want)
 		}
 	}
 }
