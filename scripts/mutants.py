@@ -3,13 +3,13 @@
 
 Each mutant replaces one exact piece of source (it must occur exactly once)
 and names the tests that should fail on it. The script applies the mutant,
-runs those tests (or, with --all, the whole root package), restores the file
+runs those tests of the file's package (or, with --all, the whole package), restores the file
 and reports CAUGHT or MISSED. It works on a copy of the working tree, so the
 tree itself is never left mutated. A mutant whose source no longer matches is
 reported STALE: update its text after the code moves, never drop it.
 
     scripts/mutants.py                 # every mutant, its own tests
-    scripts/mutants.py --all           # every mutant, the whole root package
+    scripts/mutants.py --all           # every mutant, the whole package of its file
     scripts/mutants.py norm-unscaled   # the mutants whose names contain this
 
 Exit status 1 when any mutant is missed or stale.
@@ -434,6 +434,14 @@ MUTANTS = [
      "\tin := rv.came\n",
      "\tin := rv.left\n",
      "TestSlipsAreNamed"),
+    ("train-keeps-every-step", "cmd/train/main.go",
+     "\t\t\tif c.trace {\n\t\t\t\trecord()\n",
+     "\t\t\tif true {\n\t\t\t\trecord()\n",
+     "TestRunKeepsNoHistory"),
+    ("train-resume-draws-from-the-start", "cmd/train/main.go",
+     "\tfor ; b.next <= st; b.next++ {",
+     "\tfor stop := b.next; b.next <= stop; b.next++ {",
+     "TestResumeMatchesUninterrupted"),
     # issue 22: local sums in the shard's memory
     ("hosted-sums-overlap", "bucket.go",
      "bp.ShardOffset < free || end > plan.ShardElems",
@@ -458,11 +466,11 @@ MUTANTS = [
 ]
 
 
-def run_tests(tree, pattern):
+def run_tests(tree, pattern, pkg="."):
     cmd = ["go", "test", "-count=1", "-timeout", "300s"]
     if pattern:
         cmd += ["-run", pattern]
-    cmd.append(".")
+    cmd.append(pkg)
     p = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
     return p.returncode, p.stdout + p.stderr
 
@@ -491,7 +499,9 @@ def main(argv):
         try:
             with open(full, "w") as f:
                 f.write(src.replace(old, new))
-            rc, out = run_tests(tree, None if whole else tests)
+            # the tests of the mutated file's own package (cmd/train: ./cmd/train)
+            pkg = "./" + os.path.dirname(path) if os.path.dirname(path) else "."
+            rc, out = run_tests(tree, None if whole else tests, pkg)
         finally:
             with open(full, "w") as f:
                 f.write(src)
