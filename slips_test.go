@@ -301,3 +301,29 @@ func TestStage3OneGatherPerStep(t *testing.T) {
 		t.Fatalf("a backward after Step with no Gather: %v, want ErrParam", err)
 	}
 }
+
+// TestDiscardInsideAWindowKeepsItOpen: DiscardGrads inside a Coalesce
+// window or NoSync leaves the window open, so its end is no slip: it is
+// taken, and the next step's mean is right.
+func TestDiscardInsideAWindowKeepsItOpen(t *testing.T) {
+	for _, noSync := range []bool{false, true} {
+		e, s := oneRank(t, Config{Stage: 2, BucketBytes: 1024})
+		begin, end := e.BeginCoalesce, e.EndCoalesce
+		if noSync {
+			begin, end = e.BeginNoSync, e.EndNoSync
+		}
+		if err := begin(); err != nil {
+			t.Fatal(err)
+		}
+		if err := backward(e, s, constGrads(errTableParams, 5)); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.DiscardGrads(); err != nil {
+			t.Fatal(err)
+		}
+		if err := end(); err != nil {
+			t.Fatalf("noSync %v: the window's end after DiscardGrads inside it: %v", noSync, err)
+		}
+		stillWorks(t, e, s)
+	}
+}
