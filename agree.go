@@ -31,8 +31,14 @@ type stepCheck struct {
 const digestWords = 3
 
 // errCheckFailed marks a failure of the collective itself (not a refused
-// window): the engine cannot go on.
+// window): the engine cannot go on. checkFailed carries the mark without
+// a word in the message, which starts with what was seen.
 var errCheckFailed = errors.New("the window check failed")
+
+type checkFailed struct{ error }
+
+func (c checkFailed) Is(target error) bool { return target == errCheckFailed }
+func (c checkFailed) Unwrap() error        { return c.error }
 
 func newStepCheck(dev Device, comm Comm, s Stream, params int, refs, optimizer bool) (*stepCheck, error) {
 	c := &stepCheck{dev: dev, comm: comm, s: s, refs: -1, dig: -1, used: -1}
@@ -80,7 +86,7 @@ func (c *stepCheck) agree(w windowClaims) (int, []bool, error) {
 		}
 	}
 	failed := func(err error) (int, []bool, error) {
-		return 0, nil, fmt.Errorf("%w: %w", errCheckFailed, divergence("Step", w.backwards, err))
+		return 0, nil, checkFailed{divergence("Step", w.backwards, err)}
 	}
 	if err := c.dev.copy(c.s, c.buf, Float32s(buf)); err != nil {
 		return failed(err)
@@ -130,7 +136,9 @@ func divergence(op string, backwards int, err error) error {
 	if !errors.Is(err, ErrMismatch) && !errors.Is(err, ErrTimeout) {
 		return err
 	}
-	return fmt.Errorf("%s: the ranks' collectives diverged: at stages 2 and 3 ranks that took different numbers of backwards since the last Step (this rank took %d) issued different reductions; every rank must take the same backwards, call windows, gathers and reads at the same points, and at stage 3 hand over the same parameters in a backward that gathers: %w", op, backwards, err)
+	// What was seen comes first (which rank did not come, or what each
+	// called); the causes it may have, after.
+	return fmt.Errorf("%s: %w; check that every rank takes the same number of backwards (this rank has taken %d since the last Step), calls windows, gathers, reads and Step at the same points, and at stage 3 hands over the same parameters in a backward that gathers", op, err, backwards)
 }
 
 // report counts the check's all-reduce in the step's collectives.

@@ -199,6 +199,9 @@ func (cr ckptRun) run(t *testing.T) []ckptState {
 			}
 			backwards := func() error {
 				for k := range 2 {
+					if err := forward(e, s); err != nil {
+						return err
+					}
 					for p := len(ps) - 1; p >= 0; p-- {
 						if _, err := e.GradReady(p, ckptGrad(c, st, k, rank, p, ps[p].Count, e.LossScale()), s); err != nil {
 							return err
@@ -943,6 +946,9 @@ func TestCheckpointCrash(t *testing.T) {
 		}
 		s := NewHostStream()
 		defer s.Close()
+		if err := forward(e, s); err != nil {
+			return err
+		}
 		for p := len(ps) - 1; p >= 0; p-- {
 			if _, err := e.GradReady(p, ckptGrad(c, 2, 0, rank, p, ps[p].Count, e.LossScale()), s); err != nil {
 				return err

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"os"
 	"reflect"
 	"regexp"
 	"slices"
@@ -497,3 +498,52 @@ func TestScheduleDrivesTheGroups(t *testing.T) {
 type badSchedule struct{}
 
 func (badSchedule) At(int, Optimizer) Optimizer { return NewSGD(1) }
+
+// TestAlignBounds: Align as its doc states it (config.go: "default 64, at
+// most 65536"): the documented maximum is taken, and a step at it gives
+// the mean; one more, or a negative Align, is ErrConfig naming Align and
+// its range; 0 is the documented default.
+func TestAlignBounds(t *testing.T) {
+	src, err := os.ReadFile("config.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`Align is the shard granularity in elements \(default (\d+), at most (\d+)\)`).FindSubmatch(src)
+	if m == nil {
+		t.Fatal("config.go no longer documents Align's default and maximum as this test reads them")
+	}
+	def, _ := strconv.Atoi(string(m[1]))
+	most, _ := strconv.Atoi(string(m[2]))
+	if def != 64 || most != 65536 {
+		t.Fatalf("Align documented as default %d, at most %d; the README and this test say 64 and 65536", def, most)
+	}
+	params := []Param{{Name: "w", Count: 5, DType: FP32}}
+	for _, c := range []struct {
+		align, padded int // padded: the bucket's elements at W = 2, 0 for a refusal
+	}{{most, 2 * most}, {0, 2 * def}, {1, 6}, {most + 1, 0}, {-1, 0}} {
+		errs := onEngines(2, 10*time.Second, Config{Stage: 2, BucketBytes: 1 << 20, Align: c.align}, params, func(e *Engine, s *HostStream) error {
+			if got := e.Plan().Buckets[0].Padded; got != c.padded {
+				return fmt.Errorf("the bucket holds %d elements, want %d", got, c.padded)
+			}
+			if err := backward(e, s, constGrads(params, 1)); err != nil {
+				return err
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			full, err := e.FullGrads()
+			if err != nil {
+				return err
+			}
+			return wantAll(full, 1)
+		})
+		for r, err := range errs {
+			switch {
+			case c.padded > 0 && err != nil:
+				t.Errorf("Align %d: rank %d: %v", c.align, r, err)
+			case c.padded == 0 && (!errors.Is(err, ErrConfig) || !strings.Contains(fmt.Sprint(err), fmt.Sprintf("Align %d; set a shard granularity of 1 to %d elements", c.align, most))):
+				t.Errorf("Align %d: rank %d: %v, want ErrConfig naming Align and 1 to %d", c.align, r, err, most)
+			}
+		}
+	}
+}

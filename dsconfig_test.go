@@ -271,6 +271,9 @@ func dsEngines(t *testing.T, cfg Config, dt DType, sizes []int, fn func(rank int
 // dsBackward hands over one backward: element j of parameter p's gradient
 // is g(p, j) times the engine's loss scale.
 func dsBackward(e *Engine, s *HostStream, ps []Param, g func(p, j int) float64) error {
+	if err := forward(e, s); err != nil {
+		return err
+	}
 	for p := len(ps) - 1; p >= 0; p-- {
 		b := newTBuf(ps[p].DType, ps[p].Count)
 		for j := range ps[p].Count {

@@ -21,39 +21,6 @@ type errorRow struct {
 	provoke func(t *testing.T)
 }
 
-var errTableParams = []Param{{Name: "w", Count: 300, DType: FP32}, {Name: "b", Count: 40, DType: FP32}}
-
-// oneRank is a one-rank engine over errTableParams and a stream.
-func oneRank(t *testing.T, cfg Config) (*Engine, *HostStream) {
-	t.Helper()
-	comms, _ := NewLocalGroup(1)
-	e, err := New(cfg, comms[0], errTableParams)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := NewHostStream()
-	t.Cleanup(func() { e.Close(); s.Close() })
-	return e, s
-}
-
-// stillWorks takes a backward of ones and a Step, and wants the mean 1.
-func stillWorks(t *testing.T, e *Engine, s Stream) {
-	t.Helper()
-	if err := backward(e, s, constGrads(errTableParams, 1)); err != nil {
-		t.Fatalf("the engine should go on: %v", err)
-	}
-	if err := e.Step(); err != nil {
-		t.Fatalf("the engine should go on: %v", err)
-	}
-	full, err := e.FullGrads()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := wantAll(full, 1); err != nil {
-		t.Fatal(err)
-	}
-}
-
 // want fails t unless err wraps every one of kinds.
 func want(t *testing.T, what string, err error, kinds ...error) {
 	t.Helper()
@@ -69,12 +36,6 @@ func want(t *testing.T, what string, err error, kinds ...error) {
 func fatalAfter(t *testing.T, e *Engine, cause error) {
 	t.Helper()
 	want(t, "the call after a fatal error", e.Step(), ErrCollective, cause)
-}
-
-// twoRanks runs fn on two ranks of a group with the given timeout; the
-// comms are not closed when fn returns.
-func twoRanks(timeout time.Duration, cfg Config, fn func(e *Engine, s *HostStream) error) []error {
-	return onEngines(2, timeout, cfg, errTableParams, fn)
 }
 
 // errorComm fails every all-reduce with an error of the caller's own.

@@ -259,3 +259,42 @@ func TestTransformerParams(t *testing.T) {
 		}
 	}
 }
+
+// TestEstimateFrameworkParams: the framework's own parameter memory is
+// every parameter at stages 1 and 2 (Step writes the new values into it)
+// and, at stage 3, the frozen ones only (the engine reads their memory for
+// good; the others may be freed after New), in the model dtype; Total and
+// ModelStates count it, Engine does not.
+func TestEstimateFrameworkParams(t *testing.T) {
+	for _, dt := range []DType{BF16, FP32} {
+		params, _ := estimateModel(dt)
+		all, frozen := int64(0), int64(0)
+		for _, p := range params {
+			all += int64(p.Count * dt.Size())
+			if p.Frozen {
+				frozen += int64(p.Count * dt.Size())
+			}
+		}
+		if frozen == 0 || frozen == all {
+			t.Fatal("the model needs frozen and trained parameters")
+		}
+		for _, stage := range []int{1, 2, 3} {
+			for _, offload := range []bool{false, true} {
+				cfg := Config{Stage: stage, BucketBytes: 512, Offload: OffloadPolicy{Optimizer: offload},
+					Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}
+				est, err := Estimate(params, cfg, 2, Run{})
+				if err != nil {
+					t.Fatal(err)
+				}
+				want := all
+				if stage == 3 {
+					want = frozen
+				}
+				d := est.Device
+				if d.FrameworkParams != want || d.Total()-d.Engine() != want || d.ModelStates()-(d.ParamShard+d.GradShard+d.LocalSums+d.WindowSums+d.Master+d.OptimizerState+d.NewParams) != want {
+					t.Errorf("%v stage %d offload %v: FrameworkParams %d (Total − Engine %d), want %d", dt, stage, offload, d.FrameworkParams, d.Total()-d.Engine(), want)
+				}
+			}
+		}
+	}
+}

@@ -385,7 +385,7 @@ func (c *fzCase) decodeOp(r *fzBytes) {
 		a := r.next()
 		c.add(fzOp{kind: [...]fzKind{fzShard, fzFull, fzView}[a%3], params: []int{int(a/3) % np}})
 	case b < fzCodeEnd:
-		c.add(fzOp{kind: fzGrads, params: some(), poison: -1, silent: -1})
+		c.grads(fzOp{kind: fzGrads, params: some(), poison: -1, silent: -1})
 	case b < fzCodeBoundary:
 		c.add(fzOp{kind: fzEnd})
 	case b < fzCodeBeginCoalesce:
@@ -409,15 +409,30 @@ func (c *fzCase) decodeOp(r *fzBytes) {
 		c.add(fzOp{kind: fzClose})
 	default:
 		rank := int(r.next()) % c.world
-		c.add(fzOp{kind: fzGrads, params: some(), poison: rank, silent: -1})
+		c.grads(fzOp{kind: fzGrads, params: some(), poison: rank, silent: -1})
 	}
+}
+
+// grads appends a batch as written; at stage 3 with parameters, gathered
+// before and released after, since GradReady refuses a parameter that no
+// Gather named since the last Step (a rule every rank breaks alike, which
+// TestStage3GradWithoutGather holds).
+func (c *fzCase) grads(op fzOp) {
+	if c.stage == 3 && c.memory {
+		c.add(fzOp{kind: fzGather, params: op.params})
+		c.add(op)
+		c.add(fzOp{kind: fzRelease, params: op.params})
+		return
+	}
+	c.add(op)
 }
 
 // backward appends a backward: bits of a: 0-1 the order (reverse
 // registration, shuffled per rank, registration), 2-3 the batching, 4 a
 // SetBoundary(true) first, 5 parameter a2%n left out on every rank, 6 rank
-// (a2>>3)%W silent, 7 (stage 3 with parameters) every parameter gathered
-// around it; a2 ≥ 248 puts an inf in rank a2%W's gradients.
+// (a2>>3)%W silent; a2 ≥ 248 puts an inf in rank a2%W's gradients. At
+// stage 3 with parameters every parameter is gathered around its gradient
+// (GradReady refuses one that no Gather named since the last Step).
 func (c *fzCase) backward(a, a2 byte) {
 	np := len(c.sizes)
 	op := fzOp{kind: fzBackward, silent: -1, poison: -1}
@@ -441,7 +456,7 @@ func (c *fzCase) backward(a, a2 byte) {
 	if a2 >= 248 {
 		op.poison = int(a2) % c.world
 	}
-	gathered := a&128 != 0 && c.stage == 3 && c.memory
+	gathered := c.stage == 3 && c.memory
 	all := make([]int, np)
 	for i := range all {
 		all[i] = np - 1 - i

@@ -45,7 +45,7 @@ func NewCUDALocalGroupTimeout(n int, dev Device, timeout time.Duration) ([]Comm,
 		return nil, errorf(ErrDevice, "NewCUDALocalGroup: device %s is not a CUDA device; pass one from zero.CUDA", deviceName(dev))
 	}
 	g := &cudaGroup{n: n, dev: d, timeout: timeout, slots: make([]cudaSlot, n),
-		phase: &cudaPhase{done: make(chan struct{})}, abortLatch: newAbortLatch()}
+		phase: newCUDAPhase(n), abortLatch: newAbortLatch()}
 	comms := make([]Comm, n)
 	for r := range comms {
 		c := &cudaLocalComm{g: g, rank: r}
@@ -68,10 +68,15 @@ type cudaGroup struct {
 	phase      *cudaPhase
 }
 
+func newCUDAPhase(n int) *cudaPhase {
+	return &cudaPhase{came: make([]bool, n), done: make(chan struct{})}
+}
+
 // cudaPhase is one rendezvous: done closes when the last rank has enqueued
 // the collective (or failed to).
 type cudaPhase struct {
-	claimed bool // every rank arrived; the last one enqueues for all (under cudaGroup.mu)
+	claimed bool   // every rank arrived; the last one enqueues for all (under cudaGroup.mu)
+	came    []bool // per rank: arrived (what a timeout names; under cudaGroup.mu)
 	done    chan struct{}
 	err     error
 }
@@ -135,12 +140,13 @@ func (c *cudaLocalComm) collective(s Stream, a collArgs, payload int, ts ...Tens
 	}
 	ph := g.phase
 	g.slots[c.rank] = cudaSlot{a: a, stream: cs, ready: ready}
+	ph.came[c.rank] = true
 	g.arrived++
 	if g.arrived == g.n {
 		slots := append([]cudaSlot(nil), g.slots...)
 		g.arrived = 0
 		ph.claimed = true
-		g.phase = &cudaPhase{done: make(chan struct{})}
+		g.phase = newCUDAPhase(g.n)
 		g.mu.Unlock()
 		ph.err = g.run(c.rank, slots)
 		if ph.err != nil {
@@ -160,7 +166,16 @@ func (c *cudaLocalComm) collective(s Stream, a collArgs, payload int, ts ...Tens
 	case <-timer.C:
 		g.mu.Lock()
 		if !ph.claimed {
-			g.abortLocked(errorf(ErrTimeout, "rank %d waited %v in %v for its peers; a rank failed, returned early or issued fewer collectives", c.rank, g.timeout, a))
+			var missing, there []int
+			for r, ok := range ph.came {
+				if ok {
+					there = append(there, r)
+				} else {
+					missing = append(missing, r)
+				}
+			}
+			g.abortLocked(errorf(ErrTimeout, "%v on rank %d: %s did not arrive within %v (%s did); %s failed, returned early or issued fewer collectives",
+				a, c.rank, ranksText(missing), g.timeout, ranksText(there), ranksText(missing)))
 		}
 		g.mu.Unlock()
 	}
@@ -180,10 +195,14 @@ func (c *cudaLocalComm) collective(s Stream, a collArgs, payload int, ts ...Tens
 // run enqueues one collective for every rank on the stream of rank last.
 func (g *cudaGroup) run(last int, slots []cudaSlot) error {
 	a := slots[last].a
-	for r, o := range slots {
+	for _, o := range slots {
 		oa := o.a
 		if oa.kind != a.kind || oa.op != a.op || oa.root != a.root || oa.dtype != a.dtype || oa.count != a.count {
-			return errorf(ErrMismatch, "rank %d called %v while rank %d called %v; every rank must issue the same collectives in the same order", last, a, r, oa)
+			calls := make([]collArgs, len(slots))
+			for i := range slots {
+				calls[i] = slots[i].a
+			}
+			return errorf(ErrMismatch, "%s; every rank must issue the same collectives in the same order", callsText(calls))
 		}
 	}
 	d, L := g.dev, slots[last].stream

@@ -47,11 +47,12 @@ type localGroup struct {
 // rendezvous is one collective: the k-th collective of every rank meets
 // the k-th of the others, whatever streams they run on.
 type rendezvous struct {
-	args     []collArgs
-	arrived  int
-	departed int
-	all      chan struct{} // every rank published its arguments
-	done     chan struct{} // every rank finished its part
+	args       []collArgs
+	came, left []bool // per rank: arrived, departed (what a timeout names)
+	arrived    int
+	departed   int
+	all        chan struct{} // every rank published its arguments
+	done       chan struct{} // every rank finished its part
 }
 
 // meet counts rank in at one phase of collective seq and returns when
@@ -72,18 +73,20 @@ func (g *localGroup) meet(rank int, seq uint64, a *collArgs) (*rendezvous, error
 	}
 	rv := g.pending[seq]
 	if rv == nil {
-		rv = &rendezvous{args: make([]collArgs, g.n), all: make(chan struct{}), done: make(chan struct{})}
+		rv = &rendezvous{args: make([]collArgs, g.n), came: make([]bool, g.n), left: make([]bool, g.n), all: make(chan struct{}), done: make(chan struct{})}
 		g.pending[seq] = rv
 	}
 	var ch chan struct{}
 	if a != nil {
 		rv.args[rank] = *a
+		rv.came[rank] = true
 		rv.arrived++
 		ch = rv.all
 		if rv.arrived == g.n {
 			close(ch)
 		}
 	} else {
+		rv.left[rank] = true
 		rv.departed++
 		ch = rv.done
 		if rv.departed == g.n {
@@ -103,7 +106,9 @@ func (g *localGroup) meet(rank int, seq uint64, a *collArgs) (*rendezvous, error
 		return rv, nil
 	case <-aborted:
 	case <-timer.C:
-		g.abort(errorf(ErrTimeout, "rank %d waited %v for its peers in collective %d; a rank failed, returned early or issued fewer collectives", rank, g.timeout, seq))
+		if err := g.timedOut(rank, seq, rv, a == nil); err != nil {
+			g.abort(err)
+		}
 	}
 	select {
 	case <-ch: // the phase completed before the abort: the peers work on
@@ -111,6 +116,73 @@ func (g *localGroup) meet(rank int, seq uint64, a *collArgs) (*rendezvous, error
 	default:
 		return nil, g.abortErr()
 	}
+}
+
+// timedOut says what rank saw when collective seq timed out: which ranks
+// did not come (or, departing, did not finish their part) and which did;
+// nil when every rank came as the timer fired.
+func (g *localGroup) timedOut(rank int, seq uint64, rv *rendezvous, departing bool) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	in := rv.came
+	if departing {
+		in = rv.left
+	}
+	var missing, there []int
+	for r, ok := range in {
+		if ok {
+			there = append(there, r)
+		} else {
+			missing = append(missing, r)
+		}
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	if departing {
+		return errorf(ErrTimeout, "collective %d: %s did not finish %s part within %v (%s did); a stream of %s stalled",
+			seq, ranksText(missing), its(missing), g.timeout, ranksText(there), ranksText(missing))
+	}
+	return errorf(ErrTimeout, "collective %d (%v on rank %d): %s did not arrive within %v (%s did); %s failed, returned early or issued fewer collectives",
+		seq, rv.args[rank], rank, ranksText(missing), g.timeout, ranksText(there), ranksText(missing))
+}
+
+// ranksText names a set of ranks: "rank 1", "ranks 1 and 3", "ranks 1, 2 and 3".
+func ranksText(rs []int) string {
+	if len(rs) == 1 {
+		return fmt.Sprint("rank ", rs[0])
+	}
+	s := "ranks "
+	for i, r := range rs {
+		switch {
+		case i == 0:
+		case i == len(rs)-1:
+			s += " and "
+		default:
+			s += ", "
+		}
+		s += fmt.Sprint(r)
+	}
+	return s
+}
+
+// callsText says what each rank called: "rank 0 called X, rank 1 called Y".
+func callsText(args []collArgs) string {
+	s := ""
+	for r, a := range args {
+		if r > 0 {
+			s += ", "
+		}
+		s += fmt.Sprintf("rank %d called %v", r, a)
+	}
+	return s
+}
+
+func its(rs []int) string {
+	if len(rs) == 1 {
+		return "its"
+	}
+	return "their"
 }
 
 type localComm struct {
@@ -174,10 +246,9 @@ func (c *localComm) run(seq uint64, a collArgs) error {
 	if err != nil {
 		return err
 	}
-	for r, o := range rv.args {
+	for _, o := range rv.args {
 		if o.kind != a.kind || o.op != a.op || o.root != a.root || o.dtype != a.dtype || o.count != a.count {
-			err := errorf(ErrMismatch, "collective %d: rank %d called %v while rank %d called %v; every rank must issue the same collectives in the same order",
-				seq, c.rank, a, r, o)
+			err := errorf(ErrMismatch, "collective %d: %s; every rank must issue the same collectives in the same order", seq, callsText(rv.args))
 			g.abort(err)
 			return err
 		}

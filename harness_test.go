@@ -428,12 +428,39 @@ func producerRule(t *testing.T, params []Param, group func(int) ([]Comm, error),
 
 // backward reports every parameter of params from s and ends the backward.
 func backward(e *Engine, s Stream, grads []Tensor) error {
+	if err := forward(e, s); err != nil {
+		return err
+	}
 	for p := len(grads) - 1; p >= 0; p-- {
 		if _, err := e.GradReady(p, grads[p], s); err != nil {
 			return err
 		}
 	}
 	return e.EndBackward()
+}
+
+// forward is a stage-3 forward (nothing below stage 3, or without
+// parameter memory): every parameter with a shard that no Gather named
+// since the last Step gathered on s and released, as a framework's
+// forward reads them. GradReady refuses a parameter no Gather named; a
+// test that gathers by itself gets no gathers more.
+func forward(e *Engine, s Stream) error {
+	if e.ps == nil {
+		return nil
+	}
+	var ids []int
+	for p := range e.params {
+		if !e.params[p].Frozen && e.ps.unasked(p) {
+			ids = append(ids, p)
+		}
+	}
+	if len(ids) == 0 {
+		return nil
+	}
+	if _, err := e.Gather(s, ids...); err != nil {
+		return err
+	}
+	return e.Release(s, ids...)
 }
 
 // constGrads is one gradient per parameter, every element v.
@@ -1943,6 +1970,9 @@ func runNormWayIn(t *testing.T, d normData, stage int, offload bool, shardDType,
 		for st := range d.grads[rank] {
 			k := 0
 			backward := func() error {
+				if err := forward(e, s); err != nil {
+					return err
+				}
 				for p := len(ps) - 1; p >= 0; p-- {
 					if _, err := e.GradReady(p, Halfs(d.grads[rank][st][k][p], BF16), s); err != nil {
 						return err
@@ -1967,4 +1997,46 @@ func runNormWayIn(t *testing.T, d normData, stage int, offload bool, shardDType,
 	})
 	everyRankIs(t, fmt.Sprintf("stage %d offload %v shard %v %s fused %v", stage, offload, shardDType, way.name, fused), errs, nil)
 	return out
+}
+
+// errTableParams, oneRank, stillWorks and twoRanks serve the tests of
+// errors: the error table and the slips.
+
+var errTableParams = []Param{{Name: "w", Count: 300, DType: FP32}, {Name: "b", Count: 40, DType: FP32}}
+
+// oneRank is a one-rank engine over errTableParams and a stream.
+func oneRank(t *testing.T, cfg Config) (*Engine, *HostStream) {
+	t.Helper()
+	comms, _ := NewLocalGroup(1)
+	e, err := New(cfg, comms[0], errTableParams)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := NewHostStream()
+	t.Cleanup(func() { e.Close(); s.Close() })
+	return e, s
+}
+
+// stillWorks takes a backward of ones and a Step, and wants the mean 1.
+func stillWorks(t *testing.T, e *Engine, s Stream) {
+	t.Helper()
+	if err := backward(e, s, constGrads(errTableParams, 1)); err != nil {
+		t.Fatalf("the engine should go on: %v", err)
+	}
+	if err := e.Step(); err != nil {
+		t.Fatalf("the engine should go on: %v", err)
+	}
+	full, err := e.FullGrads()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := wantAll(full, 1); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// twoRanks runs fn on two ranks of a group with the given timeout; the
+// comms are not closed when fn returns.
+func twoRanks(timeout time.Duration, cfg Config, fn func(e *Engine, s *HostStream) error) []error {
+	return onEngines(2, timeout, cfg, errTableParams, fn)
 }

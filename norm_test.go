@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"slices"
 	"testing"
+	"time"
 )
 
 // TestNormChunkSums: a landing that sums squares stores the bits plain
@@ -236,5 +237,55 @@ func TestNormOrderVsFloat64(t *testing.T) {
 		exact, math.Abs(got-exact)/u, bound/u, math.Abs(old-exact)/u, oldBound/u)
 	if math.Abs(got-exact) > bound || bound > oldBound {
 		t.Fatalf("error %.3g, bound %.3g, the old order's bound %.3g", math.Abs(got-exact), bound, oldBound)
+	}
+}
+
+// TestNormAddsBucketsInOrder: Step's norm adds the buckets' sums in bucket
+// order, in float64 (the documented order), on the device and offloaded.
+// Bucket 0 (the parameter registered last) sums to 2^53, where float64's
+// ulp is 2, and 32 buckets after it to 1 each: in bucket order each 1
+// rounds away (ties to even), so the sum is 2^53; in any other order some
+// of the ones add up first and survive.
+func TestNormAddsBucketsInOrder(t *testing.T) {
+	const small = 32
+	params := make([]Param, small+1)
+	grads := make([]Tensor, small+1)
+	for p := range small {
+		params[p] = Param{Name: fmt.Sprint("one", p), Count: 1, DType: FP32, Data: Float32s(make([]float32, 1))}
+		grads[p] = Float32s([]float32{1})
+	}
+	params[small] = Param{Name: "big", Count: 2, DType: FP32, Data: Float32s(make([]float32, 2))}
+	grads[small] = Float32s([]float32{0x1p26, 0x1p26}) // 2 · 2^52
+	inOrder, reversed := 0.0, 0.0
+	bucketSums := []float64{0x1p53}
+	for range small {
+		bucketSums = append(bucketSums, 1)
+	}
+	for b := range bucketSums {
+		inOrder += bucketSums[b]
+		reversed += bucketSums[len(bucketSums)-1-b]
+	}
+	if math.Sqrt(inOrder) == math.Sqrt(reversed) {
+		t.Fatal("the orders agree: the case cannot tell them apart")
+	}
+	for _, offload := range []bool{false, true} {
+		cfg := Config{Stage: 2, BucketBytes: 4, Align: 1, Offload: OffloadPolicy{Optimizer: offload},
+			Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0)}}}
+		errs := onEngines(1, 10*time.Second, cfg, params, func(e *Engine, s *HostStream) error {
+			if n := len(e.Plan().Buckets); n != small+1 || !slices.Equal(e.Plan().Buckets[0].Params, []int{small}) {
+				return fmt.Errorf("%d buckets, bucket 0 holds %v; want %d, the big parameter first", n, e.Plan().Buckets[0].Params, small+1)
+			}
+			if err := backward(e, s, grads); err != nil {
+				return err
+			}
+			if err := e.Step(); err != nil {
+				return err
+			}
+			if got, want := e.Stats().GradNorm, math.Sqrt(inOrder); got != want {
+				return fmt.Errorf("norm %v, want %v (√ of the sums in bucket order); in reverse order it would be %v", got, want, math.Sqrt(reversed))
+			}
+			return nil
+		})
+		everyRankIs(t, fmt.Sprintf("offload %v", offload), errs, nil)
 	}
 }

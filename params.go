@@ -39,6 +39,10 @@ type paramState struct {
 	mem     memoryMeter // shard + gather buffers, in use or idle
 	buckets []gathered
 	refs    []int // per parameter
+	// asked marks the parameters a caller's Gather named since the last
+	// Step (the prefetch's gathers do not count): a gradient of any other
+	// came from a forward that read no gathered view.
+	asked []bool
 
 	gatheredBytes int64 // buffers holding a gathered bucket
 
@@ -134,7 +138,7 @@ func loadShard(ld loadSpec, pool *bufferPool, into Tensor) error {
 // stream; ld.s the stream the step updates the shard on.
 func newParamState(ld loadSpec, cfg ParamPolicy, gs Stream) (*paramState, error) {
 	ps := &paramState{dev: ld.dev, comm: ld.comm, plan: ld.plan, params: ld.params, world: ld.comm.Size(), gs: gs, rs: ld.s,
-		refs: make([]int, len(ld.params)), buckets: make([]gathered, len(ld.plan.Buckets)),
+		refs: make([]int, len(ld.params)), asked: make([]bool, len(ld.params)), buckets: make([]gathered, len(ld.plan.Buckets)),
 		prefetchBytes: int64(cfg.PrefetchBytes), liveBytes: int64(cfg.LiveParamBytes)}
 	ps.pool = newBufferPool(ps.dev, ps.plan.modelDType(), &ps.mem)
 	var err error
@@ -211,6 +215,12 @@ func (ps *paramState) check(op string, s Stream, list []int) error {
 	return nil
 }
 
+// unasked reports whether parameter p has a shard and no caller's Gather
+// named it since the last Step.
+func (ps *paramState) unasked(p int) bool {
+	return ps.plan.ParamBucket[p] >= 0 && !ps.asked[p]
+}
+
 // gather is Gather: see there.
 func (ps *paramState) gather(s Stream, list []int) ([]Tensor, error) {
 	views := make([]Tensor, len(list))
@@ -248,6 +258,7 @@ func (ps *paramState) gather(s Stream, list []int) ([]Tensor, error) {
 		}
 		g.refs++
 		ps.refs[p]++
+		ps.asked[p] = true
 		views[i] = g.buf.t.slice(ps.plan.ParamOffset[p], ps.params[p].Count)
 	}
 	return views, ps.prefetch()
@@ -439,6 +450,7 @@ func (ps *paramState) endWindow() error {
 		err = ps.rs.Wait(ev)
 	}
 	st.last, st.order, st.cursor = append(st.last[:0], st.order...), st.order[:0], 0
+	clear(st.asked)
 	return err
 }
 

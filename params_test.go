@@ -525,6 +525,7 @@ func TestStage3PrefetchStats(t *testing.T) {
 	defer e.Close()
 	s := NewHostStream()
 	defer s.Close()
+	grads := constGrads(ps, 1)
 	window := func(order ...int) Stats {
 		for _, p := range order {
 			if _, err := e.Gather(s, p); err != nil {
@@ -534,7 +535,12 @@ func TestStage3PrefetchStats(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if err := backward(e, s, constGrads(ps, 1)); err != nil {
+		for _, p := range order { // the gradients of what the forward read
+			if _, err := e.GradReady(p, grads[p], s); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := e.EndBackward(); err != nil {
 			t.Fatal(err)
 		}
 		if err := e.Step(); err != nil {

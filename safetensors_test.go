@@ -133,6 +133,9 @@ func stTrain(t *testing.T, c stCase, seed uint64, steps int, params func(rank in
 		defer s.Close()
 		rng := randv2.New(randv2.NewPCG(seed, uint64(rank)+100))
 		for range steps {
+			if err := forward(e, s); err != nil {
+				return err
+			}
 			for p := len(ps) - 1; p >= 0; p-- {
 				if ps[p].Frozen {
 					continue

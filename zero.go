@@ -55,9 +55,15 @@ type Engine struct {
 	stepIndex int
 	readScale float32 // the mean's 1/G, applied by whatever reads the shard
 	discarded bool    // DiscardGrads dropped the shard's sums: nothing to read until Step
-	stats     Stats
-	failed    error
-	closed    bool
+	// endedBy names the DiscardGrads (or failed Coalesce or NoSync) that
+	// ended the backward, until a gradient, a window or Step comes: an
+	// EndBackward in between would count an empty backward and shrink the
+	// next mean.
+	endedBy     string
+	closedByEnd bool // and it closed a window: a window's end is refused too
+	stats       Stats
+	failed      error
+	closed      bool
 	// aborted holds Abort's reason; it is set from any goroutine.
 	aborted atomic.Pointer[error]
 	// callerStreams are the streams the caller handed over since the last
@@ -248,6 +254,9 @@ func (e *Engine) fail(err error) error {
 // (fatal).
 func (e *Engine) ownFailure(err error, caller Stream) error {
 	if e.pl.reducesOn(caller) { // a reduction it carries is lost with it
+		if hs, ok := caller.(*HostStream); ok && hs.failure() != nil {
+			err = hs.failure() // what failed, not the advice for a stream of the caller's
+		}
 		return e.fail(divergence("a reduction on the caller's stream", e.backwards, err))
 	}
 	for _, s := range e.streams {
@@ -311,6 +320,12 @@ func (e *Engine) SetBoundary(b bool) {
 // same stream is ordered after it anyway. A nil event (a parameter of zero
 // elements) means the memory was never read. The event is the engine's:
 // it stays valid until the next Step, which reuses it.
+//
+// At stage 3 with parameter memory, a gradient of a parameter that no
+// Gather of the caller named since the last Step is refused (ErrParam):
+// its forward cannot have read the current value, which lives only in the
+// shards. The engine's prefetch does not count; one Gather covers every
+// backward until Step.
 func (e *Engine) GradReady(param int, grad Tensor, stream Stream) (Event, error) {
 	e.one.param[0], e.one.grad[0] = param, grad
 	ev, err := e.GradsReady(e.one.param[:], e.one.grad[:], stream)
@@ -339,6 +354,7 @@ func (e *Engine) GradsReady(params []int, grads []Tensor, stream Stream) (Event,
 		}
 	}
 	e.inBackward = true
+	e.endedBy = ""
 	e.lastStream = stream
 	e.callerStreams[stream] = struct{}{}
 	taken, err := e.pl.takeBatch(params, grads, stream)
@@ -395,6 +411,10 @@ func (e *Engine) checkGrads(params []int, grads []Tensor, stream Stream) error {
 		if grad.count > 0 && grad.ptr == 0 {
 			return errorf(ErrGradSize, "GradReady(%d %q): gradient has no memory", param, p.Name)
 		}
+		if e.ps != nil && e.ps.unasked(param) {
+			return errorf(ErrParam, "GradReady(%d %q) at stage 3 with no Gather of it since the last Step: "+
+				"Param.Data is read at New only; read the parameter in the forward through Gather's view, and Release it after", param, p.Name)
+		}
 	}
 	return e.pl.markReported(params, func(p int) string { return e.params[p].Name })
 }
@@ -414,6 +434,10 @@ func (e *Engine) lastBackward() bool {
 func (e *Engine) EndBackward() error {
 	if err := e.usable("EndBackward"); err != nil {
 		return err
+	}
+	if e.endedBy != "" {
+		return errorf(ErrProtocol, "EndBackward right after %s, which ended the backward and dropped every gradient since the last Step: "+
+			"this EndBackward would count an empty backward and shrink the next mean; leave it out, and take the step's backwards again from the first", e.endedBy)
 	}
 	s := e.lastStream
 	if s == nil {
@@ -465,6 +489,7 @@ func (e *Engine) DiscardGrads() error {
 	clear(e.usedWindow)
 	e.win.afterFlush()
 	e.discarded = true
+	e.endedBy, e.closedByEnd = "DiscardGrads", false
 	return nil
 }
 
@@ -539,6 +564,7 @@ func (e *Engine) Step() error {
 	clear(e.callerStreams)
 	e.stepIndex++
 	e.discarded = false
+	e.endedBy = ""
 	e.backwards = 0
 	e.readScale = readScale
 	clear(e.usedWindow)
@@ -869,6 +895,7 @@ func (e *Engine) beginWindow(op string, noSync bool) error {
 		return err
 	}
 	e.win.begin(noSync)
+	e.endedBy = ""
 	return nil
 }
 
@@ -877,6 +904,9 @@ func (e *Engine) beginWindow(op string, noSync bool) error {
 // stage's. It acts as a boundary: Step may follow at once.
 func (e *Engine) EndCoalesce() error {
 	if err := e.usable("EndCoalesce"); err != nil {
+		return err
+	}
+	if err := e.afterFailedWindow("EndCoalesce"); err != nil {
 		return err
 	}
 	if err := e.win.checkEndCoalesce(e.inBackward); err != nil {
@@ -893,6 +923,9 @@ func (e *Engine) EndNoSync() error {
 	if err := e.usable("EndNoSync"); err != nil {
 		return err
 	}
+	if err := e.afterFailedWindow("EndNoSync"); err != nil {
+		return err
+	}
 	if err := e.win.checkEndNoSync(e.inBackward); err != nil {
 		return err
 	}
@@ -906,25 +939,37 @@ func (e *Engine) EndNoSync() error {
 // dropped, as DiscardGrads drops them, and the window ends without
 // reducing (every rank must see the failure, as with any failed step).
 func (e *Engine) Coalesce(fn func() error) error {
-	return e.within(e.BeginCoalesce, fn, e.EndCoalesce)
+	return e.within("Coalesce", e.BeginCoalesce, fn, e.EndCoalesce)
 }
 
 // NoSync runs fn's backwards without reducing them, as BeginNoSync and
 // EndNoSync around it. When fn fails, NoSync ends, and every gradient taken
 // since the last Step is dropped, as Coalesce does.
 func (e *Engine) NoSync(fn func() error) error {
-	return e.within(e.BeginNoSync, fn, e.EndNoSync)
+	return e.within("NoSync", e.BeginNoSync, fn, e.EndNoSync)
+}
+
+// afterFailedWindow refuses op, a window's end, right after a failed
+// Coalesce or NoSync closed the window itself.
+func (e *Engine) afterFailedWindow(op string) error {
+	if e.endedBy == "" || !e.closedByEnd {
+		return nil
+	}
+	return errorf(ErrProtocol, "%s right after %s, which closed its window and dropped every gradient since the last Step; leave it out, and take the step's backwards again from the first", op, e.endedBy)
 }
 
 // within runs fn between begin and end. When fn fails it drops the
 // window's gradients and closes the window instead of ending it.
-func (e *Engine) within(begin, fn, end func() error) error {
+func (e *Engine) within(op string, begin, fn, end func() error) error {
 	if err := begin(); err != nil {
 		return err
 	}
 	if err := fn(); err != nil {
 		discarded := e.DiscardGrads()
 		e.win.abandon()
+		if discarded == nil {
+			e.endedBy, e.closedByEnd = "a failed "+op, true
+		}
 		return errors.Join(err, discarded)
 	}
 	return end()

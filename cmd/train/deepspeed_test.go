@@ -28,7 +28,7 @@ func writeConfig(t *testing.T, text string) string {
 // clipping, a global batch of 24) trains to the same bits as the flags.
 func TestDeepSpeedEqualsFlags(t *testing.T) {
 	for _, stage := range []int{1, 2, 3} {
-		c := defaultConfig()
+		c := traced()
 		c.stage, c.steps = stage, 6
 		want, err := run(nil, c)
 		if err != nil {
@@ -59,7 +59,7 @@ func TestDeepSpeedEqualsFlags(t *testing.T) {
 // and the settings it took, its WarmupLR starts at rate 0 (the first step
 // leaves the parameters as they were), and the loss falls.
 func TestDeepSpeedHFConfig(t *testing.T) {
-	c := defaultConfig()
+	c := traced()
 	c.deepspeed = filepath.Join("..", "..", "testdata", "deepspeed", "hf_ds_config_zero2_bf16.json")
 	c.dtype, c.steps, c.accum, c.warmup = zero.BF16, 12, 2, 3
 	var out bytes.Buffer
@@ -92,7 +92,7 @@ func TestDeepSpeedHFConfig(t *testing.T) {
 // scale: the first steps overflow at 2^16 and are skipped, the scale
 // falls, and then the loss does.
 func TestDeepSpeedFP16(t *testing.T) {
-	c := defaultConfig()
+	c := traced()
 	c.deepspeed = writeConfig(t, `{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true, "hysteresis": 1},
 		"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "train_micro_batch_size_per_gpu": 12}`)
 	c.steps = 16

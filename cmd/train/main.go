@@ -96,6 +96,9 @@ type config struct {
 	// given are the flags the command line set: a message marks the
 	// others' values as defaults, never as the user's choice
 	given map[string]bool
+	// trace keeps every step's parameters, stats and times in the result
+	// (the tests' view of a run); without it a run keeps a few bytes a step.
+	trace bool
 }
 
 func defaultConfig() config {
@@ -262,30 +265,61 @@ func scaleBy(x []float64, f float64) {
 
 // ---- the data -------------------------------------------------------------------
 
-// dataset is steps × batch samples: inputs in [0.5, 1.5) and targets
-// 20 + 3·sin(Σx), far above what the start can output. The steps are drawn
-// in order from one generator, so step st's batch is the same in a run of
-// any length: a resumed run needs only its position.
+// The data: each step's global batch of samples, inputs in [0.5, 1.5) and
+// targets 20 + 3·sin(Σx), far above what the start can output. The steps
+// are drawn in order from one generator, so step st's batch is the same in
+// a run of any length: a resumed run needs only its position.
+
+// batches draws the steps' global batches in order, holding only the
+// current one: a long run's data costs no more memory than a short one's.
+type batches struct {
+	c    config
+	rng  *rand.Rand
+	next int         // the step the generator is at
+	x    [][]float64 // the batch of step next−1: [sample][input]
+	y    []float64
+}
+
+func newBatches(c config) *batches {
+	b := &batches{c: c, rng: rand.New(rand.NewSource(c.seed)), x: make([][]float64, c.batch), y: make([]float64, c.batch)}
+	for s := range b.x {
+		b.x[s] = make([]float64, c.in)
+	}
+	return b
+}
+
+// at returns step st's batch (st at or after the last step asked for),
+// drawing past the steps before it; it is valid until the next call.
+func (b *batches) at(st int) ([][]float64, []float64) {
+	for ; b.next <= st; b.next++ {
+		for s, x := range b.x {
+			sum := 0.0
+			for k := range x {
+				x[k] = 0.5 + b.rng.Float64()
+				sum += x[k]
+			}
+			b.y[s] = 20 + 3*math.Sin(sum)
+		}
+	}
+	return b.x, b.y
+}
+
+// dataset is every step's batch at once, as the tests' references read it.
 type dataset struct {
 	x [][][]float64 // [step][sample][input]
 	y [][]float64   // [step][sample]
 }
 
 func makeData(c config) dataset {
-	rng := rand.New(rand.NewSource(c.seed))
 	var d dataset
-	for range c.steps {
-		xs, ys := make([][]float64, c.batch), make([]float64, c.batch)
+	b := newBatches(c)
+	for st := range c.steps {
+		xs, ys := b.at(st)
+		cx := make([][]float64, len(xs))
 		for s := range xs {
-			xs[s] = make([]float64, c.in)
-			sum := 0.0
-			for k := range xs[s] {
-				xs[s][k] = 0.5 + rng.Float64()
-				sum += xs[s][k]
-			}
-			ys[s] = 20 + 3*math.Sin(sum)
+			cx[s] = append([]float64(nil), xs[s]...)
 		}
-		d.x, d.y = append(d.x, xs), append(d.y, ys)
+		d.x, d.y = append(d.x, cx), append(d.y, append([]float64(nil), ys...))
 	}
 	return d
 }
@@ -300,15 +334,21 @@ func (c config) microBatch(r, k int) (from, to int) {
 
 // ---- training -------------------------------------------------------------------
 
-// result is what a run returns: rank 0's parameters before the first step
-// and after each (as float64), the mean loss of each step's global batch
-// (at the parameters before it), and each step's stats on rank 0. A
-// resumed run's first step is first+1, its params[0] the loaded ones.
+// result is what a run returns: what its end prints (the mean loss of
+// each step's global batch, at the parameters before it; with fp16 the
+// step's scale and whether it was skipped; the checkpoints written) and,
+// only when config.trace asks, rank 0's parameters before the first step
+// and after each (as float64) and each step's stats, wall time and gather
+// wait: a history a long run must not keep. A resumed run's first step is
+// first+1, its params[0] the loaded ones.
 type result struct {
-	first  int
-	saved  []int // the steps after which a checkpoint was written
+	first int
+	saved []int // the steps after which a checkpoint was written
+	loss  []float64
+	scale []float64 // the loss scale each step's loss was multiplied by
+	skip  []bool    // the step was skipped (fp16's overflow)
+	// the trace
 	params [][][]float64
-	loss   []float64
 	stats  []zero.Stats
 	wall   []time.Duration
 	// waited is the time each step's forward and backward waited for
@@ -359,7 +399,6 @@ func run(out io.Writer, c config) (res result, err error) {
 		}()
 		res.log.metrics = f
 	}
-	data := makeData(c)
 	if out != nil {
 		offload := ""
 		if c.offload {
@@ -381,7 +420,7 @@ func run(out io.Writer, c config) (res result, err error) {
 		if comm.Rank() == 0 {
 			rec = &res
 		}
-		return trainRank(c, comm, data, rec)
+		return trainRank(c, comm, newBatches(c), rec)
 	})
 	if err != nil {
 		return res, err
@@ -495,7 +534,7 @@ func fromFP16(h uint16) float32 {
 }
 
 // trainRank is one rank's training loop. rec, on rank 0, records the run.
-func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
+func trainRank(c config, comm zero.Comm, data *batches, rec *result) error {
 	m := mlp{c.in, c.hidden}
 	// Each rank draws its own start; the broadcast at New makes rank 0's win.
 	theta := m.initial(rand.New(rand.NewSource(c.seed + 1 + int64(comm.Rank()))))
@@ -579,7 +618,9 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 	}
 	if rec != nil {
 		rec.first = start
-		record()
+		if c.trace {
+			record()
+		}
 		rec.log.begin(c, start, rec.settings)
 	}
 	g64 := make([][]float64, 4)
@@ -595,9 +636,10 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		// and bf16).
 		scale := e.LossScale()
 		var reused [4]zero.Event // when the engine is done with each gradient buffer
+		xs, ys := data.at(st)
 		for k := range c.accum {
 			from, to := c.microBatch(comm.Rank(), k)
-			b, l := m.forwardBatch(layer, data.x[st][from:to], data.y[st][from:to])
+			b, l := m.forwardBatch(layer, xs[from:to], ys[from:to])
 			if gatherErr != nil {
 				return gatherErr
 			}
@@ -664,8 +706,10 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 		if err != nil {
 			return err
 		}
-		if err := read(); err != nil { // every rank: at stage 3 it gathers
-			return err
+		if c.trace { // every rank (c is theirs too): at stage 3 it gathers
+			if err := read(); err != nil {
+				return err
+			}
 		}
 		saved := false
 		if c.save != "" && (st+1 == c.steps || c.saveEvery > 0 && (st+1)%c.saveEvery == 0) {
@@ -679,17 +723,21 @@ func trainRank(c config, comm zero.Comm, data dataset, rec *result) error {
 			saved = true
 		}
 		if rec != nil {
-			record()
 			rec.loss = append(rec.loss, global[0])
-			rec.stats = append(rec.stats, stats)
-			rec.wall = append(rec.wall, wall)
-			rec.waited = append(rec.waited, stepWaited)
+			rec.scale = append(rec.scale, stats.LossScale)
+			rec.skip = append(rec.skip, stats.Skipped)
 			if err := rec.log.stepEnded(st, global[0], stats, wall); err != nil {
 				return err
 			}
 			if saved {
 				rec.saved = append(rec.saved, st+1)
 				rec.log.saved(st+1, c.save)
+			}
+			if c.trace {
+				record()
+				rec.stats = append(rec.stats, stats)
+				rec.wall = append(rec.wall, wall)
+				rec.waited = append(rec.waited, stepWaited)
 			}
 		}
 	}
