@@ -463,6 +463,15 @@ MUTANTS = [
      "\tmaxAlign          = 1 << 16",
      "\tmaxAlign          = 1 << 17",
      "TestAlignBounds"),
+    # issue 37: a test command that passes on a loaded machine
+    ("departure-times-out", "group_local.go",
+     "\tif a == nil { // every peer that arrived departs: wait for them, abort or not\n\t\t<-ch\n\t\treturn rv, nil\n\t}\n",
+     "",
+     "TestDepartureWaitsForSlowPeers"),
+    ("sweeps-miss-the-matrix", "Makefile",
+     "|TestDifferentialMatrix)",
+     ")",
+     "TestMakeTestSweeps"),
     # issue 22: local sums in the shard's memory
     ("hosted-sums-overlap", "bucket.go",
      "bp.ShardOffset < free || end > plan.ShardElems",
