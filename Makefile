@@ -6,9 +6,18 @@ SHELL := bash
 .PHONY: test demo bench ci
 # Each test's result (and its seed) prints as it finishes; a failure prints
 # in full: go test -v without its PAUSE/CONT lines, with the exit status kept.
+# Every test runs under the race detector, the kernels' sweeps lighter there
+# (race_test.go: one ISA level, the parallel split once, not every size);
+# then those sweeps, and the checks of C or of the source that skip under
+# it, run in full without it (SWEEPS; TestMakeTestSweeps keeps it complete).
+# The timeouts fit a 2-core machine under a load of 10 and more (README:
+# "How long the commands take"); go test's default, 10 minutes, did not.
+SWEEPS := ^(TestConvert|TestFlatten|TestAccumulate|TestCast|TestSumSq|TestReduce|TestAllReduceFused|TestOptimizerKernels|TestKernel|TestNormChunkSums|TestOwnership|TestTestRooms|TestDifferentialMatrix)
+FILTER := grep -v -E '^=== (PAUSE|CONT|NAME)'
 test:
 	$(GO) vet ./...
-	set -o pipefail; $(GO) test -race -count=1 -v ./... 2>&1 | grep -v -E '^=== (PAUSE|CONT|NAME)'
+	set -o pipefail; $(GO) test -race -count=1 -timeout 60m -v ./... 2>&1 | $(FILTER)
+	set -o pipefail; $(GO) test -count=1 -timeout 30m -v -run '$(SWEEPS)' . 2>&1 | $(FILTER)
 
 
 demo:

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -244,4 +245,58 @@ func TestReadmeCheckpointNames(t *testing.T) {
 			t.Errorf("README.md names a checkpoint file %s; quote the name Save writes", placeholder)
 		}
 	}
+}
+
+// TestMakeTestSweeps: every test that runs lighter under the race detector
+// (its body names forEachLevel, fullSize, withoutRace or raceEnabled) is
+// in the Makefile's SWEEPS, which make test runs again without it, so
+// nothing is only ever checked lightly.
+func TestMakeTestSweeps(t *testing.T) {
+	mk, err := os.ReadFile("Makefile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`(?m)^SWEEPS := (.+)$`).FindSubmatch(mk)
+	if m == nil {
+		t.Fatal("the Makefile has no SWEEPS := line")
+	}
+	sweeps := regexp.MustCompile(string(m[1]))
+	if !bytes.Contains(mk, []byte("-run '$(SWEEPS)'")) {
+		t.Fatal("make test does not run $(SWEEPS)")
+	}
+	files, _ := filepath.Glob("*_test.go")
+	fset := token.NewFileSet()
+	lighter := 0
+	for _, name := range files {
+		f, err := parser.ParseFile(fset, name, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range f.Decls {
+			fn, ok := d.(*ast.FuncDecl)
+			if !ok || fn.Recv != nil || !strings.HasPrefix(fn.Name.Name, "Test") || fn.Body == nil {
+				continue
+			}
+			light := false
+			ast.Inspect(fn.Body, func(n ast.Node) bool {
+				if id, ok := n.(*ast.Ident); ok {
+					switch id.Name {
+					case "forEachLevel", "fullSize", "withoutRace", "raceEnabled":
+						light = true
+					}
+				}
+				return !light
+			})
+			if light {
+				lighter++
+				if !sweeps.MatchString(fn.Name.Name) {
+					t.Errorf("%s (%s) runs lighter under the race detector, and the Makefile's SWEEPS does not run it without", fn.Name.Name, name)
+				}
+			}
+		}
+	}
+	if lighter == 0 {
+		t.Fatal("no test runs lighter under the race detector: the test reads nothing")
+	}
+	t.Logf("%d tests run lighter under the race detector, in full without it", lighter)
 }

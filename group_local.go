@@ -47,24 +47,27 @@ type localGroup struct {
 // rendezvous is one collective: the k-th collective of every rank meets
 // the k-th of the others, whatever streams they run on.
 type rendezvous struct {
-	args       []collArgs
-	came, left []bool // per rank: arrived, departed (what a timeout names)
-	arrived    int
-	departed   int
-	all        chan struct{} // every rank published its arguments
-	done       chan struct{} // every rank finished its part
+	args     []collArgs
+	came     []bool // per rank: arrived (what a timeout names)
+	arrived  int
+	departed int
+	all      chan struct{} // every rank published its arguments
+	done     chan struct{} // every rank finished its part
 }
 
 // meet counts rank in at one phase of collective seq and returns when
-// every rank has, or with an error when the group was aborted or a peer
-// did not come within the timeout.
+// every rank has, or, arriving, with an error when the group was aborted
+// or a peer did not come within the timeout.
 //
 // A rank must never leave while a peer may still read its buffers. Once
 // every rank has arrived (published its arguments), every rank does its
 // part of the work and then departs, so the departure waits for all of
-// them, abort or not. An arrival that did not complete can never complete
-// after an abort (no rank arrives once the group is aborted), so no peer
-// does any work with this rank's buffers.
+// them, abort or not, and however long their part takes: no timeout, since
+// the part is this process's own copying and adding, which always ends (a
+// timeout let a rank free a buffer a slow peer still copied from). An
+// arrival that did not complete can never complete after an abort (no
+// rank arrives once the group is aborted), so no peer does any work with
+// this rank's buffers.
 func (g *localGroup) meet(rank int, seq uint64, a *collArgs) (*rendezvous, error) {
 	g.mu.Lock()
 	if a != nil && g.reason != nil {
@@ -73,7 +76,7 @@ func (g *localGroup) meet(rank int, seq uint64, a *collArgs) (*rendezvous, error
 	}
 	rv := g.pending[seq]
 	if rv == nil {
-		rv = &rendezvous{args: make([]collArgs, g.n), came: make([]bool, g.n), left: make([]bool, g.n), all: make(chan struct{}), done: make(chan struct{})}
+		rv = &rendezvous{args: make([]collArgs, g.n), came: make([]bool, g.n), all: make(chan struct{}), done: make(chan struct{})}
 		g.pending[seq] = rv
 	}
 	var ch chan struct{}
@@ -86,7 +89,6 @@ func (g *localGroup) meet(rank int, seq uint64, a *collArgs) (*rendezvous, error
 			close(ch)
 		}
 	} else {
-		rv.left[rank] = true
 		rv.departed++
 		ch = rv.done
 		if rv.departed == g.n {
@@ -95,18 +97,18 @@ func (g *localGroup) meet(rank int, seq uint64, a *collArgs) (*rendezvous, error
 		}
 	}
 	g.mu.Unlock()
+	if a == nil { // every peer that arrived departs: wait for them, abort or not
+		<-ch
+		return rv, nil
+	}
 	timer := time.NewTimer(g.timeout)
 	defer timer.Stop()
-	aborted := g.aborted
-	if a == nil {
-		aborted = nil // every peer that arrived departs: wait for them, abort or not
-	}
 	select {
 	case <-ch:
 		return rv, nil
-	case <-aborted:
+	case <-g.aborted:
 	case <-timer.C:
-		if err := g.timedOut(rank, seq, rv, a == nil); err != nil {
+		if err := g.timedOut(rank, seq, rv); err != nil {
 			g.abort(err)
 		}
 	}
@@ -119,17 +121,12 @@ func (g *localGroup) meet(rank int, seq uint64, a *collArgs) (*rendezvous, error
 }
 
 // timedOut says what rank saw when collective seq timed out: which ranks
-// did not come (or, departing, did not finish their part) and which did;
-// nil when every rank came as the timer fired.
-func (g *localGroup) timedOut(rank int, seq uint64, rv *rendezvous, departing bool) error {
+// did not come and which did; nil when every rank came as the timer fired.
+func (g *localGroup) timedOut(rank int, seq uint64, rv *rendezvous) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	in := rv.came
-	if departing {
-		in = rv.left
-	}
 	var missing, there []int
-	for r, ok := range in {
+	for r, ok := range rv.came {
 		if ok {
 			there = append(there, r)
 		} else {
@@ -138,10 +135,6 @@ func (g *localGroup) timedOut(rank int, seq uint64, rv *rendezvous, departing bo
 	}
 	if len(missing) == 0 {
 		return nil
-	}
-	if departing {
-		return errorf(ErrTimeout, "collective %d: %s did not finish %s part within %v (%s did); a stream of %s stalled",
-			seq, ranksText(missing), its(missing), g.timeout, ranksText(there), ranksText(missing))
 	}
 	return errorf(ErrTimeout, "collective %d (%v on rank %d): %s did not arrive within %v (%s did); %s failed, returned early or issued fewer collectives",
 		seq, rv.args[rank], rank, ranksText(missing), g.timeout, ranksText(there), ranksText(missing))
@@ -176,13 +169,6 @@ func callsText(args []collArgs) string {
 		s += fmt.Sprintf("rank %d called %v", r, a)
 	}
 	return s
-}
-
-func its(rs []int) string {
-	if len(rs) == 1 {
-		return "its"
-	}
-	return "their"
 }
 
 type localComm struct {

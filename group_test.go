@@ -609,3 +609,41 @@ func TestAllReduceScalars(t *testing.T) {
 		}
 	}
 }
+
+// TestDepartureWaitsForSlowPeers: a rank that finished its part of a
+// collective waits for every peer to finish theirs, however much longer
+// than the group's timeout a peer's part takes (a machine under load): a
+// rank that left would free a buffer the peer still copies from. The
+// arrival keeps its timeout.
+func TestDepartureWaitsForSlowPeers(t *testing.T) {
+	comms, _ := NewLocalGroupTimeout(2, time.Minute)
+	g := comms[0].(*localComm).g
+	args := collArgs{kind: KindBroadcast, dtype: FP32, count: 1}
+	for _, err := range eachRank(2, func(r int) error { _, err := g.meet(r, 0, &args); return err }) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	g.mu.Lock()
+	g.timeout = time.Millisecond // rank 0's part now takes 300 times as long
+	g.mu.Unlock()
+	left := make(chan error, 1)
+	go func() { _, err := g.meet(1, 0, nil); left <- err }()
+	select {
+	case err := <-left:
+		t.Fatalf("rank 1 left before rank 0 finished its part (%v)", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	if _, err := g.meet(0, 0, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-left; err != nil {
+		t.Fatalf("rank 1's departure: %v", err)
+	}
+	// arriving, a rank still waits at most the timeout for its peers
+	start := time.Now()
+	if _, err := g.meet(0, 1, &args); !errors.Is(err, ErrTimeout) {
+		t.Fatalf("an arrival nobody joins: %v, want ErrTimeout", err)
+	}
+	t.Logf("the lone arrival gave up after %v", time.Since(start))
+}

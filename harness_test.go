@@ -3,6 +3,7 @@ package zero
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"math/rand"
 	randv2 "math/rand/v2"
@@ -547,17 +548,44 @@ func sameShards(a, b []rankResult) error {
 // idle or blocked on an event that has not fired. A test that holds one
 // stream with a gate calls it before opening the gate, so whatever the
 // others would run without waiting for the gated work has run by then.
+//
+// All of them at once: a stream found blocked on another's event is
+// released when that one gets there, so one pass in which each is settled
+// proves nothing if any of them, or of the streams they wait on, moved
+// meanwhile. settle returns after a pass that every stream passes with no
+// such stream having moved (its count of finished items unchanged).
 func settle(t testing.TB, streams ...Stream) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for _, s := range streams {
-		hs := s.(*HostStream)
-		for !hs.settled() {
-			if time.Now().After(deadline) {
-				t.Fatal("a stream did not settle within 20 s")
+	hs := make([]*HostStream, len(streams))
+	for i, s := range streams {
+		hs[i] = s.(*HostStream)
+	}
+	// progress is each stream's finished items, and those of the streams
+	// they are blocked on
+	progress := func() map[*HostStream]uint64 {
+		at := map[*HostStream]uint64{}
+		for _, s := range hs {
+			at[s] = s.done.Load()
+			if w := s.blockedOn.Load(); w != nil {
+				at[w.s] = w.s.done.Load()
 			}
-			time.Sleep(50 * time.Microsecond)
 		}
+		return at
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		before := progress()
+		all := true
+		for _, s := range hs {
+			all = all && s.settled()
+		}
+		if all && maps.Equal(before, progress()) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the streams did not settle within 20 s")
+		}
+		time.Sleep(50 * time.Microsecond)
 	}
 }
 
@@ -693,11 +721,16 @@ func unsafeHalfs(t Tensor) []uint16 {
 // The largest inputs run only at the default (best) level, where the
 // package runs; the other levels get smaller ones (fullSize reports which),
 // and TestKernelLevelsAgree compares every level with the baseline bit for
-// bit. This keeps `go test -race` of the package well under a minute.
+// bit. Under the race detector only the best level runs, without the
+// largest inputs: make test runs the full sweeps again without it.
 func forEachLevel(t *testing.T, fn func(t *testing.T)) {
 	best := setKernelLevel(-1)
 	defer func() { setKernelLevel(-1); atLevelBest = true }()
-	for l := 0; l <= best; l++ {
+	lowest := 0
+	if raceEnabled {
+		lowest = best // the levels differ in C only, which the race detector does not see
+	}
+	for l := lowest; l <= best; l++ {
 		if got := setKernelLevel(l); got != l {
 			t.Fatalf("setKernelLevel(%d) = %d", l, got)
 		}
@@ -706,11 +739,23 @@ func forEachLevel(t *testing.T, fn func(t *testing.T)) {
 	}
 }
 
+// withoutRace skips a test under the race detector: it checks C kernels
+// against each other, or the source, none of which the race detector
+// sees; make test runs it without the race detector.
+func withoutRace(t *testing.T) {
+	t.Helper()
+	if raceEnabled {
+		t.Skip("checks nothing the race detector sees; make test runs it without -race")
+	}
+}
+
 // atLevelBest is false while forEachLevel runs a subtest below the best level.
 var atLevelBest = true
 
-// fullSize says whether a test should use its largest inputs (see forEachLevel).
-func fullSize() bool { return atLevelBest && !testing.Short() }
+// fullSize says whether a test should use its largest inputs (see
+// forEachLevel): not under the race detector, whose cost is per element and
+// which needs the parallel split once, not at every size.
+func fullSize() bool { return atLevelBest && !testing.Short() && !raceEnabled }
 
 // ---- a small model and the state a step changes ------------------------------
 

@@ -351,6 +351,7 @@ func testConvertRandom(t *testing.T) {
 // payload survives depends on the operand order the compiler picks, so
 // there only NaN-ness must match.
 func TestKernelLevelsAgree(t *testing.T) {
+	withoutRace(t)
 	rng := testRNG(t)
 	best := setKernelLevel(-1)
 	defer setKernelLevel(-1)
@@ -1348,6 +1349,7 @@ func TestSameDTypeIsBitCopy(t *testing.T) {
 // reduce and the fused all-reduce over 8 buffers, and a bit-copy flatten
 // large enough to stream, under the Intel and AMD choices and an odd chunk.
 func TestKernelTuningChangesNoBits(t *testing.T) {
+	withoutRace(t)
 	rng := testRNG(t)
 	defer setKernelTuning(nil)
 	const ranks, n = 8, 1_200_001 // bf16 halves of 1.2 MB each: past the streaming threshold

@@ -62,6 +62,7 @@ var ownershipAllowed = map[string]string{}
 // calls a private method, that another component's file declares, but for
 // the allowed exceptions.
 func TestOwnership(t *testing.T) {
+	withoutRace(t)
 	seen := map[string]bool{}
 	for _, tags := range [][]string{nil, {"cuda"}} {
 		fset, files := parsePackage(t, tags)

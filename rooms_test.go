@@ -20,9 +20,10 @@ import (
 // read for go/types (source_test.go), the fakes (failing
 // and counting devices, comms and streams), the float64 references, and the
 // partition plan's tests. harness_cuda_test.go is the part of the harness
-// that only compiles with -tags cuda (it names *cudaDevice). Every other
+// that only compiles with -tags cuda (it names *cudaDevice); race_test.go
+// and norace_test.go say whether the race detector is on. Every other
 // test file keeps to itself: what it declares only it uses.
-var testRooms = []string{"harness_test.go", "source_test.go", "harness_cuda_test.go", "fakes_test.go", "reference_test.go", "bucket_test.go"}
+var testRooms = []string{"harness_test.go", "source_test.go", "harness_cuda_test.go", "fakes_test.go", "reference_test.go", "bucket_test.go", "race_test.go", "norace_test.go"}
 
 // A roomBorrow is a use, in one test file, of a package-level identifier
 // (or a method) declared in another test file that is not a room.
@@ -35,6 +36,7 @@ type roomBorrow struct {
 // method declared in another test file unless that file is a room, in the
 // default build and with -tags cuda (both type-checked from source).
 func TestTestRooms(t *testing.T) {
+	withoutRace(t)
 	imp := importer.Default() // one cache of the standard library for both builds
 	seen := map[string]bool{}
 	for _, tags := range [][]string{nil, {"cuda"}} {
