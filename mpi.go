@@ -489,14 +489,14 @@ const tagLowBits = 7
 const noticeBytes = 1024
 
 type mpiComm struct {
-	th                 *mpiThread
-	handle             C.uintptr_t
-	rank, size         int
-	timeout            time.Duration
-	seqBits, abortTag  int
-	notice             C.zm_xfer      // the posted receive of a peer's abort notice
-	noticeBuf          unsafe.Pointer // C memory: MPI writes into it at any time
-	pool               mpiPool
+	th                *mpiThread
+	handle            C.uintptr_t
+	rank, size        int
+	timeout           time.Duration
+	seqBits, abortTag int
+	notice            C.zm_xfer      // the posted receive of a peer's abort notice
+	noticeBuf         unsafe.Pointer // C memory: MPI writes into it at any time
+	pool              mpiPool
 	collectives
 	counters
 
