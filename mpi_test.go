@@ -4,7 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"errors"
+	"encoding/gob"
 	"fmt"
 	"math"
 	"math/rand"
@@ -162,7 +162,7 @@ func TestMPIWorker(t *testing.T) {
 // mpiScenarios are the workers' parts, by name.
 var mpiScenarios = map[string]func(comm Comm, dir string) error{
 	"collectives": collectivesScenario,
-	"noop":        func(Comm, string) error { return nil },
+	"engine":      engineScenario,
 }
 
 func envInt(name string) int {
@@ -353,4 +353,87 @@ func TestMPICollectivesMatchLocalGroup(t *testing.T) {
 	}
 }
 
-var _ = errors.New
+// ---- the engine over MPI, bit for bit --------------------------------------------
+
+// mpiEngineSpecs are the engine runs TestMPIEngineMatchesLocalGroup repeats
+// over MPI: every stage, the three dtypes, windows of both kinds, offload,
+// Overlap, several producer streams in a shuffled order, pre-division.
+var mpiEngineSpecs = []runSpec{
+	{stage: 1, world: 2, dtype: FP32, bucket: 512, backwards: 2, overlap: true, streams: 2, shuffle: true, steps: 3, predivide: 1},
+	{stage: 2, world: 3, dtype: BF16, bucket: 256, backwards: 3, streams: 2, shuffle: true, steps: 3, window: "coalesce", windowEvery: true, predivide: 2},
+	{stage: 3, world: 2, dtype: FP16, bucket: 640, backwards: 2, overlap: true, steps: 3, window: "nosync", offload: true, predivide: 1},
+	{stage: 2, world: 4, dtype: BF16, comm: FP32, bucket: 384, backwards: 2, steps: 2, window: "coalesce", budget: 2048, offload: true, predivide: 1},
+}
+
+// engineRecord is what a rank read back: its shard and the full gradients,
+// per step.
+type engineRecord struct {
+	Shard [][]float32
+	Full  [][][]float32
+}
+
+func engineScenario(comm Comm, dir string) error {
+	i := envInt("ZERO_MPI_SPEC")
+	r, seed := mpiEngineSpecs[i], envSeed()
+	if r.world != comm.Size() {
+		return fmt.Errorf("spec %d is for %d ranks, not %d", i, r.world, comm.Size())
+	}
+	params := testParams(r.dtype)
+	data := makeWorkload(rand.New(rand.NewSource(seed)), r, params)
+	var out rankResult
+	grad := func(step, k, p int) Tensor { return data[step][k][comm.Rank()][p].t }
+	if err := rankLoop(r.config(), comm, CPU(), r, params, grad, seed, &out); err != nil {
+		return err
+	}
+	f, err := os.Create(filepath.Join(dir, fmt.Sprintf("engine-%d.gob", comm.Rank())))
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return gob.NewEncoder(f).Encode(engineRecord{out.shard, out.full})
+}
+
+// TestMPIEngineMatchesLocalGroup: the backward protocol over MPI processes
+// gives every rank the in-process group's reduced gradients, bit for bit,
+// in every stage and window, with offload.
+func TestMPIEngineMatchesLocalGroup(t *testing.T) {
+	m := findMPI(t)
+	seed := testSeed(t)
+	for i, r := range mpiEngineSpecs {
+		t.Run(r.String(), func(t *testing.T) {
+			params := testParams(r.dtype)
+			want := runEngine(t, r, params, makeWorkload(rand.New(rand.NewSource(seed)), r, params), seed)
+			res := m.launch(t, mpiRun{n: r.world, scenario: "engine", env: []string{fmt.Sprintf("ZERO_TEST_SEED=%d", seed), fmt.Sprintf("ZERO_MPI_SPEC=%d", i)}})
+			res.mustSucceed(t, r.String())
+			got := make([]rankResult, r.world)
+			for rank := range got {
+				f, err := os.Open(filepath.Join(res.dir, fmt.Sprintf("engine-%d.gob", rank)))
+				if err != nil {
+					t.Fatal(err)
+				}
+				var rec engineRecord
+				err = gob.NewDecoder(f).Decode(&rec)
+				f.Close()
+				if err != nil {
+					t.Fatal(err)
+				}
+				got[rank] = rankResult{shard: rec.Shard, full: rec.Full}
+				if len(rec.Shard) != r.steps {
+					t.Fatalf("rank %d recorded %d steps, want %d", rank, len(rec.Shard), r.steps)
+				}
+				for st := range rec.Full {
+					for p := range rec.Full[st] {
+						for k, x := range rec.Full[st][p] {
+							if y := want[rank].full[st][p][k]; math.Float32bits(x) != math.Float32bits(y) {
+								t.Fatalf("rank %d step %d param %d [%d]: MPI %x, in-process %x", rank, st, p, k, math.Float32bits(x), math.Float32bits(y))
+							}
+						}
+					}
+				}
+			}
+			if err := sameShards(want, got); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
