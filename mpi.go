@@ -11,6 +11,7 @@ import "C"
 import (
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -264,12 +265,20 @@ var mpiState struct {
 	th *mpiThread
 }
 
-// loadMPI dlopens library ("" tries libmpi.so.12, then libmpi_abi.so.1) and
-// returns its ABI and path.
+// loadMPI dlopens library ("": libmpi.so.12, then libmpi_abi.so.1, from
+// the loader's path, then beside the mpiexec on PATH) and returns its ABI
+// and path.
 func loadMPI(library string) (abi, path string, err error) {
 	names := []string{library}
 	if library == "" {
 		names = []string{"libmpi.so.12", "libmpi_abi.so.1"}
+		if mpiexec, err := exec.LookPath("mpiexec"); err == nil {
+			if real, err := filepath.EvalSymlinks(mpiexec); err == nil {
+				mpiexec = real
+			}
+			lib := filepath.Join(filepath.Dir(filepath.Dir(mpiexec)), "lib")
+			names = append(names, filepath.Join(lib, "libmpi.so.12"), filepath.Join(lib, "libmpi_abi.so.1"))
+		}
 	}
 	var msgs []string
 	for _, name := range names {
@@ -286,7 +295,7 @@ func loadMPI(library string) (abi, path string, err error) {
 		}
 		msgs = append(msgs, C.GoString(&msg[0]))
 	}
-	return "", "", errorf(ErrMPI, "cannot load MPI (%s): install MPICH (apt-get install mpich, or scripts/install-mpi.sh, which puts PyPI's mpich wheel in .mpi/) and put its lib folder on LD_LIBRARY_PATH, or set ZERO_MPI_LIBRARY to the library's path (libmpi.so.12 or libmpi_abi.so.1)",
+	return "", "", errorf(ErrMPI, "cannot load MPI (%s): install MPICH (apt-get install mpich, or scripts/install-mpi.sh, which puts PyPI's mpich wheel in .mpi/) and put its bin folder on PATH or its lib folder on LD_LIBRARY_PATH, or set ZERO_MPI_LIBRARY to the library's path (libmpi.so.12 or libmpi_abi.so.1)",
 		strings.Join(msgs, "; "))
 }
 
