@@ -10,7 +10,9 @@ import (
 	"math/rand"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -81,6 +83,14 @@ type mpiRun struct {
 	env      []string      // added to the workers' environment
 	args     []string      // mpiexec's own options, before -n
 	timeout  time.Duration // of the whole job (default 2 minutes)
+	dir      string        // the workers' ZERO_MPI_OUT (default: a new one)
+	// survive runs each rank under a shell that outlives it, so that
+	// Hydra sees a rank SIGKILLed as an exit status, not a death by a
+	// signal (which makes it kill the whole job, whatever
+	// -disable-auto-cleanup says): with -disable-auto-cleanup the other
+	// ranks live on, as under a launcher that leaves them running. The
+	// shell takes the SIGUSR1 Hydra sends them.
+	survive bool
 }
 
 // mpiResult is what a job did.
@@ -98,8 +108,15 @@ func (m mpiInstall) launch(t *testing.T, r mpiRun) mpiResult {
 	if r.timeout == 0 {
 		r.timeout = 2 * time.Minute
 	}
-	dir := t.TempDir()
-	args := append(append([]string{}, r.args...), "-n", strconv.Itoa(r.n), os.Args[0], "-test.run=^TestMPIWorker$", "-test.v")
+	dir := r.dir
+	if dir == "" {
+		dir = t.TempDir()
+	}
+	args := append(append([]string{}, r.args...), "-n", strconv.Itoa(r.n))
+	if r.survive {
+		args = append(args, "/bin/sh", "-c", `trap : USR1; "$@"`, "sh")
+	}
+	args = append(args, os.Args[0], "-test.run=^TestMPIWorker$", "-test.v")
 	ctx, cancel := context.WithTimeout(context.Background(), r.timeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, m.mpiexec, args...)
@@ -142,12 +159,17 @@ func TestMPIWorker(t *testing.T) {
 	if fn == nil {
 		t.Fatalf("ZERO_MPI_WORKER=%q: no such scenario", scenario)
 	}
+	dir := os.Getenv("ZERO_MPI_OUT")
+	rank := os.Getenv("PMI_RANK")
+	os.WriteFile(filepath.Join(dir, "pid-"+rank), []byte(strconv.Itoa(os.Getpid())), 0o644)
 	comm, err := NewMPIFromEnv()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := fn(comm, os.Getenv("ZERO_MPI_OUT")); err != nil {
+	if err := fn(comm, dir); err != nil {
 		AbortComm(comm, err)
+		// each rank's own error, for the test that launched the job
+		os.WriteFile(filepath.Join(dir, fmt.Sprintf("err-%d", comm.Rank())), []byte(err.Error()), 0o644)
 		t.Fatalf("rank %d: %v", comm.Rank(), err)
 	}
 	if err := comm.Close(); err != nil {
@@ -163,6 +185,7 @@ func TestMPIWorker(t *testing.T) {
 var mpiScenarios = map[string]func(comm Comm, dir string) error{
 	"collectives": collectivesScenario,
 	"engine":      engineScenario,
+	"train":       trainScenario,
 }
 
 func envInt(name string) int {
@@ -435,5 +458,467 @@ func TestMPIEngineMatchesLocalGroup(t *testing.T) {
 				t.Fatal(err)
 			}
 		})
+	}
+}
+
+// ---- training processes: failures, checkpoints, resumes ----------------------------
+
+// mpiTrainSpec is one run of trainScenario, passed as ZERO_MPI_TRAIN
+// ("key=value,…").
+type mpiTrainSpec struct {
+	stage, steps int
+	save         string // checkpoints into this directory ("%d": the rank's own)
+	every, keep  int
+	resume       string
+	// kill is "rank:step:where": the rank SIGKILLs itself in step (from 1)
+	// where is "step" (after its first gradient is handed over), "save"
+	// (its rank file written, before the commit), "commit" (rank 0,
+	// between the rank files and the manifest) or "between" (after the
+	// step and its save, before the next step).
+	kill string
+	// signal: SIGTERM makes the rank Abort its engine; the rank writes
+	// ready-R after its first step and then trains slowly.
+	signal bool
+	absent int    // this rank never reaches New (−1: none)
+	differ string // "bucket" or "model": rank 1 registers another bucket size or model
+}
+
+func (sp mpiTrainSpec) String() string {
+	return fmt.Sprintf("stage=%d,steps=%d,save=%s,every=%d,keep=%d,resume=%s,kill=%s,signal=%v,absent=%d,differ=%s",
+		sp.stage, sp.steps, sp.save, sp.every, sp.keep, sp.resume, sp.kill, sp.signal, sp.absent, sp.differ)
+}
+
+func parseTrainSpec(v string) (mpiTrainSpec, error) {
+	sp := mpiTrainSpec{absent: -1}
+	for _, kv := range strings.Split(v, ",") {
+		k, val, _ := strings.Cut(kv, "=")
+		n, _ := strconv.Atoi(val)
+		switch k {
+		case "stage":
+			sp.stage = n
+		case "steps":
+			sp.steps = n
+		case "save":
+			sp.save = val
+		case "every":
+			sp.every = n
+		case "keep":
+			sp.keep = n
+		case "resume":
+			sp.resume = val
+		case "kill":
+			sp.kill = val
+		case "signal":
+			sp.signal = val == "true"
+		case "absent":
+			sp.absent = n
+		case "differ":
+			sp.differ = val
+		default:
+			return sp, fmt.Errorf("ZERO_MPI_TRAIN: unknown key %q", k)
+		}
+	}
+	return sp, nil
+}
+
+// killAt reports whether this rank dies at (step, where).
+func (sp mpiTrainSpec) killAt(rank, step int, where string) bool {
+	return sp.kill == fmt.Sprintf("%d:%d:%s", rank, step, where)
+}
+
+func die() {
+	syscall.Kill(os.Getpid(), syscall.SIGKILL)
+	select {} // the signal is on its way
+}
+
+// killFS is the operating system's file layer that kills the process at
+// the rename of a file named base (its last element).
+type killFS struct {
+	osFS
+	base func(name string) bool
+}
+
+func (k killFS) Rename(from, to string) error {
+	if k.base(filepath.Base(from)) {
+		die()
+	}
+	return k.osFS.Rename(from, to)
+}
+
+// mpiTrainSizes are the model's parameters: several buckets of 1 KiB.
+var mpiTrainSizes = []int{300, 7, 1000, 129, 64}
+
+// mpiTrainRank trains sp on comm: AdamW on gradients drawn from (seed,
+// step, rank, parameter), so a run that resumes sees the data the
+// uninterrupted one saw. It returns the fp32 parameters at the end.
+func mpiTrainRank(comm Comm, sp mpiTrainSpec, seed int64, out string) ([][]float32, error) {
+	rank := comm.Rank()
+	if rank == sp.absent {
+		time.Sleep(time.Hour) // never arrives: the launcher ends it
+	}
+	sizes := mpiTrainSizes
+	if sp.differ == "model" && rank == 1 {
+		sizes = append(slices.Clone(sizes[:len(sizes)-1]), 65)
+	}
+	params := make([]Param, len(sizes))
+	init := rand.New(rand.NewSource(seed + int64(rank)))
+	for p, n := range sizes {
+		x := make([]float32, n)
+		for i := range x {
+			x[i] = float32(init.NormFloat64())
+		}
+		params[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: FP32, Data: Float32s(x), Group: p % 2}
+	}
+	decay := NewAdamW(0.01)
+	decay.WeightDecay = 0.01
+	cfg := Config{Stage: sp.stage, BucketBytes: 1024, Optimizer: OptimizerPolicy{Groups: []Optimizer{decay, NewAdamW(0.01)}},
+		Params: ParamPolicy{NoBroadcast: sp.resume != ""}}
+	if sp.differ == "bucket" && rank == 1 {
+		cfg.BucketBytes = 2048
+	}
+	e, err := New(cfg, comm, params)
+	if err != nil {
+		return nil, err
+	}
+	defer e.Close()
+	if sp.signal {
+		sigs := make(chan os.Signal, 1)
+		signal.Notify(sigs, syscall.SIGTERM)
+		defer signal.Stop(sigs)
+		go func() {
+			if s, ok := <-sigs; ok {
+				e.Abort(fmt.Errorf("rank %d got %v", rank, s))
+			}
+		}()
+	}
+	save := strings.ReplaceAll(sp.save, "%d", strconv.Itoa(rank))
+	start := 0
+	if sp.resume != "" {
+		client, err := e.Load(sp.resume, LoadOptions{})
+		if err != nil {
+			return nil, err
+		}
+		if start, err = strconv.Atoi(string(client)); err != nil {
+			return nil, fmt.Errorf("%s: client state %q: %v", sp.resume, client, err)
+		}
+	}
+	s := NewHostStream()
+	defer s.Close()
+	for st := start; st < sp.steps; st++ {
+		if sp.killAt(rank, st, "between") {
+			die()
+		}
+		for p := len(sizes) - 1; p >= 0; p-- {
+			rng := rand.New(rand.NewSource(seed*1_000_003 + int64(st)*10_007 + int64(rank)*101 + int64(p)))
+			g := make([]float32, sizes[p])
+			for i := range g {
+				g[i] = float32(rng.NormFloat64())
+			}
+			if _, err := e.GradReady(p, Float32s(g), s); err != nil {
+				return nil, err
+			}
+			if sp.killAt(rank, st+1, "step") {
+				die()
+			}
+		}
+		if err := e.EndBackward(); err != nil {
+			return nil, err
+		}
+		if err := e.Step(); err != nil {
+			return nil, err
+		}
+		if save != "" && (st+1)%max(sp.every, 1) == 0 {
+			switch {
+			case sp.killAt(rank, st+1, "save"): // its file written, not yet renamed
+				e.files = killFS{base: func(b string) bool { return b == rankFileName(rank)+".tmp" }}
+			case sp.killAt(rank, st+1, "commit"): // every file renamed, the directory not yet
+				e.files = killFS{base: func(b string) bool { return strings.HasPrefix(b, ckptPartial) }}
+			}
+			if err := e.Save(save, SaveOptions{Client: []byte(strconv.Itoa(st + 1)), Keep: sp.keep}); err != nil {
+				return nil, err
+			}
+		}
+		if sp.signal {
+			if st == start {
+				os.WriteFile(filepath.Join(out, fmt.Sprintf("ready-%d", rank)), nil, 0o644)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	return e.FullParams()
+}
+
+func trainScenario(comm Comm, dir string) error {
+	sp, err := parseTrainSpec(os.Getenv("ZERO_MPI_TRAIN"))
+	if err != nil {
+		return err
+	}
+	final, err := mpiTrainRank(comm, sp, envSeed(), dir)
+	if err != nil || comm.Rank() != 0 {
+		return err
+	}
+	f, err := os.Create(filepath.Join(dir, "final.gob"))
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return gob.NewEncoder(f).Encode(final)
+}
+
+// trainLocal is sp on w in-process ranks; rank 0's parameters at the end.
+func trainLocal(t *testing.T, w int, sp mpiTrainSpec, seed int64) [][]float32 {
+	t.Helper()
+	var final [][]float32
+	err := RunLocal(w, func(comm Comm) error {
+		f, err := mpiTrainRank(comm, sp, seed, t.TempDir())
+		if comm.Rank() == 0 {
+			final = f
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return final
+}
+
+// trainMPI runs sp on w processes.
+func (m mpiInstall) trainMPI(t *testing.T, w int, sp mpiTrainSpec, seed int64, timeout time.Duration, mpiexecArgs ...string) mpiResult {
+	t.Helper()
+	env := []string{"ZERO_MPI_TRAIN=" + sp.String(), fmt.Sprintf("ZERO_TEST_SEED=%d", seed)}
+	if timeout > 0 {
+		env = append(env, "ZERO_MPI_TIMEOUT="+timeout.String())
+	}
+	return m.launch(t, mpiRun{n: w, scenario: "train", env: env, args: mpiexecArgs})
+}
+
+// final is rank 0's parameters a job wrote.
+func (res mpiResult) final(t *testing.T) [][]float32 {
+	t.Helper()
+	f, err := os.Open(filepath.Join(res.dir, "final.gob"))
+	if err != nil {
+		t.Fatalf("%v\n%s", err, res.out)
+	}
+	defer f.Close()
+	var out [][]float32
+	if err := gob.NewDecoder(f).Decode(&out); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// rankErr is the error rank r reported (err-R), "" if none.
+func (res mpiResult) rankErr(r int) string {
+	b, _ := os.ReadFile(filepath.Join(res.dir, fmt.Sprintf("err-%d", r)))
+	return string(b)
+}
+
+func sameParams(t *testing.T, what string, got, want [][]float32) {
+	t.Helper()
+	if len(got) != len(want) {
+		t.Fatalf("%s: %d parameters, want %d", what, len(got), len(want))
+	}
+	for p := range want {
+		for i := range want[p] {
+			if math.Float32bits(got[p][i]) != math.Float32bits(want[p][i]) {
+				t.Fatalf("%s: w%d[%d] = %v, want %v (bits differ)", what, p, i, got[p][i], want[p][i])
+			}
+		}
+	}
+}
+
+// TestMPIRankKilled: a rank SIGKILLed inside a step, inside a save (its
+// file written, or rank 0 between the files and the manifest) and between
+// steps. Where the other processes live on (a launcher that leaves them
+// running), each fails on its own, with a timeout that names the dead rank
+// or a peer's abort notice; none hangs. The checkpoint directory keeps the
+// last complete checkpoint, and a resume from it under mpiexec gives the
+// uninterrupted run's bits. Hydra itself, by default, ends the others at
+// once: a job whose timeout is beyond the test's guard ends in time.
+func TestMPIRankKilled(t *testing.T) {
+	m := findMPI(t)
+	seed := testSeed(t)
+	const W, steps = 3, 5
+	base := mpiTrainSpec{stage: 2, steps: steps, every: 1, keep: 2, absent: -1}
+	want := trainLocal(t, W, base, seed)
+	for _, tc := range []struct {
+		kill  string
+		dead  int
+		saved int // the step of the last complete checkpoint
+	}{
+		{"1:3:step", 1, 2},
+		{"2:3:save", 2, 2},
+		{"0:3:commit", 0, 2},
+		{"1:3:between", 1, 3},
+	} {
+		t.Run(tc.kill, func(t *testing.T) {
+			sp := base
+			sp.save, sp.kill = t.TempDir(), tc.kill
+			res := m.launch(t, mpiRun{n: W, scenario: "train", survive: true, args: []string{"-disable-auto-cleanup"},
+				env: []string{"ZERO_MPI_TRAIN=" + sp.String(), fmt.Sprintf("ZERO_TEST_SEED=%d", seed), "ZERO_MPI_TIMEOUT=3s"}})
+			if res.err == nil {
+				t.Fatalf("the job succeeded with rank %d killed\n%s", tc.dead, res.out)
+			}
+			for r := range W {
+				msg := res.rankErr(r)
+				switch {
+				case r == tc.dead && msg != "":
+					t.Errorf("the killed rank %d reported %q", r, msg)
+				case r != tc.dead && msg == "":
+					t.Errorf("rank %d exited without an error of its own\n%s", r, res.out)
+				case r != tc.dead && !strings.Contains(msg, fmt.Sprintf("for ranks [%d] of %d", tc.dead, W)) && !strings.Contains(msg, "of the MPI communicator aborted"):
+					t.Errorf("rank %d's error names neither rank %d nor a peer's abort: %s", r, tc.dead, msg)
+				}
+			}
+			latest, err := os.ReadFile(filepath.Join(sp.save, ckptLatest))
+			if err != nil || strings.TrimSpace(string(latest)) != ckptName(tc.saved, 0) {
+				t.Fatalf("latest is %q (%v), want %s", latest, err, ckptName(tc.saved, 0))
+			}
+			resumed := base
+			resumed.resume = sp.save
+			again := m.trainMPI(t, W, resumed, seed, 0)
+			again.mustSucceed(t, "the resume")
+			sameParams(t, "resumed after "+tc.kill, again.final(t), want)
+		})
+	}
+	t.Run("hydra", func(t *testing.T) {
+		sp := base
+		sp.save, sp.kill = t.TempDir(), "1:3:step"
+		// a timeout beyond the job's guard: only the launcher ends the others in time
+		res := m.trainMPI(t, W, sp, seed, 10*time.Minute)
+		if res.err == nil || !strings.Contains(res.out, "BAD TERMINATION") {
+			t.Fatalf("mpiexec: %v; want Hydra's report of the killed rank\n%s", res.err, res.out)
+		}
+	})
+}
+
+// TestMPICheckpointsAcrossProcesses: 4 processes save into one directory
+// (every step, Keep 2): the directory holds the 2 newest complete
+// checkpoints, each with its manifest and the 4 rank files, latest names
+// the newest, and no partial directory is left. 2 processes resume from it
+// (a reshard) and give the bits of the same resume in one process.
+// Directories that are not shared (each process its own, as on node-local
+// disks) fail the save on every rank.
+func TestMPICheckpointsAcrossProcesses(t *testing.T) {
+	m := findMPI(t)
+	seed := testSeed(t)
+	dir := t.TempDir()
+	sp := mpiTrainSpec{stage: 3, steps: 3, save: dir, every: 1, keep: 2, absent: -1}
+	m.trainMPI(t, 4, sp, seed, 0).mustSucceed(t, "4 processes saving")
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	if want := []string{ckptLatest, ckptName(2, 0), ckptName(3, 0)}; !slices.Equal(names, want) {
+		t.Fatalf("the directory holds %v, want %v", names, want)
+	}
+	for _, st := range []int{2, 3} {
+		for _, f := range []string{ckptManifest, rankFileName(0), rankFileName(1), rankFileName(2), rankFileName(3)} {
+			if _, err := os.Stat(filepath.Join(dir, ckptName(st, 0), f)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	// the same resume on 2 ranks, over MPI and in one process
+	local := t.TempDir()
+	trainLocal(t, 4, with(sp, func(s *mpiTrainSpec) { s.save = local }), seed)
+	resume := mpiTrainSpec{stage: 2, steps: 5, resume: dir, absent: -1}
+	got := m.trainMPI(t, 2, resume, seed, 0)
+	got.mustSucceed(t, "2 processes resuming 4's checkpoint")
+	want := trainLocal(t, 2, with(resume, func(s *mpiTrainSpec) { s.resume = local }), seed)
+	sameParams(t, "resumed on 2 processes", got.final(t), want)
+
+	// every process its own directory
+	own := t.TempDir()
+	res := m.trainMPI(t, 2, mpiTrainSpec{stage: 2, steps: 1, save: filepath.Join(own, "rank%d"), absent: -1}, seed, 30*time.Second, "-disable-auto-cleanup")
+	if res.err == nil {
+		t.Fatalf("a save into directories the ranks do not share succeeded\n%s", res.out)
+	}
+	for r := range 2 {
+		if msg := res.rankErr(r); !strings.Contains(msg, ErrCheckpoint.Error()) {
+			t.Errorf("rank %d: %q, want an error wrapping ErrCheckpoint", r, msg)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(own, "rank0", ckptLatest)); err == nil {
+		t.Error("rank 0 committed a checkpoint without rank 1's file")
+	}
+}
+
+// TestMPIRanksThatDisagree: processes that start with different settings
+// (a bucket size) or different models each fail in New with
+// ErrPlanMismatch, and a rank that never arrives makes the others time out
+// naming it.
+func TestMPIRanksThatDisagree(t *testing.T) {
+	m := findMPI(t)
+	seed := testSeed(t)
+	for _, differ := range []string{"bucket", "model"} {
+		res := m.trainMPI(t, 2, mpiTrainSpec{stage: 2, steps: 1, differ: differ, absent: -1}, seed, 30*time.Second, "-disable-auto-cleanup")
+		for r := range 2 {
+			if msg := res.rankErr(r); !strings.Contains(msg, ErrPlanMismatch.Error()) {
+				t.Errorf("%s: rank %d: %q, want ErrPlanMismatch\n%s", differ, r, msg, res.out)
+			}
+		}
+	}
+	res := m.trainMPI(t, 3, mpiTrainSpec{stage: 2, steps: 1, absent: 2}, seed, 2*time.Second)
+	for r := range 2 {
+		msg := res.rankErr(r)
+		if !strings.Contains(msg, ErrTimeout.Error()) && !strings.Contains(msg, "aborted") {
+			t.Errorf("rank %d: %q, want a timeout (or the other's abort)\n%s", r, msg, res.out)
+		}
+	}
+	if msg := res.rankErr(0) + res.rankErr(1); !strings.Contains(msg, "ranks [2] of 3") {
+		t.Errorf("no rank's timeout names rank 2: %q", msg)
+	}
+}
+
+// TestMPIAbortFromSignalHandler: SIGTERM to one process makes its handler
+// Abort the engine: that rank fails with ErrAborted, and the others with
+// ErrPeerFailed naming its abort (a notice; their timeout is 10 minutes,
+// beyond the job's guard).
+func TestMPIAbortFromSignalHandler(t *testing.T) {
+	m := findMPI(t)
+	seed := testSeed(t)
+	const W, victim = 3, 1
+	sp := mpiTrainSpec{stage: 2, steps: 1 << 20, signal: true, absent: -1}
+	dir := t.TempDir()
+	go func() {
+		// once every rank has stepped, SIGTERM to the victim
+		deadline := time.Now().Add(time.Minute)
+		for time.Now().Before(deadline) {
+			ready := 0
+			for r := range W {
+				if _, err := os.Stat(filepath.Join(dir, fmt.Sprintf("ready-%d", r))); err == nil {
+					ready++
+				}
+			}
+			pid, err := os.ReadFile(filepath.Join(dir, fmt.Sprintf("pid-%d", victim)))
+			if ready == W && err == nil {
+				if n, err := strconv.Atoi(string(pid)); err == nil {
+					syscall.Kill(n, syscall.SIGTERM)
+					return
+				}
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	res := m.launch(t, mpiRun{n: W, scenario: "train", dir: dir, args: []string{"-disable-auto-cleanup"},
+		env: []string{"ZERO_MPI_TRAIN=" + sp.String(), fmt.Sprintf("ZERO_TEST_SEED=%d", seed), "ZERO_MPI_TIMEOUT=10m"}})
+	if res.err == nil {
+		t.Fatalf("the job went on after the abort\n%s", res.out)
+	}
+	if msg := res.rankErr(victim); !strings.Contains(msg, ErrAborted.Error()) || !strings.Contains(msg, "got terminated") {
+		t.Errorf("rank %d: %q, want ErrAborted with the signal\n%s", victim, msg, res.out)
+	}
+	for r := range W {
+		if r == victim {
+			continue
+		}
+		if msg := res.rankErr(r); !strings.Contains(msg, ErrPeerFailed.Error()) || !strings.Contains(msg, fmt.Sprintf("rank %d of the MPI communicator aborted", victim)) {
+			t.Errorf("rank %d: %q, want ErrPeerFailed naming rank %d's abort\n%s", r, msg, victim, res.out)
+		}
 	}
 }
