@@ -24,10 +24,6 @@ import (
 	"unsafe"
 )
 
-// ErrMPI marks a failed MPI call, or an MPI library that is missing or
-// unusable; MPIError carries MPI's own words.
-var ErrMPI = fmt.Errorf("zero: MPI error")
-
 // MPIError is a failed MPI call. It wraps ErrMPI.
 type MPIError struct {
 	Code  int    // the MPI error code
@@ -211,20 +207,34 @@ func NewMPI(cfg MPIConfig) (Comm, error) {
 	return c, nil
 }
 
-// MPIVersion loads MPI (library as in MPIConfig.Library) and returns
+// MPIVersion opens MPI (library as in MPIConfig.Library) and returns
 // MPI_Get_library_version's text and the ABI it speaks ("mpich" or
-// "standard"). It does not initialise MPI.
+// "standard"), without initialising MPI or keeping the library.
 func MPIVersion(library string) (version, abi string, err error) {
 	if library == "" {
 		library = strings.TrimSpace(os.Getenv("ZERO_MPI_LIBRARY"))
 	}
-	which, _, err := loadMPI(library)
-	if err != nil {
-		return "", "", err
+	var msgs []string
+	for _, name := range mpiCandidates(library) {
+		cname := C.CString(name)
+		var msg [1024]C.char
+		var ver [8192]C.char
+		var which C.int
+		code := C.zm_probe(cname, &which, &ver[0], C.int(len(ver)), &msg[0], C.int(len(msg)))
+		C.free(unsafe.Pointer(cname))
+		if code == 0 {
+			return strings.TrimSpace(C.GoString(&ver[0])), abiName(which), nil
+		}
+		msgs = append(msgs, C.GoString(&msg[0]))
 	}
-	var buf [8192]C.char
-	C.zm_library_version(&buf[0], C.int(len(buf)))
-	return strings.TrimSpace(C.GoString(&buf[0])), which, nil
+	return "", "", noMPI(msgs)
+}
+
+func abiName(which C.int) string {
+	if which == C.ZM_ABI_STANDARD {
+		return "standard"
+	}
+	return "mpich"
 }
 
 // MPIFinalize ends MPI in this process (MPI_Finalize), after closing every
@@ -267,38 +277,44 @@ var mpiState struct {
 	th *mpiThread
 }
 
-// loadMPI dlopens library ("": libmpi.so.12, then libmpi_abi.so.1, from
-// the loader's path, then beside the mpiexec on PATH) and returns its ABI
-// and path.
-func loadMPI(library string) (abi, path string, err error) {
-	names := []string{library}
-	if library == "" {
-		names = []string{"libmpi.so.12", "libmpi_abi.so.1"}
-		if mpiexec, err := exec.LookPath("mpiexec"); err == nil {
-			if real, err := filepath.EvalSymlinks(mpiexec); err == nil {
-				mpiexec = real
-			}
-			lib := filepath.Join(filepath.Dir(filepath.Dir(mpiexec)), "lib")
-			names = append(names, filepath.Join(lib, "libmpi.so.12"), filepath.Join(lib, "libmpi_abi.so.1"))
-		}
+// mpiCandidates are the libraries to try: library, or libmpi.so.12, then
+// libmpi_abi.so.1, from the loader's path, then beside the mpiexec on PATH.
+func mpiCandidates(library string) []string {
+	if library != "" {
+		return []string{library}
 	}
+	names := []string{"libmpi.so.12", "libmpi_abi.so.1"}
+	if mpiexec, err := exec.LookPath("mpiexec"); err == nil {
+		if real, err := filepath.EvalSymlinks(mpiexec); err == nil {
+			mpiexec = real
+		}
+		lib := filepath.Join(filepath.Dir(filepath.Dir(mpiexec)), "lib")
+		names = append(names, filepath.Join(lib, "libmpi.so.12"), filepath.Join(lib, "libmpi_abi.so.1"))
+	}
+	return names
+}
+
+func noMPI(msgs []string) error {
+	return errorf(ErrMPI, "cannot load MPI (%s): install MPICH (apt-get install mpich, or scripts/install-mpi.sh, which puts PyPI's mpich wheel in .mpi/) and put its bin folder on PATH or its lib folder on LD_LIBRARY_PATH, or set ZERO_MPI_LIBRARY to the library's path (libmpi.so.12 or libmpi_abi.so.1)",
+		strings.Join(msgs, "; "))
+}
+
+// loadMPI dlopens the process's MPI (the first of mpiCandidates that
+// opens) and returns its ABI and path.
+func loadMPI(library string) (abi, path string, err error) {
 	var msgs []string
-	for _, name := range names {
+	for _, name := range mpiCandidates(library) {
 		cname := C.CString(name)
 		var msg [1024]C.char
 		var which C.int
 		code := C.zm_load(cname, &which, &msg[0], C.int(len(msg)))
 		C.free(unsafe.Pointer(cname))
 		if code == 0 {
-			if which == C.ZM_ABI_STANDARD {
-				return "standard", name, nil
-			}
-			return "mpich", name, nil
+			return abiName(which), name, nil
 		}
 		msgs = append(msgs, C.GoString(&msg[0]))
 	}
-	return "", "", errorf(ErrMPI, "cannot load MPI (%s): install MPICH (apt-get install mpich, or scripts/install-mpi.sh, which puts PyPI's mpich wheel in .mpi/) and put its bin folder on PATH or its lib folder on LD_LIBRARY_PATH, or set ZERO_MPI_LIBRARY to the library's path (libmpi.so.12 or libmpi_abi.so.1)",
-		strings.Join(msgs, "; "))
+	return "", "", noMPI(msgs)
 }
 
 // startMPI loads and initialises MPI once per process and returns its

@@ -30,9 +30,11 @@ typedef struct {
 	int32_t pad;
 } zm_xfer;
 
+/* Loads the process's MPI once; later calls return its ABI. */
 int zm_load(const char* path, int* abi, char* msg, int msglen);
-int zm_abi(void);
-int zm_library_version(char* buf, int len);
+/* Opens path, resolves its symbols and reads MPI_Get_library_version,
+ * without keeping it or initialising MPI. */
+int zm_probe(const char* path, int* abi, char* version, int vlen, char* msg, int msglen);
 /* MPI_Init_thread(FUNNELED) unless MPI is initialized already (*was_init);
  * *level is the thread level provided, 0 (single) to 3 (multiple); the bits
  * of *restored are the signals whose handlers init changed and that were put

@@ -33,6 +33,10 @@ static int64_t zm_now_ms(void) {
 }
 
 /* MPICH's ABI (mpi.h of MPICH 3 to 5): handles are ints. */
+static pthread_mutex_t zm_mu = PTHREAD_MUTEX_INITIALIZER;
+static int zm_which; /* ZM_ABI_*, 0 until loaded and after finalize */
+static void* zm_dl;
+
 #define ZM_NS(x) zm_mpich_##x
 #define ZM_H int
 #define ZM_K_COMM_WORLD ((int)0x44000000)
@@ -90,49 +94,62 @@ static int64_t zm_now_ms(void) {
 #define ZM_K_TAG 1
 #include "mpi_loader_abi.h"
 
-static pthread_mutex_t zm_mu = PTHREAD_MUTEX_INITIALIZER;
-static int zm_which; /* ZM_ABI_*, 0 until loaded and after finalize */
-static void* zm_dl;
+
+/* dlopen path and resolve every symbol of its ABI into the library's table
+ * (l: zm_mpich_fn or zm_std_fn, or a probe's own); 0 and *lib, or
+ * ZM_ERR_NOT_LOADED with the loader's message. */
+static int zm_open(const char* path, int mode, void** handle, int* abi, struct zm_mpich_lib* a, struct zm_std_lib* b,
+                   char* msg, int msglen) {
+	dlerror();
+	void* lib = dlopen(path, mode);
+	if (!lib) {
+		const char* e = dlerror();
+		snprintf(msg, (size_t)msglen, "%s", e ? e : path);
+		return ZM_ERR_NOT_LOADED;
+	}
+	int (*abi_version)(int*, int*) = (int (*)(int*, int*))dlsym(lib, "MPI_Abi_get_version");
+	int major = -1, minor = -1;
+	if (abi_version && abi_version(&major, &minor)) major = -1;
+	*abi = major >= 1 ? ZM_ABI_STANDARD : ZM_ABI_MPICH;
+	int bad = *abi == ZM_ABI_STANDARD ? zm_std_resolve(b, lib, path, msg, msglen) : zm_mpich_resolve(a, lib, path, msg, msglen);
+	if (bad) {
+		dlclose(lib);
+		return ZM_ERR_NOT_LOADED;
+	}
+	*handle = lib;
+	return 0;
+}
 
 int zm_load(const char* path, int* abi, char* msg, int msglen) {
 	if (msglen > 0) msg[0] = 0;
 	pthread_mutex_lock(&zm_mu);
 	int err = 0;
 	if (!zm_which) {
-		dlerror();
 		/* RTLD_GLOBAL: MPI libraries load plugins (fabrics, shared-memory
 		 * transports) that resolve symbols of libmpi itself */
-		void* lib = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
-		if (!lib) {
-			const char* e = dlerror();
-			snprintf(msg, (size_t)msglen, "%s", e ? e : path);
-			err = ZM_ERR_NOT_LOADED;
-		} else {
-			int (*abi_version)(int*, int*) = (int (*)(int*, int*))dlsym(lib, "MPI_Abi_get_version");
-			int major = -1, minor = -1;
-			if (abi_version && abi_version(&major, &minor)) major = -1;
-			int which = major >= 1 ? ZM_ABI_STANDARD : ZM_ABI_MPICH;
-			int bad = which == ZM_ABI_STANDARD ? zm_std_resolve(lib, path, msg, msglen)
-			                                   : zm_mpich_resolve(lib, path, msg, msglen);
-			if (bad) {
-				dlclose(lib);
-				err = ZM_ERR_NOT_LOADED;
-			} else {
-				zm_which = which;
-				zm_dl = lib;
-			}
-		}
+		int which = 0;
+		err = zm_open(path, RTLD_NOW | RTLD_GLOBAL, &zm_dl, &which, &zm_mpich_fn, &zm_std_fn, msg, msglen);
+		if (!err) zm_which = which;
 	}
 	*abi = zm_which;
 	pthread_mutex_unlock(&zm_mu);
 	return err;
 }
 
-int zm_abi(void) {
-	pthread_mutex_lock(&zm_mu);
-	int v = zm_which;
-	pthread_mutex_unlock(&zm_mu);
-	return v;
+int zm_probe(const char* path, int* abi, char* version, int vlen, char* msg, int msglen) {
+	if (msglen > 0) msg[0] = 0;
+	if (vlen > 0) version[0] = 0;
+	struct zm_mpich_lib a;
+	struct zm_std_lib b;
+	void* lib = NULL;
+	int err = zm_open(path, RTLD_NOW | RTLD_LOCAL, &lib, abi, &a, &b, msg, msglen);
+	if (err) return err;
+	char s[8192 + 1] = {0};
+	int n = 0;
+	if (*abi == ZM_ABI_STANDARD ? b.get_library_version(s, &n) : a.get_library_version(s, &n)) s[0] = 0;
+	snprintf(version, (size_t)vlen, "%s", s);
+	dlclose(lib); /* the library stays if the process holds it too */
+	return 0;
 }
 
 #define ZM_CALL(call)                                                                                            \
@@ -141,15 +158,6 @@ int zm_abi(void) {
 	case ZM_ABI_STANDARD: return zm_std_##call;                                                              \
 	default: return ZM_ERR_NOT_LOADED;                                                                       \
 	}
-
-int zm_library_version(char* buf, int len) {
-	char s[8192 + 1] = {0};
-	int n = 0, err = ZM_ERR_NOT_LOADED;
-	if (zm_which == ZM_ABI_MPICH) err = zm_mpich_fn.get_library_version(s, &n);
-	if (zm_which == ZM_ABI_STANDARD) err = zm_std_fn.get_library_version(s, &n);
-	snprintf(buf, (size_t)len, "%s", err ? "" : s);
-	return err;
-}
 
 /* Go's runtime handles the signals it relies on (SIGSEGV and SIGBUS for nil
  * dereferences, SIGURG for preemption, SIGPROF, SIGPIPE, and every signal a

@@ -33,8 +33,7 @@ struct ZM_NS(lib) {
 
 static struct ZM_NS(lib) ZM_NS(fn);
 
-static int ZM_NS(resolve)(void* lib, const char* path, char* msg, int msglen) {
-	struct ZM_NS(lib)* l = &ZM_NS(fn);
+static int ZM_NS(resolve)(struct ZM_NS(lib) * l, void* lib, const char* path, char* msg, int msglen) {
 #define ZM_SYM(field, name)                                                                                      \
 	if (!(*(void**)(&l->field) = dlsym(lib, name))) {                                                        \
 		snprintf(msg, (size_t)msglen, "%s: symbol %s not found", path, name);                            \

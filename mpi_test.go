@@ -2,6 +2,7 @@ package zero
 
 import (
 	"bytes"
+	"errors"
 	"context"
 	"encoding/binary"
 	"encoding/gob"
@@ -186,6 +187,7 @@ var mpiScenarios = map[string]func(comm Comm, dir string) error{
 	"collectives": collectivesScenario,
 	"engine":      engineScenario,
 	"train":       trainScenario,
+	"mismatch":    mismatchScenario,
 }
 
 func envInt(name string) int {
@@ -328,6 +330,11 @@ func runCollCases(comm Comm, seed int64, cases []collCase) ([][]byte, error) {
 }
 
 func collectivesScenario(comm Comm, dir string) error {
+	if want := os.Getenv("ZERO_MPI_EXPECT_ABI"); want != "" {
+		if got := comm.(*mpiComm).th.abi; got != want {
+			return fmt.Errorf("MPI speaks the %s ABI, want %s", got, want)
+		}
+	}
 	seed := envSeed()
 	outs, err := runCollCases(comm, seed, collCases(seed, comm.Size()))
 	if err != nil {
@@ -919,6 +926,218 @@ func TestMPIAbortFromSignalHandler(t *testing.T) {
 		}
 		if msg := res.rankErr(r); !strings.Contains(msg, ErrPeerFailed.Error()) || !strings.Contains(msg, fmt.Sprintf("rank %d of the MPI communicator aborted", victim)) {
 			t.Errorf("rank %d: %q, want ErrPeerFailed naming rank %d's abort\n%s", r, msg, victim, res.out)
+		}
+	}
+}
+
+// ---- in this process ------------------------------------------------------------
+
+// TestMPIMissingLibrary: a library that is not there is ErrMPI, and the
+// message says how to install one.
+func TestMPIMissingLibrary(t *testing.T) {
+	_, _, err := MPIVersion("/nonexistent/libmpi.so.12")
+	if !errors.Is(err, ErrMPI) || !strings.Contains(err.Error(), "apt-get install mpich") || !strings.Contains(err.Error(), "scripts/install-mpi.sh") {
+		t.Fatalf("MPIVersion of a missing library: %v; want ErrMPI saying how to install MPICH", err)
+	}
+	mpiState.mu.Lock()
+	started := mpiState.th != nil
+	mpiState.mu.Unlock()
+	if !started {
+		if _, err := NewMPI(MPIConfig{Library: "/nonexistent/libmpi.so.12"}); !errors.Is(err, ErrMPI) {
+			t.Fatalf("NewMPI of a missing library: %v; want ErrMPI", err)
+		}
+	}
+	if !errors.Is(&MPIError{Code: 1}, ErrMPI) {
+		t.Fatal("an MPIError does not wrap ErrMPI")
+	}
+}
+
+// TestMPIConfigFromEnv reads the environment, and refuses what is wrong.
+func TestMPIConfigFromEnv(t *testing.T) {
+	env := func(kv map[string]string) func(string) string { return func(k string) string { return kv[k] } }
+	c, err := mpiConfigFrom(env(map[string]string{"ZERO_MPI_LIBRARY": "/x/libmpi.so.12", "ZERO_MPI_TIMEOUT": "90s", "ZERO_MPI_COLOR": "3", "PMI_SIZE": "4"}))
+	if err != nil || c.Library != "/x/libmpi.so.12" || c.Timeout != 90*time.Second || !c.Split || c.Color != 3 || c.LauncherWorld != 4 {
+		t.Fatalf("%+v, %v", c, err)
+	}
+	if c, err := mpiConfigFrom(env(map[string]string{"OMPI_COMM_WORLD_SIZE": "2"})); err != nil || c.LauncherWorld != 2 || c.Split {
+		t.Fatalf("Open MPI's size: %+v, %v", c, err)
+	}
+	for _, bad := range []map[string]string{{"ZERO_MPI_TIMEOUT": "soon"}, {"ZERO_MPI_TIMEOUT": "-1s"}, {"ZERO_MPI_COLOR": "-1"}, {"PMI_SIZE": "x"}} {
+		if _, err := mpiConfigFrom(env(bad)); !errors.Is(err, ErrConfig) {
+			t.Errorf("%v: %v, want ErrConfig", bad, err)
+		}
+	}
+	for _, bad := range []MPIConfig{{Timeout: -time.Second}, {Split: true, Color: -2}, {LauncherWorld: -1}} {
+		if _, err := NewMPI(bad); !errors.Is(err, ErrConfig) {
+			t.Errorf("NewMPI(%+v): %v, want ErrConfig", bad, err)
+		}
+	}
+}
+
+// TestAbandonedHostMemoryStaysMapped: memory left to a transfer that
+// cannot be cancelled is never unmapped, even by Free.
+func TestAbandonedHostMemoryStaysMapped(t *testing.T) {
+	a, err := hostDev.Alloc(1<<16, FP32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	abandonHost(a.slice(100, 10))
+	if err := hostDev.Free(a); err != nil {
+		t.Fatal(err)
+	}
+	b := a.hostBytes() // would fault if unmapped
+	b[0], b[len(b)-1] = 1, 2
+	if b[0]+b[len(b)-1] != 3 {
+		t.Fatal("the abandoned buffer does not hold what was written")
+	}
+	keep := Float32s(make([]float32, 8))
+	abandonHost(keep)
+	abandonedGo.mu.Lock()
+	defer abandonedGo.mu.Unlock()
+	if len(abandonedGo.keep) == 0 {
+		t.Fatal("abandoned Go memory is not kept")
+	}
+}
+
+// TestMPIOneProcess: a world of one, in this process (MPICH's singleton):
+// its collectives give the in-process group's bits; Go's signal handlers
+// are Go's after MPI's init (a nil dereference is a panic to recover from,
+// a SIGUSR1 that MPI wanted leaves the process alive); a stream of another
+// device is refused; after Close a collective is ErrClosed; after
+// MPIFinalize, NewMPI is refused.
+func TestMPIOneProcess(t *testing.T) {
+	m := findMPI(t)
+	if os.Getenv("PMI_SIZE") != "" {
+		t.Skip("under mpiexec")
+	}
+	comm, err := NewMPI(MPIConfig{Library: m.library})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if comm.Rank() != 0 || comm.Size() != 1 {
+		t.Fatalf("rank %d of %d, want 0 of 1", comm.Rank(), comm.Size())
+	}
+	seed := testSeed(t)
+	cases := collCases(seed, 1)
+	got, err := runCollCases(comm, seed, cases)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want [][]byte
+	if err := RunLocal(1, func(c Comm) error { want, err = runCollCases(c, seed, cases); return err }); err != nil {
+		t.Fatal(err)
+	}
+	for i := range cases {
+		if !bytes.Equal(got[i], want[i]) {
+			t.Fatalf("case %d (%+v): MPI differs from the in-process group", i, cases[i])
+		}
+	}
+	if n := comm.Counters().Total().Calls; n != int64(len(cases)) {
+		t.Errorf("%d collectives counted, want %d", n, len(cases))
+	}
+	func() {
+		defer func() {
+			if r := recover(); r == nil {
+				t.Error("a nil dereference did not panic")
+			}
+		}()
+		var p *int
+		_ = *p
+	}()
+	syscall.Kill(os.Getpid(), syscall.SIGUSR1) // the process lives on
+	time.Sleep(50 * time.Millisecond)
+	if err := comm.AllReduce(otherStream{}, Float32s(make([]float32, 4)), OpSum); !errors.Is(err, ErrStream) {
+		t.Errorf("a stream of another device: %v, want ErrStream", err)
+	}
+	if err := comm.Close(); err != nil {
+		t.Fatal(err)
+	}
+	s := NewHostStream()
+	defer s.Close()
+	if err := comm.AllReduce(s, Float32s(make([]float32, 4)), OpSum); !errors.Is(err, ErrClosed) {
+		t.Errorf("after Close: %v, want ErrClosed", err)
+	}
+	if err := MPIFinalize(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := NewMPI(MPIConfig{Library: m.library}); !errors.Is(err, ErrClosed) {
+		t.Errorf("NewMPI after MPIFinalize: %v, want ErrClosed", err)
+	}
+}
+
+// otherStream is a stream of no device of this package.
+type otherStream struct{ Stream }
+
+// mismatchScenario: rank 0 all-reduces 100 fp32 values; rank 1 calls what
+// ZERO_MPI_DIFFER says instead.
+func mismatchScenario(comm Comm, dir string) error {
+	s := NewHostStream()
+	defer s.Close()
+	var err error
+	if comm.Rank() == 0 {
+		err = comm.AllReduce(s, Float32s(make([]float32, 100)), OpSum)
+	} else {
+		switch os.Getenv("ZERO_MPI_DIFFER") {
+		case "size":
+			err = comm.AllReduce(s, Float32s(make([]float32, 101)), OpSum)
+		case "dtype": // the same bytes
+			err = comm.AllReduce(s, Halfs(make([]uint16, 200), BF16), OpSum)
+		case "kind": // the same bytes
+			err = comm.ReduceScatter(s, Float32s(make([]float32, 100)), Float32s(make([]float32, 50)), OpSum)
+		}
+	}
+	if err == nil {
+		err = s.Sync()
+	}
+	return err
+}
+
+// TestMPIMismatchedCollectives: ranks that call collectives of different
+// sizes, dtypes or kinds at the same point fail with ErrMismatch (their
+// timeout is a minute), on both ranks.
+func TestMPIMismatchedCollectives(t *testing.T) {
+	m := findMPI(t)
+	for _, differ := range []string{"size", "dtype", "kind"} {
+		t.Run(differ, func(t *testing.T) {
+			res := m.launch(t, mpiRun{n: 2, scenario: "mismatch", survive: true, args: []string{"-disable-auto-cleanup"},
+				env: []string{"ZERO_MPI_DIFFER=" + differ, "ZERO_MPI_TIMEOUT=1m"}})
+			for r := range 2 {
+				if msg := res.rankErr(r); !strings.Contains(msg, ErrMismatch.Error()) {
+					t.Errorf("rank %d: %q, want ErrMismatch\n%s", r, msg, res.out)
+				}
+			}
+		})
+	}
+}
+
+// TestMPIStandardABI: the collectives through MPICH's libmpi_abi.so.1, the
+// MPI 5.0 standard ABI (pointer handles), give the in-process group's bits.
+func TestMPIStandardABI(t *testing.T) {
+	m := findMPI(t)
+	lib := filepath.Join(filepath.Dir(m.library), "libmpi_abi.so.1")
+	if _, abi, err := MPIVersion(lib); err != nil || abi != "standard" {
+		t.Skipf("no standard-ABI library beside %s (%v, %q): MPICH 5's wheel (scripts/install-mpi.sh) has one", m.library, err, abi)
+	}
+	seed := testSeed(t)
+	const w = 2
+	cases := collCases(seed, w)
+	want := make([][][]byte, w)
+	if err := RunLocal(w, func(comm Comm) error {
+		out, err := runCollCases(comm, seed, cases)
+		want[comm.Rank()] = out
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	res := m.launch(t, mpiRun{n: w, scenario: "collectives", env: []string{fmt.Sprintf("ZERO_TEST_SEED=%d", seed), "ZERO_MPI_LIBRARY=" + lib, "ZERO_MPI_EXPECT_ABI=standard"}})
+	res.mustSucceed(t, "collectives over the standard ABI")
+	for r := range w {
+		got, err := os.ReadFile(filepath.Join(res.dir, fmt.Sprintf("coll-%d.bin", r)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, bytes.Join(want[r], nil)) {
+			t.Fatalf("rank %d: the standard ABI's run differs from the in-process group", r)
 		}
 	}
 }
