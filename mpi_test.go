@@ -870,7 +870,8 @@ func TestMPIRanksThatDisagree(t *testing.T) {
 			}
 		}
 	}
-	res := m.trainMPI(t, 3, mpiTrainSpec{stage: 2, steps: 1, absent: 2}, seed, 2*time.Second)
+	res := m.launch(t, mpiRun{n: 3, scenario: "train", timeout: time.Minute,
+		env: []string{"ZERO_MPI_TRAIN=" + mpiTrainSpec{stage: 2, steps: 1, absent: 2}.String(), fmt.Sprintf("ZERO_TEST_SEED=%d", seed), "ZERO_MPI_TIMEOUT=2s"}})
 	for r := range 2 {
 		msg := res.rankErr(r)
 		if !strings.Contains(msg, ErrTimeout.Error()) && !strings.Contains(msg, "aborted") {
@@ -912,7 +913,7 @@ func TestMPIAbortFromSignalHandler(t *testing.T) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	}()
-	res := m.launch(t, mpiRun{n: W, scenario: "train", dir: dir, args: []string{"-disable-auto-cleanup"},
+	res := m.launch(t, mpiRun{n: W, scenario: "train", dir: dir, args: []string{"-disable-auto-cleanup"}, timeout: time.Minute,
 		env: []string{"ZERO_MPI_TRAIN=" + sp.String(), fmt.Sprintf("ZERO_TEST_SEED=%d", seed), "ZERO_MPI_TIMEOUT=10m"}})
 	if res.err == nil {
 		t.Fatalf("the job went on after the abort\n%s", res.out)
