@@ -92,6 +92,9 @@ type mpiRun struct {
 	// ranks live on, as under a launcher that leaves them running. The
 	// shell takes the SIGUSR1 Hydra sends them.
 	survive bool
+	// colors splits the job into groups of n/colors processes, each with
+	// its ZERO_MPI_COLOR (0 none).
+	colors int
 }
 
 // mpiResult is what a job did.
@@ -113,11 +116,20 @@ func (m mpiInstall) launch(t *testing.T, r mpiRun) mpiResult {
 	if dir == "" {
 		dir = t.TempDir()
 	}
-	args := append(append([]string{}, r.args...), "-n", strconv.Itoa(r.n))
-	if r.survive {
-		args = append(args, "/bin/sh", "-c", `trap : USR1; "$@"`, "sh")
+	args := append([]string{}, r.args...)
+	for c := range max(r.colors, 1) {
+		if c > 0 {
+			args = append(args, ":")
+		}
+		args = append(args, "-n", strconv.Itoa(r.n/max(r.colors, 1)))
+		if r.colors > 0 { // one MPMD segment per group
+			args = append(args, "-env", "ZERO_MPI_COLOR", strconv.Itoa(c))
+		}
+		if r.survive {
+			args = append(args, "/bin/sh", "-c", `trap : USR1; "$@"`, "sh")
+		}
+		args = append(args, os.Args[0], "-test.run=^TestMPIWorker$", "-test.v")
 	}
-	args = append(args, os.Args[0], "-test.run=^TestMPIWorker$", "-test.v")
 	ctx, cancel := context.WithTimeout(context.Background(), r.timeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, m.mpiexec, args...)
@@ -340,7 +352,11 @@ func collectivesScenario(comm Comm, dir string) error {
 	if err != nil {
 		return err
 	}
-	return os.WriteFile(filepath.Join(dir, fmt.Sprintf("coll-%d.bin", comm.Rank())), bytes.Join(outs, nil), 0o644)
+	name := fmt.Sprintf("coll-%d.bin", comm.Rank())
+	if c := os.Getenv("ZERO_MPI_COLOR"); c != "" {
+		name = fmt.Sprintf("coll-%s-%d.bin", c, comm.Rank())
+	}
+	return os.WriteFile(filepath.Join(dir, name), bytes.Join(outs, nil), 0o644)
 }
 
 // TestMPICollectivesMatchLocalGroup: every collective of every dtype and
@@ -380,6 +396,36 @@ func TestMPICollectivesMatchLocalGroup(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestMPISplit: 4 processes in 2 groups (ZERO_MPI_COLOR, MPI_Comm_split):
+// each group of 2 runs the collectives on its own and gives the bits of an
+// in-process group of 2.
+func TestMPISplit(t *testing.T) {
+	m := findMPI(t)
+	seed := testSeed(t)
+	cases := collCases(seed, 2)
+	want := make([][][]byte, 2)
+	if err := RunLocal(2, func(comm Comm) error {
+		out, err := runCollCases(comm, seed, cases)
+		want[comm.Rank()] = out
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	res := m.launch(t, mpiRun{n: 4, colors: 2, scenario: "collectives", env: []string{fmt.Sprintf("ZERO_TEST_SEED=%d", seed)}})
+	res.mustSucceed(t, "two groups")
+	for c := range 2 {
+		for r := range 2 {
+			got, err := os.ReadFile(filepath.Join(res.dir, fmt.Sprintf("coll-%d-%d.bin", c, r)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, bytes.Join(want[r], nil)) {
+				t.Fatalf("group %d, rank %d: differs from the in-process group of 2", c, r)
+			}
+		}
 	}
 }
 
@@ -1001,7 +1047,8 @@ func TestAbandonedHostMemoryStaysMapped(t *testing.T) {
 }
 
 // TestMPIOneProcess: a world of one, in this process (MPICH's singleton):
-// its collectives give the in-process group's bits; Go's signal handlers
+// a launcher's count that differs from MPI's world is refused; its
+// collectives give the in-process group's bits; Go's signal handlers
 // are Go's after MPI's init (a nil dereference is a panic to recover from,
 // a SIGUSR1 that MPI wanted leaves the process alive); a stream of another
 // device is refused; after Close a collective is ErrClosed; after
@@ -1010,6 +1057,19 @@ func TestMPIOneProcess(t *testing.T) {
 	m := findMPI(t)
 	if os.Getenv("PMI_SIZE") != "" {
 		t.Skip("under mpiexec")
+	}
+	mpiState.mu.Lock()
+	th := mpiState.th
+	mpiState.mu.Unlock()
+	if th != nil {
+		var finalized bool
+		th.do(func() error { finalized = th.finalized; return nil })
+		if finalized {
+			t.Skip("MPI was finalized in this process by an earlier run of this test; it starts once per process")
+		}
+	}
+	if _, err := NewMPI(MPIConfig{Library: m.library, LauncherWorld: 5}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "the launcher started 5 processes") {
+		t.Fatalf("a launcher of 5 processes around a world of 1: %v, want ErrConfig naming both", err)
 	}
 	comm, err := NewMPI(MPIConfig{Library: m.library})
 	if err != nil {
@@ -1085,6 +1145,8 @@ func mismatchScenario(comm Comm, dir string) error {
 			err = comm.AllReduce(s, Halfs(make([]uint16, 200), BF16), OpSum)
 		case "kind": // the same bytes
 			err = comm.ReduceScatter(s, Float32s(make([]float32, 100)), Float32s(make([]float32, 50)), OpSum)
+		case "larger": // rank 0 receives more than it expects: MPI truncates
+			err = comm.AllReduce(s, Float32s(make([]float32, 200)), OpSum)
 		}
 	}
 	if err == nil {
@@ -1095,10 +1157,12 @@ func mismatchScenario(comm Comm, dir string) error {
 
 // TestMPIMismatchedCollectives: ranks that call collectives of different
 // sizes, dtypes or kinds at the same point fail with ErrMismatch (their
-// timeout is a minute), on both ranks.
+// timeout is a minute), on both ranks; a message larger than its receive
+// is MPI's own error (MPI_ERR_TRUNCATE, returned, not fatal), in MPI's
+// words.
 func TestMPIMismatchedCollectives(t *testing.T) {
 	m := findMPI(t)
-	for _, differ := range []string{"size", "dtype", "kind"} {
+	for _, differ := range []string{"size", "dtype", "kind", "larger"} {
 		t.Run(differ, func(t *testing.T) {
 			res := m.launch(t, mpiRun{n: 2, scenario: "mismatch", survive: true, args: []string{"-disable-auto-cleanup"},
 				env: []string{"ZERO_MPI_DIFFER=" + differ, "ZERO_MPI_TIMEOUT=1m"}})
@@ -1106,6 +1170,10 @@ func TestMPIMismatchedCollectives(t *testing.T) {
 				if msg := res.rankErr(r); !strings.Contains(msg, ErrMismatch.Error()) {
 					t.Errorf("rank %d: %q, want ErrMismatch\n%s", r, msg, res.out)
 				}
+			}
+			// MPI's own words come back with its code
+			if msg := res.rankErr(0); differ == "larger" && (!strings.Contains(msg, ErrMPI.Error()) || !strings.Contains(strings.ToLower(msg), "truncat")) {
+				t.Errorf("rank 0: %q, want MPI's truncation error", msg)
 			}
 		})
 	}
