@@ -2,10 +2,10 @@ package zero
 
 import (
 	"bytes"
-	"errors"
 	"context"
 	"encoding/binary"
 	"encoding/gob"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand"
