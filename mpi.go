@@ -247,7 +247,7 @@ func MPIFinalize() error {
 	mpiState.mu.Lock()
 	th := mpiState.th
 	mpiState.mu.Unlock()
-	if th == nil {
+	if th == nil || th.initErr != nil { // nothing was started
 		return nil
 	}
 	return th.do(func() error {

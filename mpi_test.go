@@ -1021,6 +1021,31 @@ func TestMPIConfigFromEnv(t *testing.T) {
 	}
 }
 
+// TestMPIPieces: a transfer beyond what an MPI count holds goes in pieces
+// of 1 GiB, cut the same way at both ends.
+func TestMPIPieces(t *testing.T) {
+	ph := &mpiPhase{tag: 7}
+	ph.send(1, 0x10000, 5<<29) // 2.5 GiB
+	ph.recv(2, 0x20000, 100)
+	want := []int64{1 << 30, 1 << 30, 1 << 29, 100}
+	if len(ph.xfers) != len(want) {
+		t.Fatalf("%d transfers, want %d", len(ph.xfers), len(want))
+	}
+	at := uintptr(0x10000)
+	for i, x := range ph.xfers {
+		if int64(x.bytes) != want[i] || int(x.tag) != 7 {
+			t.Errorf("transfer %d: %d bytes, tag %d; want %d, 7", i, int64(x.bytes), int(x.tag), want[i])
+		}
+		if i < 3 && (uintptr(x.buf) != at || x.peer != 1 || x.recv != 0) {
+			t.Errorf("piece %d at %#x to %d (recv %d), want %#x to 1", i, uintptr(x.buf), int(x.peer), int(x.recv), at)
+		}
+		at += uintptr(x.bytes)
+	}
+	if x := ph.xfers[3]; x.peer != 2 || x.recv != 1 {
+		t.Errorf("the receive is from %d (recv %d)", int(x.peer), int(x.recv))
+	}
+}
+
 // TestAbandonedHostMemoryStaysMapped: memory left to a transfer that
 // cannot be cancelled is never unmapped, even by Free.
 func TestAbandonedHostMemoryStaysMapped(t *testing.T) {
