@@ -12,14 +12,12 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"os/signal"
 	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 	"unsafe"
 )
@@ -400,18 +398,6 @@ func (th *mpiThread) loop(ready chan<- error) {
 	case wasInit != 0 && level < 3:
 		ready <- errorf(ErrMPI, "MPI was initialised before NewMPI with thread level %d; zero calls MPI from a thread of its own, which needs MPI_THREAD_MULTIPLE: let NewMPI initialise MPI", level)
 		return
-	}
-	keepAlive := make(chan os.Signal, 1)
-	for _, sig := range []syscall.Signal{syscall.SIGUSR1, syscall.SIGUSR2} {
-		if th.restored&(1<<sig) != 0 {
-			// MPI meant to handle it (MPICH takes SIGUSR1 as Hydra's notice
-			// that a process of the job failed, sent when the job runs
-			// with -disable-auto-cleanup): Go's handler is back, and
-			// without a Notify it would end the process. The notice is
-			// not acted on: the collectives that wait for a dead rank fail
-			// at their timeout, naming it.
-			signal.Notify(keepAlive, sig)
-		}
 	}
 	ready <- nil
 	idle := time.NewTicker(mpiIdlePoll)
