@@ -44,7 +44,8 @@ type MPIConfig struct {
 	// Library is the MPI shared library to dlopen. Empty: $ZERO_MPI_LIBRARY,
 	// else libmpi.so.12 (MPICH's ABI: MPICH, Intel MPI, MVAPICH, Cray MPICH),
 	// else libmpi_abi.so.1 (the MPI 5.0 standard ABI), from the loader's
-	// search path (LD_LIBRARY_PATH).
+	// search path (LD_LIBRARY_PATH), then from the lib folder beside the
+	// mpiexec on PATH.
 	Library string
 	// Timeout bounds each collective, from the moment this rank posts its
 	// transfers (default DefaultTimeout). It must cover the peers' work
@@ -373,8 +374,9 @@ func (th *mpiThread) do(fn func() error) error {
 }
 
 // Polling: the transfers are tested in a loop that yields the CPU between
-// rounds; after idleSpin of rounds with nothing completed it sleeps between
-// them (a peer still computing), and with nothing to test it blocks.
+// rounds; after mpiYieldFor with nothing completed it naps between them (a
+// peer still computing), and with nothing to test it blocks, waking every
+// mpiIdlePoll for the peers' abort notices.
 const (
 	mpiYieldFor   = 2 * time.Millisecond
 	mpiNap        = 50 * time.Microsecond
@@ -405,10 +407,14 @@ func (th *mpiThread) loop(ready chan<- error) {
 	quiet := time.Now() // when a transfer last completed
 	for {
 		if len(th.active) == 0 {
+			var tick <-chan time.Time
+			if len(th.comms) > 0 {
+				tick = idle.C
+			}
 			select {
 			case fn := <-th.in:
 				fn()
-			case <-idle.C:
+			case <-tick:
 				th.pollNotices()
 			}
 			quiet = time.Now()
