@@ -1,5 +1,6 @@
 // Command train trains a small MLP on a synthetic regression task across W
-// in-process ranks with zero: forward and backward written by hand, each
+// in-process ranks with zero (or, with -mpi under mpiexec -n W, across the W
+// processes of an MPI job, with the same bits): forward and backward written by hand, each
 // layer's gradients handed to the engine as backward produces them, on two
 // streams, and the sharded AdamW step updating the parameters in place. It
 // prints the loss per step. -save writes a checkpoint, -resume continues
