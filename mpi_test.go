@@ -851,7 +851,9 @@ func TestMPIRankKilled(t *testing.T) {
 // the newest, and no partial directory is left. 2 processes resume from it
 // (a reshard) and give the bits of the same resume in one process.
 // Directories that are not shared (each process its own, as on node-local
-// disks) fail the save on every rank.
+// disks) fail the save on every rank: at rank 1's write, where only rank 0
+// made the partial directory, and at rank 0's check that it sees every
+// rank's file, where rank 1 could write.
 func TestMPICheckpointsAcrossProcesses(t *testing.T) {
 	m := findMPI(t)
 	seed := testSeed(t)
@@ -898,6 +900,23 @@ func TestMPICheckpointsAcrossProcesses(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(own, "rank0", ckptLatest)); err == nil {
 		t.Error("rank 0 committed a checkpoint without rank 1's file")
+	}
+	// the same, where rank 1's disk has the partial directory too (an
+	// earlier attempt left it): rank 1 writes its file, and rank 0's check
+	// that it sees every rank's file refuses the commit
+	other := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(other, "rank1", ckptPartial+ckptName(1, 0)), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	res = m.trainMPI(t, 2, mpiTrainSpec{stage: 2, steps: 1, save: filepath.Join(other, "rank%d"), absent: -1}, seed, 30*time.Second, "-disable-auto-cleanup")
+	if msg := res.rankErr(0); !strings.Contains(msg, "every rank shares") {
+		t.Errorf("rank 0: %q, want the check that every rank's file is in one shared directory\n%s", msg, res.out)
+	}
+	if msg := res.rankErr(1); !strings.Contains(msg, ErrCheckpoint.Error()) {
+		t.Errorf("rank 1: %q, want ErrCheckpoint", msg)
+	}
+	if _, err := os.Stat(filepath.Join(other, "rank0", ckptLatest)); err == nil {
+		t.Error("rank 0 committed a checkpoint without seeing rank 1's file")
 	}
 }
 
