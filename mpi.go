@@ -31,6 +31,7 @@ type MPIError struct {
 	Rank  int    // this process's rank, −1 before it is known
 }
 
+// Error says what failed on which rank, with MPI's own words.
 func (e *MPIError) Error() string {
 	return fmt.Sprintf("%v: rank %d: %s: %s (code %d, class %d)", ErrMPI, e.Rank, e.Op, e.Text, e.Code, e.Class)
 }
