@@ -43,8 +43,8 @@ func (e *MPIError) Unwrap() error { return ErrMPI }
 // (NewMPI). MPIConfigFromEnv fills it from the environment.
 type MPIConfig struct {
 	// Library is the MPI shared library to dlopen. Empty: $ZERO_MPI_LIBRARY,
-	// else libmpi.so.12 (MPICH's ABI: MPICH, Intel MPI, MVAPICH, Cray MPICH),
-	// else libmpi_abi.so.1 (the MPI 5.0 standard ABI), from the loader's
+	// else libmpi.so.12 (MPICH's ABI: MPICH, Intel MPI, MVAPICH, Cray MPICH;
+	// libmpich.so.12 in Debian and Ubuntu), else libmpi_abi.so.1 (the MPI 5.0 standard ABI), from the loader's
 	// search path (LD_LIBRARY_PATH), then from the lib folder beside the
 	// mpiexec on PATH.
 	Library string
@@ -277,19 +277,23 @@ var mpiState struct {
 	th *mpiThread
 }
 
-// mpiCandidates are the libraries to try: library, or libmpi.so.12, then
-// libmpi_abi.so.1, from the loader's path, then beside the mpiexec on PATH.
+// mpiCandidates are the libraries to try: library, or libmpi.so.12
+// (libmpich.so.12 as Debian and Ubuntu name MPICH's), then libmpi_abi.so.1,
+// from the loader's path, then beside the mpiexec on PATH.
 func mpiCandidates(library string) []string {
 	if library != "" {
 		return []string{library}
 	}
-	names := []string{"libmpi.so.12", "libmpi_abi.so.1"}
+	sonames := []string{"libmpi.so.12", "libmpich.so.12", "libmpi_abi.so.1"}
+	names := slices.Clone(sonames)
 	if mpiexec, err := exec.LookPath("mpiexec"); err == nil {
 		if real, err := filepath.EvalSymlinks(mpiexec); err == nil {
 			mpiexec = real
 		}
 		lib := filepath.Join(filepath.Dir(filepath.Dir(mpiexec)), "lib")
-		names = append(names, filepath.Join(lib, "libmpi.so.12"), filepath.Join(lib, "libmpi_abi.so.1"))
+		for _, n := range sonames {
+			names = append(names, filepath.Join(lib, n))
+		}
 	}
 	return names
 }

@@ -95,6 +95,45 @@ static void* zm_dl;
 #include "mpi_loader_abi.h"
 
 
+/* Go's runtime handles the signals it relies on (SIGSEGV and SIGBUS for nil
+ * dereferences, SIGURG for preemption, SIGPROF, SIGPIPE, and every signal a
+ * program asks for with signal.Notify) and expects its handlers to stay. MPI
+ * libraries and their transports install their own, some when they are
+ * loaded (UCX's error signals, from a library constructor), some in
+ * MPI_Init_thread (MPICH's SIGUSR1; Open MPI's backtrace handlers), which
+ * would turn a recoverable Go panic into a crash report. The handlers are
+ * saved before the library is opened and every one that changed is put
+ * back after it is opened, closed or initialised, unless
+ * ZERO_MPI_SIGNALS=keep. */
+#define ZM_NSIG 65
+typedef struct {
+	struct sigaction act[ZM_NSIG];
+} zm_sigs;
+
+static void zm_signals_save(zm_sigs* s) {
+	memset(s, 0, sizeof *s);
+	for (int sig = 1; sig < ZM_NSIG && sig < NSIG; sig++) sigaction(sig, NULL, &s->act[sig]);
+}
+
+/* Puts back every handler that differs from s; returns the signals' bits. */
+static uint64_t zm_signals_restore(const zm_sigs* s) {
+	const char* keep = getenv("ZERO_MPI_SIGNALS");
+	uint64_t restored = 0;
+	for (int sig = 1; sig < 64 && sig < NSIG; sig++) {
+		if (sig == SIGKILL || sig == SIGSTOP) continue;
+		struct sigaction now;
+		if (sigaction(sig, NULL, &now)) continue;
+		if (now.sa_handler == s->act[sig].sa_handler && now.sa_flags == s->act[sig].sa_flags) continue;
+		if (keep && !strcmp(keep, "keep")) continue;
+		if (!sigaction(sig, &s->act[sig], NULL)) restored |= (uint64_t)1 << sig;
+	}
+	return restored;
+}
+
+/* The handlers before the process's MPI was opened (zm_load). */
+static zm_sigs zm_go_sigs;
+static uint64_t zm_load_restored;
+
 /* dlopen path and resolve every symbol of its ABI into the library's table
  * (l: zm_mpich_fn or zm_std_fn, or a probe's own); 0 and *lib, or
  * ZM_ERR_NOT_LOADED with the loader's message. */
@@ -128,7 +167,9 @@ int zm_load(const char* path, int* abi, char* msg, int msglen) {
 		/* RTLD_GLOBAL: MPI libraries load plugins (fabrics, shared-memory
 		 * transports) that resolve symbols of libmpi itself */
 		int which = 0;
+		zm_signals_save(&zm_go_sigs);
 		err = zm_open(path, RTLD_NOW | RTLD_GLOBAL, &zm_dl, &which, &zm_mpich_fn, &zm_std_fn, msg, msglen);
+		zm_load_restored |= zm_signals_restore(&zm_go_sigs);
 		if (!err) zm_which = which;
 	}
 	*abi = zm_which;
@@ -142,13 +183,19 @@ int zm_probe(const char* path, int* abi, char* version, int vlen, char* msg, int
 	struct zm_mpich_lib a;
 	struct zm_std_lib b;
 	void* lib = NULL;
+	zm_sigs saved;
+	zm_signals_save(&saved);
 	int err = zm_open(path, RTLD_NOW | RTLD_LOCAL, &lib, abi, &a, &b, msg, msglen);
-	if (err) return err;
+	if (err) {
+		zm_signals_restore(&saved);
+		return err;
+	}
 	char s[8192 + 1] = {0};
 	int n = 0;
 	if (*abi == ZM_ABI_STANDARD ? b.get_library_version(s, &n) : a.get_library_version(s, &n)) s[0] = 0;
 	snprintf(version, (size_t)vlen, "%s", s);
 	dlclose(lib); /* the library stays if the process holds it too */
+	zm_signals_restore(&saved);
 	return 0;
 }
 
@@ -159,38 +206,14 @@ int zm_probe(const char* path, int* abi, char* version, int vlen, char* msg, int
 	default: return ZM_ERR_NOT_LOADED;                                                                       \
 	}
 
-/* Go's runtime handles the signals it relies on (SIGSEGV and SIGBUS for nil
- * dereferences, SIGURG for preemption, SIGPROF, SIGPIPE, and every signal a
- * program asks for with signal.Notify) and expects its handlers to stay. MPI
- * libraries and their transports install their own at init (Open MPI's
- * backtrace handlers; UCX's error signals), which would turn a recoverable Go
- * panic into a crash report. Every handler MPI_Init_thread changed is put
- * back, unless ZERO_MPI_SIGNALS=keep. */
-static uint64_t zm_restore_signals(const struct sigaction* before) {
-	const char* keep = getenv("ZERO_MPI_SIGNALS");
-	uint64_t restored = 0;
-	for (int sig = 1; sig < 64 && sig < NSIG; sig++) {
-		if (sig == SIGKILL || sig == SIGSTOP) continue;
-		struct sigaction now;
-		if (sigaction(sig, NULL, &now)) continue;
-		if (now.sa_handler == before[sig].sa_handler && now.sa_flags == before[sig].sa_flags) continue;
-		if (keep && !strcmp(keep, "keep")) continue;
-		if (!sigaction(sig, &before[sig], NULL)) restored |= (uint64_t)1 << sig;
-	}
-	return restored;
-}
-
 int zm_init(int* level, int* was_init, uint64_t* restored) {
 	*level = 0;
 	*was_init = 0;
 	*restored = 0;
-	struct sigaction before[64];
-	memset(before, 0, sizeof before);
-	for (int sig = 1; sig < 64 && sig < NSIG; sig++) sigaction(sig, NULL, &before[sig]);
 	int err = ZM_ERR_NOT_LOADED;
 	if (zm_which == ZM_ABI_MPICH) err = zm_mpich_init(level, was_init);
 	if (zm_which == ZM_ABI_STANDARD) err = zm_std_init(level, was_init);
-	if (!*was_init) *restored = zm_restore_signals(before);
+	if (!*was_init) *restored = zm_load_restored | zm_signals_restore(&zm_go_sigs);
 	return err;
 }
 

@@ -61,7 +61,7 @@ func findMPI(t testing.TB) mpiInstall {
 			tried = append(tried, mpiexec+": "+err.Error())
 			continue
 		}
-		for _, lib := range []string{filepath.Join(h, "lib", "libmpi.so.12"), filepath.Join(h, "lib", "x86_64-linux-gnu", "libmpi.so.12"), "libmpi.so.12"} {
+		for _, lib := range []string{filepath.Join(h, "lib", "libmpi.so.12"), filepath.Join(h, "lib", "x86_64-linux-gnu", "libmpich.so.12"), "libmpi.so.12"} {
 			if _, _, err := MPIVersion(lib); err == nil {
 				return mpiInstall{mpiexec: mpiexec, library: lib, home: h}
 			} else {

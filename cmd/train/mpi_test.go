@@ -40,7 +40,7 @@ func findMPI(t *testing.T) (mpiexec, library string) {
 	for _, h := range homes {
 		h, _ = filepath.Abs(h)
 		mpiexec = filepath.Join(h, "bin", "mpiexec")
-		for _, lib := range []string{filepath.Join(h, "lib", "libmpi.so.12"), filepath.Join(h, "lib", "x86_64-linux-gnu", "libmpi.so.12")} {
+		for _, lib := range []string{filepath.Join(h, "lib", "libmpi.so.12"), filepath.Join(h, "lib", "x86_64-linux-gnu", "libmpich.so.12")} {
 			if _, err := os.Stat(mpiexec); err != nil {
 				tried = append(tried, err.Error())
 				break
