@@ -50,9 +50,9 @@ MUTANTS = [
      "TestMPIMismatchedCollectives"),
     # caught with Debian's MPICH 4.0.2 (ZERO_MPI_HOME=/usr: UCX installs its
     # SIGSEGV handler as it loads); the wheel's MPICH installs none then
-    ("mpi-load-signals-kept", "mpi_loader.c",
-     "\t\tzm_load_restored |= zm_signals_restore(&zm_go_sigs);\n",
-     "",
+    ("mpi-signals-saved-after-load", "mpi_loader.c",
+     "\t\tzm_signals_save(&zm_go_sigs);\n\t\terr = zm_open(path, RTLD_NOW | RTLD_GLOBAL, &zm_dl, &which, &zm_mpich_fn, &zm_std_fn, msg, msglen);\n",
+     "\t\terr = zm_open(path, RTLD_NOW | RTLD_GLOBAL, &zm_dl, &which, &zm_mpich_fn, &zm_std_fn, msg, msglen);\n\t\tzm_signals_save(&zm_go_sigs);\n",
      "TestMPIOneProcess"),
     ("mpi-pieces-unsplit", "mpi.go",
      "\t\tm := min(mpiPiece, n-off)\n",
