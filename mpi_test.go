@@ -1090,32 +1090,51 @@ func TestAbandonedHostMemoryStaysMapped(t *testing.T) {
 	}
 }
 
-// TestMPIOneProcess: a world of one, in this process (MPICH's singleton):
-// a launcher's count that differs from MPI's world is refused; its
-// collectives give the in-process group's bits; Go's signal handlers
-// are Go's after MPI's init (a nil dereference is a panic to recover from,
-// a SIGUSR1 that MPI wanted leaves the process alive); a stream of another
-// device is refused; after Close a collective is ErrClosed; after
-// MPIFinalize, NewMPI is refused.
+// TestMPIOneProcess runs TestMPIOneProcessChild in a process of its own,
+// so that MPI is the first library of its kind that process opens and its
+// singleton world ends with it; here, after MPIVersion opened and closed the
+// library, a nil dereference is still Go's panic to recover from.
 func TestMPIOneProcess(t *testing.T) {
-	m := findMPI(t)
-	if os.Getenv("PMI_SIZE") != "" {
-		t.Skip("under mpiexec")
+	m := findMPI(t) // opens and closes the library here
+	recoversNil(t)
+	seed := testSeed(t)
+	cmd := exec.Command(os.Args[0], "-test.run=^TestMPIOneProcessChild$", "-test.v")
+	cmd.Env = append(os.Environ(), "ZERO_MPI_ONE_PROCESS="+m.library, fmt.Sprintf("ZERO_TEST_SEED=%d", seed))
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "--- PASS: TestMPIOneProcessChild") {
+		t.Fatalf("the process of one rank: %v\n%s", err, out)
 	}
-	mpiState.mu.Lock()
-	th := mpiState.th
-	mpiState.mu.Unlock()
-	if th != nil {
-		var finalized bool
-		th.do(func() error { finalized = th.finalized; return nil })
-		if finalized {
-			t.Skip("MPI was finalized in this process by an earlier run of this test; it starts once per process")
+}
+
+// recoversNil fails t unless a nil dereference is a panic recover takes
+// (Go's SIGSEGV handler, not one an MPI library installed).
+func recoversNil(t *testing.T) {
+	t.Helper()
+	defer func() {
+		if r := recover(); r == nil {
+			t.Error("a nil dereference did not panic")
 		}
+	}()
+	var p *int
+	_ = *p
+}
+
+// TestMPIOneProcessChild: a world of one (MPICH's singleton), its library
+// opened by NewMPI first: a launcher's count that differs from MPI's world
+// is refused; its collectives give the in-process group's bits; Go's signal
+// handlers are Go's after MPI's load and init (a nil dereference is a panic
+// to recover from, a SIGUSR1 that MPI wanted leaves the process alive); a
+// stream of another device is refused; after Close a collective is
+// ErrClosed; after MPIFinalize, NewMPI is refused.
+func TestMPIOneProcessChild(t *testing.T) {
+	library := os.Getenv("ZERO_MPI_ONE_PROCESS")
+	if library == "" {
+		t.Skip("run by TestMPIOneProcess in a process of its own")
 	}
-	if _, err := NewMPI(MPIConfig{Library: m.library, LauncherWorld: 5}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "the launcher started 5 processes") {
+	if _, err := NewMPI(MPIConfig{Library: library, LauncherWorld: 5}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "the launcher started 5 processes") {
 		t.Fatalf("a launcher of 5 processes around a world of 1: %v, want ErrConfig naming both", err)
 	}
-	comm, err := NewMPI(MPIConfig{Library: m.library})
+	comm, err := NewMPI(MPIConfig{Library: library})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1140,15 +1159,7 @@ func TestMPIOneProcess(t *testing.T) {
 	if n := comm.Counters().Total().Calls; n != int64(len(cases)) {
 		t.Errorf("%d collectives counted, want %d", n, len(cases))
 	}
-	func() {
-		defer func() {
-			if r := recover(); r == nil {
-				t.Error("a nil dereference did not panic")
-			}
-		}()
-		var p *int
-		_ = *p
-	}()
+	recoversNil(t)
 	syscall.Kill(os.Getpid(), syscall.SIGUSR1) // the process lives on
 	time.Sleep(50 * time.Millisecond)
 	if err := comm.AllReduce(otherStream{}, Float32s(make([]float32, 4)), OpSum); !errors.Is(err, ErrStream) {
@@ -1165,7 +1176,7 @@ func TestMPIOneProcess(t *testing.T) {
 	if err := MPIFinalize(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := NewMPI(MPIConfig{Library: m.library}); !errors.Is(err, ErrClosed) {
+	if _, err := NewMPI(MPIConfig{Library: library}); !errors.Is(err, ErrClosed) {
 		t.Errorf("NewMPI after MPIFinalize: %v, want ErrClosed", err)
 	}
 }
