@@ -97,6 +97,46 @@ type hostDevice struct {
 	mu    sync.Mutex
 	maps  map[uintptr][]byte // aligned address -> whole mapping
 	count atomic.Uint64
+	// abandoned are the mappings a transfer that can no longer be
+	// cancelled may still touch (abandonHost): Free forgets them unmapped.
+	abandoned map[uintptr]bool
+}
+
+// abandonedGo keeps the Go memory behind abandoned tensors reachable.
+var abandonedGo struct {
+	mu   sync.Mutex
+	keep []any
+}
+
+// abandonHost leaves the memory of ts for ever to a transfer that can no
+// longer be cancelled (MPI's, after a timeout or an abort): a mapping of
+// the cpu device that holds one of them is never unmapped, even by Free,
+// and Go memory stays reachable. The process is expected to exit soon.
+func abandonHost(ts ...Tensor) {
+	h := hostDev
+	h.mu.Lock()
+	for _, t := range ts {
+		if t.ptr == 0 {
+			continue
+		}
+		for base, mem := range h.maps {
+			start := uintptr(unsafe.Pointer(&mem[0]))
+			if t.ptr >= start && t.ptr < start+uintptr(len(mem)) {
+				if h.abandoned == nil {
+					h.abandoned = map[uintptr]bool{}
+				}
+				h.abandoned[base] = true
+			}
+		}
+	}
+	h.mu.Unlock()
+	abandonedGo.mu.Lock()
+	for _, t := range ts {
+		if t.keep != nil {
+			abandonedGo.keep = append(abandonedGo.keep, t.keep)
+		}
+	}
+	abandonedGo.mu.Unlock()
 }
 
 func (*hostDevice) Name() string { return "cpu" }
@@ -149,9 +189,14 @@ func (h *hostDevice) Free(t Tensor) error {
 	h.mu.Lock()
 	mem, ok := h.maps[t.ptr]
 	delete(h.maps, t.ptr)
+	kept := h.abandoned[t.ptr]
+	delete(h.abandoned, t.ptr)
 	h.mu.Unlock()
 	if !ok {
 		return errorf(ErrConfig, "Free: tensor at %#x was not allocated by the cpu device", t.ptr)
+	}
+	if kept {
+		return nil
 	}
 	return unix.Munmap(mem)
 }

@@ -33,7 +33,10 @@ var (
 	ErrNoCUDA      = errors.New("zero: CUDA not available")
 	ErrCUDA        = errors.New("zero: CUDA error")
 	ErrNCCL        = errors.New("zero: NCCL error")
-	ErrDevice      = errors.New("zero: no such device")
+	// ErrMPI: an MPI library that is missing or unusable, or a failed MPI
+	// call (*MPIError, with MPI's own words).
+	ErrMPI    = errors.New("zero: MPI error")
+	ErrDevice = errors.New("zero: no such device")
 	// ErrCheckpoint: a checkpoint could not be written, or is missing,
 	// incomplete, damaged, of a newer format or of another model; the
 	// message names the file and what to do.

@@ -325,6 +325,14 @@ var errorTable = []errorRow{
 			t.Fatalf("pinned memory of a device without it: %v, want ErrDevice", err)
 		}
 	}},
+	{"`ErrMPI`", func(t *testing.T) {
+		if _, _, err := MPIVersion("/nonexistent/libmpi.so.12"); !errors.Is(err, ErrMPI) || !strings.Contains(err.Error(), "install MPICH") {
+			t.Fatalf("a missing MPI: %v, want ErrMPI saying how to install it", err)
+		}
+		if err := error(&MPIError{Code: 15, Text: "Message truncated"}); !errors.Is(err, ErrMPI) {
+			t.Fatalf("an MPI call's error: %v does not wrap ErrMPI", err)
+		}
+	}},
 }
 
 // fakeDevice is a device with no page-locked memory.

@@ -31,7 +31,7 @@ var floors = map[string]int{
 	// format and the import of a model from it
 	"ckptfs.go": 4, "ckptfile.go": 4, "safetensors.go": 4,
 	// 5: the communicators
-	"group_local.go": 5, "group_cuda.go": 5, "nccl_cuda.go": 5,
+	"group_local.go": 5, "group_cuda.go": 5, "nccl_cuda.go": 5, "mpi.go": 5,
 	// 6: the caller's words and what the engine reports back
 	"config.go": 6, "stats.go": 6, "view.go": 6, "schedule.go": 6, "dsconfig.go": 6,
 	// (the shard's sums of squares, which the sinks keep)

@@ -1,5 +1,6 @@
 // Command train trains a small MLP on a synthetic regression task across W
-// in-process ranks with zero: forward and backward written by hand, each
+// in-process ranks with zero (or, with -mpi under mpiexec -n W, across the W
+// processes of an MPI job, with the same bits): forward and backward written by hand, each
 // layer's gradients handed to the engine as backward produces them, on two
 // streams, and the sharded AdamW step updating the parameters in place. It
 // prints each step as it ends (every -log-every steps), -metrics writes
@@ -17,51 +18,129 @@ import (
 	"math"
 	"math/rand"
 	"os"
+	"os/signal"
+	"syscall"
 	"time"
 
 	"zero"
 )
 
-func main() {
+func main() { os.Exit(mainArgs(os.Args[1:], os.Stdout, os.Stderr)) }
+
+// mainArgs is the command with its arguments; it returns the exit status.
+func mainArgs(args []string, stdout, stderr io.Writer) int {
 	c := defaultConfig()
-	flag.IntVar(&c.world, "world", c.world, "ranks in the in-process group")
-	flag.IntVar(&c.stage, "stage", c.stage, "ZeRO stage (1, 2 or 3: parameters sharded, gathered layer by layer)")
-	flag.IntVar(&c.steps, "steps", c.steps, "optimizer steps")
-	flag.IntVar(&c.batch, "batch", c.batch, "global batch (samples per step, over every rank)")
-	flag.IntVar(&c.accum, "accum", c.accum, "backwards per step (micro-batches per rank)")
-	flag.IntVar(&c.in, "in", c.in, "inputs per sample")
-	flag.IntVar(&c.hidden, "hidden", c.hidden, "hidden units")
-	flag.Float64Var(&c.lr, "lr", c.lr, "AdamW learning rate")
-	flag.Float64Var(&c.weightDecay, "wd", c.weightDecay, "AdamW weight decay of the weights (biases get none)")
-	bf16 := flag.Bool("bf16", false, "bf16 parameters and gradients (fp32 master and moments)")
-	fp16 := flag.Bool("fp16", false, "fp16 parameters and gradients with dynamic loss scaling (fp32 master and moments)")
-	flag.BoolVar(&c.offload, "offload", c.offload, "gradient shard, master weights and AdamW moments in page-locked host memory, the optimizer on the host")
-	flag.Int64Var(&c.seed, "seed", c.seed, "seed of the data and the initial parameters")
-	flag.StringVar(&c.save, "save", "", "write a checkpoint into this directory at the end of the run")
-	flag.IntVar(&c.saveEvery, "save-every", 0, "with -save: also a checkpoint every K steps")
-	flag.IntVar(&c.keep, "keep", 0, "with -save: the newest checkpoints kept in the directory (0: 2)")
-	flag.StringVar(&c.resume, "resume", "", "continue from the latest checkpoint in this directory (or from this checkpoint) up to -steps in all; -lr and -wd hold from there")
-	flag.StringVar(&c.deepspeed, "deepspeed", "", "train from a DeepSpeed config (ds_config.json): its stage, precision, optimizer, schedule, clipping and batch sizes; its \"auto\" values come from the flags, as the Hugging Face Trainer fills them")
-	flag.IntVar(&c.warmup, "warmup", c.warmup, "warmup steps: fills a DeepSpeed config's \"auto\" warmup_num_steps")
-	flag.StringVar(&c.export, "export", "", "at the end, write the fp32 parameters (the master) into this safetensors file")
-	flag.IntVar(&c.logEvery, "log-every", 0, "print every K-th step as it ends: loss, learning rate, loss scale, skipped, gradient norm, samples per second (0: a DeepSpeed config's steps_per_print, else 1)")
-	flag.StringVar(&c.metrics, "metrics", "", "write every step as one JSON object a line into this file (pandas: read_json(FILE, lines=True)); with -resume the lines are appended")
-	flag.Parse()
+	fs := flag.NewFlagSet("train", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.IntVar(&c.world, "world", c.world, "ranks in the in-process group")
+	mpi := fs.Bool("mpi", false, "one rank per process of an MPI job (mpiexec -n W train -mpi …): the world is the job's")
+	fs.IntVar(&c.stage, "stage", c.stage, "ZeRO stage (1, 2 or 3: parameters sharded, gathered layer by layer)")
+	fs.IntVar(&c.steps, "steps", c.steps, "optimizer steps")
+	fs.IntVar(&c.batch, "batch", c.batch, "global batch (samples per step, over every rank)")
+	fs.IntVar(&c.accum, "accum", c.accum, "backwards per step (micro-batches per rank)")
+	fs.StringVar(&c.window, "window", "", "the backwards of a step in a window: coalesce (each bucket reduced once at its end) or nosync (all but the last backward)")
+	fs.IntVar(&c.in, "in", c.in, "inputs per sample")
+	fs.IntVar(&c.hidden, "hidden", c.hidden, "hidden units")
+	fs.Float64Var(&c.lr, "lr", c.lr, "AdamW learning rate")
+	fs.Float64Var(&c.weightDecay, "wd", c.weightDecay, "AdamW weight decay of the weights (biases get none)")
+	bf16 := fs.Bool("bf16", false, "bf16 parameters and gradients (fp32 master and moments)")
+	fp16 := fs.Bool("fp16", false, "fp16 parameters and gradients with dynamic loss scaling (fp32 master and moments)")
+	fs.BoolVar(&c.offload, "offload", c.offload, "gradient shard, master weights and AdamW moments in page-locked host memory, the optimizer on the host")
+	fs.Int64Var(&c.seed, "seed", c.seed, "seed of the data and the initial parameters")
+	fs.StringVar(&c.save, "save", "", "write a checkpoint into this directory at the end of the run")
+	fs.IntVar(&c.saveEvery, "save-every", 0, "with -save: also a checkpoint every K steps")
+	fs.IntVar(&c.keep, "keep", 0, "with -save: the newest checkpoints kept in the directory (0: 2)")
+	fs.StringVar(&c.resume, "resume", "", "continue from the latest checkpoint in this directory (or from this checkpoint) up to -steps in all; -lr and -wd hold from there")
+	fs.StringVar(&c.deepspeed, "deepspeed", "", "train from a DeepSpeed config (ds_config.json): its stage, precision, optimizer, schedule, clipping and batch sizes; its \"auto\" values come from the flags, as the Hugging Face Trainer fills them")
+	fs.IntVar(&c.warmup, "warmup", c.warmup, "warmup steps: fills a DeepSpeed config's \"auto\" warmup_num_steps")
+	fs.StringVar(&c.export, "export", "", "at the end, write the fp32 parameters (the master) into this safetensors file")
+	fs.IntVar(&c.logEvery, "log-every", 0, "print every K-th step as it ends: loss, learning rate, loss scale, skipped, gradient norm, samples per second (0: a DeepSpeed config's steps_per_print, else 1)")
+	fs.StringVar(&c.metrics, "metrics", "", "write every step as one JSON object a line into this file (pandas: read_json(FILE, lines=True)); with -resume the lines are appended")
+	record := fs.String("record", "", "at the end, write rank 0's parameters after every step and the losses, as JSON, into this file")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
 	c.given = map[string]bool{}
-	flag.Visit(func(f *flag.Flag) { c.given[f.Name] = true })
+	fs.Visit(func(f *flag.Flag) { c.given[f.Name] = true })
+	c.trace = *record != "" // -record writes every step's parameters
 	switch {
 	case *bf16 && *fp16:
-		fmt.Fprintln(os.Stderr, "train: -bf16 and -fp16 together; pick one")
-		os.Exit(2)
+		fmt.Fprintln(stderr, "train: -bf16 and -fp16 together; pick one")
+		return 2
 	case *bf16:
 		c.dtype = zero.BF16
 	case *fp16:
 		c.dtype = zero.FP16
 	}
-	if _, err := run(os.Stdout, c); err != nil {
-		fmt.Fprintln(os.Stderr, "train:", err)
-		os.Exit(1)
+	worldSet := false
+	fs.Visit(func(f *flag.Flag) { worldSet = worldSet || f.Name == "world" })
+	if *mpi {
+		comm, err := zero.NewMPIFromEnv()
+		if err != nil {
+			fmt.Fprintln(stderr, "train:", err)
+			return 1
+		}
+		if worldSet && c.world != comm.Size() {
+			fmt.Fprintf(stderr, "train: -world %d, but the MPI job has %d processes; drop -world (the job's size is the world)\n", c.world, comm.Size())
+			zero.AbortComm(comm, errors.New("-world differs from the job's size"))
+			return 2
+		}
+		c.comm, c.world = comm, comm.Size()
+		// SIGINT and SIGTERM (a scheduler's, or Hydra's on Ctrl-C) abort the
+		// communicator: every rank's collectives fail at once instead of
+		// at their timeout.
+		sigs := make(chan os.Signal, 1)
+		signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+		go func() {
+			if s, ok := <-sigs; ok {
+				zero.AbortComm(comm, fmt.Errorf("rank %d got %v", comm.Rank(), s))
+			}
+		}()
+		if comm.Rank() != 0 {
+			stdout = io.Discard // rank 0 prints for the job
+		}
 	}
+	res, err := run(stdout, c)
+	if err == nil && *record != "" && (c.comm == nil || c.comm.Rank() == 0) {
+		err = writeRecord(*record, res)
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "train:", err)
+		if c.comm != nil {
+			// the peers fail at once; MPI is not finalized (its transfers
+			// may be abandoned): the process exits and the launcher ends the job
+			zero.AbortComm(c.comm, err)
+		}
+		return 1
+	}
+	if c.comm != nil {
+		err = c.comm.Close()
+		if ferr := zero.MPIFinalize(); err == nil {
+			err = ferr
+		}
+		if err != nil {
+			fmt.Fprintln(stderr, "train:", err)
+			return 1
+		}
+	}
+	return 0
+}
+
+// record is what -record writes: the step a run started after, rank 0's
+// parameters before its first step and after each (float64s that hold the
+// model dtype's values exactly), and each step's loss.
+type record struct {
+	First  int           `json:"first"`
+	Params [][][]float64 `json:"params"`
+	Loss   []float64     `json:"loss"`
+}
+
+func writeRecord(file string, res result) error {
+	data, err := json.Marshal(record{res.first, res.params, res.loss})
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(file, data, 0o644)
 }
 
 // config is one training run.
@@ -99,6 +178,12 @@ type config struct {
 	// trace keeps every step's parameters, stats and times in the result
 	// (the tests' view of a run); without it a run keeps a few bytes a step.
 	trace bool
+	// window: "coalesce" or "nosync", the backwards of each step in such a
+	// window; "" none.
+	window string
+	// comm is this process's rank of an MPI job (-mpi); nil: c.world
+	// ranks in this process.
+	comm zero.Comm
 }
 
 func defaultConfig() config {
@@ -120,6 +205,8 @@ func (c config) check() error {
 			c.flagText("batch", c.batch, def.batch), c.flagText("world", c.world, def.world), accum, c.world*c.accum)
 	}
 	switch {
+	case c.window != "" && c.window != "coalesce" && c.window != "nosync":
+		return fmt.Errorf("-window %q; use coalesce, nosync or nothing", c.window)
 	case c.saveEvery < 0 || c.keep < 0 || c.logEvery < 0:
 		return errors.New("-save-every, -keep and -log-every must be 0 or more")
 	case c.saveEvery > 0 && c.save == "":
@@ -378,10 +465,6 @@ func run(out io.Writer, c config) (res result, err error) {
 			c.logEvery = c.ds.StepsPerPrint
 		}
 	}
-	comms, err := zero.NewLocalGroupTimeout(c.world, time.Minute)
-	if err != nil {
-		return result{}, err
-	}
 	res.log = &progress{out: out, every: c.logEvery, last: c.steps, batch: c.batch}
 	if c.metrics != "" {
 		flags := os.O_WRONLY | os.O_CREATE | os.O_TRUNC
@@ -408,20 +491,37 @@ func run(out io.Writer, c config) (res result, err error) {
 		if c.ds != nil {
 			opt = "the DeepSpeed config's optimizer"
 		}
-		fmt.Fprintf(out, "MLP %d→%d→1 on %d ranks, ZeRO-%d%s, %s, global batch %d in %d backward(s) per step\n",
-			c.in, c.hidden, c.world, c.stage, offload, opt, c.batch, c.accum)
+		ranks := fmt.Sprintf("%d ranks", c.world)
+		if c.comm != nil {
+			ranks = fmt.Sprintf("%d MPI processes", c.world)
+		}
+		window := ""
+		if c.window != "" {
+			window = ", in a " + c.window + " window"
+		}
+		fmt.Fprintf(out, "MLP %d→%d→1 on %s, ZeRO-%d%s, %s, global batch %d in %d backward(s) per step%s\n",
+			c.in, c.hidden, ranks, c.stage, offload, opt, c.batch, c.accum, window)
 		if c.dtype != zero.FP32 {
 			fmt.Fprintf(out, "%v parameters and gradients, fp32 master and moments\n", c.dtype)
 		}
 	}
-	// one goroutine per rank; a rank that fails aborts the others at once
-	err = zero.RunRanks(comms, func(comm zero.Comm) error {
+	train := func(comm zero.Comm) error {
 		var rec *result
 		if comm.Rank() == 0 {
 			rec = &res
 		}
 		return trainRank(c, comm, newBatches(c), rec)
-	})
+	}
+	if c.comm != nil {
+		err = train(c.comm) // this process's rank
+	} else {
+		// one goroutine per rank; a rank that fails aborts the others at once
+		comms, cerr := zero.NewLocalGroupTimeout(c.world, time.Minute)
+		if cerr != nil {
+			return result{}, cerr
+		}
+		err = zero.RunRanks(comms, train)
+	}
 	if err != nil {
 		return res, err
 	}
@@ -637,7 +737,23 @@ func trainRank(c config, comm zero.Comm, data *batches, rec *result) error {
 		scale := e.LossScale()
 		var reused [4]zero.Event // when the engine is done with each gradient buffer
 		xs, ys := data.at(st)
+		nosync := c.window == "nosync" && c.accum > 1
+		if c.window == "coalesce" {
+			if err := e.BeginCoalesce(); err != nil {
+				return err
+			}
+		}
+		if nosync {
+			if err := e.BeginNoSync(); err != nil {
+				return err
+			}
+		}
 		for k := range c.accum {
+			if nosync && k == c.accum-1 { // the last backward reduces
+				if err := e.EndNoSync(); err != nil {
+					return err
+				}
+			}
 			from, to := c.microBatch(comm.Rank(), k)
 			b, l := m.forwardBatch(layer, xs[from:to], ys[from:to])
 			if gatherErr != nil {
@@ -685,6 +801,11 @@ func trainRank(c config, comm zero.Comm, data *batches, rec *result) error {
 				return err
 			}
 			if err := e.EndBackward(); err != nil {
+				return err
+			}
+		}
+		if c.window == "coalesce" {
+			if err := e.EndCoalesce(); err != nil {
 				return err
 			}
 		}

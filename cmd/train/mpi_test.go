@@ -1,0 +1,162 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"zero"
+)
+
+// The MPI runs of the command: this test binary, started by mpiexec with
+// ZERO_TRAIN_ARGS set, runs TestTrainMPIWorker, which is the command with
+// those arguments on one rank. MPI comes from ZERO_MPI_HOME (set by
+// .ci/run: a missing MPI fails), else .mpi/ at the repository root or an
+// mpiexec on PATH; without any the tests skip, naming what to install.
+
+// findMPI returns mpiexec and libmpi.so.12.
+func findMPI(t *testing.T) (mpiexec, library string) {
+	t.Helper()
+	home := os.Getenv("ZERO_MPI_HOME")
+	required := home != "" || os.Getenv("CI") == "true"
+	homes := []string{home}
+	if home == "" {
+		homes = []string{"../../.mpi"}
+		if p, err := exec.LookPath("mpiexec"); err == nil {
+			homes = append(homes, filepath.Dir(filepath.Dir(p)))
+		}
+	}
+	var tried []string
+	for _, h := range homes {
+		h, _ = filepath.Abs(h)
+		mpiexec = filepath.Join(h, "bin", "mpiexec")
+		for _, lib := range []string{filepath.Join(h, "lib", "libmpi.so.12"), filepath.Join(h, "lib", "x86_64-linux-gnu", "libmpich.so.12")} {
+			if _, err := os.Stat(mpiexec); err != nil {
+				tried = append(tried, err.Error())
+				break
+			}
+			if _, _, err := zero.MPIVersion(lib); err != nil {
+				tried = append(tried, err.Error())
+				continue
+			}
+			return mpiexec, lib
+		}
+	}
+	msg := fmt.Sprintf("no MPI found (%s): run scripts/install-mpi.sh and set ZERO_MPI_HOME to the folder it prints (.ci/run does), or apt-get install mpich", strings.Join(tried, "; "))
+	if required {
+		t.Fatal(msg)
+	}
+	t.Skip(msg)
+	return "", ""
+}
+
+// TestTrainMPIWorker is one rank of an MPI job of the command.
+func TestTrainMPIWorker(t *testing.T) {
+	args := os.Getenv("ZERO_TRAIN_ARGS")
+	if args == "" {
+		t.Skip("a rank of the MPI runs: runs under mpiexec only")
+	}
+	os.Exit(mainArgs(strings.Fields(args), os.Stdout, os.Stderr))
+}
+
+// mpiTrain runs the command under mpiexec -n n with args (and -mpi) and
+// returns its output and mpiexec's exit.
+func mpiTrain(t *testing.T, n int, args string) (string, error) {
+	t.Helper()
+	mpiexec, lib := findMPI(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, mpiexec, "-n", strconv.Itoa(n), os.Args[0], "-test.run=^TestTrainMPIWorker$")
+	cmd.Env = append(os.Environ(), "ZERO_TRAIN_ARGS=-mpi "+args, "ZERO_MPI_LIBRARY="+lib)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }
+	cmd.WaitDelay = 10 * time.Second
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	err := cmd.Run()
+	if cmd.Process != nil {
+		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+	}
+	if ctx.Err() != nil {
+		t.Fatalf("mpiexec -n %d train -mpi %s hung\n%s", n, args, out.String())
+	}
+	return out.String(), err
+}
+
+// TestMPIMatchesInProcess: `mpiexec -n W train -mpi` gives, bit for bit,
+// the parameters after every step and the losses of `train -world W` in one
+// process: every stage, the three dtypes, offload, windows of both kinds.
+func TestMPIMatchesInProcess(t *testing.T) {
+	seed := testSeed(t)
+	for _, tc := range []struct {
+		world int
+		args  string
+	}{
+		{2, "-stage 1 -accum 2 -window coalesce"},
+		{2, "-stage 2 -accum 3 -window nosync -offload -bf16"},
+		{2, "-stage 3 -accum 2 -window coalesce -offload"},
+		{3, "-stage 2 -fp16"},
+		{4, "-stage 3 -accum 2 -window nosync -bf16"},
+		{3, "-stage 1 -accum 3 -offload -batch 36"},
+	} {
+		args := fmt.Sprintf("%s -steps 6 -seed %d", tc.args, seed)
+		t.Run(fmt.Sprintf("W%d %s", tc.world, tc.args), func(t *testing.T) {
+			fs := strings.Fields(fmt.Sprintf("-world %d %s", tc.world, args))
+			// the in-process run of the same flags
+			file := filepath.Join(t.TempDir(), "local.json")
+			if code := mainArgs(append(fs, "-record", file), &bytes.Buffer{}, os.Stderr); code != 0 {
+				t.Fatalf("train %s: exit %d", strings.Join(fs, " "), code)
+			}
+			want := readRecord(t, file)
+			mfile := filepath.Join(t.TempDir(), "mpi.json")
+			out, err := mpiTrain(t, tc.world, args+" -record "+mfile)
+			if err != nil {
+				t.Fatalf("mpiexec: %v\n%s", err, out)
+			}
+			got := readRecord(t, mfile)
+			if len(got.Loss) != 6 || len(got.Params) != 7 {
+				t.Fatalf("the MPI run recorded %d losses and %d parameter sets, want 6 and 7\n%s", len(got.Loss), len(got.Params), out)
+			}
+			for st := range want.Loss {
+				if math.Float64bits(got.Loss[st]) != math.Float64bits(want.Loss[st]) {
+					t.Errorf("step %d: loss %v over MPI, %v in one process", st+1, got.Loss[st], want.Loss[st])
+				}
+			}
+			for st := range want.Params {
+				for p := range want.Params[st] {
+					for i, w := range want.Params[st][p] {
+						if g := got.Params[st][p][i]; math.Float64bits(g) != math.Float64bits(w) {
+							t.Fatalf("after step %d, %s[%d] = %v over MPI, %v in one process", st, tensorNames[p], i, g, w)
+						}
+					}
+				}
+			}
+			if !strings.Contains(out, fmt.Sprintf("on %d MPI processes", tc.world)) {
+				t.Errorf("rank 0's header is missing:\n%s", out)
+			}
+		})
+	}
+}
+
+func readRecord(t *testing.T, file string) record {
+	t.Helper()
+	data, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var r record
+	if err := json.Unmarshal(data, &r); err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
