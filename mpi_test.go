@@ -661,6 +661,9 @@ func mpiTrainRank(comm Comm, sp mpiTrainSpec, seed int64, out string) ([][]float
 		if sp.killAt(rank, st, "between") {
 			die()
 		}
+		if err := forward(e, s); err != nil { // stage 3 reads its parameters through a Gather
+			return nil, err
+		}
 		for p := len(sizes) - 1; p >= 0; p-- {
 			rng := rand.New(rand.NewSource(seed*1_000_003 + int64(st)*10_007 + int64(rank)*101 + int64(p)))
 			g := make([]float32, sizes[p])
