@@ -82,6 +82,16 @@ func TestAPIChangeNeedsItsEntry(t *testing.T) {
 	if c := unnamedChanges(release, now, named); len(c) > 0 {
 		t.Fatalf("changes named in the changelog still reported: %v", c)
 	}
+	// A new type is named once, with its members; a member added to a type
+	// that was already there is named on its own.
+	release2 := []string{"type Config struct"}
+	now2 := []string{"type Config struct", "type Config struct, Stage int", "type MPIError struct", "type MPIError struct, Code int", "method (*MPIError) Error() string"}
+	if c := unnamedChanges(release2, now2, "- `MPIError`, with `Config.Stage`"); len(c) != 0 {
+		t.Fatalf("a new type's members reported: %v", c)
+	}
+	if c := unnamedChanges(release2, now2, "- `MPIError`"); len(c) != 1 || c[0].ident != "Config.Stage" {
+		t.Fatalf("a new member of an old type: reported %v, want Config.Stage", c)
+	}
 	// A name that only contains the identifier does not count.
 	if c := unnamedChanges(release, now, "`Engine.StepAll` `Config.Stages` `MyEngine` `Stats.SkippedX`"); len(c) != len(want) {
 		t.Fatalf("near names accepted: %d of %d reported", len(c), len(want))
@@ -125,11 +135,23 @@ func unnamedChanges(release, now []string, changelog string) []apiChange {
 		}
 		return false
 	}
-	var out []apiChange
-	for _, line := range apiDiff(release, now) {
-		if id := apiIdent(line[2:]); !named(id) {
-			out = append(out, apiChange{line, id})
+	// A type added or removed whole is named once: its fields and methods
+	// come and go with it.
+	diff := apiDiff(release, now)
+	whole := map[string]bool{}
+	for _, line := range diff {
+		if id := apiIdent(line[2:]); strings.HasPrefix(line[2:], "type ") && !strings.Contains(id, ".") {
+			whole[line[:2]+id] = true
 		}
+	}
+	var out []apiChange
+	for _, line := range diff {
+		id := apiIdent(line[2:])
+		typ, _, member := strings.Cut(id, ".")
+		if named(id) || member && whole[line[:2]+typ] && named(typ) {
+			continue
+		}
+		out = append(out, apiChange{line, id})
 	}
 	slices.SortFunc(out, func(a, b apiChange) int { return strings.Compare(a.ident, b.ident) })
 	return out
