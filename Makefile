@@ -41,7 +41,7 @@ CUDA_HOME ?= $(CURDIR)/.cuda
 FATBIN_LIBS := --lib $(CUDA_HOME)/nvidia/cuda_nvrtc/lib --lib $(CUDA_HOME)/nvidia/nvfatbin/lib
 KERNEL_SOURCES := csrc/kernels.cu csrc/kernels_dev.cuh cuda_abi.h elementwise.h
 
-.PHONY: cuda check-fatbin gpu-test cuda-emu
+.PHONY: cuda check-fatbin gpu-test gpu-rehearse cuda-emu
 cuda: zero_kernels.fatbin
 
 $(CUDA_HOME)/.zero-cuda-pins: scripts/install-cuda.sh
@@ -60,6 +60,12 @@ gpu-test:
 	$(GO) test -tags cuda -c -o gpu/zero.test .
 	cp scripts/gpu-test.sh bench/torch_pipeline.py gpu/
 	@echo "gpu/ is ready: copy it to a GPU host and run gpu/gpu-test.sh"
+
+# `make gpu-rehearse` runs that runner here against the fake driver: every
+# step that makes a GPU figure, at a small shape (the figures mean nothing;
+# that each step runs, writes its records and names its skips is the point).
+gpu-rehearse: gpu-test
+	ZERO_FAKE_CUDA=1 OUT=gpu/rehearsal gpu/gpu-test.sh
 
 # `make cuda-emu` runs the CUDA kernel bodies on the host against the host C
 # kernels and a float64 reference (csrc/emu_test.cc): no GPU, only g++.

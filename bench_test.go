@@ -376,6 +376,8 @@ func BenchmarkGather(b *testing.B) {
 //	grad_copy_ms   the copies of the reduced shards to the host (offload)
 //	copy_hidden    the share of them that ran before backward's last gradient
 //	param_copy_ms  the copies of the new parameters to the device (offload)
+//	grad_copy-GB/s, param_copy-GB/s
+//	               their speed: the bytes each step copies over that time
 //	host_MiB, pinned_share, saved_MiB, buckets
 //	               the stats' host bytes, the page-locked share of them, the
 //	               device bytes saved, and the plan's buckets
@@ -424,80 +426,5 @@ func BenchmarkOffloadStep(b *testing.B) {
 // shards (the optimizer's pass, one, plus the norm's), and the wall time
 // of Step alone (on rank 0; the backwards are not in it).
 func BenchmarkNormInLanding(b *testing.B) {
-	const world, layers, hidden, backwards = 2, 8, 2048, 2
-	var params []Param
-	for l := range layers {
-		params = append(params, Param{Name: fmt.Sprint("w", l), Count: hidden * hidden, DType: BF16, Data: newTBuf(BF16, hidden*hidden).t()})
-	}
-	rng := rand.New(rand.NewSource(1))
-	grads := make([][]Tensor, world)
-	for r := range grads {
-		for _, p := range params {
-			grads[r] = append(grads[r], makeGrad(rng, p.Count, BF16, 1).t)
-		}
-	}
-	for _, known := range []bool{false, true} {
-		b.Run(fmt.Sprintf("boundary-known=%v", known), func(b *testing.B) {
-			accum := 0
-			if known {
-				accum = backwards
-			}
-			comms, _ := NewLocalGroup(world)
-			engines := make([]*Engine, world)
-			streams := make([]*HostStream, world)
-			for r, err := range eachRank(world, func(r int) error {
-				var err error
-				cfg := Config{Stage: 2, BucketBytes: 8 << 20, Grads: GradPolicy{AccumSteps: accum},
-					Optimizer: OptimizerPolicy{Clip: 1, Groups: []Optimizer{NewAdamW(1e-4)}}}
-				engines[r], err = New(cfg, comms[r], params)
-				streams[r] = NewHostStream()
-				return err
-			}) {
-				if err != nil {
-					b.Fatalf("rank %d: %v", r, err)
-				}
-			}
-			defer func() {
-				for r := range world {
-					engines[r].Close()
-					streams[r].Close()
-				}
-			}()
-			shard := int64(engines[0].pl.gradShard().Bytes())
-			b.SetBytes(shard)
-			var stepTime time.Duration
-			var read int64
-			b.ResetTimer()
-			for range b.N {
-				for r, err := range eachRank(world, func(r int) error {
-					e := engines[r]
-					for range backwards {
-						for p := len(params) - 1; p >= 0; p-- {
-							if _, err := e.GradReady(p, grads[r][p], streams[r]); err != nil {
-								return err
-							}
-						}
-						if err := e.EndBackward(); err != nil {
-							return err
-						}
-					}
-					start := time.Now()
-					err := e.Step()
-					if r == 0 {
-						stepTime += time.Since(start)
-						read += e.Stats().NormReadBytes
-					}
-					return err
-				}) {
-					if err != nil {
-						b.Fatalf("rank %d: %v", r, err)
-					}
-				}
-			}
-			b.StopTimer()
-			b.ReportMetric(float64(read)/float64(b.N)/(1<<20), "normReadMiB/step")
-			b.ReportMetric(1+float64(read)/float64(b.N)/float64(shard), "shardReads/step")
-			b.ReportMetric(float64(stepTime.Microseconds())/1000/float64(b.N), "stepMs")
-		})
-	}
+	normInLandingRun(b, hostBench, 2048) // benchenv_test.go; BenchmarkCUDANormInLanding on a GPU
 }

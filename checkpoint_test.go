@@ -8,20 +8,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"maps"
 	"math"
 	"os"
 	"path/filepath"
 	"reflect"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
-	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 // ckptCase is one configuration of the resume test.
@@ -1142,146 +1137,5 @@ func TestCheckpointGolden(t *testing.T) {
 // allocates (extra-MiB). The directory is ZERO_BENCH_DIR, or the system's
 // temporary one.
 func BenchmarkCheckpoint(b *testing.B) {
-	elems := 4 << 20
-	if v, err := strconv.Atoi(os.Getenv("ZERO_BENCH_CKPT_ELEMS")); err == nil && v > 0 {
-		elems = v
-	}
-	root, err := os.MkdirTemp(os.Getenv("ZERO_BENCH_DIR"), "zero-ckpt-bench")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer os.RemoveAll(root)
-	comms, err := NewLocalGroup(1)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer comms[0].Close()
-	sizes := []int{elems / 2, elems / 4, elems / 4}
-	ps := make([]Param, len(sizes))
-	for p, n := range sizes {
-		ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: FP32, Data: Float32s(make([]float32, n))}
-	}
-	e, err := New(Config{Stage: 2, BucketBytes: 32 << 20, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}, comms[0], ps)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer e.Close()
-	dir := filepath.Join(root, "ckpt")
-	if err := e.Save(dir, SaveOptions{Keep: 1}); err != nil { // allocates the moments' files once
-		b.Fatal(err)
-	}
-	bytes := int64(0)
-	filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
-		if err == nil && strings.HasSuffix(p, ".bin") {
-			st, _ := os.Stat(p)
-			bytes += st.Size()
-		}
-		return nil
-	})
-	plain := filepath.Join(root, "plain")
-	buf, dst := make([]byte, ckptChunk), make([]byte, bytes)
-	var tSave, tLoad, tWrite, tRead []time.Duration
-	var allocSave, allocLoad uint64
-	timed := func(into *[]time.Duration, f func() error) {
-		t0 := time.Now()
-		if err := f(); err != nil {
-			b.Fatal(err)
-		}
-		*into = append(*into, time.Since(t0))
-	}
-	b.SetBytes(bytes)
-	b.ResetTimer()
-	for range b.N {
-		a := heapAllocated()
-		timed(&tSave, func() error { return e.Save(dir, SaveOptions{Keep: 1}) })
-		allocSave += heapAllocated() - a
-		if err := dropCache(dir); err != nil {
-			b.Fatal(err)
-		}
-		a = heapAllocated()
-		timed(&tLoad, func() error { _, err := e.Load(dir, LoadOptions{}); return err })
-		allocLoad += heapAllocated() - a
-		timed(&tWrite, func() error { return writePlain(plain, buf, bytes) })
-		if err := dropCache(plain); err != nil {
-			b.Fatal(err)
-		}
-		timed(&tRead, func() error { return readPlain(plain, dst) })
-	}
-	median := func(d []time.Duration) float64 {
-		s := slices.Clone(d)
-		slices.Sort(s)
-		return s[len(s)/2].Seconds()
-	}
-	mbs := func(d []time.Duration) float64 { return float64(bytes) / median(d) / 1e6 }
-	b.ReportMetric(mbs(tSave), "save-MB/s")
-	b.ReportMetric(mbs(tLoad), "load-MB/s")
-	b.ReportMetric(mbs(tWrite), "write-MB/s")
-	b.ReportMetric(mbs(tRead), "read-MB/s")
-	b.ReportMetric(median(tWrite)/median(tSave), "x-write")
-	b.ReportMetric(median(tRead)/median(tLoad), "x-read")
-	b.ReportMetric(float64(allocSave)/float64(b.N)/(1<<20), "save-extra-MiB")
-	b.ReportMetric(float64(allocLoad)/float64(b.N)/(1<<20), "load-extra-MiB")
-	b.ReportMetric(float64(bytes)/(1<<20), "state-MiB")
-}
-
-// writePlain writes n bytes beside name in pieces of buf, fsynced, and
-// renames the file over name (the directory fsynced).
-func writePlain(name string, buf []byte, n int64) error {
-	f, err := os.Create(name + ".new")
-	if err != nil {
-		return err
-	}
-	for off := int64(0); off < n; off += int64(len(buf)) {
-		if _, err := f.Write(buf[:min(int64(len(buf)), n-off)]); err != nil {
-			f.Close()
-			return err
-		}
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	if err := os.Rename(name+".new", name); err != nil {
-		return err
-	}
-	return osFS{}.SyncDir(filepath.Dir(name))
-}
-
-// readPlain reads name front to back into dst, in pieces of 8 MiB: the
-// bytes land in memory of their size, as a load's land in the state.
-func readPlain(name string, dst []byte) error {
-	f, err := os.Open(name)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	for off := 0; off < len(dst); {
-		n, err := f.Read(dst[off:min(off+ckptChunk, len(dst))])
-		off += n
-		if err == io.EOF {
-			return nil
-		} else if err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// dropCache asks the kernel to drop the cached pages of every file under
-// path (they are fsynced), so the next read comes from the disk.
-func dropCache(path string) error {
-	return filepath.WalkDir(path, func(p string, d os.DirEntry, err error) error {
-		if err != nil || d.IsDir() {
-			return err
-		}
-		f, err := os.Open(p)
-		if err != nil {
-			return err
-		}
-		defer f.Close()
-		return unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED)
-	})
+	checkpointRun(b, hostBench) // benchenv_test.go; BenchmarkCUDACheckpoint from GPU memory
 }

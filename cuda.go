@@ -618,6 +618,61 @@ func (d *cudaDevice) copy(s Stream, dst, src Tensor) error {
 	return d.err("copy", code)
 }
 
+// copyDirected is copy through the direction-named driver calls
+// (cuMemcpyDtoHAsync with toHost, cuMemcpyHtoDAsync without), where copy
+// lets unified addressing find the direction: the yardstick the GPU
+// runner times the engine's copies of page-locked memory against
+// (BenchmarkCUDAOffloadCopy).
+func (d *cudaDevice) copyDirected(s Stream, dst, src Tensor, toHost bool) error {
+	if dst.Bytes() != src.Bytes() {
+		return errorf(ErrGradSize, "copy of %d bytes into %d bytes", src.Bytes(), dst.Bytes())
+	}
+	cs, err := d.streamOf(s)
+	if err != nil {
+		return err
+	}
+	dir := C.int(0)
+	if toHost {
+		dir = 1
+	}
+	code := C.zc_memcpy_directed(d.dev(), C.uintptr_t(cs.h), C.uintptr_t(dst.ptr), C.uintptr_t(src.ptr), C.uint64_t(src.Bytes()), dir)
+	runtime.KeepAlive(dst.keep)
+	runtime.KeepAlive(src.keep)
+	return d.err("copyDirected", code)
+}
+
+// kernelInfo is one kernel of the fatbin as the driver loaded it on a
+// device: what its compiled code costs each thread and block.
+type kernelInfo struct {
+	Name        string `json:"name"`
+	Regs        int    `json:"registers"`      // per thread
+	LocalBytes  int    `json:"local_bytes"`    // per thread: spills and stack
+	SharedBytes int    `json:"shared_bytes"`   // static, per block
+	ConstBytes  int    `json:"const_bytes"`    // per module
+	MaxThreads  int    `json:"max_threads"`    // the largest block it launches with
+	PTX         int    `json:"ptx_version"`    // major*10+minor
+	Binary      int    `json:"binary_version"` // the SASS run: major*10+minor
+}
+
+// kernels loads every kernel of the fatbin on d and reads its attributes
+// (cuFuncGetAttribute): the GPU runner records them, so no CUDA toolkit is
+// needed to know the registers and spills of the code the driver runs.
+func (d *cudaDevice) kernels() ([]kernelInfo, error) {
+	n := int(C.zc_kernel_count())
+	out := make([]kernelInfo, n)
+	var name [64]C.char
+	var attrs [C.ZC_KATTR_N]C.int
+	for id := range out {
+		if code := C.zc_kernel_info(d.dev(), C.int(id), &name[0], C.int(len(name)), &attrs[0]); code != 0 {
+			return nil, d.err("kernel "+C.GoString(&name[0]), code)
+		}
+		out[id] = kernelInfo{Name: C.GoString(&name[0]), Regs: int(attrs[C.ZC_KATTR_REGS]), LocalBytes: int(attrs[C.ZC_KATTR_LOCAL]),
+			SharedBytes: int(attrs[C.ZC_KATTR_SHARED]), ConstBytes: int(attrs[C.ZC_KATTR_CONST]),
+			MaxThreads: int(attrs[C.ZC_KATTR_MAX_THREADS]), PTX: int(attrs[C.ZC_KATTR_PTX]), Binary: int(attrs[C.ZC_KATTR_BINARY])}
+	}
+	return out, nil
+}
+
 // cSegments checks a batch and lays it out as zc_seg descriptors.
 // The C layout of a batch is built in a pooled slice: the launchers copy
 // it before they return, and a gradient's path allocates nothing.
@@ -851,6 +906,10 @@ func (d *cudaDevice) sumSquares(s Stream, x Tensor, out *float64) error {
 // block k of a one-segment landing sums the norm's chunk k, so it must be
 // normChunk (TestCUDANormChunkIsTheKernelsBlock).
 const zcChunk = C.ZC_CHUNK
+
+// zcThreads is the threads of a block every launcher starts, the spin
+// kernel's excepted.
+const zcThreads = C.ZC_THREADS
 
 // Compile-time checks that chunkRange and zc_crange have the same layout.
 var (

@@ -46,6 +46,14 @@ typedef struct CUevent_st* CUevent;
 #define CU_MEMHOSTALLOC_PORTABLE 0x1
 #define CU_MEMHOSTALLOC_DEVICEMAP 0x2
 #define CU_STREAM_WAIT_VALUE_GEQ 0x0
+/* CUfunction_attribute values */
+#define CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK 0
+#define CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES 1
+#define CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES 2
+#define CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES 3
+#define CU_FUNC_ATTRIBUTE_NUM_REGS 4
+#define CU_FUNC_ATTRIBUTE_PTX_VERSION 5
+#define CU_FUNC_ATTRIBUTE_BINARY_VERSION 6
 
 /* The entry points, by the symbol each is loaded from. */
 #define ZC_CUDA_FUNCS(X)                                                                                          \
@@ -71,6 +79,9 @@ typedef struct CUevent_st* CUevent;
 	  (CUdeviceptr * d, void* p, unsigned int flags))                                                         \
 	X(cuMemsetD8Async, "cuMemsetD8Async", CUresult, (CUdeviceptr p, unsigned char v, size_t n, CUstream s))  \
 	X(cuMemcpyAsync, "cuMemcpyAsync", CUresult, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s))    \
+	X(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", CUresult, (void* dst, CUdeviceptr src, size_t n, CUstream s)) \
+	X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", CUresult,                                                    \
+	  (CUdeviceptr dst, const void* src, size_t n, CUstream s))                                               \
 	X(cuStreamCreate, "cuStreamCreate", CUresult, (CUstream * s, unsigned int flags))                         \
 	X(cuStreamDestroy, "cuStreamDestroy_v2", CUresult, (CUstream s))                                          \
 	X(cuStreamSynchronize, "cuStreamSynchronize", CUresult, (CUstream s))                                     \
@@ -85,6 +96,7 @@ typedef struct CUevent_st* CUevent;
 	X(cuEventElapsedTime, "cuEventElapsedTime", CUresult, (float* ms, CUevent start, CUevent end))           \
 	X(cuModuleLoadData, "cuModuleLoadData", CUresult, (CUmodule * m, const void* image))                      \
 	X(cuModuleGetFunction, "cuModuleGetFunction", CUresult, (CUfunction * f, CUmodule m, const char* name))  \
+	X(cuFuncGetAttribute, "cuFuncGetAttribute", CUresult, (int* v, int attr, CUfunction f))                  \
 	X(cuLaunchKernel, "cuLaunchKernel", CUresult,                                                             \
 	  (CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,     \
 	   unsigned int bz, unsigned int shared, CUstream s, void** params, void** extra))

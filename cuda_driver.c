@@ -360,6 +360,13 @@ int zc_memcpy(int dev, uintptr_t s, uintptr_t dst, uintptr_t src, uint64_t bytes
 	ZC_LEAVE(cu.cuMemcpyAsync((CUdeviceptr)dst, (CUdeviceptr)src, (size_t)bytes, (CUstream)s));
 }
 
+int zc_memcpy_directed(int dev, uintptr_t s, uintptr_t dst, uintptr_t src, uint64_t bytes, int to_host) {
+	if (bytes == 0) return 0;
+	ZC_ENTER(dev);
+	if (to_host) ZC_LEAVE(cu.cuMemcpyDtoHAsync((void*)dst, (CUdeviceptr)src, (size_t)bytes, (CUstream)s));
+	ZC_LEAVE(cu.cuMemcpyHtoDAsync((CUdeviceptr)dst, (const void*)src, (size_t)bytes, (CUstream)s));
+}
+
 /* ---- the kernels ---------------------------------------------------------------------- */
 
 enum {
@@ -759,6 +766,24 @@ int zc_spin(int dev, uintptr_t s, int64_t ns) {
 	ZC_ENTER(dev);
 	void* params[] = {&ns};
 	ZC_LEAVE(zc_launch(dev, ZK_SPIN, 1, 1, 1, (CUstream)s, params));
+}
+
+/* ---- the kernels' attributes (the GPU runner's record) ----------------------- */
+
+int zc_kernel_count(void) { return ZK_N; }
+
+int zc_kernel_info(int dev, int id, char* name, int namelen, int* attrs) {
+	static const int which[ZC_KATTR_N] = {
+	    CU_FUNC_ATTRIBUTE_NUM_REGS,     CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,      CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+	    CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, CU_FUNC_ATTRIBUTE_PTX_VERSION,
+	    CU_FUNC_ATTRIBUTE_BINARY_VERSION};
+	if (id < 0 || id >= ZK_N) return CUDA_ERROR_INVALID_VALUE;
+	zk_name(id, name, (size_t)namelen);
+	ZC_ENTER(dev);
+	CUfunction f;
+	int err = zc_kernel(dev, id, &f);
+	for (int i = 0; !err && i < ZC_KATTR_N; i++) err = cu.cuFuncGetAttribute(&attrs[i], which[i], f);
+	ZC_LEAVE(err);
 }
 
 /* ---- for nccl_loader.c: NCCL takes the device from the current context ---- */

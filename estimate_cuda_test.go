@@ -93,7 +93,8 @@ func TestGPUEstimateNVML(t *testing.T) {
 			}
 			grew, want := used(m.at)-used(m.before), est.Device.Engine()
 			slack := int64(m.allocs) * page
-			t.Logf("%v: NVML used grew %.1f MiB, estimate %.1f MiB (%d live allocations)", c, float64(grew)/(1<<20), float64(want)/(1<<20), m.allocs)
+			t.Logf("figure: estimate %v: NVML used grew %.1f MiB, estimate %.1f MiB, difference %+.1f MiB (allowed ± %.0f MiB: %d live allocations)",
+				c, float64(grew)/(1<<20), float64(want)/(1<<20), float64(grew-want)/(1<<20), float64(slack)/(1<<20), m.allocs)
 			if grew < want-slack || grew > want+slack {
 				t.Errorf("%v: NVML used grew by %d bytes; the estimate is %d, ± %d for %d allocations' pages", c, grew, want, slack, m.allocs)
 			}

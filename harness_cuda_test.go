@@ -33,6 +33,20 @@ func skipOrFail(t testing.TB, format string, args ...any) {
 	t.Skipf(format, args...)
 }
 
+// benchShrink is what a CUDA benchmark divides its model's dimensions by:
+// 1 on a GPU, by against the fake driver (ZERO_FAKE_CUDA=1), whose kernels
+// run thread by thread on the host, so there a benchmark shows that it
+// runs (the GPU runner's steps are rehearsed so), not how fast: seed 000's
+// shape takes 10 to 20 s a step on it.
+func benchShrink(b *testing.B, by int) int {
+	b.Helper()
+	if os.Getenv("ZERO_FAKE_CUDA") != "1" {
+		return 1
+	}
+	b.Logf("the fake driver: the model's dimensions divided by %d", by)
+	return by
+}
+
 // gpuStream is a new stream of d, closed when t ends.
 func gpuStream(t testing.TB, d *cudaDevice) Stream {
 	t.Helper()

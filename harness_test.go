@@ -1755,6 +1755,13 @@ func benchOffloadStep(b *testing.B, m offloadBench) {
 				b.ReportMetric(gradCopy.Seconds()*1e3/n, "grad_copy_ms")
 				b.ReportMetric(1-float64(exposed)/float64(gradCopy), "copy_hidden")
 				b.ReportMetric(paramCopy.Seconds()*1e3/n, "param_copy_ms")
+				// the copies' speed: every backward lands each bucket's
+				// reduced part (the shard, in the bf16 wire dtype); the step
+				// sends the shard's new bf16 parameters back (its padding,
+				// under 64 elements a bucket, counted too)
+				wire := float64(m.backwards*shard*BF16.Size()) * n
+				b.ReportMetric(wire/gradCopy.Seconds()/1e9, "grad_copy-GB/s")
+				b.ReportMetric(float64(shard*BF16.Size())*n/paramCopy.Seconds()/1e9, "param_copy-GB/s")
 				b.ReportMetric(float64(st.HostBytes)/(1<<20), "host_MiB")
 				b.ReportMetric(float64(st.HostPinnedBytes)/float64(st.HostBytes), "pinned_share")
 				b.ReportMetric(float64(st.DeviceBytesSaved)/(1<<20), "saved_MiB")

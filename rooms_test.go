@@ -21,9 +21,10 @@ import (
 // and counting devices, comms and streams), the float64 references, and the
 // partition plan's tests. harness_cuda_test.go is the part of the harness
 // that only compiles with -tags cuda (it names *cudaDevice); race_test.go
-// and norace_test.go say whether the race detector is on. Every other
-// test file keeps to itself: what it declares only it uses.
-var testRooms = []string{"harness_test.go", "source_test.go", "harness_cuda_test.go", "fakes_test.go", "reference_test.go", "bucket_test.go", "race_test.go", "norace_test.go"}
+// and norace_test.go say whether the race detector is on; benchenv_test.go
+// holds the bodies of the benchmarks that run on the CPU and on a GPU.
+// Every other test file keeps to itself: what it declares only it uses.
+var testRooms = []string{"harness_test.go", "source_test.go", "harness_cuda_test.go", "fakes_test.go", "reference_test.go", "bucket_test.go", "race_test.go", "norace_test.go", "benchenv_test.go"}
 
 // A roomBorrow is a use, in one test file, of a package-level identifier
 // (or a method) declared in another test file that is not a room.

@@ -96,6 +96,10 @@ int zc_memzero(int dev, uintptr_t s, uintptr_t p, uint64_t bytes);
 /* cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault) on s: any direction,
  * device memory, pinned and pageable host memory. */
 int zc_memcpy(int dev, uintptr_t s, uintptr_t dst, uintptr_t src, uint64_t bytes);
+/* The same copy through the direction-named calls, cuMemcpyDtoHAsync
+ * (to_host) or cuMemcpyHtoDAsync: the yardstick the GPU runner times
+ * zc_memcpy's copies of page-locked memory against. */
+int zc_memcpy_directed(int dev, uintptr_t s, uintptr_t dst, uintptr_t src, uint64_t bytes, int to_host);
 
 /* ---- kernels (csrc/kernels.cu, from the fatbin) ------------------------- */
 
@@ -169,6 +173,22 @@ int zc_allreduce(int dev, uintptr_t s, const uintptr_t* bufs, int n, int dtype, 
 /* Test helper: a kernel that spins for about ns nanoseconds on s, to hold a
  * stream back. */
 int zc_spin(int dev, uintptr_t s, int64_t ns);
+
+/* The kernels of the fatbin, for the GPU runner's record: how many there
+ * are, and kernel id's name and attributes on dev (loading it), in the
+ * order of ZC_KATTR_*, each from cuFuncGetAttribute. */
+enum {
+	ZC_KATTR_REGS,        /* CU_FUNC_ATTRIBUTE_NUM_REGS */
+	ZC_KATTR_LOCAL,       /* LOCAL_SIZE_BYTES: a thread's local memory (spills, stack) */
+	ZC_KATTR_SHARED,      /* SHARED_SIZE_BYTES: static shared memory of a block */
+	ZC_KATTR_CONST,       /* CONST_SIZE_BYTES */
+	ZC_KATTR_MAX_THREADS, /* MAX_THREADS_PER_BLOCK */
+	ZC_KATTR_PTX,         /* PTX_VERSION, major*10+minor */
+	ZC_KATTR_BINARY,      /* BINARY_VERSION: the SASS the driver runs, major*10+minor */
+	ZC_KATTR_N
+};
+int zc_kernel_count(void);
+int zc_kernel_info(int dev, int id, char* name, int namelen, int* attrs);
 
 /* ---- NCCL (nccl_loader.c), loaded with dlopen ------------------------------ */
 

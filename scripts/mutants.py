@@ -14,7 +14,8 @@ reported STALE: update its text after the code moves, never drop it.
     scripts/mutants.py norm-unscaled   # the mutants whose names contain this
 
 A mutant's file may lie in a module of its own (deepspeed/...): its tests run
-in that file's folder.
+in that file's folder. A mutant of the CUDA path carries FAKE_CUDA: its tests
+build with -tags cuda and run against the fake driver (ZERO_FAKE_CUDA=1).
 
 Exit status 1 when any mutant is missed or stale.
 """
@@ -26,7 +27,12 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (name, file, old, new, tests): tests is a -run regular expression.
+# How a mutant's tests run, where not plainly: the CUDA build against the
+# fake driver.
+FAKE_CUDA = {"tags": "cuda", "env": {"ZERO_FAKE_CUDA": "1"}}
+
+# (name, file, old, new, tests[, how]): tests is a -run regular expression,
+# how (optional) FAKE_CUDA.
 MUTANTS = [
     ("mpi-sum-reversed", "mpi.go",
      "\t\treduceHost(a.recv, srcs, a.dtype, a.op, 0, chunk)\n",
@@ -692,16 +698,33 @@ MUTANTS = [
      "\t\ts += \" (the default)\"",
      "\t\ts += \"\"",
      "TestMessagesMarkDefaults|TestResumeRefusals"),
+    ("kernel-attrs-regs-as-threads", "cuda_driver.c",
+     "CU_FUNC_ATTRIBUTE_NUM_REGS,     CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,",
+     "CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,     CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,",
+     "TestCUDAKernelRegisters", FAKE_CUDA),
+    ("kernel-info-regs-from-local", "cuda.go",
+     "Regs: int(attrs[C.ZC_KATTR_REGS])",
+     "Regs: int(attrs[C.ZC_KATTR_LOCAL])",
+     "TestCUDAKernelRegisters", FAKE_CUDA),
+    ("directed-copy-backwards", "cuda_driver.c",
+     "\tif (to_host) ZC_LEAVE(cu.cuMemcpyDtoHAsync(",
+     "\tif (!to_host) ZC_LEAVE(cu.cuMemcpyDtoHAsync(",
+     "TestCUDADirectedCopies", FAKE_CUDA),
 ]
 
 
-def run_tests(tree, pattern, pkg=""):
-    """Runs the tests of the package in folder pkg (the root by default)."""
+def run_tests(tree, pattern, pkg="", how=None):
+    """Runs the tests of the package in folder pkg (the root by default),
+    with how's build tags and environment."""
+    how = how or {}
     cmd = ["go", "test", "-count=1", "-timeout", "300s"]
+    if how.get("tags"):
+        cmd += ["-tags", how["tags"]]
     if pattern:
         cmd += ["-run", pattern]
     cmd.append(".")
-    p = subprocess.run(cmd, cwd=os.path.join(tree, pkg), capture_output=True, text=True)
+    env = dict(os.environ, **how.get("env", {}))
+    p = subprocess.run(cmd, cwd=os.path.join(tree, pkg), capture_output=True, text=True, env=env)
     return p.returncode, p.stdout + p.stderr
 
 
@@ -718,7 +741,7 @@ def main(argv):
     chosen = [m for m in MUTANTS if not names or any(n in m[0] for n in names)]
     bad = 0
     tree = copy_tree()
-    for name, path, old, new, tests in chosen:
+    for name, path, old, new, tests, *how in chosen:
         full = os.path.join(tree, path)
         with open(full) as f:
             src = f.read()
@@ -729,7 +752,7 @@ def main(argv):
         try:
             with open(full, "w") as f:
                 f.write(src.replace(old, new))
-            rc, out = run_tests(tree, None if whole else tests, os.path.dirname(path))
+            rc, out = run_tests(tree, None if whole else tests, os.path.dirname(path), how[0] if how else None)
         finally:
             with open(full, "w") as f:
                 f.write(src)

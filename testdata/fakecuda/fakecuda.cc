@@ -41,14 +41,16 @@
 
 static std::mutex mem_mu;
 static std::map<uintptr_t, size_t> allocs; /* base -> bytes, device and pinned */
+static std::map<uintptr_t, bool> pinned;   /* base -> whether it is pinned host memory */
 static size_t allocated;
 static const size_t total_mem = (size_t)80 << 30;
 
-static void* fake_alloc(size_t bytes) {
+static void* fake_alloc(size_t bytes, bool host) {
 	void* p = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
 	if (!p) return nullptr;
 	std::lock_guard<std::mutex> g(mem_mu);
 	allocs[(uintptr_t)p] = bytes;
+	pinned[(uintptr_t)p] = host;
 	allocated += bytes;
 	return p;
 }
@@ -59,6 +61,7 @@ static bool fake_free(void* p) {
 	if (it == allocs.end()) return false;
 	allocated -= it->second;
 	allocs.erase(it);
+	pinned.erase((uintptr_t)p);
 	free(p);
 	return true;
 }
@@ -70,6 +73,15 @@ static bool ours(uintptr_t p, size_t n) {
 	if (it == allocs.begin()) return false;
 	--it;
 	return p >= it->first && p + n <= it->first + it->second;
+}
+
+/* Whether [p, p+n) lies in device memory allocated here (not pinned). */
+static bool device(uintptr_t p, size_t n) {
+	std::lock_guard<std::mutex> g(mem_mu);
+	auto it = allocs.upper_bound(p);
+	if (it == allocs.begin()) return false;
+	--it;
+	return p >= it->first && p + n <= it->first + it->second && !pinned[it->first];
 }
 
 /* ---- contexts ------------------------------------------------------------------ */
@@ -332,7 +344,7 @@ CUresult cuMemGetInfo_v2(size_t* f, size_t* t) {
 CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
 	NEED_CTX();
 	if (bytes > total_mem) return CUDA_ERROR_OUT_OF_MEMORY;
-	void* q = fake_alloc(bytes);
+	void* q = fake_alloc(bytes, false);
 	if (!q) return CUDA_ERROR_OUT_OF_MEMORY;
 	*p = (CUdeviceptr)(uintptr_t)q;
 	return CUDA_SUCCESS;
@@ -345,7 +357,7 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
 
 CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned int) {
 	NEED_CTX();
-	*p = fake_alloc(bytes);
+	*p = fake_alloc(bytes, true);
 	return *p ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
@@ -378,6 +390,20 @@ CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
 	S(s)->drain();
 	memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n);
 	return CUDA_SUCCESS;
+}
+
+/* The direction-named copies: the device side must be device memory, the
+ * host side host memory (pinned or pageable). */
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
+	NEED_CTX();
+	if (!device((uintptr_t)src, n) || device((uintptr_t)dst, n)) return CUDA_ERROR_INVALID_VALUE;
+	return cuMemcpyAsync((CUdeviceptr)(uintptr_t)dst, src, n, s);
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
+	NEED_CTX();
+	if (!device((uintptr_t)dst, n) || device((uintptr_t)src, n)) return CUDA_ERROR_INVALID_VALUE;
+	return cuMemcpyAsync(dst, (CUdeviceptr)(uintptr_t)src, n, s);
 }
 
 CUresult cuStreamCreate(CUstream* s, unsigned int) {
@@ -506,6 +532,28 @@ CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
 		it = m->fns.emplace(name, g).first;
 	}
 	*f = it->second;
+	return CUDA_SUCCESS;
+}
+
+/* A kernel's attributes: the emulator has no registers or local memory,
+ * so these are fixed figures in range (32 registers, none spilled, the
+ * largest block CUDA allows), and the binary of the device's compute
+ * capability: the record's plumbing runs, its numbers mean nothing. */
+CUresult cuFuncGetAttribute(int* v, int attr, CUfunction f) {
+	NEED_CTX();
+	if (!f) return CUDA_ERROR_INVALID_VALUE;
+	int major = 9, minor = 0;
+	if (const char* cc = getenv("FAKECUDA_CC")) sscanf(cc, "%d.%d", &major, &minor);
+	switch (attr) {
+	case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *v = 1024; break;
+	case CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES:
+	case CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES:
+	case CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES: *v = 0; break;
+	case CU_FUNC_ATTRIBUTE_NUM_REGS: *v = 32; break;
+	case CU_FUNC_ATTRIBUTE_PTX_VERSION:
+	case CU_FUNC_ATTRIBUTE_BINARY_VERSION: *v = major * 10 + minor; break;
+	default: return CUDA_ERROR_INVALID_VALUE;
+	}
 	return CUDA_SUCCESS;
 }
 
