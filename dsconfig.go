@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 )
 
 // ReadDeepSpeed reads a DeepSpeed JSON config (ds_config.json) into a zero
@@ -30,6 +31,9 @@ func ReadDeepSpeed(data []byte, opts DeepSpeedOptions) (DeepSpeedConfig, error) 
 	if opts.World < 1 {
 		return DeepSpeedConfig{}, errorf(ErrConfig, "DeepSpeedOptions.World %d; give the data-parallel world size (train_batch_size is checked against it)", opts.World)
 	}
+	if err := jsonDepth(data); err != nil {
+		return DeepSpeedConfig{}, err
+	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
 	var doc any
@@ -43,17 +47,17 @@ func ReadDeepSpeed(data []byte, opts DeepSpeedOptions) (DeepSpeedConfig, error) 
 	if !ok {
 		return DeepSpeedConfig{}, errorf(ErrConfig, "DeepSpeed config: the top level is %s; give a JSON object", describe(doc))
 	}
-	r := &dsReader{opts: opts}
+	r := &dsReader{opts: opts, bad: map[string]bool{}}
 	if err := r.fillAuto(root); err != nil {
 		return DeepSpeedConfig{}, err
 	}
 	out := r.read(root)
 	if len(r.problems) > 0 {
 		sort.SliceStable(r.problems, func(i, j int) bool { return r.problems[i].Path < r.problems[j].Path })
-		return DeepSpeedConfig{}, &DeepSpeedError{Problems: r.problems}
+		return DeepSpeedConfig{}, &DeepSpeedError{Problems: r.problems, More: r.moreProblems}
 	}
 	sort.SliceStable(r.notices, func(i, j int) bool { return r.notices[i].Path < r.notices[j].Path })
-	out.Notices = r.notices
+	out.Notices, out.MoreNotices = r.notices, r.moreNotices
 	return out, nil
 }
 
@@ -97,8 +101,11 @@ type DeepSpeedConfig struct {
 	MicroBatch, GlobalBatch int
 	// Notices list, by path, every key accepted without effect, every
 	// DeepSpeed default taken where it differs from zero's, and every
-	// difference in arithmetic that the mapped config keeps.
+	// difference in arithmetic that the mapped config keeps: the first
+	// 200 given.
 	Notices []DeepSpeedNotice
+	// MoreNotices counts the notices beyond those listed.
+	MoreNotices int
 }
 
 // DeepSpeedNotice is one thing ReadDeepSpeed wants the caller to know.
@@ -115,7 +122,8 @@ func (n DeepSpeedNotice) String() string { return n.Path + ": " + n.Text }
 // the wrong type, out of range or "auto" without an override. It wraps
 // ErrConfig.
 type DeepSpeedError struct {
-	Problems []DeepSpeedProblem // by path
+	Problems []DeepSpeedProblem // by path: the first 100 found
+	More     int                // problems found beyond those listed
 }
 
 // DeepSpeedProblem is one key of a DeepSpeed config that zero cannot take.
@@ -130,13 +138,16 @@ type DeepSpeedProblem struct {
 // Error lists every problem, one a line.
 func (e *DeepSpeedError) Error() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "%v: DeepSpeed config: %d key(s) zero cannot take:", ErrConfig, len(e.Problems))
+	fmt.Fprintf(&b, "%v: DeepSpeed config: %d key(s) zero cannot take:", ErrConfig, len(e.Problems)+e.More)
 	for _, p := range e.Problems {
 		kind := "invalid"
 		if p.Refused {
 			kind = "refused"
 		}
 		fmt.Fprintf(&b, "\n  %s (%s): %s", p.Path, kind, p.Text)
+	}
+	if e.More > 0 {
+		fmt.Fprintf(&b, "\n  and %d more", e.More)
 	}
 	return b.String()
 }
@@ -175,11 +186,46 @@ func jsonError(data []byte, err error) error {
 
 // ---- reading ---------------------------------------------------------------------
 
+// The bounds that keep reading linear in the file's size, whatever it
+// holds: DeepSpeed's own configs nest 3 deep and give a few problems.
+const (
+	dsMaxDepth    = 32  // objects and lists nested deeper are refused
+	dsMaxProblems = 100 // problems listed; the rest are counted
+	dsMaxNotices  = 200 // notices listed; the rest are counted
+	dsMaxKeyShown = 64  // bytes of a key a path shows
+)
+
 // dsReader collects problems and notices while it reads one config.
 type dsReader struct {
-	opts     DeepSpeedOptions
-	problems []DeepSpeedProblem
-	notices  []DeepSpeedNotice
+	opts         DeepSpeedOptions
+	problems     []DeepSpeedProblem
+	moreProblems int
+	// bad holds every path with a problem: a value that is not the file's
+	// never feeds a later computation (clean)
+	bad         map[string]bool
+	notices     []DeepSpeedNotice
+	moreNotices int
+}
+
+// clean reports whether none of paths has a problem: a check or a
+// computation across keys runs only on the values the file gave.
+func (r *dsReader) clean(paths ...string) bool {
+	for _, p := range paths {
+		if r.bad[p] {
+			return false
+		}
+	}
+	return true
+}
+
+// cleanUnder reports whether no path under prefix has a problem.
+func (r *dsReader) cleanUnder(prefix string) bool {
+	for p := range r.bad {
+		if strings.HasPrefix(p, prefix) {
+			return false
+		}
+	}
+	return true
 }
 
 // refuse and invalid record a problem; the first one at a path is the one
@@ -193,57 +239,149 @@ func (r *dsReader) invalid(path, format string, args ...any) {
 }
 
 func (r *dsReader) problem(p DeepSpeedProblem) {
-	if !slices.ContainsFunc(r.problems, func(q DeepSpeedProblem) bool { return q.Path == p.Path }) {
-		r.problems = append(r.problems, p)
+	if r.bad[p.Path] {
+		return
 	}
+	r.bad[p.Path] = true
+	if len(r.problems) == dsMaxProblems {
+		r.moreProblems++
+		return
+	}
+	r.problems = append(r.problems, p)
 }
 
 func (r *dsReader) notice(path, format string, args ...any) {
+	if len(r.notices) == dsMaxNotices {
+		r.moreNotices++
+		return
+	}
 	r.notices = append(r.notices, DeepSpeedNotice{Path: path, Text: fmt.Sprintf(format, args...)})
 }
 
-// fillAuto replaces every "auto" with its override, and notes overrides
-// that the file's own values make unused.
+// shownKey is a key as a path shows it: a long one cut, so that what is
+// reported stays in proportion to the file, and the empty key as "".
+func shownKey(k string) string {
+	if k == "" {
+		return `""`
+	}
+	if len(k) <= dsMaxKeyShown {
+		return k
+	}
+	cut := dsMaxKeyShown
+	for cut > 0 && !utf8.RuneStart(k[cut]) {
+		cut--
+	}
+	return fmt.Sprintf("%s…(%d bytes)", k[:cut], len(k))
+}
+
+// jsonDepth refuses data whose objects and lists nest deeper than
+// dsMaxDepth, naming where, before anything is decoded: the decoder would
+// build every level.
+func jsonDepth(data []byte) error {
+	depth, inString, escaped := 0, false, false
+	for i, c := range data {
+		switch {
+		case inString:
+			switch {
+			case escaped:
+				escaped = false
+			case c == '\\':
+				escaped = true
+			case c == '"':
+				inString = false
+			}
+		case c == '"':
+			inString = true
+		case c == '{' || c == '[':
+			if depth++; depth > dsMaxDepth {
+				line := 1 + bytes.Count(data[:i], []byte("\n"))
+				col := i - bytes.LastIndexByte(data[:i], '\n')
+				return errorf(ErrConfig, "DeepSpeed config: nested more than %d deep at line %d, column %d; DeepSpeed's configs nest 3 deep: flatten or remove what is nested there", dsMaxDepth, line, col)
+			}
+		case c == '}' || c == ']':
+			depth--
+		}
+	}
+	return nil
+}
+
+// fillAuto puts each override where the file says "auto" at its path,
+// notes overrides that the file's own values or keys leave unused, and
+// refuses every "auto" left.
 func (r *dsReader) fillAuto(root map[string]any) error {
-	over := map[string]any{}
-	for path, v := range r.opts.Overrides {
-		b, err := json.Marshal(v)
+	paths := make([]string, 0, len(r.opts.Overrides))
+	for path := range r.opts.Overrides {
+		paths = append(paths, path)
+	}
+	slices.Sort(paths)
+	for _, path := range paths {
+		b, err := json.Marshal(r.opts.Overrides[path])
 		if err != nil {
 			return errorf(ErrConfig, "DeepSpeedOptions.Overrides[%q]: %v; give a number, bool, string or list", path, err)
 		}
 		dec := json.NewDecoder(bytes.NewReader(b))
 		dec.UseNumber()
-		var n any
-		if err := dec.Decode(&n); err != nil {
+		var o any
+		if err := dec.Decode(&o); err != nil {
 			return errorf(ErrConfig, "DeepSpeedOptions.Overrides[%q]: %v", path, err)
 		}
-		over[path] = n
+		obj, key := dsLookup(root, path)
+		v, has := obj[key]
+		switch {
+		case !has:
+			r.notice(path, "override %s not used: the file has no such key", jsonText(o))
+		case v == "auto":
+			obj[key] = o
+		case !sameJSON(o, v):
+			r.notice(path, "override %s not used: the file sets %s", jsonText(o), jsonText(v))
+		}
 	}
-	var walk func(obj map[string]any, prefix string)
-	walk = func(obj map[string]any, prefix string) {
-		for _, k := range sortedKeys(obj) {
-			path := prefix + k
-			v := obj[k]
-			if sub, ok := v.(map[string]any); ok {
-				walk(sub, path+".")
-				continue
-			}
-			o, has := over[path]
-			if s, ok := v.(string); ok && s == "auto" {
-				if !has {
-					r.invalid(path, `"auto" with no override; give its value (the Hugging Face Trainer fills it from its training arguments: DeepSpeedOptions.Overrides)`)
-					continue
-				}
-				obj[k] = o
-				continue
-			}
-			if has && !sameJSON(o, v) {
-				r.notice(path, "override %s not used: the file sets %s", jsonText(o), jsonText(v))
+	r.refuseAuto(root, nil)
+	return nil
+}
+
+// dsLookup finds the object that holds the last key of a dotted path, and
+// that key (a nil object where the path leads nowhere).
+func dsLookup(root map[string]any, path string) (map[string]any, string) {
+	obj := root
+	for {
+		k, rest, more := strings.Cut(path, ".")
+		if !more {
+			return obj, k
+		}
+		sub, ok := obj[k].(map[string]any)
+		if !ok {
+			return nil, ""
+		}
+		obj, path = sub, rest
+	}
+}
+
+// refuseAuto refuses every "auto" under obj, whose keys' path is at.
+func (r *dsReader) refuseAuto(obj map[string]any, at []string) {
+	for _, k := range sortedKeys(obj) {
+		switch v := obj[k].(type) {
+		case map[string]any:
+			r.refuseAuto(v, append(at, k))
+		case string:
+			if v == "auto" && len(r.problems) < dsMaxProblems {
+				r.invalid(dsPath(at, k), `"auto" with no override; give its value (the Hugging Face Trainer fills it from its training arguments: DeepSpeedOptions.Overrides)`)
+			} else if v == "auto" {
+				r.moreProblems++
 			}
 		}
 	}
-	walk(root, "")
-	return nil
+}
+
+// dsPath joins keys into a path, each as shownKey shows it.
+func dsPath(at []string, k string) string {
+	var b strings.Builder
+	for _, a := range at {
+		b.WriteString(shownKey(a))
+		b.WriteByte('.')
+	}
+	b.WriteString(shownKey(k))
+	return b.String()
 }
 
 func sameJSON(a, b any) bool { return jsonText(a) == jsonText(b) }
@@ -283,8 +421,14 @@ func describe(v any) string {
 	case bool:
 		return fmt.Sprintf("the bool %v", x)
 	case json.Number:
+		if len(x) > dsMaxKeyShown {
+			return fmt.Sprintf("a number of %d digits", len(x))
+		}
 		return "the number " + x.String()
 	case string:
+		if len(x) > dsMaxKeyShown {
+			return fmt.Sprintf("a string of %d bytes", len(x))
+		}
 		return fmt.Sprintf("the string %q", x)
 	case []any:
 		return "a list"
@@ -443,7 +587,7 @@ func disabled(v any) bool {
 // mapped, a refusal for every key zero does not know.
 func (r *dsReader) keys(obj map[string]any, at string, table map[string]dsKey, unknown string) {
 	for _, k := range sortedKeys(obj) {
-		path := at + k
+		path := at + shownKey(k)
 		key, known := table[k]
 		switch {
 		case !known:
@@ -614,7 +758,7 @@ func (r *dsReader) precision(root map[string]any, cfg *Config) DType {
 			}
 			break
 		}
-		power, _ := r.intIn(fp16, "initial_scale_power", "fp16.", 16, 0, 1000)
+		power, hasPower := r.intIn(fp16, "initial_scale_power", "fp16.", 16, 0, 1000)
 		window, _ := r.intIn(fp16, "loss_scale_window", "fp16.", 1000, 1, math.MaxInt32)
 		hyst, _ := r.intIn(fp16, "hysteresis", "fp16.", 2, 1, math.MaxInt32)
 		minScale, _ := r.numIn(fp16, "min_loss_scale", "fp16.", 1, 0)
@@ -622,8 +766,12 @@ func (r *dsReader) precision(root map[string]any, cfg *Config) DType {
 			r.invalid("fp16.min_loss_scale", "%v; give a scale > 0", minScale)
 		}
 		initial := math.Ldexp(1, power)
-		if minScale > initial {
-			r.invalid("fp16.min_loss_scale", "%v is above the initial scale 2^%d; give a smaller minimum or a larger initial_scale_power", minScale, power)
+		if minScale > initial && r.clean("fp16.initial_scale_power", "fp16.min_loss_scale") {
+			of := fmt.Sprintf("initial_scale_power %d", power)
+			if !hasPower {
+				of = "DeepSpeed's default initial_scale_power 16 (initial_scale_power unset)"
+			}
+			r.invalid("fp16.min_loss_scale", "%v is above the initial scale 2^%d of %s; give a smaller minimum or a larger initial_scale_power", minScale, power, of)
 		}
 		p.LossScale = LossScale{Initial: initial, Window: window, Hysteresis: hyst, Min: minScale}
 	case BF16:
@@ -917,32 +1065,64 @@ func (r *dsReader) offload(z map[string]any, cfg *Config) {
 // ---- batch and reduction -----------------------------------------------------------
 
 // batch resolves the batch sizes as DeepSpeed does, checks them against the
-// world size, and returns micro, global and the accumulation steps.
+// world size, and returns micro, global and the accumulation steps. Only
+// values the file (or an override) gave are cited; a malformed one is
+// reported alone, nothing derived from it.
 func (r *dsReader) batch(root map[string]any) (micro, global, accum int) {
+	const tbKey, mbKey, gKey = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 	w := r.opts.World
-	tb, hasTB := r.intIn(root, "train_batch_size", "", 0, 1, math.MaxInt32)
-	mb, hasMB := r.intIn(root, "train_micro_batch_size_per_gpu", "", 0, 1, math.MaxInt32)
-	g, hasG := r.intIn(root, "gradient_accumulation_steps", "", 1, 1, math.MaxInt32)
+	tb, hasTB := r.intIn(root, tbKey, "", 0, 1, math.MaxInt32)
+	mb, hasMB := r.intIn(root, mbKey, "", 0, 1, math.MaxInt32)
+	g, hasG := r.intIn(root, gKey, "", 1, 1, math.MaxInt32)
+	if !r.clean(tbKey, mbKey, gKey) {
+		return 0, 0, 1
+	}
+	var whole bool // tb is a whole multiple of what divides it
 	switch {
 	case hasTB && hasMB && hasG:
+		p, ok := product(mb, g, w)
+		if !ok || p != tb {
+			r.invalid(tbKey, "%d is not train_micro_batch_size_per_gpu %d × gradient_accumulation_steps %d × world size %d; DeepSpeed refuses it too: make them agree", tb, mb, g, w)
+		}
+		return mb, tb, g
 	case hasTB && hasMB:
-		g = tb / mb / w
+		p, ok := product(mb, w)
+		if g, whole = tb/max(1, p), ok && tb%p == 0; !whole || g < 1 {
+			r.invalid(tbKey, "%d is not a whole multiple of train_micro_batch_size_per_gpu %d × world size %d (DeepSpeed takes gradient_accumulation_steps, unset, as the quotient, and refuses this too): make them agree", tb, mb, w)
+		}
 	case hasTB && hasG:
-		mb = tb / w / g
+		p, ok := product(g, w)
+		if mb, whole = tb/max(1, p), ok && tb%p == 0; !whole || mb < 1 {
+			r.invalid(tbKey, "%d is not a whole multiple of gradient_accumulation_steps %d × world size %d (DeepSpeed takes train_micro_batch_size_per_gpu, unset, as the quotient, and refuses this too): make them agree", tb, g, w)
+		}
 	case hasMB:
-		tb = mb * g * w
+		var ok bool
+		if tb, ok = product(mb, g, w); !ok || tb > math.MaxInt32 {
+			r.invalid(mbKey, "%d × gradient_accumulation_steps × world size %d is past 2^31 samples a step; give a smaller batch", mb, w)
+		}
 	case hasTB:
-		g, mb = 1, tb/w
+		if mb = tb / w; tb%w != 0 || mb < 1 {
+			r.invalid(tbKey, "%d does not split over world size %d (with neither train_micro_batch_size_per_gpu nor gradient_accumulation_steps DeepSpeed takes one backward of train_batch_size / W, and refuses this too): make it a multiple of the world size", tb, w)
+		}
 	default: // zero needs no batch size; DeepSpeed would ask for one
 		if !hasG {
-			r.notice("gradient_accumulation_steps", "unset: DeepSpeed's 1, so Step expects one backward (Grads.AccumSteps 1)")
+			r.notice(gKey, "unset: DeepSpeed's 1, so Step expects one backward (Grads.AccumSteps 1)")
 		}
 		return 0, 0, g
 	}
-	if g < 1 || mb < 1 || tb != mb*g*w {
-		r.invalid("train_batch_size", "%d is not train_micro_batch_size_per_gpu %d × gradient_accumulation_steps %d × world size %d; DeepSpeed refuses it too: make them agree", tb, mb, g, w)
-	}
 	return mb, tb, g
+}
+
+// product multiplies counts ≥ 1, false where it overflows.
+func product(xs ...int) (int, bool) {
+	p := 1
+	for _, x := range xs {
+		if x < 1 || p > math.MaxInt/x {
+			return 0, false
+		}
+		p *= x
+	}
+	return p, true
 }
 
 // reduction maps the reduction's keys.
@@ -1092,7 +1272,7 @@ func (r *dsReader) sgd(params map[string]any, cfg *Config) Optimizer {
 	if o.Dampening > 1 {
 		r.invalid(at+"dampening", "%v; give a dampening in [0, 1]", o.Dampening)
 	}
-	if o.Nesterov && (o.Momentum == 0 || o.Dampening != 0) {
+	if o.Nesterov && (o.Momentum == 0 || o.Dampening != 0) && r.clean(at+"momentum", at+"dampening") {
 		r.invalid(at+"nesterov", "Nesterov needs a momentum and zero dampening; torch.optim.SGD refuses it too")
 	}
 	r.notice("optimizer.type", "SGD with ZeRO needs \"zero_allow_untested_optimizer\": true in DeepSpeed; zero runs it tested")
@@ -1220,7 +1400,7 @@ func (r *dsReader) scheduler(root map[string]any, cfg *Config, opt Optimizer) {
 				s.CycleMomentum = false
 				r.notice(at+"cycle_momentum", "DeepSpeed cycles the momentum only of optimizers with betas, not SGD's; neither does zero")
 			case AdamW:
-				if s.MinMom >= 1 || s.MaxMom >= 1 {
+				if (s.MinMom >= 1 || s.MaxMom >= 1) && r.clean(at+"cycle_min_mom", at+"cycle_max_mom") {
 					r.invalid(at+"cycle_max_mom", "momenta %v to %v: Adam's beta1 must stay below 1", s.MinMom, s.MaxMom)
 				}
 				o.Beta2 = 0.99
@@ -1233,7 +1413,7 @@ func (r *dsReader) scheduler(root map[string]any, cfg *Config, opt Optimizer) {
 		sched = s
 	}
 	cfg.Optimizer.Schedule = sched
-	if c, ok := sched.(scheduleChecker); ok {
+	if c, ok := sched.(scheduleChecker); ok && r.cleanUnder("scheduler.") {
 		if err := c.checkSchedule("scheduler"); err != nil {
 			r.invalid("scheduler.params", "%s", strings.TrimPrefix(err.Error(), ErrConfig.Error()+": "))
 		}

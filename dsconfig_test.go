@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"runtime/metrics"
 	"slices"
 	"sort"
 	"strings"
@@ -867,7 +868,180 @@ func TestDeepSpeedBadInput(t *testing.T) {
 		}
 	}
 	sort.Strings(paths)
-	if !slices.Equal(paths, []string{"gradient_clipping"}) {
-		t.Errorf("override notices at %q, want only gradient_clipping (the file sets 0.5; scheduler has no such key)", paths)
+	if !slices.Equal(paths, []string{"gradient_clipping", "scheduler.params.total_num_steps"}) {
+		t.Errorf("override notices at %q, want gradient_clipping (the file sets 0.5) and scheduler.params.total_num_steps (no such key)", paths)
 	}
+}
+
+// dsHeapAllocs is the least that one of n calls of fn allocated on the
+// heap (runtime/metrics' /gc/heap/allocs:bytes across the call): the
+// counter is the process's, so another goroutine's allocations can only
+// add to one call's figure.
+func dsHeapAllocs(fn func(), n int) uint64 {
+	sample := []metrics.Sample{{Name: "/gc/heap/allocs:bytes"}}
+	least := uint64(math.MaxUint64)
+	for range n {
+		metrics.Read(sample)
+		before := sample[0].Value.Uint64()
+		fn()
+		metrics.Read(sample)
+		least = min(least, sample[0].Value.Uint64()-before)
+	}
+	return least
+}
+
+// dsAllocBound is what reading n bytes of config may allocate: 64 bytes a
+// byte and 1 MiB.
+func dsAllocBound(n int) uint64 { return 64*uint64(n) + 1<<20 }
+
+// TestDeepSpeedMalformedBatchSizes: a batch size of 0, below 0 or not a
+// number is reported at its own key, alone, and nothing is derived from
+// it (it divided by zero), with or without the other batch keys.
+func TestDeepSpeedMalformedBatchSizes(t *testing.T) {
+	keys := []string{"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
+	for bad := range keys {
+		for _, value := range []string{`0`, `-3`, `"x"`, `2.5`, `null`} {
+			for others := range 4 { // which of the other two keys are given, as 8 and 2
+				fields := []string{fmt.Sprintf("%q: %s", keys[bad], value)}
+				n := 0
+				for k := range keys {
+					if k == bad {
+						continue
+					}
+					if others>>n&1 == 1 {
+						fields = append(fields, fmt.Sprintf("%q: %d", keys[k], 8>>(2*n)))
+					}
+					n++
+				}
+				text := `{"zero_optimization": {"stage": 2}, ` + strings.Join(fields, ", ") + `}`
+				var err error
+				func() {
+					defer func() {
+						if p := recover(); p != nil {
+							t.Fatalf("%s: panic %v", text, p)
+						}
+					}()
+					_, err = ReadDeepSpeed([]byte(text), DeepSpeedOptions{World: 2})
+				}()
+				var ds *DeepSpeedError
+				if !errors.As(err, &ds) || !slices.Equal(ds.Paths(), []string{keys[bad]}) {
+					t.Errorf("%s: %v, want a problem at %s alone", text, err, keys[bad])
+				}
+			}
+		}
+	}
+}
+
+// TestDeepSpeedReadStaysLinear: a deep nest under a noticed key is refused
+// before it is decoded, naming the depth, and a file of 100,000 unknown
+// keys lists 100 problems and counts the rest; each read allocates at most
+// 64 bytes per byte of the file and 1 MiB (it took 4.9 GB for a 1 MB nest
+// 5,000 deep, and 39 s of CPU for 100,000 keys).
+func TestDeepSpeedReadStaysLinear(t *testing.T) {
+	key := strings.Repeat("k", 200)
+	deep := func(n int) []byte {
+		return []byte(`{"zero_optimization": {"stage": 2}, "tensorboard": ` + strings.Repeat(`{"`+key+`": `, n) + `1` + strings.Repeat("}", n) + `}`)
+	}
+	many := func(n int) []byte {
+		var b strings.Builder
+		b.WriteString(`{"zero_optimization": {"stage": 2, `)
+		for i := range n {
+			fmt.Fprintf(&b, `"unknown_%d": %d, `, i, i)
+		}
+		b.WriteString(`"stage3_max_live_parameters": 1}}`)
+		return []byte(b.String())
+	}
+	for _, c := range []struct {
+		what     string
+		data     []byte
+		problems int // listed
+		more     int
+		in       string
+	}{
+		{"1,000 deep", deep(1000), 0, 0, fmt.Sprintf("nested more than %d deep at line 1, column ", dsMaxDepth)},
+		{fmt.Sprintf("%d deep", dsMaxDepth-1), deep(dsMaxDepth - 1), -1, 0, ""},
+		{"100,000 unknown keys", many(100_000), dsMaxProblems, 100_000 - dsMaxProblems, "100000 key(s) zero cannot take"},
+	} {
+		var err error
+		alloc := dsHeapAllocs(func() { _, err = ReadDeepSpeed(c.data, DeepSpeedOptions{World: 2}) }, 3)
+		if bound := dsAllocBound(len(c.data)); alloc > bound {
+			t.Errorf("%s: %d bytes of config allocated %d bytes, over %d", c.what, len(c.data), alloc, bound)
+		}
+		var ds *DeepSpeedError
+		switch {
+		case c.problems < 0:
+			if err != nil {
+				t.Errorf("%s: %v", c.what, err)
+			}
+		case c.problems == 0:
+			if errors.As(err, &ds) || !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), c.in) {
+				t.Errorf("%s: %v, want ErrConfig with %q", c.what, err, c.in)
+			}
+		default:
+			if !errors.As(err, &ds) || len(ds.Problems) != c.problems || ds.More != c.more || !strings.Contains(err.Error(), c.in) {
+				t.Fatalf("%s: %v, want %d problems listed and %d more", c.what, err, c.problems, c.more)
+			}
+		}
+	}
+}
+
+// FuzzReadDeepSpeed reads any bytes as a DeepSpeed config, alone and with
+// the Hugging Face Trainer's overrides. Checks: no panic; at most 64 bytes
+// allocated per byte of input and 1 MiB; a refusal is ErrConfig, and a
+// *DeepSpeedError lists 1 to 100 problems, each with a path and what to
+// do, by path, none twice; an accepted config has at most 200 notices and
+// passes New's checks with a parameter of its dtype. The seeds are the
+// published configs and testdata/fuzz/FuzzReadDeepSpeed (go test runs
+// them); run it with
+//
+//	go test -run '^$' -fuzz FuzzReadDeepSpeed -fuzztime 5m .
+func FuzzReadDeepSpeed(f *testing.F) {
+	files, err := filepath.Glob(filepath.Join("testdata", "deepspeed", "*.json"))
+	if err != nil || len(files) == 0 {
+		f.Fatalf("no published configs to seed with: %v", err)
+	}
+	for _, name := range files {
+		data, err := os.ReadFile(name)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(data)
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		for _, opts := range []DeepSpeedOptions{{World: 2}, {World: 3, Overrides: hfOverrides}} {
+			var c DeepSpeedConfig
+			var err error
+			read := func() { c, err = ReadDeepSpeed(data, opts) }
+			if alloc, bound := dsHeapAllocs(read, 1), dsAllocBound(len(data)); alloc > bound {
+				if alloc = dsHeapAllocs(read, 3); alloc > bound { // not another goroutine's
+					t.Fatalf("World %d: %d bytes read allocated %d, over %d", opts.World, len(data), alloc, bound)
+				}
+			}
+			var ds *DeepSpeedError
+			switch {
+			case err == nil:
+				if len(c.Notices) > dsMaxNotices {
+					t.Fatalf("%d notices, over %d", len(c.Notices), dsMaxNotices)
+				}
+				cfg, data := c.Config, Float32s(make([]float32, 8))
+				if c.DType != FP32 {
+					data = Halfs(make([]uint16, 8), c.DType)
+				}
+				if _, err := cfg.resolve([]Param{{Name: "p", Count: 8, DType: c.DType, Data: data}}); err != nil {
+					t.Fatalf("an accepted config that New refuses: %v\n%+v", err, c.Config)
+				}
+			case !errors.Is(err, ErrConfig):
+				t.Fatalf("%v, want ErrConfig", err)
+			case errors.As(err, &ds):
+				if len(ds.Problems) == 0 || len(ds.Problems) > dsMaxProblems || ds.More < 0 {
+					t.Fatalf("%d problems listed, %d more", len(ds.Problems), ds.More)
+				}
+				for i, p := range ds.Problems {
+					if p.Path == "" || p.Text == "" || i > 0 && ds.Problems[i-1].Path >= p.Path {
+						t.Fatalf("problem %d %+v: want a path, a text, and the paths in order, none twice", i, p)
+					}
+				}
+			}
+		}
+	})
 }

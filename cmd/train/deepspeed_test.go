@@ -128,3 +128,25 @@ func TestDeepSpeedRefused(t *testing.T) {
 		t.Fatalf("%v, want the four refused keys", err)
 	}
 }
+
+// TestDeepSpeedMalformedBatch: a config whose micro-batch is 0, below 0 or
+// not a number fails before training, naming the key (it divided by zero).
+func TestDeepSpeedMalformedBatch(t *testing.T) {
+	for _, micro := range []string{`0`, `-3`, `"x"`} {
+		c := defaultConfig()
+		c.deepspeed = writeConfig(t, `{"zero_optimization": {"stage": 2}, "train_batch_size": 8, "train_micro_batch_size_per_gpu": `+micro+`}`)
+		var err error
+		func() {
+			defer func() {
+				if p := recover(); p != nil {
+					t.Fatalf("micro-batch %s: panic %v", micro, p)
+				}
+			}()
+			_, err = run(nil, c)
+		}()
+		var ds *zero.DeepSpeedError
+		if !errors.As(err, &ds) || len(ds.Problems) != 1 || ds.Problems[0].Path != "train_micro_batch_size_per_gpu" {
+			t.Errorf("micro-batch %s: %v, want train_micro_batch_size_per_gpu alone", micro, err)
+		}
+	}
+}
