@@ -81,9 +81,17 @@ type DeepSpeedOptions struct {
 	// the Hugging Face Trainer fills them from its training arguments;
 	// values are JSON-like (numbers, bools, strings, lists). An "auto"
 	// without an override is refused. An override of a key the file sets
-	// to another value is not used, and a notice says so; one for a key the
-	// file does not have is not used.
+	// to another value is not used, and a notice says so; so is one for a
+	// key the file does not have.
 	Overrides map[string]any
+	// Strict refuses what is otherwise taken with a notice because it only
+	// tunes DeepSpeed's own implementation, zero's result being the same:
+	// allgather_bucket_size other than reduce_bucket_size,
+	// stage3_param_persistence_threshold other than 0,
+	// stage3_max_reuse_distance, sub_group_size, round_robin_gradients
+	// true, optimizer.params.torch_adam true; and a top-level key zero
+	// does not know. For a user who wants every key honoured or refused.
+	Strict bool
 }
 
 // DeepSpeedConfig is a DeepSpeed config in zero's terms.
@@ -205,6 +213,7 @@ type dsReader struct {
 	bad         map[string]bool
 	notices     []DeepSpeedNotice
 	moreNotices int
+	rows        []int // typoDistance's
 }
 
 // clean reports whether none of paths has a problem: a check or a
@@ -548,6 +557,9 @@ type dsKey struct {
 	// note is the notice for those, fix the refusal for the others.
 	accept    func(v any) bool
 	note, fix string
+	// tuning: the key only tunes DeepSpeed's implementation, so any value
+	// is taken with the note, unless DeepSpeedOptions.Strict
+	tuning bool
 }
 
 func mapped() dsKey { return dsKey{mapped: true} }
@@ -559,6 +571,13 @@ func noted(note string) dsKey { return dsKey{note: note} }
 // refused at others.
 func only(accept func(any) bool, note, fix string) dsKey {
 	return dsKey{accept: accept, note: note, fix: fix}
+}
+
+// tuning keys only tune DeepSpeed's own implementation: taken with a
+// notice at any value (note says what zero does instead), and with
+// DeepSpeedOptions.Strict as only(accept, note, fix) is.
+func tuning(accept func(any) bool, note, fix string) dsKey {
+	return dsKey{accept: accept, note: note, fix: fix, tuning: true}
 }
 
 // refused keys are refused at any value.
@@ -591,14 +610,101 @@ func (r *dsReader) keys(obj map[string]any, at string, table map[string]dsKey, u
 		key, known := table[k]
 		switch {
 		case !known:
-			r.refuse(path, "not a key zero knows here; %s", unknown)
+			r.unknownKey(path, k, table, unknown)
 		case key.mapped:
-		case key.accept == nil || key.accept(obj[k]):
+		case key.tuning && !r.opts.Strict, key.accept == nil || key.accept(obj[k]):
 			r.notice(path, "%s", key.note)
 		default:
 			r.refuse(path, "%s", key.fix)
 		}
 	}
+}
+
+// unknownKey refuses a key the table does not have as a typo, with the
+// keys it is close to, where it is close to one; takes any other unknown
+// top-level key with a notice, as DeepSpeed takes it (not with Strict);
+// and refuses any other in a section, as DeepSpeed's config does.
+func (r *dsReader) unknownKey(path, k string, table map[string]dsKey, unknown string) {
+	near := r.nearKeys(k, table)
+	switch {
+	case len(near) > 0:
+		why := unknown
+		if unknown == unknownTop {
+			why = "DeepSpeed ignores a top-level key it does not know, so there a typo goes unnoticed: correct it"
+		}
+		r.refuse(path, "not a key zero knows here; did you mean %s? %s", strings.Join(near, " or "), why)
+	case unknown == unknownTop && !r.opts.Strict:
+		r.notice(path, "not a key zero knows: taken without effect, as DeepSpeed takes a top-level key it does not know (if your DeepSpeed reads it, zero does not honour it; DeepSpeedOptions.Strict refuses it)")
+	default:
+		r.refuse(path, "not a key zero knows here; %s", unknown)
+	}
+}
+
+// nearKeys are the keys of table closest to k, quoted, where k is likely
+// a typo of one: the same but for case, or within typoDistance of 1 (of 2
+// for keys longer than 5 bytes); none otherwise.
+func (r *dsReader) nearKeys(k string, table map[string]dsKey) []string {
+	best := 3
+	var near []string
+	for known := range table { // no copy of the table per key: a file may hold many
+		limit := 1
+		if len(known) > 5 {
+			limit = 2
+		}
+		d := r.typoDistance(k, known, limit)
+		if strings.EqualFold(k, known) {
+			d = 0
+		}
+		switch {
+		case d > limit || d > best:
+		case d < best:
+			best, near = d, append(near[:0], "`"+known+"`")
+		default:
+			near = append(near, "`"+known+"`")
+		}
+	}
+	slices.Sort(near)
+	return near
+}
+
+// typoDistance is the optimal string alignment distance of a and b, in
+// bytes: a byte dropped, added or changed, or two neighbours swapped,
+// each count 1. Past limit it stops and says limit+1; so it costs at most
+// len(b) × (2·limit+1) steps, whatever a's length.
+func (r *dsReader) typoDistance(a, b string, limit int) int {
+	if len(a)-len(b) > limit || len(b)-len(a) > limit {
+		return limit + 1
+	}
+	n := len(b) + 1
+	if cap(r.rows) < 3*n {
+		r.rows = make([]int, 3*n)
+	}
+	rows := r.rows[:3*n]
+	prev2, prev, cur := rows[:n], rows[n:2*n], rows[2*n:]
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		least := cur[0]
+		for j := 1; j < n; j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			d := min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+			if i > 1 && j > 1 && a[i-1] == b[j-2] && a[i-2] == b[j-1] {
+				d = min(d, prev2[j-2]+1)
+			}
+			cur[j] = d
+			least = min(least, d)
+		}
+		if least > limit {
+			return limit + 1
+		}
+		prev2, prev, cur = prev, cur, prev2
+	}
+	return min(prev[n-1], limit+1)
 }
 
 const (
@@ -709,6 +815,9 @@ var dsBF16Keys = map[string]dsKey{
 		"zero keeps the optimizer state in fp32: remove it"),
 }
 
+var dsDataTypesKeys = map[string]dsKey{"grad_accum_dtype": mapped(), "param_dtype": mapped(),
+	"buffer_dtype": noted("the model's buffers are the framework's: " + noEffect)}
+
 // precision maps fp16, bf16, communication_data_type and data_types, and
 // returns the model dtype.
 func (r *dsReader) precision(root map[string]any, cfg *Config) DType {
@@ -796,8 +905,7 @@ func (r *dsReader) precision(root map[string]any, cfg *Config) DType {
 			}
 		}
 	}
-	types, _ := r.section(root, "data_types", map[string]dsKey{"grad_accum_dtype": mapped(), "param_dtype": mapped(),
-		"buffer_dtype": noted("the model's buffers are the framework's: " + noEffect)})
+	types, _ := r.section(root, "data_types", dsDataTypesKeys)
 	if v, has := types["grad_accum_dtype"]; has && v != nil {
 		if dt, ok := r.dtype("data_types.grad_accum_dtype", v); ok {
 			if dt != model && dt != FP32 {
@@ -884,20 +992,21 @@ var dsZeroKeys = map[string]dsKey{
 		m, ok := v.(map[string]any)
 		return v == nil || ok && sameJSON(m["device"], "none")
 	}, "device none: "+noEffect, "zero keeps the parameters on the device (stage 3 shards them): remove offload_param or set its device to \"none\""),
-	"zenflow":        only(func(v any) bool { return v == nil }, noEffect, "zero has no ZenFlow: remove it"),
-	"sub_group_size": refused("zero steps the optimizer bucket by bucket (reduce_bucket_size): remove it"),
+	"zenflow": only(func(v any) bool { return v == nil }, noEffect, "zero has no ZenFlow: remove it"),
+	"sub_group_size": tuning(never, "zero steps the optimizer bucket by bucket (reduce_bucket_size) as one fused pass: the same bits",
+		"zero steps the optimizer bucket by bucket (reduce_bucket_size): remove it"),
 	"cpu_offload_param": only(is(false), noEffect,
 		"zero keeps the parameters on the device (stage 3 shards them): remove it"),
 	"cpu_offload_use_pin_memory": noted("zero pins its host memory where the system allows: " + noEffect),
-	"stage3_param_persistence_threshold": only(is(0), "zero partitions every parameter, as a threshold of 0 asks",
+	"stage3_param_persistence_threshold": tuning(is(0), persistence,
 		"zero partitions every parameter, small ones too: set it to 0 or remove it (the same bits: only DeepSpeed's all-gathers of small parameters differ)"),
-	"param_persistence_threshold": only(is(0), "zero partitions every parameter, as a threshold of 0 asks",
+	"param_persistence_threshold": tuning(is(0), persistence,
 		"zero partitions every parameter, small ones too: set it to 0 or remove it"),
 	"stage3_model_persistence_threshold": noted("zero keeps no parameter whole: " + noEffect),
 	"model_persistence_threshold":        noted("zero keeps no parameter whole: " + noEffect),
-	"stage3_max_reuse_distance": refused("zero keeps a released bucket gathered only when the last window's order needs it again within stage3_prefetch_bucket_size, " +
+	"stage3_max_reuse_distance": tuning(never, reuse, "zero keeps a released bucket gathered only when the last window's order needs it again within stage3_prefetch_bucket_size, "+
 		"under stage3_max_live_parameters: remove it"),
-	"max_reuse_distance":                        refused("zero keeps a released bucket by the last window's order, not a distance: remove it"),
+	"max_reuse_distance":                        tuning(never, reuse, "zero keeps a released bucket by the last window's order, not a distance: remove it"),
 	"stage3_gather_16bit_weights_on_model_save": noted("saving the model is not training: " + noEffect + " (FullParams gives the consolidated parameters)"),
 	"gather_16bit_weights_on_model_save":        noted("saving the model is not training: " + noEffect + " (FullParams gives the consolidated parameters)"),
 	"stage3_gather_fp16_weights_on_model_save":  noted("deprecated name; saving the model is not training: " + noEffect),
@@ -908,7 +1017,7 @@ var dsZeroKeys = map[string]dsKey{
 	"stage3_allgather_sequential": only(is(false), noEffect, "zero gathers bucket by bucket: remove it"),
 	"ignore_unused_parameters":    noted("zero leaves a parameter no rank reported untouched, whatever this says"),
 	"legacy_stage1":               only(is(false), noEffect, "zero has no legacy stage 1: remove it"),
-	"round_robin_gradients": only(is(false), noEffect,
+	"round_robin_gradients": tuning(is(false), "zero's shards are fixed by the bucket plan: which rank owns which elements differs from DeepSpeed's, not the bits",
 		"zero's shards are fixed by the bucket plan: remove it (it changes which rank owns which elements in DeepSpeed, not the bits)"),
 	"zero_hpz_partition_size": only(is(1), noEffect, "zero has no secondary partition (ZeRO++ hpZ): remove it"),
 	"zero_quantized_weights": only(is(false), noEffect,
@@ -928,6 +1037,15 @@ var dsZeroKeys = map[string]dsKey{
 	"save_muon_momentum_buffer_in_memory": noted("zero has no Muon: " + noEffect),
 	"leaf_module":                         noted("what the framework gathers together is its own: " + noEffect),
 }
+
+// The notices of the stage-3 tuning keys.
+const (
+	persistence = "zero partitions every parameter, small ones too (DeepSpeed keeps those under the threshold whole on every rank): the same bits, only DeepSpeed's all-gathers of small parameters differ"
+	reuse       = "zero keeps a released bucket gathered only when the last window's order needs it again within stage3_prefetch_bucket_size, under stage3_max_live_parameters: when it gathers differs from DeepSpeed, not the bits"
+)
+
+// never accepts no value: a tuning key refused at any value with Strict.
+func never(any) bool { return false }
 
 var dsOffloadKeys = map[string]dsKey{
 	"device": mapped(), "pin_memory": mapped(),
@@ -979,10 +1097,13 @@ func (r *dsReader) zero(root map[string]any, cfg *Config, model DType) int {
 	cfg.BucketBytes = reduce * size
 	if v, has := z["allgather_bucket_size"]; has {
 		if n, ok := r.integer(at+"allgather_bucket_size", v); ok {
-			if n == reduce {
+			switch {
+			case n == reduce:
 				r.notice(at+"allgather_bucket_size", "equal to reduce_bucket_size: zero all-gathers the new parameters bucket by bucket, each of reduce_bucket_size")
-			} else {
-				r.refuse(at+"allgather_bucket_size", "%d elements, reduce_bucket_size %d: zero all-gathers the new parameters bucket by bucket, each of reduce_bucket_size; set it to %d or remove it", n, reduce, reduce)
+			case !r.opts.Strict:
+				r.notice(at+"allgather_bucket_size", "zero all-gathers the new parameters bucket by bucket, each of reduce_bucket_size: the same bits, only the size of DeepSpeed's all-gathers differs")
+			case r.clean(at + "reduce_bucket_size"):
+				r.refuse(at+"allgather_bucket_size", "%d elements, not reduce_bucket_size's: zero all-gathers the new parameters bucket by bucket, each of reduce_bucket_size; set it to reduce_bucket_size or remove it (or leave DeepSpeedOptions.Strict off)", n)
 			}
 		}
 	}
@@ -1161,6 +1282,30 @@ func (r *dsReader) reduction(root map[string]any, cfg *Config, stage int) {
 
 // ---- optimizer ------------------------------------------------------------------
 
+var dsOptimizerKeys = map[string]dsKey{"type": mapped(), "params": mapped(), "legacy_fusion": noted(noEffect)}
+
+var dsAdamKeys = map[string]dsKey{
+	"lr": mapped(), "betas": mapped(), "eps": mapped(), "weight_decay": mapped(), "amsgrad": mapped(),
+	"adam_w_mode": mapped(),
+	"bias_correction": only(is(true), "zero's AdamW corrects the bias, as DeepSpeed's default",
+		"zero's AdamW always corrects the moments' bias: set it to true or remove it"),
+	"torch_adam": tuning(is(false), "zero runs its own fused AdamW with torch.optim.AdamW's formulas (bias correction, decoupled weight decay, eps added after the root), "+
+		"not DeepSpeed's fused Adam nor torch.optim.AdamW itself: the order of operations differs, so the parameters agree within a few ulp, not bit for bit "+
+		"(after 8 steps, measured against DeepSpeed 0.19.8 on the CPU: 5 ulp at the largest value with torch_adam false, 3 with true)",
+		"zero runs its own fused AdamW with PyTorch's formulas, not torch.optim's: remove it (or leave DeepSpeedOptions.Strict off)"),
+	"fp32_optimizer_states": only(is(true), "zero keeps the optimizer state in fp32",
+		"zero keeps the optimizer state in fp32: remove it"),
+	"max_grad_norm": refused("DeepSpeed refuses it too: use the top-level gradient_clipping"),
+}
+
+var dsSGDKeys = map[string]dsKey{
+	"lr": mapped(), "momentum": mapped(), "dampening": mapped(), "weight_decay": mapped(), "nesterov": mapped(),
+	"maximize":       only(is(false), noEffect, "zero minimises: remove it"),
+	"foreach":        noted("an implementation choice of torch.optim: " + noEffect),
+	"fused":          noted("an implementation choice of torch.optim: " + noEffect),
+	"differentiable": only(is(false), noEffect, "zero's step is not differentiable: remove it"),
+}
+
 // optimizer maps the optimizer block into Groups[0], or returns nil.
 func (r *dsReader) optimizer(root map[string]any, cfg *Config) Optimizer {
 	v, has := root["optimizer"]
@@ -1172,8 +1317,7 @@ func (r *dsReader) optimizer(root map[string]any, cfg *Config) Optimizer {
 	if !ok {
 		return nil
 	}
-	r.keys(blk, "optimizer.", map[string]dsKey{"type": mapped(), "params": mapped(),
-		"legacy_fusion": noted(noEffect)}, unknownPyd)
+	r.keys(blk, "optimizer.", dsOptimizerKeys, unknownPyd)
 	name, ok := r.text("optimizer.type", blk["type"])
 	if !ok {
 		return nil
@@ -1196,16 +1340,7 @@ func (r *dsReader) optimizer(root map[string]any, cfg *Config) Optimizer {
 
 func (r *dsReader) adam(params map[string]any, cfg *Config, adamw bool) Optimizer {
 	const at = "optimizer.params."
-	r.keys(params, at, map[string]dsKey{
-		"lr": mapped(), "betas": mapped(), "eps": mapped(), "weight_decay": mapped(), "amsgrad": mapped(),
-		"adam_w_mode": mapped(),
-		"bias_correction": only(is(true), "zero's AdamW corrects the bias, as DeepSpeed's default",
-			"zero's AdamW always corrects the moments' bias: set it to true or remove it"),
-		"torch_adam": only(is(false), "zero runs its own fused AdamW", "zero runs its own fused AdamW with PyTorch's formulas, not torch.optim's: remove it"),
-		"fp32_optimizer_states": only(is(true), "zero keeps the optimizer state in fp32",
-			"zero keeps the optimizer state in fp32: remove it"),
-		"max_grad_norm": refused("DeepSpeed refuses it too: use the top-level gradient_clipping"),
-	}, unknownArgs)
+	r.keys(params, at, dsAdamKeys, unknownArgs)
 	o := NewAdamW(1e-3)
 	lr, hasLR := r.numIn(params, "lr", at, 1e-3, 0)
 	if !hasLR {
@@ -1253,13 +1388,7 @@ func (r *dsReader) adam(params map[string]any, cfg *Config, adamw bool) Optimize
 
 func (r *dsReader) sgd(params map[string]any, cfg *Config) Optimizer {
 	const at = "optimizer.params."
-	r.keys(params, at, map[string]dsKey{
-		"lr": mapped(), "momentum": mapped(), "dampening": mapped(), "weight_decay": mapped(), "nesterov": mapped(),
-		"maximize":       only(is(false), noEffect, "zero minimises: remove it"),
-		"foreach":        noted("an implementation choice of torch.optim: " + noEffect),
-		"fused":          noted("an implementation choice of torch.optim: " + noEffect),
-		"differentiable": only(is(false), noEffect, "zero's step is not differentiable: remove it"),
-	}, unknownArgs)
+	r.keys(params, at, dsSGDKeys, unknownArgs)
 	lr, hasLR := r.numIn(params, "lr", at, 1e-3, 0)
 	if !hasLR {
 		r.notice(at+"lr", "unset: torch.optim.SGD's default 0.001")
@@ -1291,6 +1420,19 @@ var dsScheduleParams = map[string][]string{
 		"cycle_max_mom", "decay_mom_rate"},
 }
 
+var dsSchedulerKeys = map[string]dsKey{"type": mapped(), "params": mapped()}
+
+// dsScheduleKeys are the keys of a schedule's params: names, and DeepSpeed's
+// last_batch_iteration.
+func dsScheduleKeys(names []string) map[string]dsKey {
+	table := map[string]dsKey{"last_batch_iteration": only(is(-1), "the schedule starts at the beginning; a resumed engine takes its step from the checkpoint",
+		"zero takes the schedule's step from the checkpoint it resumes: remove it")}
+	for _, k := range names {
+		table[k] = mapped()
+	}
+	return table
+}
+
 // scheduler maps the scheduler block into Optimizer.Schedule; opt is the
 // file's optimizer (nil: the caller's).
 func (r *dsReader) scheduler(root map[string]any, cfg *Config, opt Optimizer) {
@@ -1302,7 +1444,7 @@ func (r *dsReader) scheduler(root map[string]any, cfg *Config, opt Optimizer) {
 	if !ok {
 		return
 	}
-	r.keys(blk, "scheduler.", map[string]dsKey{"type": mapped(), "params": mapped()}, unknownPyd)
+	r.keys(blk, "scheduler.", dsSchedulerKeys, unknownPyd)
 	name, ok := r.text("scheduler.type", blk["type"])
 	if !ok {
 		return
@@ -1319,12 +1461,7 @@ func (r *dsReader) scheduler(root map[string]any, cfg *Config, opt Optimizer) {
 		}
 	}
 	const at = "scheduler.params."
-	table := map[string]dsKey{"last_batch_iteration": only(is(-1), "the schedule starts at the beginning; a resumed engine takes its step from the checkpoint",
-		"zero takes the schedule's step from the checkpoint it resumes: remove it")}
-	for _, k := range names {
-		table[k] = mapped()
-	}
-	r.keys(params, at, table, unknownArgs)
+	r.keys(params, at, dsScheduleKeys(names), unknownArgs)
 	// a list gives one value per parameter group; zero maps one group
 	for _, k := range sortedKeys(params) {
 		if list, isList := params[k].([]any); isList {

@@ -44,6 +44,8 @@ func main() {
 	flag.IntVar(&c.warmup, "warmup", c.warmup, "warmup steps: fills a DeepSpeed config's \"auto\" warmup_num_steps")
 	flag.StringVar(&c.export, "export", "", "at the end, write the fp32 parameters (the master) into this safetensors file")
 	flag.Parse()
+	c.given = map[string]bool{}
+	flag.Visit(func(f *flag.Flag) { c.given[f.Name] = true })
 	switch {
 	case *bf16 && *fp16:
 		fmt.Fprintln(os.Stderr, "train: -bf16 and -fp16 together; pick one")
@@ -82,6 +84,10 @@ type config struct {
 	deepspeed string
 	warmup    int
 	ds        *zero.DeepSpeedConfig
+	// given names the flags set on the command line: only those are cited
+	// as the user's, and only those are held against a DeepSpeed config's
+	// own values
+	given map[string]bool
 	// export: a safetensors file of the fp32 parameters at the end.
 	export string
 }
@@ -91,12 +97,21 @@ func defaultConfig() config {
 		lr: 0.01, weightDecay: 0.01, dtype: zero.FP32, bucketBytes: 256, seed: 1, warmup: 2}
 }
 
+// byDefault says " (its default)" of a flag the command line did not set.
+func (c config) byDefault(name string) string {
+	if c.given[name] {
+		return ""
+	}
+	return " (its default)"
+}
+
 func (c config) check() error {
 	if c.world < 1 || c.accum < 1 || c.steps < 1 || c.in < 1 || c.hidden < 1 {
 		return errors.New("world, accum, steps, in and hidden must be at least 1")
 	}
 	if c.batch%(c.world*c.accum) != 0 {
-		return fmt.Errorf("batch %d does not split into %d ranks × %d micro-batches; use a multiple of %d", c.batch, c.world, c.accum, c.world*c.accum)
+		return fmt.Errorf("-batch %d%s does not split into -world %d%s ranks × -accum %d%s micro-batches; use a multiple of %d",
+			c.batch, c.byDefault("batch"), c.world, c.byDefault("world"), c.accum, c.byDefault("accum"), c.world*c.accum)
 	}
 	switch {
 	case c.saveEvery < 0 || c.keep < 0:
