@@ -871,8 +871,11 @@ func (r *dsReader) precision(root map[string]any, cfg *Config) DType {
 		window, _ := r.intIn(fp16, "loss_scale_window", "fp16.", 1000, 1, math.MaxInt32)
 		hyst, _ := r.intIn(fp16, "hysteresis", "fp16.", 2, 1, math.MaxInt32)
 		minScale, _ := r.numIn(fp16, "min_loss_scale", "fp16.", 1, 0)
-		if minScale <= 0 {
+		switch {
+		case minScale <= 0:
 			r.invalid("fp16.min_loss_scale", "%v; give a scale > 0", minScale)
+		case minScale < 1:
+			r.notice("fp16.min_loss_scale", "%v, below 1: DeepSpeed 0.19.8 reads it as a whole number and refuses it; zero honours it, so the scale may fall below 1, to %v", minScale, minScale)
 		}
 		initial := math.Ldexp(1, power)
 		if minScale > initial && r.clean("fp16.initial_scale_power", "fp16.min_loss_scale") {
@@ -1090,6 +1093,10 @@ func (r *dsReader) zero(root map[string]any, cfg *Config, model DType) int {
 		r.refuse(at+"stage", "unset: DeepSpeed's default is stage 0 (plain data parallelism), which zero does not run; set 1, 2 or 3")
 	case stage == 0:
 		r.refuse(at+"stage", "stage 0 (plain data parallelism) is not ZeRO; set 1, 2 or 3")
+	case stage == 3:
+		r.notice(at+"stage", "3: each rank keeps only its shard of the parameters, and Param.Data is not updated: "+
+			"the forward and backward read the parameters through Engine.Gather and hand them back with Release "+
+			"(a loop written for stage 2 that reads Param.Data trains on the initial weights)")
 	}
 	cfg.Stage = stage
 	size := model.Size()

@@ -1511,3 +1511,77 @@ func TestDeepSpeedBatchSizesAsDeepSpeed(t *testing.T) {
 	}
 	t.Logf("%d combinations resolved as DeepSpeed resolves them", checked)
 }
+
+// TestDeepSpeedStage3Notice: a config at stage 3 says that the forward
+// reads the parameters through Gather and Release (a loop written for
+// stage 2 reads Param.Data, which stage 3 does not update); stages 1 and 2
+// say nothing of it.
+func TestDeepSpeedStage3Notice(t *testing.T) {
+	for stage := 1; stage <= 3; stage++ {
+		c := dsRead(t, fmt.Sprintf(`{"zero_optimization": {"stage": %d}}`, stage))
+		i := slices.IndexFunc(c.Notices, func(n DeepSpeedNotice) bool { return n.Path == "zero_optimization.stage" })
+		if got := i >= 0 && strings.Contains(c.Notices[i].Text, "Gather") && strings.Contains(c.Notices[i].Text, "Release"); got != (stage == 3) {
+			t.Errorf("stage %d: a notice on Gather and Release %v, want %v: %v", stage, got, stage == 3, c.Notices)
+		}
+	}
+}
+
+// TestDeepSpeedOneCycleDefaults: DeepSpeed's OneCycle takes an unset
+// cycle_second_step_size (and cycle_second_stair_count) as the first's,
+// not a default of its own; a 0 given is kept. (The tutorial config gives
+// both, so a wrong default passed every test.)
+func TestDeepSpeedOneCycleDefaults(t *testing.T) {
+	for _, c := range []struct {
+		params                    string
+		secondSteps, secondStairs int
+	}{
+		{`"cycle_first_step_size": 50, "cycle_first_stair_count": 5`, 50, 5},
+		{`"cycle_first_step_size": 50, "cycle_second_step_size": 0, "cycle_first_stair_count": 5, "cycle_second_stair_count": 0`, 0, 0},
+		{`"cycle_first_step_size": 30, "cycle_second_step_size": 70`, 70, 0},
+	} {
+		cfg := dsRead(t, `{"zero_optimization": {"stage": 2}, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, `+c.params+`}}}`)
+		s, ok := cfg.Config.Optimizer.Schedule.(OneCycle)
+		if !ok || s.SecondStepSize != c.secondSteps || s.SecondStairCount != c.secondStairs {
+			t.Errorf("%s: %+v, want the second half %d steps in %d stairs", c.params, cfg.Config.Optimizer.Schedule, c.secondSteps, c.secondStairs)
+		}
+	}
+}
+
+// TestDeepSpeedMinLossScaleBelowOne: an fp16 config's min_loss_scale below
+// 1 (which DeepSpeed 0.19.8, reading it as a whole number, refuses) is
+// honoured with a notice: overflow after overflow the scale halves to it,
+// below 1, and stays there, as dsScaler does; unset, DeepSpeed's default 1
+// is the floor.
+func TestDeepSpeedMinLossScaleBelowOne(t *testing.T) {
+	for _, c := range []struct {
+		min   string
+		floor float64
+	}{{`, "min_loss_scale": 0.25`, 0.25}, {``, 1}} {
+		text := `{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true, "initial_scale_power": 1, "hysteresis": 1` + c.min + `},
+			"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}`
+		cfg := dsRead(t, text)
+		noticed := slices.ContainsFunc(cfg.Notices, func(n DeepSpeedNotice) bool { return n.Path == "fp16.min_loss_scale" })
+		if noticed != (c.floor < 1) {
+			t.Errorf("%q: a notice at fp16.min_loss_scale %v, want %v: %v", c.min, noticed, c.floor < 1, cfg.Notices)
+		}
+		everyRankIs(t, text, dsEngines(t, cfg.Config, cfg.DType, []int{16}, func(rank int, e *Engine, s *HostStream, ps []Param) error {
+			ref := newDSScaler(2, 1000, 1, c.floor)
+			for st := range 6 {
+				if got := e.LossScale(); got != ref.curScale {
+					return fmt.Errorf("step %d: scale %v, want %v", st, got, ref.curScale)
+				}
+				if err := dsBackward(e, s, ps, func(p, j int) float64 { return math.Inf(1) }); err != nil {
+					return err
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				ref.updateScale(true)
+			}
+			if e.LossScale() != c.floor {
+				return fmt.Errorf("after 6 overflows the scale is %v, want the floor %v", e.LossScale(), c.floor)
+			}
+			return nil
+		}), nil)
+	}
+}
