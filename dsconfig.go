@@ -1429,6 +1429,23 @@ var dsScheduleParams = map[string][]string{
 
 var dsSchedulerKeys = map[string]dsKey{"type": mapped(), "params": mapped()}
 
+// warmupNotice says, as DeepSpeed warns, that total_num_steps ends the run
+// before warmup_num_steps (at least 2) does, citing what the file gave.
+func (r *dsReader) warmupNotice(params map[string]any, total, warmup int) {
+	const at = "scheduler.params."
+	if !warmupOutlasts(total, warmup, true) || !r.clean(at+"total_num_steps", at+"warmup_num_steps") {
+		return
+	}
+	of := fmt.Sprintf("warmup_num_steps %d", warmup)
+	if _, has := params["warmup_num_steps"]; !has {
+		of = fmt.Sprintf("DeepSpeed's default warmup_num_steps %d (unset)", warmup)
+	}
+	if warmup < 2 {
+		of += ", counted as 2 as DeepSpeed counts it"
+	}
+	r.notice(at+"total_num_steps", "%d is below %s: the run ends before the warmup does; DeepSpeed warns and so does zero", total, of)
+}
+
 // dsScheduleKeys are the keys of a schedule's params: names, and DeepSpeed's
 // last_batch_iteration.
 func dsScheduleKeys(names []string) map[string]dsKey {
@@ -1515,16 +1532,15 @@ func (r *dsReader) scheduler(root map[string]any, cfg *Config, opt Optimizer) {
 		sched = s
 	case "WarmupDecayLR":
 		required("total_num_steps")
-		s := NewWarmupDecayLR(count("total_num_steps", 0, 0), num("warmup_min_lr", 0), num("warmup_max_lr", 0.001), count("warmup_num_steps", 1000, 1))
+		s := NewWarmupDecay(num("warmup_min_lr", 0), num("warmup_max_lr", 0.001), count("warmup_num_steps", 1000, 1), count("total_num_steps", 0, 0))
 		s.Warmup = warmup()
-		if s.TotalSteps < max(2, s.WarmupSteps) {
-			r.notice(at+"total_num_steps", "%d is below warmup_num_steps %d: DeepSpeed warns and so does zero", s.TotalSteps, s.WarmupSteps)
-		}
+		r.warmupNotice(params, s.TotalSteps, s.WarmupSteps)
 		sched = s
 	case "WarmupCosineLR":
 		required("total_num_steps")
-		s := NewWarmupCosineLR(count("total_num_steps", 0, 0), count("warmup_num_steps", 1000, 1))
+		s := NewWarmupCosine(count("warmup_num_steps", 1000, 1), count("total_num_steps", 0, 0))
 		s.WarmupMinRatio, s.CosMinRatio, s.Warmup = num("warmup_min_ratio", 0), num("cos_min_ratio", 0.0001), warmup()
+		r.warmupNotice(params, s.TotalSteps, s.WarmupSteps)
 		sched = s
 	case "OneCycle":
 		required("cycle_min_lr")

@@ -552,6 +552,13 @@ func (e *Engine) Step() error {
 	return nil
 }
 
+// Notices are what New noticed of its Config without refusing it, one a
+// line: today a schedule whose warmup outlasts its total steps (as
+// DeepSpeed warns, and ReadDeepSpeed's notices say). Nil when nothing.
+func (e *Engine) Notices() []string {
+	return scheduleNotices(e.cfg.Optimizer.Schedule)
+}
+
 // Settings returns the engine's settings record: every setting of its
 // resolved Config (the optimizer groups as SetGroup left them), the world
 // size and the parameters, each with its class. New compared all but the
