@@ -709,7 +709,7 @@ func (r *dsReader) typoDistance(a, b string, limit int) int {
 
 const (
 	noEffect    = "no effect on zero's arithmetic or collectives"
-	unknownTop  = "DeepSpeed ignores top-level keys it does not know, so this is likely a typo: correct or remove it"
+	unknownTop  = "DeepSpeed ignores a top-level key it does not know, and DeepSpeedOptions.Strict refuses it: correct or remove it"
 	unknownPyd  = "DeepSpeed refuses unknown keys in this section too: correct or remove it"
 	unknownArgs = "DeepSpeed passes it to the constructor, which refuses it: correct or remove it"
 )
