@@ -1067,8 +1067,9 @@ func TestDeepSpeedReadStaysLinear(t *testing.T) {
 // the Hugging Face Trainer's overrides. Checks: no panic; at most 64 bytes
 // allocated per byte of input and 1 MiB; a refusal is ErrConfig, and a
 // *DeepSpeedError lists 1 to 100 problems, each with a path and what to
-// do, by path, none twice; an accepted config has at most 200 notices and
-// passes New's checks with a parameter of its dtype. The seeds are the
+// do, by path, none twice; an accepted config has at most 200 notices,
+// each with a path and a text, and passes New's checks with a parameter of
+// its dtype. The seeds are the
 // published configs and testdata/fuzz/FuzzReadDeepSpeed (go test runs
 // them); run it with
 //
@@ -1100,6 +1101,11 @@ func FuzzReadDeepSpeed(f *testing.F) {
 			case err == nil:
 				if len(c.Notices) > dsMaxNotices {
 					t.Fatalf("%d notices, over %d", len(c.Notices), dsMaxNotices)
+				}
+				for i, n := range c.Notices {
+					if n.Path == "" || n.Text == "" {
+						t.Fatalf("notice %d %+v: want a path and a text", i, n)
+					}
 				}
 				cfg, data := c.Config, Float32s(make([]float32, 8))
 				if c.DType != FP32 {
