@@ -900,7 +900,7 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (clien
 		client, err = ld.client()
 	}
 	if err == nil {
-		err = ce.opt.restore(m.Optimizer, groups, opt.WeightsOnly, fresh)
+		err = ce.opt.restore(m.Optimizer, groups, opt.WeightsOnly, fresh, scalerOrigin{m.Version, savedAccumSteps(m)})
 	}
 	failed, _, cerr = ce.agree(err != nil)
 	if cerr != nil {
@@ -1330,4 +1330,16 @@ func checkpointToSafetensors(fsys ckptFS, dir, file string, opt ExportOptions) e
 		return err
 	}
 	return nil
+}
+
+// savedAccumSteps is the Grads.AccumSteps a checkpoint was saved with (0:
+// counted, or not recorded), which a format-1 loss scale depends on.
+func savedAccumSteps(m ckptManifestData) int {
+	for _, s := range m.Settings {
+		if s.Path == "Grads.AccumSteps" {
+			n, _ := strconv.Atoi(s.Value)
+			return n
+		}
+	}
+	return 0
 }

@@ -23,8 +23,9 @@ const (
 	ckptRankMagic  = "zero-rank"
 	ckptTrailerTag = "ZCK1"
 	// ckptVersion is the format version, of the files and the manifest. A
-	// reader refuses a newer one.
-	ckptVersion = 1
+	// reader refuses a newer one. 2: the loss scale saved is that of the
+	// step's mean loss (scalerState says what a version-1 scale means).
+	ckptVersion = 2
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)

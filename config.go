@@ -320,9 +320,13 @@ func (o SGD) check(at string) error {
 }
 
 // LossScale configures loss scaling. With fp16 gradients the scale is
-// dynamic by default, as DeepSpeed's: it starts at Initial (2^16), halves
-// on an overflow once Hysteresis (2) overflows have been absorbed, never
-// goes below Min (1), and doubles after Window (1000) steps without one.
+// dynamic by default, DeepSpeed's DynamicLossScaler: it starts at Initial
+// (2^16), halves on an overflow once Hysteresis (2) overflows have been
+// absorbed, never goes below Min (1), and doubles (giving the hysteresis
+// back) once a multiple of Window (1000) clean steps has followed the
+// last overflow, the step after it not counted. It is the scale of the
+// step's mean loss, as DeepSpeed's: with Grads.AccumSteps G each backward
+// carries it divided by G (Engine.LossScale).
 // Static fixes it (any dtype); with fp32 and bf16 it is 1 by default and
 // the dynamic fields are ignored. Zero is not a legal value of any field,
 // so 0 means the default.

@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 )
 
 // ReadDeepSpeed reads a DeepSpeed JSON config (ds_config.json) into a zero
@@ -30,6 +31,9 @@ func ReadDeepSpeed(data []byte, opts DeepSpeedOptions) (DeepSpeedConfig, error) 
 	if opts.World < 1 {
 		return DeepSpeedConfig{}, errorf(ErrConfig, "DeepSpeedOptions.World %d; give the data-parallel world size (train_batch_size is checked against it)", opts.World)
 	}
+	if err := jsonDepth(data); err != nil {
+		return DeepSpeedConfig{}, err
+	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
 	var doc any
@@ -43,17 +47,17 @@ func ReadDeepSpeed(data []byte, opts DeepSpeedOptions) (DeepSpeedConfig, error) 
 	if !ok {
 		return DeepSpeedConfig{}, errorf(ErrConfig, "DeepSpeed config: the top level is %s; give a JSON object", describe(doc))
 	}
-	r := &dsReader{opts: opts}
+	r := &dsReader{opts: opts, bad: map[string]bool{}}
 	if err := r.fillAuto(root); err != nil {
 		return DeepSpeedConfig{}, err
 	}
 	out := r.read(root)
 	if len(r.problems) > 0 {
 		sort.SliceStable(r.problems, func(i, j int) bool { return r.problems[i].Path < r.problems[j].Path })
-		return DeepSpeedConfig{}, &DeepSpeedError{Problems: r.problems}
+		return DeepSpeedConfig{}, &DeepSpeedError{Problems: r.problems, More: r.moreProblems}
 	}
 	sort.SliceStable(r.notices, func(i, j int) bool { return r.notices[i].Path < r.notices[j].Path })
-	out.Notices = r.notices
+	out.Notices, out.MoreNotices = r.notices, r.moreNotices
 	return out, nil
 }
 
@@ -77,9 +81,17 @@ type DeepSpeedOptions struct {
 	// the Hugging Face Trainer fills them from its training arguments;
 	// values are JSON-like (numbers, bools, strings, lists). An "auto"
 	// without an override is refused. An override of a key the file sets
-	// to another value is not used, and a notice says so; one for a key the
-	// file does not have is not used.
+	// to another value is not used, and a notice says so; so is one for a
+	// key the file does not have.
 	Overrides map[string]any
+	// Strict refuses what is otherwise taken with a notice because it only
+	// tunes DeepSpeed's own implementation, zero's result being the same:
+	// allgather_bucket_size other than reduce_bucket_size,
+	// stage3_param_persistence_threshold other than 0,
+	// stage3_max_reuse_distance, sub_group_size, round_robin_gradients
+	// true, optimizer.params.torch_adam true; and a top-level key zero
+	// does not know. For a user who wants every key honoured or refused.
+	Strict bool
 }
 
 // DeepSpeedConfig is a DeepSpeed config in zero's terms.
@@ -100,8 +112,11 @@ type DeepSpeedConfig struct {
 	StepsPerPrint int
 	// Notices list, by path, every key accepted without effect, every
 	// DeepSpeed default taken where it differs from zero's, and every
-	// difference in arithmetic that the mapped config keeps.
+	// difference in arithmetic that the mapped config keeps: the first
+	// 200 given.
 	Notices []DeepSpeedNotice
+	// MoreNotices counts the notices beyond those listed.
+	MoreNotices int
 }
 
 // DeepSpeedNotice is one thing ReadDeepSpeed wants the caller to know.
@@ -118,7 +133,8 @@ func (n DeepSpeedNotice) String() string { return n.Path + ": " + n.Text }
 // the wrong type, out of range or "auto" without an override. It wraps
 // ErrConfig.
 type DeepSpeedError struct {
-	Problems []DeepSpeedProblem // by path
+	Problems []DeepSpeedProblem // by path: the first 100 found
+	More     int                // problems found beyond those listed
 }
 
 // DeepSpeedProblem is one key of a DeepSpeed config that zero cannot take.
@@ -133,13 +149,16 @@ type DeepSpeedProblem struct {
 // Error lists every problem, one a line.
 func (e *DeepSpeedError) Error() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "%v: DeepSpeed config: %d key(s) zero cannot take:", ErrConfig, len(e.Problems))
+	fmt.Fprintf(&b, "%v: DeepSpeed config: %d key(s) zero cannot take:", ErrConfig, len(e.Problems)+e.More)
 	for _, p := range e.Problems {
 		kind := "invalid"
 		if p.Refused {
 			kind = "refused"
 		}
 		fmt.Fprintf(&b, "\n  %s (%s): %s", p.Path, kind, p.Text)
+	}
+	if e.More > 0 {
+		fmt.Fprintf(&b, "\n  and %d more", e.More)
 	}
 	return b.String()
 }
@@ -178,11 +197,47 @@ func jsonError(data []byte, err error) error {
 
 // ---- reading ---------------------------------------------------------------------
 
+// The bounds that keep reading linear in the file's size, whatever it
+// holds: DeepSpeed's own configs nest 3 deep and give a few problems.
+const (
+	dsMaxDepth    = 32  // objects and lists nested deeper are refused
+	dsMaxProblems = 100 // problems listed; the rest are counted
+	dsMaxNotices  = 200 // notices listed; the rest are counted
+	dsMaxKeyShown = 64  // bytes of a key a path shows
+)
+
 // dsReader collects problems and notices while it reads one config.
 type dsReader struct {
-	opts     DeepSpeedOptions
-	problems []DeepSpeedProblem
-	notices  []DeepSpeedNotice
+	opts         DeepSpeedOptions
+	problems     []DeepSpeedProblem
+	moreProblems int
+	// bad holds every path with a problem: a value that is not the file's
+	// never feeds a later computation (clean)
+	bad         map[string]bool
+	notices     []DeepSpeedNotice
+	moreNotices int
+	rows        []int // typoDistance's
+}
+
+// clean reports whether none of paths has a problem: a check or a
+// computation across keys runs only on the values the file gave.
+func (r *dsReader) clean(paths ...string) bool {
+	for _, p := range paths {
+		if r.bad[p] {
+			return false
+		}
+	}
+	return true
+}
+
+// cleanUnder reports whether no path under prefix has a problem.
+func (r *dsReader) cleanUnder(prefix string) bool {
+	for p := range r.bad {
+		if strings.HasPrefix(p, prefix) {
+			return false
+		}
+	}
+	return true
 }
 
 // refuse and invalid record a problem; the first one at a path is the one
@@ -196,57 +251,149 @@ func (r *dsReader) invalid(path, format string, args ...any) {
 }
 
 func (r *dsReader) problem(p DeepSpeedProblem) {
-	if !slices.ContainsFunc(r.problems, func(q DeepSpeedProblem) bool { return q.Path == p.Path }) {
-		r.problems = append(r.problems, p)
+	if r.bad[p.Path] {
+		return
 	}
+	r.bad[p.Path] = true
+	if len(r.problems) == dsMaxProblems {
+		r.moreProblems++
+		return
+	}
+	r.problems = append(r.problems, p)
 }
 
 func (r *dsReader) notice(path, format string, args ...any) {
+	if len(r.notices) == dsMaxNotices {
+		r.moreNotices++
+		return
+	}
 	r.notices = append(r.notices, DeepSpeedNotice{Path: path, Text: fmt.Sprintf(format, args...)})
 }
 
-// fillAuto replaces every "auto" with its override, and notes overrides
-// that the file's own values make unused.
+// shownKey is a key as a path shows it: a long one cut, so that what is
+// reported stays in proportion to the file, and the empty key as "".
+func shownKey(k string) string {
+	if k == "" {
+		return `""`
+	}
+	if len(k) <= dsMaxKeyShown {
+		return k
+	}
+	cut := dsMaxKeyShown
+	for cut > 0 && !utf8.RuneStart(k[cut]) {
+		cut--
+	}
+	return fmt.Sprintf("%s…(%d bytes)", k[:cut], len(k))
+}
+
+// jsonDepth refuses data whose objects and lists nest deeper than
+// dsMaxDepth, naming where, before anything is decoded: the decoder would
+// build every level.
+func jsonDepth(data []byte) error {
+	depth, inString, escaped := 0, false, false
+	for i, c := range data {
+		switch {
+		case inString:
+			switch {
+			case escaped:
+				escaped = false
+			case c == '\\':
+				escaped = true
+			case c == '"':
+				inString = false
+			}
+		case c == '"':
+			inString = true
+		case c == '{' || c == '[':
+			if depth++; depth > dsMaxDepth {
+				line := 1 + bytes.Count(data[:i], []byte("\n"))
+				col := i - bytes.LastIndexByte(data[:i], '\n')
+				return errorf(ErrConfig, "DeepSpeed config: nested more than %d deep at line %d, column %d; DeepSpeed's configs nest 3 deep: flatten or remove what is nested there", dsMaxDepth, line, col)
+			}
+		case c == '}' || c == ']':
+			depth--
+		}
+	}
+	return nil
+}
+
+// fillAuto puts each override where the file says "auto" at its path,
+// notes overrides that the file's own values or keys leave unused, and
+// refuses every "auto" left.
 func (r *dsReader) fillAuto(root map[string]any) error {
-	over := map[string]any{}
-	for path, v := range r.opts.Overrides {
-		b, err := json.Marshal(v)
+	paths := make([]string, 0, len(r.opts.Overrides))
+	for path := range r.opts.Overrides {
+		paths = append(paths, path)
+	}
+	slices.Sort(paths)
+	for _, path := range paths {
+		b, err := json.Marshal(r.opts.Overrides[path])
 		if err != nil {
 			return errorf(ErrConfig, "DeepSpeedOptions.Overrides[%q]: %v; give a number, bool, string or list", path, err)
 		}
 		dec := json.NewDecoder(bytes.NewReader(b))
 		dec.UseNumber()
-		var n any
-		if err := dec.Decode(&n); err != nil {
+		var o any
+		if err := dec.Decode(&o); err != nil {
 			return errorf(ErrConfig, "DeepSpeedOptions.Overrides[%q]: %v", path, err)
 		}
-		over[path] = n
+		obj, key := dsLookup(root, path)
+		v, has := obj[key]
+		switch {
+		case !has:
+			r.notice(path, "override %s not used: the file has no such key", jsonText(o))
+		case v == "auto":
+			obj[key] = o
+		case !sameJSON(o, v):
+			r.notice(path, "override %s not used: the file sets %s", jsonText(o), jsonText(v))
+		}
 	}
-	var walk func(obj map[string]any, prefix string)
-	walk = func(obj map[string]any, prefix string) {
-		for _, k := range sortedKeys(obj) {
-			path := prefix + k
-			v := obj[k]
-			if sub, ok := v.(map[string]any); ok {
-				walk(sub, path+".")
-				continue
-			}
-			o, has := over[path]
-			if s, ok := v.(string); ok && s == "auto" {
-				if !has {
-					r.invalid(path, `"auto" with no override; give its value (the Hugging Face Trainer fills it from its training arguments: DeepSpeedOptions.Overrides)`)
-					continue
-				}
-				obj[k] = o
-				continue
-			}
-			if has && !sameJSON(o, v) {
-				r.notice(path, "override %s not used: the file sets %s", jsonText(o), jsonText(v))
+	r.refuseAuto(root, nil)
+	return nil
+}
+
+// dsLookup finds the object that holds the last key of a dotted path, and
+// that key (a nil object where the path leads nowhere).
+func dsLookup(root map[string]any, path string) (map[string]any, string) {
+	obj := root
+	for {
+		k, rest, more := strings.Cut(path, ".")
+		if !more {
+			return obj, k
+		}
+		sub, ok := obj[k].(map[string]any)
+		if !ok {
+			return nil, ""
+		}
+		obj, path = sub, rest
+	}
+}
+
+// refuseAuto refuses every "auto" under obj, whose keys' path is at.
+func (r *dsReader) refuseAuto(obj map[string]any, at []string) {
+	for _, k := range sortedKeys(obj) {
+		switch v := obj[k].(type) {
+		case map[string]any:
+			r.refuseAuto(v, append(at, k))
+		case string:
+			if v == "auto" && len(r.problems) < dsMaxProblems {
+				r.invalid(dsPath(at, k), `"auto" with no override; give its value (the Hugging Face Trainer fills it from its training arguments: DeepSpeedOptions.Overrides)`)
+			} else if v == "auto" {
+				r.moreProblems++
 			}
 		}
 	}
-	walk(root, "")
-	return nil
+}
+
+// dsPath joins keys into a path, each as shownKey shows it.
+func dsPath(at []string, k string) string {
+	var b strings.Builder
+	for _, a := range at {
+		b.WriteString(shownKey(a))
+		b.WriteByte('.')
+	}
+	b.WriteString(shownKey(k))
+	return b.String()
 }
 
 func sameJSON(a, b any) bool { return jsonText(a) == jsonText(b) }
@@ -286,8 +433,14 @@ func describe(v any) string {
 	case bool:
 		return fmt.Sprintf("the bool %v", x)
 	case json.Number:
+		if len(x) > dsMaxKeyShown {
+			return fmt.Sprintf("a number of %d digits", len(x))
+		}
 		return "the number " + x.String()
 	case string:
+		if len(x) > dsMaxKeyShown {
+			return fmt.Sprintf("a string of %d bytes", len(x))
+		}
 		return fmt.Sprintf("the string %q", x)
 	case []any:
 		return "a list"
@@ -407,6 +560,9 @@ type dsKey struct {
 	// note is the notice for those, fix the refusal for the others.
 	accept    func(v any) bool
 	note, fix string
+	// tuning: the key only tunes DeepSpeed's implementation, so any value
+	// is taken with the note, unless DeepSpeedOptions.Strict
+	tuning bool
 }
 
 func mapped() dsKey { return dsKey{mapped: true} }
@@ -418,6 +574,13 @@ func noted(note string) dsKey { return dsKey{note: note} }
 // refused at others.
 func only(accept func(any) bool, note, fix string) dsKey {
 	return dsKey{accept: accept, note: note, fix: fix}
+}
+
+// tuning keys only tune DeepSpeed's own implementation: taken with a
+// notice at any value (note says what zero does instead), and with
+// DeepSpeedOptions.Strict as only(accept, note, fix) is.
+func tuning(accept func(any) bool, note, fix string) dsKey {
+	return dsKey{accept: accept, note: note, fix: fix, tuning: true}
 }
 
 // refused keys are refused at any value.
@@ -446,13 +609,13 @@ func disabled(v any) bool {
 // mapped, a refusal for every key zero does not know.
 func (r *dsReader) keys(obj map[string]any, at string, table map[string]dsKey, unknown string) {
 	for _, k := range sortedKeys(obj) {
-		path := at + k
+		path := at + shownKey(k)
 		key, known := table[k]
 		switch {
 		case !known:
-			r.refuse(path, "not a key zero knows here; %s", unknown)
+			r.unknownKey(path, k, table, unknown)
 		case key.mapped:
-		case key.accept == nil || key.accept(obj[k]):
+		case key.tuning && !r.opts.Strict, key.accept == nil || key.accept(obj[k]):
 			r.notice(path, "%s", key.note)
 		default:
 			r.refuse(path, "%s", key.fix)
@@ -460,9 +623,96 @@ func (r *dsReader) keys(obj map[string]any, at string, table map[string]dsKey, u
 	}
 }
 
+// unknownKey refuses a key the table does not have as a typo, with the
+// keys it is close to, where it is close to one; takes any other unknown
+// top-level key with a notice, as DeepSpeed takes it (not with Strict);
+// and refuses any other in a section, as DeepSpeed's config does.
+func (r *dsReader) unknownKey(path, k string, table map[string]dsKey, unknown string) {
+	near := r.nearKeys(k, table)
+	switch {
+	case len(near) > 0:
+		why := unknown
+		if unknown == unknownTop {
+			why = "DeepSpeed ignores a top-level key it does not know, so there a typo goes unnoticed: correct it"
+		}
+		r.refuse(path, "not a key zero knows here; did you mean %s? %s", strings.Join(near, " or "), why)
+	case unknown == unknownTop && !r.opts.Strict:
+		r.notice(path, "not a key zero knows: taken without effect, as DeepSpeed takes a top-level key it does not know (if your DeepSpeed reads it, zero does not honour it; DeepSpeedOptions.Strict refuses it)")
+	default:
+		r.refuse(path, "not a key zero knows here; %s", unknown)
+	}
+}
+
+// nearKeys are the keys of table closest to k, quoted, where k is likely
+// a typo of one: the same but for case, or within typoDistance of 1 (of 2
+// for keys longer than 5 bytes); none otherwise.
+func (r *dsReader) nearKeys(k string, table map[string]dsKey) []string {
+	best := 3
+	var near []string
+	for known := range table { // no copy of the table per key: a file may hold many
+		limit := 1
+		if len(known) > 5 {
+			limit = 2
+		}
+		d := r.typoDistance(k, known, limit)
+		if strings.EqualFold(k, known) {
+			d = 0
+		}
+		switch {
+		case d > limit || d > best:
+		case d < best:
+			best, near = d, append(near[:0], "`"+known+"`")
+		default:
+			near = append(near, "`"+known+"`")
+		}
+	}
+	slices.Sort(near)
+	return near
+}
+
+// typoDistance is the optimal string alignment distance of a and b, in
+// bytes: a byte dropped, added or changed, or two neighbours swapped,
+// each count 1. Past limit it stops and says limit+1; so it costs at most
+// len(b) × (2·limit+1) steps, whatever a's length.
+func (r *dsReader) typoDistance(a, b string, limit int) int {
+	if len(a)-len(b) > limit || len(b)-len(a) > limit {
+		return limit + 1
+	}
+	n := len(b) + 1
+	if cap(r.rows) < 3*n {
+		r.rows = make([]int, 3*n)
+	}
+	rows := r.rows[:3*n]
+	prev2, prev, cur := rows[:n], rows[n:2*n], rows[2*n:]
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		least := cur[0]
+		for j := 1; j < n; j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			d := min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+			if i > 1 && j > 1 && a[i-1] == b[j-2] && a[i-2] == b[j-1] {
+				d = min(d, prev2[j-2]+1)
+			}
+			cur[j] = d
+			least = min(least, d)
+		}
+		if least > limit {
+			return limit + 1
+		}
+		prev2, prev, cur = prev, cur, prev2
+	}
+	return min(prev[n-1], limit+1)
+}
+
 const (
 	noEffect    = "no effect on zero's arithmetic or collectives"
-	unknownTop  = "DeepSpeed ignores top-level keys it does not know, so this is likely a typo: correct or remove it"
+	unknownTop  = "DeepSpeed ignores a top-level key it does not know, and DeepSpeedOptions.Strict refuses it: correct or remove it"
 	unknownPyd  = "DeepSpeed refuses unknown keys in this section too: correct or remove it"
 	unknownArgs = "DeepSpeed passes it to the constructor, which refuses it: correct or remove it"
 )
@@ -569,6 +819,9 @@ var dsBF16Keys = map[string]dsKey{
 		"zero keeps the optimizer state in fp32: remove it"),
 }
 
+var dsDataTypesKeys = map[string]dsKey{"grad_accum_dtype": mapped(), "param_dtype": mapped(),
+	"buffer_dtype": noted("the model's buffers are the framework's: " + noEffect)}
+
 // precision maps fp16, bf16, communication_data_type and data_types, and
 // returns the model dtype.
 func (r *dsReader) precision(root map[string]any, cfg *Config) DType {
@@ -618,16 +871,23 @@ func (r *dsReader) precision(root map[string]any, cfg *Config) DType {
 			}
 			break
 		}
-		power, _ := r.intIn(fp16, "initial_scale_power", "fp16.", 16, 0, 1000)
+		power, hasPower := r.intIn(fp16, "initial_scale_power", "fp16.", 16, 0, 1000)
 		window, _ := r.intIn(fp16, "loss_scale_window", "fp16.", 1000, 1, math.MaxInt32)
 		hyst, _ := r.intIn(fp16, "hysteresis", "fp16.", 2, 1, math.MaxInt32)
 		minScale, _ := r.numIn(fp16, "min_loss_scale", "fp16.", 1, 0)
-		if minScale <= 0 {
+		switch {
+		case minScale <= 0:
 			r.invalid("fp16.min_loss_scale", "%v; give a scale > 0", minScale)
+		case minScale < 1:
+			r.notice("fp16.min_loss_scale", "%v, below 1: DeepSpeed 0.19.8 reads it as a whole number and refuses it; zero honours it, so the scale may fall below 1, to %v", minScale, minScale)
 		}
 		initial := math.Ldexp(1, power)
-		if minScale > initial {
-			r.invalid("fp16.min_loss_scale", "%v is above the initial scale 2^%d; give a smaller minimum or a larger initial_scale_power", minScale, power)
+		if minScale > initial && r.clean("fp16.initial_scale_power", "fp16.min_loss_scale") {
+			of := fmt.Sprintf("initial_scale_power %d", power)
+			if !hasPower {
+				of = "DeepSpeed's default initial_scale_power 16 (initial_scale_power unset)"
+			}
+			r.invalid("fp16.min_loss_scale", "%v is above the initial scale 2^%d of %s; give a smaller minimum or a larger initial_scale_power", minScale, power, of)
 		}
 		p.LossScale = LossScale{Initial: initial, Window: window, Hysteresis: hyst, Min: minScale}
 	case BF16:
@@ -652,8 +912,7 @@ func (r *dsReader) precision(root map[string]any, cfg *Config) DType {
 			}
 		}
 	}
-	types, _ := r.section(root, "data_types", map[string]dsKey{"grad_accum_dtype": mapped(), "param_dtype": mapped(),
-		"buffer_dtype": noted("the model's buffers are the framework's: " + noEffect)})
+	types, _ := r.section(root, "data_types", dsDataTypesKeys)
 	if v, has := types["grad_accum_dtype"]; has && v != nil {
 		if dt, ok := r.dtype("data_types.grad_accum_dtype", v); ok {
 			if dt != model && dt != FP32 {
@@ -740,20 +999,21 @@ var dsZeroKeys = map[string]dsKey{
 		m, ok := v.(map[string]any)
 		return v == nil || ok && sameJSON(m["device"], "none")
 	}, "device none: "+noEffect, "zero keeps the parameters on the device (stage 3 shards them): remove offload_param or set its device to \"none\""),
-	"zenflow":        only(func(v any) bool { return v == nil }, noEffect, "zero has no ZenFlow: remove it"),
-	"sub_group_size": refused("zero steps the optimizer bucket by bucket (reduce_bucket_size): remove it"),
+	"zenflow": only(func(v any) bool { return v == nil }, noEffect, "zero has no ZenFlow: remove it"),
+	"sub_group_size": tuning(never, "zero steps the optimizer bucket by bucket (reduce_bucket_size) as one fused pass: the same bits",
+		"zero steps the optimizer bucket by bucket (reduce_bucket_size): remove it"),
 	"cpu_offload_param": only(is(false), noEffect,
 		"zero keeps the parameters on the device (stage 3 shards them): remove it"),
 	"cpu_offload_use_pin_memory": noted("zero pins its host memory where the system allows: " + noEffect),
-	"stage3_param_persistence_threshold": only(is(0), "zero partitions every parameter, as a threshold of 0 asks",
+	"stage3_param_persistence_threshold": tuning(is(0), persistence,
 		"zero partitions every parameter, small ones too: set it to 0 or remove it (the same bits: only DeepSpeed's all-gathers of small parameters differ)"),
-	"param_persistence_threshold": only(is(0), "zero partitions every parameter, as a threshold of 0 asks",
+	"param_persistence_threshold": tuning(is(0), persistence,
 		"zero partitions every parameter, small ones too: set it to 0 or remove it"),
 	"stage3_model_persistence_threshold": noted("zero keeps no parameter whole: " + noEffect),
 	"model_persistence_threshold":        noted("zero keeps no parameter whole: " + noEffect),
-	"stage3_max_reuse_distance": refused("zero keeps a released bucket gathered only when the last window's order needs it again within stage3_prefetch_bucket_size, " +
+	"stage3_max_reuse_distance": tuning(never, reuse, "zero keeps a released bucket gathered only when the last window's order needs it again within stage3_prefetch_bucket_size, "+
 		"under stage3_max_live_parameters: remove it"),
-	"max_reuse_distance":                        refused("zero keeps a released bucket by the last window's order, not a distance: remove it"),
+	"max_reuse_distance":                        tuning(never, reuse, "zero keeps a released bucket by the last window's order, not a distance: remove it"),
 	"stage3_gather_16bit_weights_on_model_save": noted("saving the model is not training: " + noEffect + " (FullParams gives the consolidated parameters)"),
 	"gather_16bit_weights_on_model_save":        noted("saving the model is not training: " + noEffect + " (FullParams gives the consolidated parameters)"),
 	"stage3_gather_fp16_weights_on_model_save":  noted("deprecated name; saving the model is not training: " + noEffect),
@@ -764,7 +1024,7 @@ var dsZeroKeys = map[string]dsKey{
 	"stage3_allgather_sequential": only(is(false), noEffect, "zero gathers bucket by bucket: remove it"),
 	"ignore_unused_parameters":    noted("zero leaves a parameter no rank reported untouched, whatever this says"),
 	"legacy_stage1":               only(is(false), noEffect, "zero has no legacy stage 1: remove it"),
-	"round_robin_gradients": only(is(false), noEffect,
+	"round_robin_gradients": tuning(is(false), "zero's shards are fixed by the bucket plan: which rank owns which elements differs from DeepSpeed's, not the bits",
 		"zero's shards are fixed by the bucket plan: remove it (it changes which rank owns which elements in DeepSpeed, not the bits)"),
 	"zero_hpz_partition_size": only(is(1), noEffect, "zero has no secondary partition (ZeRO++ hpZ): remove it"),
 	"zero_quantized_weights": only(is(false), noEffect,
@@ -784,6 +1044,15 @@ var dsZeroKeys = map[string]dsKey{
 	"save_muon_momentum_buffer_in_memory": noted("zero has no Muon: " + noEffect),
 	"leaf_module":                         noted("what the framework gathers together is its own: " + noEffect),
 }
+
+// The notices of the stage-3 tuning keys.
+const (
+	persistence = "zero partitions every parameter, small ones too (DeepSpeed keeps those under the threshold whole on every rank): the same bits, only DeepSpeed's all-gathers of small parameters differ"
+	reuse       = "zero keeps a released bucket gathered only when the last window's order needs it again within stage3_prefetch_bucket_size, under stage3_max_live_parameters: when it gathers differs from DeepSpeed, not the bits"
+)
+
+// never accepts no value: a tuning key refused at any value with Strict.
+func never(any) bool { return false }
 
 var dsOffloadKeys = map[string]dsKey{
 	"device": mapped(), "pin_memory": mapped(),
@@ -828,6 +1097,10 @@ func (r *dsReader) zero(root map[string]any, cfg *Config, model DType) int {
 		r.refuse(at+"stage", "unset: DeepSpeed's default is stage 0 (plain data parallelism), which zero does not run; set 1, 2 or 3")
 	case stage == 0:
 		r.refuse(at+"stage", "stage 0 (plain data parallelism) is not ZeRO; set 1, 2 or 3")
+	case stage == 3:
+		r.notice(at+"stage", "3: each rank keeps only its shard of the parameters, and Param.Data is not updated: "+
+			"the forward and backward read the parameters through Engine.Gather and hand them back with Release "+
+			"(a loop written for stage 2 that reads Param.Data trains on the initial weights)")
 	}
 	cfg.Stage = stage
 	size := model.Size()
@@ -835,10 +1108,13 @@ func (r *dsReader) zero(root map[string]any, cfg *Config, model DType) int {
 	cfg.BucketBytes = reduce * size
 	if v, has := z["allgather_bucket_size"]; has {
 		if n, ok := r.integer(at+"allgather_bucket_size", v); ok {
-			if n == reduce {
+			switch {
+			case n == reduce:
 				r.notice(at+"allgather_bucket_size", "equal to reduce_bucket_size: zero all-gathers the new parameters bucket by bucket, each of reduce_bucket_size")
-			} else {
-				r.refuse(at+"allgather_bucket_size", "%d elements, reduce_bucket_size %d: zero all-gathers the new parameters bucket by bucket, each of reduce_bucket_size; set it to %d or remove it", n, reduce, reduce)
+			case !r.opts.Strict:
+				r.notice(at+"allgather_bucket_size", "zero all-gathers the new parameters bucket by bucket, each of reduce_bucket_size: the same bits, only the size of DeepSpeed's all-gathers differs")
+			case r.clean(at + "reduce_bucket_size"):
+				r.refuse(at+"allgather_bucket_size", "%d elements, not reduce_bucket_size's: zero all-gathers the new parameters bucket by bucket, each of reduce_bucket_size; set it to reduce_bucket_size or remove it (or leave DeepSpeedOptions.Strict off)", n)
 			}
 		}
 	}
@@ -921,32 +1197,64 @@ func (r *dsReader) offload(z map[string]any, cfg *Config) {
 // ---- batch and reduction -----------------------------------------------------------
 
 // batch resolves the batch sizes as DeepSpeed does, checks them against the
-// world size, and returns micro, global and the accumulation steps.
+// world size, and returns micro, global and the accumulation steps. Only
+// values the file (or an override) gave are cited; a malformed one is
+// reported alone, nothing derived from it.
 func (r *dsReader) batch(root map[string]any) (micro, global, accum int) {
+	const tbKey, mbKey, gKey = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 	w := r.opts.World
-	tb, hasTB := r.intIn(root, "train_batch_size", "", 0, 1, math.MaxInt32)
-	mb, hasMB := r.intIn(root, "train_micro_batch_size_per_gpu", "", 0, 1, math.MaxInt32)
-	g, hasG := r.intIn(root, "gradient_accumulation_steps", "", 1, 1, math.MaxInt32)
+	tb, hasTB := r.intIn(root, tbKey, "", 0, 1, math.MaxInt32)
+	mb, hasMB := r.intIn(root, mbKey, "", 0, 1, math.MaxInt32)
+	g, hasG := r.intIn(root, gKey, "", 1, 1, math.MaxInt32)
+	if !r.clean(tbKey, mbKey, gKey) {
+		return 0, 0, 1
+	}
+	var whole bool // tb is a whole multiple of what divides it
 	switch {
 	case hasTB && hasMB && hasG:
+		p, ok := product(mb, g, w)
+		if !ok || p != tb {
+			r.invalid(tbKey, "%d is not train_micro_batch_size_per_gpu %d × gradient_accumulation_steps %d × world size %d; DeepSpeed refuses it too: make them agree", tb, mb, g, w)
+		}
+		return mb, tb, g
 	case hasTB && hasMB:
-		g = tb / mb / w
+		p, ok := product(mb, w)
+		if g, whole = tb/max(1, p), ok && tb%p == 0; !whole || g < 1 {
+			r.invalid(tbKey, "%d is not a whole multiple of train_micro_batch_size_per_gpu %d × world size %d (DeepSpeed takes gradient_accumulation_steps, unset, as the quotient, and refuses this too): make them agree", tb, mb, w)
+		}
 	case hasTB && hasG:
-		mb = tb / w / g
+		p, ok := product(g, w)
+		if mb, whole = tb/max(1, p), ok && tb%p == 0; !whole || mb < 1 {
+			r.invalid(tbKey, "%d is not a whole multiple of gradient_accumulation_steps %d × world size %d (DeepSpeed takes train_micro_batch_size_per_gpu, unset, as the quotient, and refuses this too): make them agree", tb, g, w)
+		}
 	case hasMB:
-		tb = mb * g * w
+		var ok bool
+		if tb, ok = product(mb, g, w); !ok || tb > math.MaxInt32 {
+			r.invalid(mbKey, "%d × gradient_accumulation_steps × world size %d is past 2^31 samples a step; give a smaller batch", mb, w)
+		}
 	case hasTB:
-		g, mb = 1, tb/w
+		if mb = tb / w; tb%w != 0 || mb < 1 {
+			r.invalid(tbKey, "%d does not split over world size %d (with neither train_micro_batch_size_per_gpu nor gradient_accumulation_steps DeepSpeed takes one backward of train_batch_size / W, and refuses this too): make it a multiple of the world size", tb, w)
+		}
 	default: // zero needs no batch size; DeepSpeed would ask for one
 		if !hasG {
-			r.notice("gradient_accumulation_steps", "unset: DeepSpeed's 1, so Step expects one backward (Grads.AccumSteps 1)")
+			r.notice(gKey, "unset: DeepSpeed's 1, so Step expects one backward (Grads.AccumSteps 1)")
 		}
 		return 0, 0, g
 	}
-	if g < 1 || mb < 1 || tb != mb*g*w {
-		r.invalid("train_batch_size", "%d is not train_micro_batch_size_per_gpu %d × gradient_accumulation_steps %d × world size %d; DeepSpeed refuses it too: make them agree", tb, mb, g, w)
-	}
 	return mb, tb, g
+}
+
+// product multiplies counts ≥ 1, false where it overflows.
+func product(xs ...int) (int, bool) {
+	p := 1
+	for _, x := range xs {
+		if x < 1 || p > math.MaxInt/x {
+			return 0, false
+		}
+		p *= x
+	}
+	return p, true
 }
 
 // reduction maps the reduction's keys.
@@ -985,6 +1293,30 @@ func (r *dsReader) reduction(root map[string]any, cfg *Config, stage int) {
 
 // ---- optimizer ------------------------------------------------------------------
 
+var dsOptimizerKeys = map[string]dsKey{"type": mapped(), "params": mapped(), "legacy_fusion": noted(noEffect)}
+
+var dsAdamKeys = map[string]dsKey{
+	"lr": mapped(), "betas": mapped(), "eps": mapped(), "weight_decay": mapped(), "amsgrad": mapped(),
+	"adam_w_mode": mapped(),
+	"bias_correction": only(is(true), "zero's AdamW corrects the bias, as DeepSpeed's default",
+		"zero's AdamW always corrects the moments' bias: set it to true or remove it"),
+	"torch_adam": tuning(is(false), "zero runs its own fused AdamW with torch.optim.AdamW's formulas (bias correction, decoupled weight decay, eps added after the root), "+
+		"not DeepSpeed's fused Adam nor torch.optim.AdamW itself: the order of operations differs, so the parameters agree within a few ulp, not bit for bit "+
+		"(after 8 steps, measured against DeepSpeed 0.19.8 on the CPU: 5 ulp at the largest value with torch_adam false, 3 with true)",
+		"zero runs its own fused AdamW with PyTorch's formulas, not torch.optim's: remove it (or leave DeepSpeedOptions.Strict off)"),
+	"fp32_optimizer_states": only(is(true), "zero keeps the optimizer state in fp32",
+		"zero keeps the optimizer state in fp32: remove it"),
+	"max_grad_norm": refused("DeepSpeed refuses it too: use the top-level gradient_clipping"),
+}
+
+var dsSGDKeys = map[string]dsKey{
+	"lr": mapped(), "momentum": mapped(), "dampening": mapped(), "weight_decay": mapped(), "nesterov": mapped(),
+	"maximize":       only(is(false), noEffect, "zero minimises: remove it"),
+	"foreach":        noted("an implementation choice of torch.optim: " + noEffect),
+	"fused":          noted("an implementation choice of torch.optim: " + noEffect),
+	"differentiable": only(is(false), noEffect, "zero's step is not differentiable: remove it"),
+}
+
 // optimizer maps the optimizer block into Groups[0], or returns nil.
 func (r *dsReader) optimizer(root map[string]any, cfg *Config) Optimizer {
 	v, has := root["optimizer"]
@@ -996,8 +1328,7 @@ func (r *dsReader) optimizer(root map[string]any, cfg *Config) Optimizer {
 	if !ok {
 		return nil
 	}
-	r.keys(blk, "optimizer.", map[string]dsKey{"type": mapped(), "params": mapped(),
-		"legacy_fusion": noted(noEffect)}, unknownPyd)
+	r.keys(blk, "optimizer.", dsOptimizerKeys, unknownPyd)
 	name, ok := r.text("optimizer.type", blk["type"])
 	if !ok {
 		return nil
@@ -1020,16 +1351,7 @@ func (r *dsReader) optimizer(root map[string]any, cfg *Config) Optimizer {
 
 func (r *dsReader) adam(params map[string]any, cfg *Config, adamw bool) Optimizer {
 	const at = "optimizer.params."
-	r.keys(params, at, map[string]dsKey{
-		"lr": mapped(), "betas": mapped(), "eps": mapped(), "weight_decay": mapped(), "amsgrad": mapped(),
-		"adam_w_mode": mapped(),
-		"bias_correction": only(is(true), "zero's AdamW corrects the bias, as DeepSpeed's default",
-			"zero's AdamW always corrects the moments' bias: set it to true or remove it"),
-		"torch_adam": only(is(false), "zero runs its own fused AdamW", "zero runs its own fused AdamW with PyTorch's formulas, not torch.optim's: remove it"),
-		"fp32_optimizer_states": only(is(true), "zero keeps the optimizer state in fp32",
-			"zero keeps the optimizer state in fp32: remove it"),
-		"max_grad_norm": refused("DeepSpeed refuses it too: use the top-level gradient_clipping"),
-	}, unknownArgs)
+	r.keys(params, at, dsAdamKeys, unknownArgs)
 	o := NewAdamW(1e-3)
 	lr, hasLR := r.numIn(params, "lr", at, 1e-3, 0)
 	if !hasLR {
@@ -1077,13 +1399,7 @@ func (r *dsReader) adam(params map[string]any, cfg *Config, adamw bool) Optimize
 
 func (r *dsReader) sgd(params map[string]any, cfg *Config) Optimizer {
 	const at = "optimizer.params."
-	r.keys(params, at, map[string]dsKey{
-		"lr": mapped(), "momentum": mapped(), "dampening": mapped(), "weight_decay": mapped(), "nesterov": mapped(),
-		"maximize":       only(is(false), noEffect, "zero minimises: remove it"),
-		"foreach":        noted("an implementation choice of torch.optim: " + noEffect),
-		"fused":          noted("an implementation choice of torch.optim: " + noEffect),
-		"differentiable": only(is(false), noEffect, "zero's step is not differentiable: remove it"),
-	}, unknownArgs)
+	r.keys(params, at, dsSGDKeys, unknownArgs)
 	lr, hasLR := r.numIn(params, "lr", at, 1e-3, 0)
 	if !hasLR {
 		r.notice(at+"lr", "unset: torch.optim.SGD's default 0.001")
@@ -1096,7 +1412,7 @@ func (r *dsReader) sgd(params map[string]any, cfg *Config) Optimizer {
 	if o.Dampening > 1 {
 		r.invalid(at+"dampening", "%v; give a dampening in [0, 1]", o.Dampening)
 	}
-	if o.Nesterov && (o.Momentum == 0 || o.Dampening != 0) {
+	if o.Nesterov && (o.Momentum == 0 || o.Dampening != 0) && r.clean(at+"momentum", at+"dampening") {
 		r.invalid(at+"nesterov", "Nesterov needs a momentum and zero dampening; torch.optim.SGD refuses it too")
 	}
 	r.notice("optimizer.type", "SGD with ZeRO needs \"zero_allow_untested_optimizer\": true in DeepSpeed; zero runs it tested")
@@ -1115,6 +1431,36 @@ var dsScheduleParams = map[string][]string{
 		"cycle_max_mom", "decay_mom_rate"},
 }
 
+var dsSchedulerKeys = map[string]dsKey{"type": mapped(), "params": mapped()}
+
+// warmupNotice says, as DeepSpeed warns, that total_num_steps ends the run
+// before warmup_num_steps (at least 2) does, citing what the file gave.
+func (r *dsReader) warmupNotice(params map[string]any, total, warmup int) {
+	const at = "scheduler.params."
+	if !warmupOutlasts(total, warmup, true) || !r.clean(at+"total_num_steps", at+"warmup_num_steps") {
+		return
+	}
+	of := fmt.Sprintf("warmup_num_steps %d", warmup)
+	if _, has := params["warmup_num_steps"]; !has {
+		of = fmt.Sprintf("DeepSpeed's default warmup_num_steps %d (unset)", warmup)
+	}
+	if warmup < 2 {
+		of += ", counted as 2 as DeepSpeed counts it"
+	}
+	r.notice(at+"total_num_steps", "%d is below %s: the run ends before the warmup does; DeepSpeed warns and so does zero", total, of)
+}
+
+// dsScheduleKeys are the keys of a schedule's params: names, and DeepSpeed's
+// last_batch_iteration.
+func dsScheduleKeys(names []string) map[string]dsKey {
+	table := map[string]dsKey{"last_batch_iteration": only(is(-1), "the schedule starts at the beginning; a resumed engine takes its step from the checkpoint",
+		"zero takes the schedule's step from the checkpoint it resumes: remove it")}
+	for _, k := range names {
+		table[k] = mapped()
+	}
+	return table
+}
+
 // scheduler maps the scheduler block into Optimizer.Schedule; opt is the
 // file's optimizer (nil: the caller's).
 func (r *dsReader) scheduler(root map[string]any, cfg *Config, opt Optimizer) {
@@ -1126,7 +1472,7 @@ func (r *dsReader) scheduler(root map[string]any, cfg *Config, opt Optimizer) {
 	if !ok {
 		return
 	}
-	r.keys(blk, "scheduler.", map[string]dsKey{"type": mapped(), "params": mapped()}, unknownPyd)
+	r.keys(blk, "scheduler.", dsSchedulerKeys, unknownPyd)
 	name, ok := r.text("scheduler.type", blk["type"])
 	if !ok {
 		return
@@ -1143,12 +1489,7 @@ func (r *dsReader) scheduler(root map[string]any, cfg *Config, opt Optimizer) {
 		}
 	}
 	const at = "scheduler.params."
-	table := map[string]dsKey{"last_batch_iteration": only(is(-1), "the schedule starts at the beginning; a resumed engine takes its step from the checkpoint",
-		"zero takes the schedule's step from the checkpoint it resumes: remove it")}
-	for _, k := range names {
-		table[k] = mapped()
-	}
-	r.keys(params, at, table, unknownArgs)
+	r.keys(params, at, dsScheduleKeys(names), unknownArgs)
 	// a list gives one value per parameter group; zero maps one group
 	for _, k := range sortedKeys(params) {
 		if list, isList := params[k].([]any); isList {
@@ -1195,16 +1536,15 @@ func (r *dsReader) scheduler(root map[string]any, cfg *Config, opt Optimizer) {
 		sched = s
 	case "WarmupDecayLR":
 		required("total_num_steps")
-		s := NewWarmupDecayLR(count("total_num_steps", 0, 0), num("warmup_min_lr", 0), num("warmup_max_lr", 0.001), count("warmup_num_steps", 1000, 1))
+		s := NewWarmupDecay(num("warmup_min_lr", 0), num("warmup_max_lr", 0.001), count("warmup_num_steps", 1000, 1), count("total_num_steps", 0, 0))
 		s.Warmup = warmup()
-		if s.TotalSteps < max(2, s.WarmupSteps) {
-			r.notice(at+"total_num_steps", "%d is below warmup_num_steps %d: DeepSpeed warns and so does zero", s.TotalSteps, s.WarmupSteps)
-		}
+		r.warmupNotice(params, s.TotalSteps, s.WarmupSteps)
 		sched = s
 	case "WarmupCosineLR":
 		required("total_num_steps")
-		s := NewWarmupCosineLR(count("total_num_steps", 0, 0), count("warmup_num_steps", 1000, 1))
+		s := NewWarmupCosine(count("warmup_num_steps", 1000, 1), count("total_num_steps", 0, 0))
 		s.WarmupMinRatio, s.CosMinRatio, s.Warmup = num("warmup_min_ratio", 0), num("cos_min_ratio", 0.0001), warmup()
+		r.warmupNotice(params, s.TotalSteps, s.WarmupSteps)
 		sched = s
 	case "OneCycle":
 		required("cycle_min_lr")
@@ -1224,7 +1564,7 @@ func (r *dsReader) scheduler(root map[string]any, cfg *Config, opt Optimizer) {
 				s.CycleMomentum = false
 				r.notice(at+"cycle_momentum", "DeepSpeed cycles the momentum only of optimizers with betas, not SGD's; neither does zero")
 			case AdamW:
-				if s.MinMom >= 1 || s.MaxMom >= 1 {
+				if (s.MinMom >= 1 || s.MaxMom >= 1) && r.clean(at+"cycle_min_mom", at+"cycle_max_mom") {
 					r.invalid(at+"cycle_max_mom", "momenta %v to %v: Adam's beta1 must stay below 1", s.MinMom, s.MaxMom)
 				}
 				o.Beta2 = 0.99
@@ -1237,7 +1577,7 @@ func (r *dsReader) scheduler(root map[string]any, cfg *Config, opt Optimizer) {
 		sched = s
 	}
 	cfg.Optimizer.Schedule = sched
-	if c, ok := sched.(scheduleChecker); ok {
+	if c, ok := sched.(scheduleChecker); ok && r.cleanUnder("scheduler.") {
 		if err := c.checkSchedule("scheduler"); err != nil {
 			r.invalid("scheduler.params", "%s", strings.TrimPrefix(err.Error(), ErrConfig.Error()+": "))
 		}

@@ -40,7 +40,10 @@ func (o SGD) rangeFor(r *optRange, t int) {
 	}
 }
 
-// lossScaler is DeepSpeed's DynamicLossScaler, step by step.
+// lossScaler is DeepSpeed's DynamicLossScaler (deepspeed/runtime/fp16/
+// loss_scaler.py, consecutive_hysteresis false), step by step. Its scale
+// is DeepSpeed's: that of the step's loss, the mean of its G backwards'
+// losses, so each backward carries scale/G (optState.lossScale).
 type lossScaler struct {
 	dynamic    bool
 	scale      float64
@@ -63,7 +66,11 @@ func newLossScaler(c LossScale) lossScaler {
 		curHysteresis: c.Hysteresis, lastOverflow: -1}
 }
 
-// update moves the scale after a step that did or did not overflow.
+// update moves the scale after a step that did or did not overflow: an
+// overflow spends the hysteresis, then halves (never below min); the
+// scale doubles, and the hysteresis is given back, once a multiple of
+// window clean steps has followed the last overflow, that step not
+// counted (DeepSpeed's stable interval, iter − last overflow − 1).
 func (s *lossScaler) update(overflow bool) {
 	if !s.dynamic {
 		return
@@ -75,7 +82,7 @@ func (s *lossScaler) update(overflow bool) {
 			s.curHysteresis--
 		}
 		s.lastOverflow = s.iter
-	} else if (s.iter-s.lastOverflow)%s.window == 0 {
+	} else if stable := s.iter - s.lastOverflow - 1; stable > 0 && stable%s.window == 0 {
 		s.curHysteresis = s.hysteresis
 		s.scale *= 2
 	}
@@ -111,6 +118,9 @@ type optState struct {
 	sharedModel bool
 	steps       []int // per parameter: optimizer steps taken
 	scaler      lossScaler
+	// scaleDiv is G, fixed, with fp16: each backward carries the scale of
+	// the step's mean loss divided by it, as in DeepSpeed (1 otherwise)
+	scaleDiv float64
 	// groupsDigest hashes the groups' settings, compared across ranks at
 	// each Step
 	groupsDigest  uint64
@@ -263,7 +273,8 @@ func newOptimizer(sp optimizerSpec) (*optState, error) {
 	o := &optState{dev: sp.dev, comm: sp.comm, plan: sp.plan, params: sp.params, rank: sp.comm.Rank(), world: sp.comm.Size(), s: sp.s, home: sp.home,
 		groups: append([]Optimizer(nil), groups...), base: append([]Optimizer(nil), groups...), schedule: sp.cfg.Optimizer.Schedule,
 		kind: groups[0].kind(), steps: make([]int, len(sp.params)),
-		scaler: newLossScaler(sp.cfg.Precision.LossScale), clip: sp.cfg.Optimizer.Clip, keepNonFinite: sp.cfg.Precision.KeepNonFinite}
+		scaler: newLossScaler(sp.cfg.Precision.LossScale), scaleDiv: lossScaleDivisor(sp.plan.modelDType(), sp.cfg.Grads.AccumSteps),
+		clip: sp.cfg.Optimizer.Clip, keepNonFinite: sp.cfg.Precision.KeepNonFinite}
 	o.groupsDigest = recordDigest(groupsRecord(o.base), "")
 	if o.home == nil {
 		o.home = &deviceHome{dev: o.dev, plan: o.plan, mem: &o.mem}
@@ -300,10 +311,21 @@ func newOptimizer(sp optimizerSpec) (*optState, error) {
 }
 
 // currentGroups are the groups' settings as SetGroup left them; digest
-// hashes them; lossScale is the scale of the next backwards.
+// hashes them; lossScale is the scale each of the next backwards carries.
 func (o *optState) currentGroups() []Optimizer { return o.base }
 func (o *optState) digest() uint64             { return o.groupsDigest }
-func (o *optState) lossScale() float64         { return o.scaler.scale }
+func (o *optState) lossScale() float64         { return o.scaler.scale / o.scaleDiv }
+
+// lossScaleDivisor is what the scale of a step's mean loss is divided by
+// for each backward: G with fp16 and Grads.AccumSteps G, as DeepSpeed
+// scales loss/G; 1 where G is counted (not known before Step) or the
+// model is not fp16 (its scale is 1, or a static scale taken as given).
+func lossScaleDivisor(model DType, accumSteps int) float64 {
+	if model == FP16 && accumSteps > 0 {
+		return float64(accumSteps)
+	}
+	return 1
+}
 
 // setGroup replaces group g's settings (SetGroup).
 func (o *optState) setGroup(g int, opt Optimizer) error {
@@ -420,7 +442,7 @@ func (o *optState) step(grads Tensor, sumsq float64, readScale float32, used []b
 		overflow = overflow || w[0] != 0
 		total += math.Ldexp(float64(w[1])+float64(w[2]), int(w[3]))
 	}
-	res.norm = math.Sqrt(total) * float64(readScale) / o.scaler.scale
+	res.norm = math.Sqrt(total) * float64(readScale) / o.lossScale()
 	res.lrs = o.rates()
 	finite := !overflow && !math.IsInf(res.norm, 0) && !math.IsNaN(res.norm)
 	if !finite && (o.plan.modelDType() == FP16 || !o.keepNonFinite || o.clip > 0) {
@@ -433,7 +455,7 @@ func (o *optState) step(grads Tensor, sumsq float64, readScale float32, used []b
 	if o.clip > 0 && res.norm > o.clip {
 		coef = res.norm / o.clip
 	}
-	gscale := float32(float64(readScale) / o.scaler.scale / coef)
+	gscale := float32(float64(readScale) / o.lossScale() / coef)
 	if o.schedule != nil {
 		for g := range o.groups {
 			if err := checkScheduled(o.schedule, o.scheduled, g, o.base[g]); err != nil {
@@ -587,12 +609,27 @@ func (o *optState) close() error {
 
 // ---- checkpoint state -----------------------------------------------------------
 
-// scalerState is the loss scaler's state in a checkpoint.
+// scalerState is the loss scaler's state in a checkpoint. From format
+// version 2 its scale is DeepSpeed's, that of the step's mean loss, the same
+// at any Grads.AccumSteps. Format 1 saved the scale each backward carried:
+// with fp16 and G fixed, 1/G of format 2's (savedLossScale converts it);
+// its counters are read as they are, and continue under DeepSpeed's rule,
+// which doubles the scale one clean step later than format 1's did.
 type scalerState struct {
 	Scale         float64 `json:"scale"`
 	CurHysteresis int     `json:"cur_hysteresis"`
 	Iter          int     `json:"iter"`
 	LastOverflow  int     `json:"last_overflow"`
+}
+
+// savedLossScale is a saved dynamic scale in this version's terms: a
+// format-1 scale is what each backward carried, so with fp16 and G fixed
+// it was the scale of the step's mean loss divided by G.
+func savedLossScale(scale float64, from scalerOrigin, model DType) float64 {
+	if from.version < 2 {
+		return scale * lossScaleDivisor(model, from.accumSteps)
+	}
+	return scale
 }
 
 // optGroup is one group's settings in a checkpoint: one of the two.
@@ -705,9 +742,15 @@ func (o *optState) prepareLoad(groups []Optimizer) ([]stateTensor, error) {
 	return o.stateTensors(), nil
 }
 
+// scalerOrigin is what a saved scaler state means, beside the state: the
+// checkpoint's format version, and the Grads.AccumSteps it was saved with.
+type scalerOrigin struct {
+	version, accumSteps int
+}
+
 // restore sets what a checkpoint holds beside its tensors (weightsOnly:
 // the engine's own groups, no steps taken, the scaler as New left it).
-func (o *optState) restore(c optCheckpoint, groups []Optimizer, weightsOnly bool, fresh lossScaler) error {
+func (o *optState) restore(c optCheckpoint, groups []Optimizer, weightsOnly bool, fresh lossScaler, from scalerOrigin) error {
 	if weightsOnly {
 		clear(o.steps)
 		o.scheduled, o.scaler = 0, fresh
@@ -715,7 +758,10 @@ func (o *optState) restore(c optCheckpoint, groups []Optimizer, weightsOnly bool
 	}
 	copy(o.steps, c.Steps)
 	o.scheduled = c.Scheduled
-	o.scaler.scale, o.scaler.curHysteresis, o.scaler.iter, o.scaler.lastOverflow = c.Scaler.Scale, c.Scaler.CurHysteresis, c.Scaler.Iter, c.Scaler.LastOverflow
+	if o.scaler.dynamic { // a static scale is the Config's
+		o.scaler.scale = savedLossScale(c.Scaler.Scale, from, o.plan.modelDType())
+	}
+	o.scaler.curHysteresis, o.scaler.iter, o.scaler.lastOverflow = c.Scaler.CurHysteresis, c.Scaler.Iter, c.Scaler.LastOverflow
 	copy(o.base, groups)
 	copy(o.groups, groups)
 	o.groupsDigest = recordDigest(groupsRecord(o.base), "")

@@ -1,10 +1,13 @@
 package zero
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
 	"math/rand"
+	"os"
+	"path/filepath"
 	"slices"
 	"testing"
 	"time"
@@ -241,15 +244,18 @@ func TestLossScaler(t *testing.T) {
 		overflow string // one letter per step: o overflow, . clean
 		want     []float64
 	}{
-		// doubles when (iter − last overflow) % window == 0, the last overflow
-		// at −1 to begin with: after steps 3 and 7
-		"clean": {"........", []float64{1 << 16, 1 << 16, 1 << 16, 1 << 17, 1 << 17, 1 << 17, 1 << 17, 1 << 18}},
+		// doubles when the stable interval, iter − last overflow − 1, is a
+		// positive multiple of the window, the last overflow at −1 to begin
+		// with: after steps 4 and 8
+		"clean": {".........", []float64{1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 17, 1 << 17, 1 << 17, 1 << 17, 1 << 18}},
 		// the first overflow spends the hysteresis, the next ones halve
 		"every step": {"oooo", []float64{1 << 16, 1 << 15, 1 << 14, 1 << 13}},
-		// hysteresis is given back when the scale doubles, a window after the
-		// last overflow: the overflow at 5 is absorbed again, the one at 8 halves
-		"some": {"o....o..o", []float64{1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 17, 1 << 17, 1 << 17, 1 << 17, 1 << 16}},
-		// without a doubling between them the second overflow halves
+		// hysteresis is given back when the scale doubles, at the fourth
+		// clean step after the overflow at 0 (step 5): the overflow at 6 is
+		// absorbed again, the one at 9 halves
+		"some": {"o.....o..o", []float64{1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 17, 1 << 17, 1 << 17, 1 << 17, 1 << 16}},
+		// only 3 clean steps after the overflow at 0: no doubling, and the
+		// overflow at 4 halves; so does the one at 6
 		"twice": {"o...o.o.", []float64{1 << 16, 1 << 16, 1 << 16, 1 << 16, 1 << 15, 1 << 15, 1 << 14, 1 << 14}},
 	} {
 		c := LossScale{Window: 4}
@@ -1118,5 +1124,84 @@ func TestNormBeyondFP32(t *testing.T) {
 				closeTo(t, fmt.Sprintf("stage %d: master %d[%d]", stage, p, j), tr.master[0][p][j], -mean(j)/norm, 1e-6, 0)
 			}
 		}
+	}
+}
+
+// TestLossScaleOfFormat1: a checkpoint of format version 1 saved the scale
+// each backward carried; format 2 saves the scaler's, that of the step's
+// mean loss. A format-1 fp16 scale X saved with Grads.AccumSteps 2 loads as
+// a scaler at 2X, so each backward carries X again; the same X in a
+// format-2 manifest loads as the scaler's X, each backward carrying X/2.
+// At AccumSteps 0 (counted) both formats' X is what each backward carries.
+func TestLossScaleOfFormat1(t *testing.T) {
+	for _, c := range []struct {
+		accum, version int
+		want           float64 // each backward's scale after the load of X = 96
+	}{{2, 1, 96}, {2, 2, 48}, {0, 1, 96}, {0, 2, 96}} {
+		dir := t.TempDir()
+		cfg := Config{Stage: 2, BucketBytes: 512, Grads: GradPolicy{AccumSteps: c.accum},
+			Precision: PrecisionPolicy{LossScale: LossScale{Initial: 256, Hysteresis: 1}},
+			Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.01)}}}
+		train := func(load bool) []error {
+			comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+			return eachRank(2, func(rank int) error {
+				ps, _ := smallModel(FP16, 0.5)
+				e, err := New(cfg, comms[rank], ps)
+				if err != nil {
+					return err
+				}
+				defer e.Close()
+				if load {
+					if _, err := e.Load(dir, LoadOptions{}); err != nil {
+						return err
+					}
+					if got := e.LossScale(); got != c.want {
+						return fmt.Errorf("AccumSteps %d, format %d: each backward carries %v after the load, want %v", c.accum, c.version, got, c.want)
+					}
+					return nil
+				}
+				s := NewHostStream()
+				defer s.Close()
+				for range max(1, c.accum) {
+					for p := 2; p >= 0; p-- {
+						g := newTBuf(FP16, ps[p].Count)
+						for i := range g.len() {
+							g.set(i, float32(0.25*e.LossScale()))
+						}
+						if _, err := e.GradReady(p, g.t(), s); err != nil {
+							return err
+						}
+					}
+					if err := e.EndBackward(); err != nil {
+						return err
+					}
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				return e.Save(dir, SaveOptions{})
+			})
+		}
+		everyRankIs(t, "the run saved", train(false), nil)
+		manifests, err := filepath.Glob(filepath.Join(dir, "*", ckptManifest))
+		if err != nil || len(manifests) != 1 {
+			t.Fatalf("manifests %v: %v", manifests, err)
+		}
+		raw, err := os.ReadFile(manifests[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		var m ckptManifestData
+		if err := json.Unmarshal(raw, &m); err != nil {
+			t.Fatal(err)
+		}
+		m.Version, m.Optimizer.Scaler.Scale = c.version, 96
+		if raw, err = sealManifest(&m); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(manifests[0], raw, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		everyRankIs(t, fmt.Sprintf("AccumSteps %d, format %d, loaded", c.accum, c.version), train(true), nil)
 	}
 }

@@ -26,7 +26,9 @@ import (
 //
 // Each is made by its constructor, which sets DeepSpeed's (or PyTorch's)
 // defaults; change the fields you need after. A literal is refused at New,
-// because its unset fields cannot be told from zeros.
+// because its unset fields cannot be told from zeros. The constructors
+// take their arguments in one order: the rates, then the warmup steps,
+// then the total steps.
 
 // WarmupType is how a DeepSpeed warmup rises from its minimum to its
 // maximum: WarmupLog (DeepSpeed's default) or WarmupLinear.
@@ -136,10 +138,18 @@ type WarmupDecayLR struct {
 	set         bool
 }
 
-// NewWarmupDecayLR is DeepSpeed's WarmupDecayLR over total steps, warming
-// up from minLR to maxLR over warmup steps (log warmup).
-func NewWarmupDecayLR(total int, minLR, maxLR float64, warmup int) WarmupDecayLR {
+// NewWarmupDecay is DeepSpeed's WarmupDecayLR, warming up from minLR to
+// maxLR over warmup steps (log warmup), then decaying to 0 at total.
+func NewWarmupDecay(minLR, maxLR float64, warmup, total int) WarmupDecayLR {
 	return WarmupDecayLR{TotalSteps: total, MinLR: minLR, MaxLR: maxLR, WarmupSteps: warmup, set: true}
+}
+
+// NewWarmupDecayLR is NewWarmupDecay with the total first.
+//
+// Deprecated: use NewWarmupDecay(minLR, maxLR, warmup, total), whose
+// arguments are in the order of the other schedules' constructors.
+func NewWarmupDecayLR(total int, minLR, maxLR float64, warmup int) WarmupDecayLR {
+	return NewWarmupDecay(minLR, maxLR, warmup, total)
 }
 
 // At gives the group its rate for step t (see Schedule).
@@ -170,11 +180,19 @@ type WarmupCosineLR struct {
 	set            bool
 }
 
-// NewWarmupCosineLR is DeepSpeed's WarmupCosineLR over total steps with
-// warmup steps of warmup, and its defaults: ratios from 0 to 1, down to
+// NewWarmupCosine is DeepSpeed's WarmupCosineLR with warmup steps of
+// warmup over total steps, and its defaults: ratios from 0 to 1, down to
 // 0.0001, log warmup.
-func NewWarmupCosineLR(total, warmup int) WarmupCosineLR {
+func NewWarmupCosine(warmup, total int) WarmupCosineLR {
 	return WarmupCosineLR{TotalSteps: total, WarmupSteps: warmup, CosMinRatio: 0.0001, set: true}
+}
+
+// NewWarmupCosineLR is NewWarmupCosine with the total first.
+//
+// Deprecated: use NewWarmupCosine(warmup, total), whose arguments are in
+// the order of the other schedules' constructors.
+func NewWarmupCosineLR(total, warmup int) WarmupCosineLR {
+	return NewWarmupCosine(warmup, total)
 }
 
 // At gives the group its rate for step t (see Schedule).
@@ -392,6 +410,44 @@ func (s CosineWarmup) checkSchedule(at string) error {
 		return errorf(ErrConfig, "%s.Cycles %v; use a finite number of periods (0.5: down to 0 once)", at, s.Cycles)
 	}
 	return nil
+}
+
+// warmupOutlasts reports whether a run of total steps ends before a
+// warmup of warmup steps does, counted as DeepSpeed counts it (at least 2
+// for its schedules, dsWarmup): DeepSpeed warns of it, and so does zero.
+func warmupOutlasts(total, warmup int, dsWarmup bool) bool {
+	if dsWarmup {
+		warmup = max(2, warmup)
+	}
+	return total < warmup
+}
+
+// scheduleNotices are what zero says of a schedule's settings without
+// refusing them (Engine.Notices): a warmup longer than the run.
+func scheduleNotices(s Schedule) []string {
+	var total, warmup int
+	ds := true
+	switch s := s.(type) {
+	case WarmupDecayLR:
+		total, warmup = s.TotalSteps, s.WarmupSteps
+	case WarmupCosineLR:
+		total, warmup = s.TotalSteps, s.WarmupSteps
+	case LinearWarmup:
+		total, warmup, ds = s.TotalSteps, s.WarmupSteps, false
+	case CosineWarmup:
+		total, warmup, ds = s.TotalSteps, s.WarmupSteps, false
+	default:
+		return nil
+	}
+	if !warmupOutlasts(total, warmup, ds) {
+		return nil
+	}
+	counted := ""
+	if ds && warmup < 2 {
+		counted = ", counted as 2 as DeepSpeed counts it"
+	}
+	return []string{fmt.Sprintf("Optimizer.Schedule (%T): TotalSteps %d is below WarmupSteps %d%s: the run ends before the warmup does (DeepSpeed warns of it too); check the constructor's arguments: the warmup comes before the total",
+		s, total, warmup, counted)}
 }
 
 // optLR is a group's rate.

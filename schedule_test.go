@@ -3,8 +3,12 @@ package zero
 import (
 	"errors"
 	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"math"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -254,7 +258,7 @@ func scheduleCases() []scheduleCase {
 	groupMax.GroupMaxLR = true
 	cases = append(cases,
 		scheduleCase{"WarmupLR to the group's rate", groupMax, func(g *simGroup) dsSim { return newSimWarmup(g, 0.0005, g.lr, 4, false, -1) }},
-		scheduleCase{"WarmupCosineLR defaults", NewWarmupCosineLR(12, 4), func(g *simGroup) dsSim { return newSimCosine(g, 12, 0, 4, 0.0001, false) }},
+		scheduleCase{"WarmupCosineLR defaults", NewWarmupCosine(4, 12), func(g *simGroup) dsSim { return newSimCosine(g, 12, 0, 4, 0.0001, false) }},
 		scheduleCase{"OneCycle stairs and decay", stairs, func(g *simGroup) dsSim { return newSimOneCycle(g, stairs) }},
 		scheduleCase{"OneCycle smooth", smooth, func(g *simGroup) dsSim { return newSimOneCycle(g, smooth) }},
 		scheduleCase{"OneCycle no momentum, no second half", noMom, func(g *simGroup) dsSim { return newSimOneCycle(g, noMom) }},
@@ -338,7 +342,7 @@ func TestScheduleSteppedByTheEngine(t *testing.T) {
 	}
 	init := func(p, j int) float32 { return 1 }
 	t.Run("WarmupDecayLR on SGD", func(t *testing.T) {
-		sched := NewWarmupDecayLR(6, 0.01, 0.5, 3)
+		sched := NewWarmupDecay(0.01, 0.5, 3, 6)
 		sched.Warmup = WarmupLinear
 		tr := runOpt(t, optCase{cfg: Config{Stage: 2, BucketBytes: 256, Align: 1, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(1)}, Schedule: sched}},
 			sizes: sizes, dt: FP32, init: init, backwards: 1, steps: 8, grad: grad})
@@ -391,7 +395,7 @@ func TestScheduleSteppedByTheEngine(t *testing.T) {
 // engines with the same schedule goes on as the run that never stopped,
 // bit for bit: t is in the checkpoint, the rest in the settings.
 func TestScheduleResumes(t *testing.T) {
-	sched := NewWarmupDecayLR(7, 0.001, 0.3, 3)
+	sched := NewWarmupDecay(0.001, 0.3, 3, 7)
 	cfg := Config{Stage: 2, BucketBytes: 256, Align: 1, Params: ParamPolicy{NoBroadcast: true},
 		Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(1)}, Schedule: sched}}
 	sizes := []int{70, 9}
@@ -478,7 +482,7 @@ func TestScheduleChecks(t *testing.T) {
 		"WarmupLR 0 steps":            NewWarmupLR(0, 1, 0),
 		"WarmupLR max and group max":  WarmupLR{MaxLR: 1, WarmupSteps: 3, GroupMaxLR: true, set: true},
 		"WarmupLR warmup type":        WarmupLR{MaxLR: 1, WarmupSteps: 3, Warmup: 7, set: true},
-		"WarmupDecayLR negative":      NewWarmupDecayLR(-1, 0, 1, 3),
+		"WarmupDecayLR negative":      NewWarmupDecay(0, 1, 3, -1),
 		"WarmupCosineLR NaN":          WarmupCosineLR{TotalSteps: 4, WarmupSteps: 2, CosMinRatio: math.NaN(), set: true},
 		"OneCycle first half 0":       OneCycle{MinLR: 0, MaxLR: 1, set: true},
 		"OneCycle negative momentum":  OneCycle{MinLR: 0, MaxLR: 1, FirstStepSize: 3, CycleMomentum: true, MinMom: -1, set: true},
@@ -564,5 +568,105 @@ func TestScheduleChecks(t *testing.T) {
 		if !errors.Is(err, ErrPlanMismatch) || !strings.Contains(err.Error(), "Optimizer.Schedule.Warmup: rank 0 has log, rank 1 has linear") {
 			t.Errorf("rank %d: %v, want ErrPlanMismatch naming Optimizer.Schedule.Warmup", r, err)
 		}
+	}
+}
+
+// TestScheduleConstructorsOneOrder: every schedule constructor in
+// schedule.go that is not deprecated takes the rates first, then the
+// warmup steps, then the total steps (read from its parameter names), and
+// each deprecated one builds what its replacement builds.
+func TestScheduleConstructorsOneOrder(t *testing.T) {
+	fset := token.NewFileSet()
+	f, err := parser.ParseFile(fset, "schedule.go", nil, parser.ParseComments)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rank := map[string]int{"minLR": 0, "maxLR": 0, "warmup": 1, "steps": 1, "total": 2}
+	checked := 0
+	for _, d := range f.Decls {
+		fn, ok := d.(*ast.FuncDecl)
+		if !ok || fn.Recv != nil || !strings.HasPrefix(fn.Name.Name, "New") || strings.Contains(fn.Doc.Text(), "Deprecated:") {
+			continue
+		}
+		last := -1
+		for _, field := range fn.Type.Params.List {
+			for _, name := range field.Names {
+				r, known := rank[name.Name]
+				if !known || r < last {
+					t.Errorf("%s: parameter %s %s; want the rates, then the warmup, then the total", fn.Name.Name, name.Name,
+						map[bool]string{true: "out of order", false: "of no known kind"}[known])
+				}
+				last = r
+			}
+		}
+		checked++
+	}
+	if checked < 6 {
+		t.Errorf("%d constructors checked, want the 6 schedules'", checked)
+	}
+	if a, b := NewWarmupDecayLR(100, 0.01, 0.5, 10), NewWarmupDecay(0.01, 0.5, 10, 100); !reflect.DeepEqual(a, b) {
+		t.Errorf("NewWarmupDecayLR(total 100, …, warmup 10) = %+v, NewWarmupDecay %+v", a, b)
+	}
+	if a, b := NewWarmupCosineLR(100, 10), NewWarmupCosine(10, 100); !reflect.DeepEqual(a, b) {
+		t.Errorf("NewWarmupCosineLR(total 100, warmup 10) = %+v, NewWarmupCosine %+v", a, b)
+	}
+}
+
+// TestScheduleWarmupOutlastsTotal: a schedule built in Go whose warmup
+// outlasts its total steps (DeepSpeed's counted as at least 2) is noticed
+// by Engine.Notices, as ReadDeepSpeed notices the same settings of
+// WarmupDecayLR and WarmupCosineLR at total_num_steps; one whose warmup
+// fits is not. A JSON notice cites DeepSpeed's default warmup as such.
+func TestScheduleWarmupOutlastsTotal(t *testing.T) {
+	ps := []Param{{Name: "a", Count: 4, DType: FP32, Data: Float32s(make([]float32, 4))}}
+	notices := func(s Schedule) []string {
+		comms, _ := NewLocalGroup(1)
+		e, err := New(Config{Stage: 2, BucketBytes: 1024, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.1)}, Schedule: s}}, comms[0], ps)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer e.Close()
+		return e.Notices()
+	}
+	for _, c := range []struct{ warmup, total int }{{10, 5}, {5, 10}, {10, 10}, {1, 1}, {1, 2}, {0, 0}, {3, 0}} {
+		for _, sc := range []struct {
+			name     string
+			s        Schedule
+			dsWarmup bool // counted as at least 2
+			json     string
+		}{
+			{"WarmupDecayLR", NewWarmupDecay(0, 0.1, c.warmup, c.total), true, "WarmupDecayLR"},
+			{"WarmupCosineLR", NewWarmupCosine(c.warmup, c.total), true, "WarmupCosineLR"},
+			{"LinearWarmup", NewLinearWarmup(c.warmup, c.total), false, ""},
+			{"CosineWarmup", NewCosineWarmup(c.warmup, c.total), false, ""},
+		} {
+			if sc.dsWarmup && c.warmup < 1 {
+				continue // DeepSpeed refuses a warmup of 0
+			}
+			want := c.total < c.warmup || sc.dsWarmup && c.total < 2
+			got := notices(sc.s)
+			if (len(got) == 1) != want || len(got) > 1 || want && !strings.Contains(got[0], fmt.Sprintf("TotalSteps %d is below WarmupSteps %d", c.total, c.warmup)) {
+				t.Errorf("%s, warmup %d of %d steps: notices %q, want one: %v", sc.name, c.warmup, c.total, got, want)
+			}
+			if sc.json == "" {
+				continue
+			}
+			ds, err := ReadDeepSpeed([]byte(fmt.Sprintf(`{"zero_optimization": {"stage": 2}, "scheduler": {"type": %q, "params": {"warmup_num_steps": %d, "total_num_steps": %d}}}`,
+				sc.json, c.warmup, c.total)), DeepSpeedOptions{World: 1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if noticed := slices.ContainsFunc(ds.Notices, func(n DeepSpeedNotice) bool { return n.Path == "scheduler.params.total_num_steps" }); noticed != want {
+				t.Errorf("%s from JSON, warmup %d of %d steps: noticed %v, want %v as from Go", sc.json, c.warmup, c.total, noticed, want)
+			}
+		}
+	}
+	ds, err := ReadDeepSpeed([]byte(`{"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5}}}`), DeepSpeedOptions{World: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if i := slices.IndexFunc(ds.Notices, func(n DeepSpeedNotice) bool { return n.Path == "scheduler.params.total_num_steps" }); i < 0 ||
+		!strings.Contains(ds.Notices[i].Text, "DeepSpeed's default warmup_num_steps 1000 (unset)") {
+		t.Errorf("warmup_num_steps unset: %v, want a notice that names DeepSpeed's default as such", ds.Notices)
 	}
 }

@@ -89,7 +89,9 @@ type Stats struct {
 	// master weights, optimizer state and parameters as they were;
 	// GradNorm is the global norm of the gradient the step used (before
 	// clipping, after unscaling; NaN or inf when it skipped for it);
-	// LossScale is the scale the window's gradients carried.
+	// LossScale is the loss scaler's scale in the window (DeepSpeed's: of
+	// the step's mean loss), each backward carrying LossScale/G with fp16
+	// and Grads.AccumSteps G (Engine.LossScale).
 	Skipped   bool
 	GradNorm  float64 // see Skipped
 	LossScale float64 // see Skipped

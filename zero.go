@@ -578,6 +578,13 @@ func (e *Engine) Step() error {
 	return nil
 }
 
+// Notices are what New noticed of its Config without refusing it, one a
+// line: today a schedule whose warmup outlasts its total steps (as
+// DeepSpeed warns, and ReadDeepSpeed's notices say). Nil when nothing.
+func (e *Engine) Notices() []string {
+	return scheduleNotices(e.cfg.Optimizer.Schedule)
+}
+
 // Settings returns the engine's settings record: every setting of its
 // resolved Config (the optimizer groups as SetGroup left them), the world
 // size and the parameters, each with its class. New compared all but the
@@ -799,8 +806,12 @@ func (e *Engine) SetGroup(g int, o Optimizer) error {
 	return e.opt.setGroup(g, o)
 }
 
-// LossScale is the scale the trainer multiplies its loss by for the next
-// backwards (1 unless fp16 or a static scale).
+// LossScale is the scale the trainer multiplies each of the next
+// backwards' loss by (1 unless fp16 or a static scale). With fp16 and
+// Grads.AccumSteps G it is the loss scaler's scale divided by G, as
+// DeepSpeed scales loss/G: the scaler's scale (Stats.LossScale) is that of
+// the step's mean loss, the same at any G. Where G is counted
+// (AccumSteps 0) each backward carries the whole scale.
 func (e *Engine) LossScale() float64 {
 	if e.opt == nil {
 		return 1

@@ -5,7 +5,8 @@
 // paper's 2Ψ + 2Ψ + KΨ/N family (K = 12 for mixed-precision Adam) and
 // DeepSpeed's estimate_zero2_model_states_mem_needs and
 // estimate_zero3_model_states_mem_needs. Each difference from DeepSpeed's
-// figure is broken down by kind and named.
+// figure is broken down by kind and named. -deepspeed FILE estimates a model
+// under a DeepSpeed config (zero.ReadDeepSpeedFile), with its notices.
 package main
 
 import (
@@ -46,6 +47,9 @@ type options struct {
 	gatherBlock bool // stage 3 gathers a decoder block at a time (else one parameter)
 	gpusPerNode int
 	wide        bool
+	// ds reads the -deepspeed config for a model and a world size (nil:
+	// the flags configure)
+	ds func(m model, world int) (zero.DeepSpeedConfig, error)
 }
 
 // model is one model of the table.
@@ -55,6 +59,7 @@ type model struct {
 	sets     [][]int // stage-3 gather sets (nil: a parameter at a time)
 	total    int64   // Ψ
 	largest  int64   // the largest layer (DeepSpeed's largest_layer_params)
+	hidden   int     // the hidden size (0: unknown), which fills a DeepSpeed config's "auto" bucket sizes
 	describe string
 }
 
@@ -186,9 +191,13 @@ func run(args []string, w io.Writer) error {
 	fs.IntVar(&o.gpusPerNode, "gpus-per-node", 8, "GPUs per node, for the host bytes per node and DeepSpeed's CPU figures")
 	asJSON := fs.Bool("json", false, "one JSON object per row instead of the tables")
 	fs.BoolVar(&o.wide, "wide", false, "one table per model: a row per stage, offload and window, a column per W (zero's model states / DeepSpeed's)")
+	dsFile := fs.String("deepspeed", "", "estimate under this DeepSpeed config (ds_config.json): its stage, precision, buckets, budgets, offload, optimizer and accumulation steps; its notices are printed")
+	hidden := fs.Int("hidden", 0, "with -params and -deepspeed: the hidden size, which fills the config's \"auto\" bucket sizes as the Hugging Face Trainer does")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q; every setting is a flag (-h lists them)", fs.Args())
 	}
@@ -247,11 +256,32 @@ func run(args []string, w io.Writer) error {
 	if err != nil {
 		return err
 	}
-	ms, err := buildModels(o)
+	if *dsFile == "" && given["hidden"] {
+		return fmt.Errorf("-hidden fills a DeepSpeed config's \"auto\" bucket sizes: give it with -deepspeed")
+	}
+	ms, err := buildModels(o, *hidden)
 	if err != nil {
 		return err
 	}
+	var notices []string
+	if *dsFile != "" {
+		if !given["window"] {
+			o.windows = []bool{false} // DeepSpeed has no coalesced window: -window on adds zero's
+		}
+		if o, notices, err = withDeepSpeed(o, *dsFile, given, ms[0]); err != nil {
+			return err
+		}
+		if ms, err = buildModels(o, *hidden); err != nil { // in the config's dtype
+			return err
+		}
+	}
 	for _, m := range ms {
+		if !*asJSON && len(notices) > 0 {
+			fmt.Fprintf(w, "\nDeepSpeed config %s (at W=%d, for %s):\n", *dsFile, o.worlds[0], m.name)
+			for _, n := range notices {
+				fmt.Fprintf(w, "  %s\n", n)
+			}
+		}
 		rows, err := table(o, m)
 		if err != nil {
 			return err
@@ -275,13 +305,13 @@ func run(args []string, w io.Writer) error {
 
 // buildModels lists the models of the table: the presets named, or one
 // model known by its size.
-func buildModels(o options) ([]model, error) {
+func buildModels(o options, hidden int) ([]model, error) {
 	if o.count > 0 {
 		params, err := zero.CountParams(int(o.count), int(o.largest), o.dtype)
 		if err != nil {
 			return nil, err
 		}
-		return []model{{name: fmt.Sprintf("%s params", short(o.count)), params: params, total: o.count, largest: o.largest,
+		return []model{{name: fmt.Sprintf("%s params", short(o.count)), params: params, total: o.count, largest: o.largest, hidden: hidden,
 			describe: fmt.Sprintf("%d parameters in layers of %d (the largest layer)", o.count, o.largest)}}, nil
 	}
 	var out []model
@@ -294,7 +324,7 @@ func buildModels(o options) ([]model, error) {
 		if err != nil {
 			return nil, err
 		}
-		m := model{name: strings.ToUpper(name), params: params}
+		m := model{name: strings.ToUpper(name), params: params, hidden: t.Hidden}
 		for _, p := range params {
 			m.total += int64(p.Count)
 			m.largest = max(m.largest, int64(p.Count))
@@ -329,10 +359,22 @@ func buildModels(o options) ([]model, error) {
 func table(o options, m model) ([]Row, error) {
 	var rows []Row
 	for _, world := range o.worlds {
+		base := o.cfg
+		if o.ds != nil { // the config read at this W: its batch sizes are checked against it
+			ds, err := o.ds(m, world)
+			if err != nil {
+				return nil, fmt.Errorf("%s W=%d: %w", m.name, world, err)
+			}
+			base = ds.Config
+			base.Window = o.cfg.Window
+			if len(base.Optimizer.Groups) == 0 { // DeepSpeed takes the client's: -optimizer's
+				base.Optimizer.Groups = o.cfg.Optimizer.Groups
+			}
+		}
 		for _, stage := range o.stages {
 			for _, off := range o.offloads {
 				for _, win := range o.windows {
-					cfg := o.cfg
+					cfg := base
 					cfg.Stage, cfg.Offload.Optimizer = stage, off
 					est, err := zero.Estimate(m.params, cfg, world, zero.Run{Backwards: o.backwards, Window: win, Gathers: m.sets})
 					if err != nil {
@@ -771,4 +813,109 @@ func parseCount(name, v string) (int64, error) {
 		return 0, fmt.Errorf("-%s %q: want a whole number of parameters, e.g. 7e9 (-params and -largest go together)", name, v)
 	}
 	return int64(f), nil
+}
+
+// withDeepSpeed sets o from the DeepSpeed config at path, read for m at the
+// first world size: the stage, offload, model dtype and backwards; each
+// row reads it again at its own W (o.ds). The flags the config decides are
+// refused where given; they fill its "auto" values where it has them, as
+// the Hugging Face Trainer does (the bucket sizes from the model's hidden
+// size; the batch sizes from -backwards and a micro-batch of 1; the rest,
+// which change no byte of the estimate, from the Trainer's defaults). It
+// returns the notices, and a line naming each "auto" it filled.
+func withDeepSpeed(o options, path string, given map[string]bool, first model) (options, []string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return o, nil, fmt.Errorf("-deepspeed: %w", err)
+	}
+	doc := map[string]any{}
+	_ = json.Unmarshal(data, &doc) // ReadDeepSpeed says what is wrong with it
+	auto := map[string]bool{}
+	var walk func(m map[string]any, at string)
+	walk = func(m map[string]any, at string) {
+		for k, v := range m {
+			if sub, ok := v.(map[string]any); ok {
+				walk(sub, at+k+".")
+			} else if v == "auto" {
+				auto[at+k] = true
+			}
+		}
+	}
+	walk(doc, "")
+	_, hasOptimizer := doc["optimizer"]
+	decided := map[string]bool{"stages": true, "offload": true, "bucket": true, "shard-dtype": true, "comm-dtype": true, "prefetch": true, "live": true,
+		"dtype":     !auto["fp16.enabled"] && !auto["bf16.enabled"] && !auto["bfloat16.enabled"],
+		"backwards": !auto["gradient_accumulation_steps"], "optimizer": hasOptimizer}
+	for _, name := range slices.Sorted(maps.Keys(decided)) {
+		if decided[name] && given[name] {
+			return o, nil, fmt.Errorf("-%s with -deepspeed: the config decides it; leave the flag out", name)
+		}
+	}
+	fills := func(m model, world int) (map[string]any, error) {
+		h := m.hidden
+		g := o.backwards
+		if v, ok := doc["gradient_accumulation_steps"].(float64); ok && v >= 1 {
+			g = int(v)
+		}
+		micro := 1
+		if tb, ok := doc["train_batch_size"].(float64); ok && int(tb)%(g*world) == 0 && int(tb) >= g*world {
+			micro = int(tb) / (g * world)
+		} else if mb, ok := doc["train_micro_batch_size_per_gpu"].(float64); ok && mb >= 1 {
+			micro = int(mb)
+		}
+		all := map[string]any{
+			"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": g, "train_batch_size": micro * g * world,
+			"fp16.enabled": o.dtype == zero.FP16, "bf16.enabled": o.dtype == zero.BF16, "bfloat16.enabled": o.dtype == zero.BF16,
+			"zero_optimization.reduce_bucket_size": h * h, "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * float64(h*h)),
+			"zero_optimization.stage3_param_persistence_threshold":        10 * h,
+			"zero_optimization.stage3_gather_16bit_weights_on_model_save": false,
+			"gradient_clipping": 1.0, "optimizer.params.lr": 5e-5, "optimizer.params.betas": []float64{0.9, 0.999},
+			"optimizer.params.eps": 1e-8, "optimizer.params.weight_decay": 0.0, "scheduler.params.warmup_min_lr": 0,
+			"scheduler.params.warmup_max_lr": 5e-5, "scheduler.params.warmup_num_steps": 1, "scheduler.params.total_num_steps": 1,
+		}
+		over := map[string]any{}
+		for path := range auto {
+			v, ok := all[path]
+			if !ok {
+				continue // ReadDeepSpeed refuses an "auto" it cannot fill
+			}
+			if strings.HasPrefix(path, "zero_optimization.") && strings.Contains(path, "size") || strings.HasSuffix(path, "threshold") {
+				if h == 0 {
+					return nil, fmt.Errorf("-deepspeed: %s is \"auto\", which the Trainer fills from the hidden size: give -hidden (or a -model)", path)
+				}
+			}
+			over[path] = v
+		}
+		return over, nil
+	}
+	o.ds = func(m model, world int) (zero.DeepSpeedConfig, error) {
+		over, err := fills(m, world)
+		if err != nil {
+			return zero.DeepSpeedConfig{}, err
+		}
+		return zero.ReadDeepSpeed(data, zero.DeepSpeedOptions{World: world, Overrides: over})
+	}
+	ds, err := o.ds(first, o.worlds[0])
+	if err != nil {
+		return o, nil, err
+	}
+	o.stages, o.offloads, o.dtype = []int{ds.Config.Stage}, []bool{ds.Config.Offload.Optimizer}, ds.DType
+	o.backwards = max(1, ds.Config.Grads.AccumSteps)
+	o.cfg.Precision, o.cfg.BucketBytes, o.cfg.Params = ds.Config.Precision, ds.Config.BucketBytes, ds.Config.Params
+	if len(ds.Config.Optimizer.Groups) > 0 {
+		o.cfg.Optimizer = ds.Config.Optimizer
+	}
+	var notices []string
+	for _, n := range ds.Notices {
+		notices = append(notices, "notice "+n.String())
+	}
+	if ds.MoreNotices > 0 {
+		notices = append(notices, fmt.Sprintf("and %d more notices", ds.MoreNotices))
+	}
+	over, _ := fills(first, o.worlds[0])
+	for _, path := range slices.Sorted(maps.Keys(over)) {
+		b, _ := json.Marshal(over[path])
+		notices = append(notices, fmt.Sprintf("\"auto\" %s filled with %s for the estimate", path, b))
+	}
+	return o, notices, nil
 }

@@ -4,6 +4,8 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"fmt"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -201,6 +203,49 @@ func TestOptions(t *testing.T) {
 		var out bytes.Buffer
 		if err := run(args, &out); err == nil {
 			t.Errorf("%q: no error", args)
+		}
+	}
+}
+
+// TestDeepSpeedConfig: -deepspeed estimates the user's model under a
+// published config (LLaMA-Factory's ZeRO-3, bf16, its "auto" buckets filled
+// from -hidden as the Trainer fills them) row for row as the flags that
+// say the same do; it prints the config's notices and what filled each
+// "auto"; and a config zero refuses, a flag the config decides, and an
+// "auto" bucket without a hidden size are errors that say so.
+func TestDeepSpeedConfig(t *testing.T) {
+	file := "../../testdata/deepspeed/llamafactory_ds_z3_config.json"
+	h := 4096
+	got := jsonRows(t, "-deepspeed", file, "-params", "7e9", "-largest", "1.31e8", "-hidden", fmt.Sprint(h), "-world", "8,16")
+	want := jsonRows(t, "-params", "7e9", "-largest", "1.31e8", "-world", "8,16", "-stages", "3", "-offload", "off", "-window", "off",
+		"-dtype", "bf16", "-shard-dtype", "bf16", "-bucket", fmt.Sprint(h*h*2), "-prefetch", fmt.Sprint(int(0.9*float64(h*h))*2),
+		"-live", fmt.Sprint(int(1e9)*2), "-backwards", "4")
+	if len(got) != 2 || !reflect.DeepEqual(got, want) {
+		t.Errorf("from the DeepSpeed config:\n%+v\nfrom the flags that say the same:\n%+v", got, want)
+	}
+	var out bytes.Buffer
+	if err := run([]string{"-deepspeed", file, "-model", "7b", "-world", "8"}, &out); err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []string{"notice zero_optimization.sub_group_size", "notice zero_optimization.stage3_max_reuse_distance",
+		`"auto" zero_optimization.reduce_bucket_size filled with 16777216`, "| 8 | 3 | no | no |"} {
+		if !strings.Contains(out.String(), s) {
+			t.Errorf("no %q in the output:\n%s", s, out.String())
+		}
+	}
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-deepspeed", "../../testdata/deepspeed/hf_docs_zero3.json", "-model", "7b"}, "zero_optimization.offload_param"},
+		{[]string{"-deepspeed", file, "-model", "7b", "-stages", "2"}, "-stages with -deepspeed"},
+		{[]string{"-deepspeed", file, "-params", "7e9", "-largest", "1.31e8"}, "give -hidden"},
+		{[]string{"-hidden", "4096"}, "give it with -deepspeed"},
+		{[]string{"-deepspeed", "missing.json"}, "-deepspeed"},
+	} {
+		var out bytes.Buffer
+		if err := run(c.args, &out); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%q: %v, want an error with %q", c.args, err, c.want)
 		}
 	}
 }

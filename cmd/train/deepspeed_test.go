@@ -118,13 +118,84 @@ func TestDeepSpeedFP16(t *testing.T) {
 }
 
 // TestDeepSpeedRefused: a config with keys zero cannot honour fails before
-// training, naming every one.
+// training, naming every one: the Trainer's ZeRO-3 test config offloads the
+// parameters (its tuning keys are taken with notices).
 func TestDeepSpeedRefused(t *testing.T) {
 	c := defaultConfig()
 	c.deepspeed = filepath.Join("..", "..", "testdata", "deepspeed", "hf_ds_config_zero3.json")
 	_, err := run(nil, c)
 	var ds *zero.DeepSpeedError
-	if !errors.As(err, &ds) || len(ds.Problems) != 4 || !strings.Contains(err.Error(), "zero_optimization.offload_param") {
-		t.Fatalf("%v, want the four refused keys", err)
+	if !errors.As(err, &ds) || len(ds.Problems) != 1 || ds.Problems[0].Path != "zero_optimization.offload_param" {
+		t.Fatalf("%v, want zero_optimization.offload_param refused alone", err)
+	}
+}
+
+// TestDeepSpeedBatchFromFile: the batch sizes and accumulation steps come
+// from the file; the flags fill only its "auto" values (from the file's
+// own batch sizes where they decide it, as DeepSpeed derives a missing
+// one); a flag set on the command line that the file overrules gets a
+// notice; and a split of the flags that does not divide is refused naming
+// the flags, those left at their defaults said to be so.
+func TestDeepSpeedBatchFromFile(t *testing.T) {
+	for _, tc := range []struct {
+		name, file string
+		batch      int
+		given      []string // flags set on the command line
+		world      int
+		out, err   string
+	}{
+		{"micro auto, decided by the file", `"train_batch_size": 16, "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": "auto"`,
+			24, nil, 2, "global batch 16 in 2 backward(s) per step", ""},
+		{"all auto, from the flags", `"train_batch_size": "auto", "gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"`,
+			12, []string{"batch", "accum"}, 2, "global batch 12 in 3 backward(s) per step", ""},
+		{"an -accum the file overrules", `"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2`,
+			24, []string{"accum"}, 2, "notice gradient_accumulation_steps: override 3 not used: the file sets 2", ""},
+		{"flags that do not split", `"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"`,
+			24, []string{"world"}, 5, "", "-batch 24 (the default) does not split into -world 5 ranks"},
+	} {
+		c := defaultConfig()
+		c.deepspeed = writeConfig(t, `{"zero_optimization": {"stage": 2}, `+tc.file+`}`)
+		c.batch, c.world, c.steps, c.accum = tc.batch, tc.world, 2, 3
+		c.given = map[string]bool{}
+		for _, f := range tc.given {
+			c.given[f] = true
+		}
+		var out bytes.Buffer
+		_, err := run(&out, c)
+		if tc.err != "" {
+			if err == nil || !strings.Contains(err.Error(), tc.err) {
+				t.Errorf("%s: %v, want %q", tc.name, err, tc.err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Errorf("%s: %v", tc.name, err)
+			continue
+		}
+		if !strings.Contains(out.String(), tc.out) {
+			t.Errorf("%s: the output has no %q:\n%s", tc.name, tc.out, out.String())
+		}
+	}
+}
+
+// TestDeepSpeedMalformedBatch: a config whose micro-batch is 0, below 0 or
+// not a number fails before training, naming the key (it divided by zero).
+func TestDeepSpeedMalformedBatch(t *testing.T) {
+	for _, micro := range []string{`0`, `-3`, `"x"`} {
+		c := defaultConfig()
+		c.deepspeed = writeConfig(t, `{"zero_optimization": {"stage": 2}, "train_batch_size": 8, "train_micro_batch_size_per_gpu": `+micro+`}`)
+		var err error
+		func() {
+			defer func() {
+				if p := recover(); p != nil {
+					t.Fatalf("micro-batch %s: panic %v", micro, p)
+				}
+			}()
+			_, err = run(nil, c)
+		}()
+		var ds *zero.DeepSpeedError
+		if !errors.As(err, &ds) || len(ds.Problems) != 1 || ds.Problems[0].Path != "train_micro_batch_size_per_gpu" {
+			t.Errorf("micro-batch %s: %v, want train_micro_batch_size_per_gpu alone", micro, err)
+		}
 	}
 }

@@ -166,15 +166,16 @@ type config struct {
 	deepspeed string
 	warmup    int
 	ds        *zero.DeepSpeedConfig
+	// given names the flags set on the command line: only those are cited
+	// as the user's, and only those are held against a DeepSpeed config's
+	// own values
+	given map[string]bool
 	// export: a safetensors file of the fp32 parameters at the end.
 	export string
 	// logEvery: a line every so many steps (0: the DeepSpeed config's
 	// steps_per_print, else 1); metrics: a file of JSON lines, a step each.
 	logEvery int
 	metrics  string
-	// given are the flags the command line set: a message marks the
-	// others' values as defaults, never as the user's choice
-	given map[string]bool
 	// trace keeps every step's parameters, stats and times in the result
 	// (the tests' view of a run); without it a run keeps a few bytes a step.
 	trace bool
@@ -189,6 +190,14 @@ type config struct {
 func defaultConfig() config {
 	return config{world: 2, stage: 2, steps: 10, batch: 24, accum: 1, in: 4, hidden: 16,
 		lr: 0.01, weightDecay: 0.01, dtype: zero.FP32, bucketBytes: 256, seed: 1, warmup: 2}
+}
+
+// byDefault says " (the default)" of a flag the command line did not set.
+func (c config) byDefault(name string) string {
+	if c.given[name] {
+		return ""
+	}
+	return " (the default)"
 }
 
 func (c config) check() error {

@@ -555,7 +555,7 @@ func TestMessagesMarkDefaults(t *testing.T) {
 			"-batch 30 does not split into -world 2 (the default) ranks × -accum 4 micro-batches; give a -batch that is a multiple of 8"},
 		{func(c *config) {
 			c.deepspeed = writeConfig(t, `{"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 5}`)
-		}, "-batch 24 (the default) does not split into -world 2 (the default) ranks × gradient_accumulation_steps 5 (the DeepSpeed config) micro-batches"},
+		}, "-batch 24 (the default) does not split into -world 2 (the default) ranks × 5 micro-batches, which fill the DeepSpeed config's \"auto\" batch sizes"},
 	} {
 		c := defaultConfig()
 		v.edit(&c)
