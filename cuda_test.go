@@ -1856,3 +1856,49 @@ func TestCUDATimedEventsRecycled(t *testing.T) {
 		}
 	}
 }
+
+// TestCUDAFreeAfterQueuedWork: a stream-ordered free of device memory
+// returns at once and leaves the memory allocated while a queued copy still
+// writes it (the fake driver's cuMemFree, like a real one's where it does
+// not synchronise, would free it under the copy); it is freed once the
+// stream gets past the copy.
+func TestCUDAFreeAfterQueuedWork(t *testing.T) {
+	d := fakeCUDA(t)
+	s := gpuStream(t, d)
+	const n = 1 << 20
+	src, err := d.Alloc(n, FP32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Free(src)
+	x, err := d.Alloc(n, FP32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before, _, err := d.memInfo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cudaSpin(s, 300*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.copy(s, x, src); err != nil { // device to device: queued behind the spin
+		t.Fatal(err)
+	}
+	freeAfter(d, x, s)
+	if now, _, _ := d.memInfo(); now != before {
+		t.Fatalf("%d bytes freed while the copy into them was queued", now-before)
+	}
+	if err := s.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		if now, _, _ := d.memInfo(); now == before+4*n {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("not freed 10 s after the stream drained")
+		}
+	}
+}
+

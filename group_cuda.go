@@ -142,8 +142,14 @@ func (c *cudaLocalComm) collective(s Stream, a collArgs, payload int, ts ...Tens
 		ph.claimed = true
 		g.phase = &cudaPhase{done: make(chan struct{})}
 		g.mu.Unlock()
-		ph.err = g.run(c.rank, slots)
+		var enqueued bool
+		enqueued, ph.err = g.run(c.rank, slots)
 		if ph.err != nil {
+			if enqueued { // part of it is queued; the others' streams are not ordered after it
+				for _, o := range slots {
+					quarantine.add(o.a.buffers(g.n)...)
+				}
+			}
 			g.abort(ph.err)
 		}
 		close(ph.done)
@@ -177,39 +183,40 @@ func (c *cudaLocalComm) collective(s Stream, a collArgs, payload int, ts ...Tens
 	return g.abortErr()
 }
 
-// run enqueues one collective for every rank on the stream of rank last.
-func (g *cudaGroup) run(last int, slots []cudaSlot) error {
+// run enqueues one collective for every rank on the stream of rank last;
+// enqueued says whether any of it may have been enqueued.
+func (g *cudaGroup) run(last int, slots []cudaSlot) (enqueued bool, err error) {
 	a := slots[last].a
 	for r, o := range slots {
 		oa := o.a
 		if oa.kind != a.kind || oa.op != a.op || oa.root != a.root || oa.dtype != a.dtype || oa.count != a.count {
-			return errorf(ErrMismatch, "rank %d called %v while rank %d called %v; every rank must issue the same collectives in the same order", last, a, r, oa)
+			return false, errorf(ErrMismatch, "rank %d called %v while rank %d called %v; every rank must issue the same collectives in the same order", last, a, r, oa)
 		}
 	}
 	d, L := g.dev, slots[last].stream
 	for r, o := range slots {
 		if r != last {
 			if err := L.Wait(o.ready); err != nil {
-				return err
+				return false, err
 			}
 		}
 	}
 	if err := g.work(L, slots); err != nil {
-		return err
+		return true, err
 	}
 	done, err := L.record(false)
 	if err != nil {
-		return err
+		return true, err
 	}
 	for r, o := range slots {
 		if r != last && o.stream != L {
 			if code := C.zc_stream_wait(d.dev(), C.uintptr_t(o.stream.h), C.uintptr_t(done.h)); code != 0 {
-				return d.err("cudaStreamWaitEvent", code)
+				return true, d.err("cudaStreamWaitEvent", code)
 			}
 		}
 	}
 	runtime.KeepAlive(done) // the waits above use its handle
-	return nil
+	return true, nil
 }
 
 // work enqueues the collective's kernels and copies on L.

@@ -39,6 +39,9 @@ func NewLocalGroupTimeout(n int, timeout time.Duration) ([]Comm, error) {
 type localGroup struct {
 	n       int
 	timeout time.Duration
+	// beforeWork, for tests, runs before a rank's part of each collective:
+	// a peer slow to finish it.
+	beforeWork func(rank int)
 
 	abortLatch                        // its mu also guards pending
 	pending    map[uint64]*rendezvous // by collective sequence number
@@ -159,7 +162,10 @@ func (c *localComm) enqueue(s Stream, x collective) error {
 	seq := c.seq
 	c.seq++
 	return hs.Launch(func() error {
-		err := c.run(seq, x.args())
+		inUse, err := c.run(seq, x.args())
+		if inUse { // a peer may still read or write them
+			quarantine.add(x.send, x.recv)
+		}
 		keepAlive(x.send, x.recv)
 		return c.ownErr(err)
 	})
@@ -167,24 +173,28 @@ func (c *localComm) enqueue(s Stream, x collective) error {
 
 // run is one rank's part of a collective: publish the arguments, meet the
 // peers, do this rank's 1/n of the work, and meet again so no rank reuses a
-// buffer a peer still reads.
-func (c *localComm) run(seq uint64, a collArgs) error {
+// buffer a peer still reads. inUse: the second meeting failed (timed
+// out), so a peer may still be working on this rank's buffers.
+func (c *localComm) run(seq uint64, a collArgs) (inUse bool, err error) {
 	g := c.g
 	rv, err := g.meet(c.rank, seq, &a)
 	if err != nil {
-		return err
+		return false, err // no peer works with this rank's buffers (see meet)
 	}
 	for r, o := range rv.args {
 		if o.kind != a.kind || o.op != a.op || o.root != a.root || o.dtype != a.dtype || o.count != a.count {
 			err := errorf(ErrMismatch, "collective %d: rank %d called %v while rank %d called %v; every rank must issue the same collectives in the same order",
 				seq, c.rank, a, r, o)
 			g.abort(err)
-			return err
+			return false, err // every rank sees the mismatch: none works
 		}
+	}
+	if g.beforeWork != nil {
+		g.beforeWork(c.rank)
 	}
 	c.work(rv.args, a)
 	_, err = g.meet(c.rank, seq, nil)
-	return err
+	return err != nil, err
 }
 
 func (c *localComm) work(slots []collArgs, a collArgs) {

@@ -621,7 +621,8 @@ func (e *Engine) copyScaled(d Device, s Stream, dst, src Tensor, scale float32) 
 			if err == nil {
 				err = d.copyScaled(s, dst, tmp, scale)
 			}
-			err = errors.Join(err, s.Sync(), d.Free(tmp))
+			err = errors.Join(err, s.Sync())
+			freeAfter(d, tmp, s)
 		}
 	case dst.dtype != FP32: // the host into d's 16-bit memory
 		var tmp Tensor
@@ -630,7 +631,8 @@ func (e *Engine) copyScaled(d Device, s Stream, dst, src Tensor, scale float32) 
 			if err == nil {
 				err = d.cast(s, dst, tmp, 1)
 			}
-			err = errors.Join(err, s.Sync(), d.Free(tmp))
+			err = errors.Join(err, s.Sync())
+			freeAfter(d, tmp, s)
 		}
 	default:
 		if err = d.copyScaled(s, dst, src, scale); err == nil {
@@ -654,7 +656,7 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer e.dev.Free(all)
+	defer freeAfter(e.dev, all, e.gatherStream, e.copyStream)
 	// the collective needs the shard in device memory
 	send, err := e.pl.shardOnDevice(e.gatherStream, all.slice(e.rank*e.plan.ShardElems, e.plan.ShardElems))
 	if err != nil {

@@ -22,7 +22,9 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (name, file, old, new, tests): tests is a -run regular expression.
+# (name, file, old, new, tests): tests is a -run regular expression, or
+# several separated by ";", each prefixed "cuda:" to run on the fake CUDA
+# driver (see run_tests).
 MUTANTS = [
     ("norm-unscaled", "optim.go",
      "res.norm = math.Sqrt(total) * float64(readScale) / o.scaler.scale",
@@ -414,6 +416,39 @@ MUTANTS = [
      "if inForce[b] != local || hosted[b] {",
      "if inForce[b] != local || hosted[b] && false {",
      "TestEstimateMatchesAllocations"),
+    # issue 32: memory never returned while queued work can touch it
+    ("scalars-free-before-queued-work", "nccl.go",
+     "defer freeAfter(dev, buf, s)",
+     "defer dev.Free(buf)",
+     "TestScratchFreedAfterQueuedWork"),
+    ("settings-gather-free-before-queued-work", "config.go",
+     "defer freeAfter(dev, buf, s)\n\tpart",
+     "defer dev.Free(buf)\n\tpart",
+     "TestScratchFreedAfterQueuedWork"),
+    ("readparams-free-before-queued-work", "params.go",
+     "defer freeAfter(dev, buf, s)\n\tfor _, bp",
+     "defer dev.Free(buf)\n\tfor _, bp",
+     "TestScratchFreedAfterQueuedWork"),
+    ("uploadcast-free-before-queued-work", "params.go",
+     "freeAfter(ps.dev, tmp, s)\n\treturn err",
+     "ps.dev.Free(tmp)\n\treturn err",
+     "TestScratchFreedAfterQueuedWork"),
+    ("host-free-not-ordered", "device.go",
+     "if hs.ranAll() {",
+     "if true {",
+     "TestFreeAfterWaitsForTheStream"),
+    ("cuda-free-not-ordered", "device.go",
+     "\t\tif ev.Done() {",
+     "\t\tif true {",
+     "cuda:TestCUDAFreeAfterQueuedWork"),
+    ("timed-out-buffers-freed", "group_local.go",
+     "quarantine.add(x.send, x.recv)",
+     "_ = x",
+     "TestTimedOutCollectiveLeaksItsBuffers"),
+    ("quarantine-ignored-by-free", "device.go",
+     "if quarantine.keeps(uintptr(unsafe.Pointer(&mem[0])), len(mem)) {",
+     "if false {",
+     "TestTimedOutCollectiveLeaksItsBuffers"),
     ("zero1-sums-stay-fp32", "bucket.go",
      "\tpl.localPool = newBufferPool(dev, spec.windowDType, &pl.mem)",
      "\tpl.localPool = newBufferPool(dev, FP32, &pl.mem)",
@@ -422,12 +457,24 @@ MUTANTS = [
 
 
 def run_tests(tree, pattern):
-    cmd = ["go", "test", "-count=1", "-timeout", "300s"]
-    if pattern:
-        cmd += ["-run", pattern]
-    cmd.append(".")
-    p = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
-    return p.returncode, p.stdout + p.stderr
+    """Runs the tests of pattern: -run regular expressions separated by
+    ";", each prefixed "cuda:" to run with -tags cuda against the fake CUDA
+    driver (ZERO_FAKE_CUDA=1). The mutant is caught if any run fails."""
+    rc, out = 0, ""
+    for part in (pattern.split(";") if pattern else [None]):
+        cmd = ["go", "test", "-count=1", "-timeout", "300s"]
+        env = dict(os.environ)
+        if part and part.startswith("cuda:"):
+            part = part[len("cuda:"):]
+            cmd += ["-tags", "cuda"]
+            env["ZERO_FAKE_CUDA"] = "1"
+            env["CGO_CFLAGS"] = env.get("CGO_CFLAGS", "-O2 -g") + " -Wno-deprecated-declarations"
+        if part:
+            cmd += ["-run", part]
+        cmd.append(".")
+        p = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env)
+        rc, out = rc or p.returncode, out + p.stdout + p.stderr
+    return rc, out
 
 
 def copy_tree():
