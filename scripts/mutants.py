@@ -49,7 +49,7 @@ MUTANTS = [
     ("sync-drops-error", "bucket.go",
      "\t\tif err := done.Sync(); err != nil {\n\t\t\treturn err\n\t\t}\n\t}\n\tclear(pl.reducing)",
      "\t\tdone.Sync()\n\t}\n\tclear(pl.reducing)",
-     "TestReductionErrorReachesCaller"),
+     "TestReductionErrorReachesCaller;cuda:TestCUDAReductionEventErrorReachesStep"),
     ("z3-second-stream-no-wait", "params.go",
      "\t\tif b != waited {",
      "\t\tif b != waited && g.refs == 0 {",
