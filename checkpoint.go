@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
+	"io/fs"
 	"math"
 	"math/rand/v2"
 	"path/filepath"
@@ -150,6 +151,9 @@ type ckptEngine struct {
 	opt         *optState
 	ps          *paramState // nil below stage 3
 	step        int
+	// stop says whether to stop before the next read or write of a
+	// chunk: the engine's Abort (nil: never).
+	stop func() error
 }
 
 func rankFileName(r int) string { return fmt.Sprintf("rank-%05d.bin", r) }
@@ -325,6 +329,7 @@ func (ce *ckptEngine) writeRankFile(partial string, client []byte) (int64, uint3
 		}
 	}
 	w := newRankWriter(f, name, footer)
+	w.stop = ce.stop
 	var buf []byte
 	for _, st := range ce.opt.stateTensors() {
 		if buf == nil {
@@ -367,6 +372,11 @@ func writeState(w *rankWriter, st stateTensor, buf []byte) error {
 	per := len(buf) / size
 	_, onHost := st.dev.(*hostDevice)
 	for off := 0; off < st.t.count; off += per {
+		if w.stop != nil {
+			if err := w.stop(); err != nil {
+				return err
+			}
+		}
 		n := min(per, st.t.count-off)
 		part := st.t.slice(off, n)
 		var b []byte
@@ -506,8 +516,14 @@ func findCheckpoint(fsys ckptFS, dir string) (string, ckptManifestData, error) {
 	var m ckptManifestData
 	at := dir
 	data, err := fsys.ReadFile(filepath.Join(dir, ckptManifest))
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return "", m, errorf(ErrCheckpoint, "%v; the checkpoint's manifest is unreadable: load another checkpoint", err)
+	}
 	if err != nil {
 		latest, lerr := fsys.ReadFile(filepath.Join(dir, ckptLatest))
+		if lerr != nil && !errors.Is(lerr, fs.ErrNotExist) {
+			return "", m, errorf(ErrCheckpoint, "%v; %s is damaged: pass a checkpoint directory instead", lerr, ckptLatest)
+		}
 		if lerr != nil {
 			return "", m, errorf(ErrCheckpoint, "%s holds no checkpoint (no %s, no %s); pass a checkpoint directory or the directory Save wrote into", dir, ckptManifest, ckptLatest)
 		}
@@ -515,7 +531,9 @@ func findCheckpoint(fsys ckptFS, dir string) (string, ckptManifestData, error) {
 		if _, err := fsys.ReadDir(at); err != nil || strings.TrimSpace(string(latest)) == "" {
 			return "", m, errorf(ErrCheckpoint, "%s names %q, which is not a checkpoint directory (%v): %s is damaged; pass a checkpoint directory instead", filepath.Join(dir, ckptLatest), strings.TrimSpace(string(latest)), err, ckptLatest)
 		}
-		if data, err = fsys.ReadFile(filepath.Join(at, ckptManifest)); err != nil {
+		if data, err = fsys.ReadFile(filepath.Join(at, ckptManifest)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return "", m, errorf(ErrCheckpoint, "%v; the checkpoint's manifest is unreadable: load another checkpoint", err)
+		} else if err != nil {
 			return "", m, errorf(ErrCheckpoint, "%s: the checkpoint %s names is incomplete (no %s): its save never finished; load another", dir, ckptLatest, ckptManifest)
 		}
 	}
@@ -645,7 +663,7 @@ func (ld *loader) verifyRanks(ranks []int) error {
 	for _, r := range ranks {
 		fi := ld.m.Files[r]
 		name := filepath.Join(ld.at, fi.Name)
-		rr, err := openRankFile(ld.ce.fs, name, fi.Bytes)
+		rr, err := openRankFile(ld.ce.fs, name, fi.Bytes, ld.ce.stop)
 		if err != nil {
 			return err
 		}
@@ -698,7 +716,7 @@ func fileCRC(rr *rankReader, size int64, bufs [2][]byte) (uint32, error) {
 		defer close(full)
 		for off := int64(0); off < size; off += verifyPiece {
 			b := (<-free)[:min(verifyPiece, size-off)]
-			_, err := rr.f.ReadAt(b, off)
+			_, err := rr.readAt(b, off)
 			if err == io.EOF {
 				err = nil
 			}

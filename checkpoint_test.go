@@ -671,8 +671,29 @@ func TestCheckpointRefusals(t *testing.T) {
 		if tc.parent {
 			from = filepath.Dir(d)
 		}
-		comms, _ := NewLocalGroup(2)
-		errs := eachRank(2, func(rank int) error {
+		errs := refusedLoad(t, c, 2, from, nil)
+		t.Logf("%s: %v", tc.name, errs[0])
+		for rank, err := range errs {
+			if !errors.Is(err, ErrCheckpoint) || errors.Is(err, ErrCollective) {
+				t.Errorf("%s: rank %d: %v, want ErrCheckpoint and a usable engine", tc.name, rank, err)
+			}
+		}
+		if err := errs[0]; err != nil && !strings.Contains(err.Error(), tc.want) && !strings.Contains(errs[1].Error(), tc.want) {
+			t.Errorf("%s: %v / %v, want an error naming %q", tc.name, errs[0], errs[1], tc.want)
+		}
+	}
+}
+
+// refusedLoad loads from into fresh engines of c on world ranks (fsys, if
+// set, is every engine's file layer), within a bound, and returns each
+// rank's error; a rank whose engine the load changed gets an error that
+// says so instead.
+func refusedLoad(t *testing.T, c ckptCase, world int, from string, fsys func(rank int) ckptFS) []error {
+	t.Helper()
+	comms, _ := NewLocalGroupTimeout(world, 20*time.Second)
+	var errs []error
+	within(t, 60*time.Second, func() {
+		errs = eachRank(world, func(rank int) error {
 			defer comms[rank].Close()
 			ps := make([]Param, len(ckptSizes))
 			for p, n := range ckptSizes {
@@ -683,11 +704,17 @@ func TestCheckpointRefusals(t *testing.T) {
 				return err
 			}
 			defer e.Close()
+			if fsys != nil {
+				e.files = fsys(rank)
+			}
 			before, err := readCkptState(e)
 			if err != nil {
 				return err
 			}
 			_, lerr := e.Load(from, LoadOptions{})
+			if errors.Is(lerr, ErrCollective) {
+				return lerr // fatal: the state is not readable any more
+			}
 			after, err := readCkptState(e)
 			if err != nil {
 				return fmt.Errorf("the engine after a refused load: %w", err)
@@ -697,14 +724,168 @@ func TestCheckpointRefusals(t *testing.T) {
 			}
 			return lerr
 		})
-		t.Logf("%s: %v", tc.name, errs[0])
+	})
+	return errs
+}
+
+// TestCheckpointSpecialFiles: a rank file that is a FIFO (whose plain open
+// waits for a writer forever), a directory, or a symlink to /dev/zero, and
+// a manifest or latest that is a symlink to /dev/zero (whose plain read
+// never ends), are refused within a bound, naming the file and that it is
+// not a regular file, with little memory, and the engine unchanged; so is
+// a FIFO given to ImportSafetensors.
+func TestCheckpointSpecialFiles(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	base := t.TempDir()
+	ckptTrain(t, c, 0, 1, "", base)
+	latest, err := os.ReadFile(filepath.Join(base, ckptLatest))
+	if err != nil {
+		t.Fatal(err)
+	}
+	at := filepath.Join(base, strings.TrimSpace(string(latest)))
+	replace := func(name string, with func(string) error) func(string) {
+		return func(d string) {
+			p := filepath.Join(d, name)
+			if err := os.Remove(p); err != nil {
+				t.Fatal(err)
+			}
+			if err := with(p); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	fifo := func(p string) error { return unix.Mkfifo(p, 0o644) }
+	zeros := func(p string) error { return os.Symlink("/dev/zero", p) }
+	dir := func(p string) error { return os.Mkdir(p, 0o755) }
+	for _, tc := range []struct {
+		name   string
+		damage func(string)
+		want   string
+		parent bool
+	}{
+		{"rank file a FIFO", replace("rank-00001.bin", fifo), "rank-00001.bin", false},
+		{"rank file a directory", replace("rank-00000.bin", dir), "rank-00000.bin", false},
+		{"rank file a symlink to /dev/zero", replace("rank-00000.bin", zeros), "rank-00000.bin", false},
+		{"manifest a symlink to /dev/zero", replace(ckptManifest, zeros), ckptManifest, false},
+		{"manifest a FIFO", replace(ckptManifest, fifo), ckptManifest, false},
+		{"latest a symlink to /dev/zero", func(d string) { zeros(filepath.Join(filepath.Dir(d), ckptLatest)) }, ckptLatest, true},
+		{"latest a FIFO", func(d string) { fifo(filepath.Join(filepath.Dir(d), ckptLatest)) }, ckptLatest, true},
+	} {
+		d := filepath.Join(t.TempDir(), "ck")
+		if err := os.CopyFS(d, os.DirFS(at)); err != nil {
+			t.Fatal(err)
+		}
+		tc.damage(d)
+		from := d
+		if tc.parent {
+			from = filepath.Dir(d)
+		}
+		before := heapAllocated()
+		errs := refusedLoad(t, c, 2, from, nil)
+		grown := heapAllocated() - before
+		t.Logf("%s: %v (%d bytes allocated)", tc.name, errs[0], grown)
 		for rank, err := range errs {
 			if !errors.Is(err, ErrCheckpoint) || errors.Is(err, ErrCollective) {
 				t.Errorf("%s: rank %d: %v, want ErrCheckpoint and a usable engine", tc.name, rank, err)
 			}
 		}
-		if err := errs[0]; err != nil && !strings.Contains(err.Error(), tc.want) && !strings.Contains(errs[1].Error(), tc.want) {
-			t.Errorf("%s: %v / %v, want an error naming %q", tc.name, errs[0], errs[1], tc.want)
+		if err := errors.Join(errs...); err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "not a regular file") {
+			t.Errorf("%s: %v, want an error naming %s, not a regular file", tc.name, err, tc.want)
+		}
+		if grown > 64<<20 {
+			t.Errorf("%s: %d bytes allocated by two engines and the refused load", tc.name, grown)
+		}
+	}
+	f := filepath.Join(t.TempDir(), "model.safetensors")
+	if err := fifo(f); err != nil {
+		t.Fatal(err)
+	}
+	var ierr error
+	within(t, 30*time.Second, func() {
+		ierr = ImportSafetensors(f, Config{Stage: 2}, CPU(), []Param{{Name: "w", Count: 4, DType: FP32, Data: toDType(make([]float32, 4), FP32)}}, ImportOptions{})
+	})
+	if !errors.Is(ierr, ErrCheckpoint) || !strings.Contains(ierr.Error(), "not a regular file") {
+		t.Errorf("ImportSafetensors of a FIFO: %v, want ErrCheckpoint, not a regular file", ierr)
+	}
+}
+
+// hangingFS reads as the operating system's until its at-th read, which
+// runs then calls abort: every later read blocks until release is closed,
+// as on a device that stopped answering.
+type hangingFS struct {
+	osFS
+	mu      sync.Mutex
+	reads   int
+	at      int
+	abort   func()
+	release chan struct{}
+}
+
+type hangingFile struct {
+	ckptFile
+	fs *hangingFS
+}
+
+func (h *hangingFS) Open(name string) (ckptFile, error) {
+	f, err := h.osFS.Open(name)
+	if err != nil {
+		return nil, err
+	}
+	return hangingFile{f, h}, nil
+}
+
+func (f hangingFile) ReadAt(p []byte, off int64) (int, error) {
+	h := f.fs
+	h.mu.Lock()
+	h.reads++
+	n := h.reads
+	h.mu.Unlock()
+	switch {
+	case n == h.at:
+		defer h.abort()
+	case n > h.at:
+		<-h.release
+	}
+	return f.ckptFile.ReadAt(p, off)
+}
+
+// TestCheckpointAbortInterruptsLoad: an Abort while a load reads its files
+// stops it before its next read (which would block for ever here): Load
+// returns ErrAborted within a bound, and the peer's Load fails too.
+func TestCheckpointAbortInterruptsLoad(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	dir := t.TempDir()
+	ckptTrain(t, c, 0, 1, "", dir)
+	for _, at := range []int{1, 3, 5} { // the trailer, the checks' reads, a section
+		h := &hangingFS{at: at, release: make(chan struct{})}
+		comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+		var errs []error
+		within(t, 60*time.Second, func() {
+			errs = eachRank(2, func(rank int) error {
+				defer comms[rank].Close()
+				ps := make([]Param, len(ckptSizes))
+				for p, n := range ckptSizes {
+					ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(make([]float32, n), c.dtype)}
+				}
+				e, err := New(c.config(), comms[rank], ps)
+				if err != nil {
+					return err
+				}
+				defer e.Close()
+				if rank == 0 {
+					e.files = h
+					h.abort = func() { e.Abort(errors.New("stop the load")) }
+				}
+				_, err = e.Load(dir, LoadOptions{})
+				return err
+			})
+		})
+		close(h.release)
+		if !errors.Is(errs[0], ErrAborted) {
+			t.Errorf("read %d: rank 0: %v, want ErrAborted", at, errs[0])
+		}
+		if errs[1] == nil {
+			t.Errorf("read %d: rank 1 loaded while rank 0 aborted", at)
 		}
 	}
 }

@@ -88,6 +88,7 @@ type rankWriter struct {
 	crc    uint32 // of the whole file so far
 	footer ckptFooter
 	sec    *ckptSection // the section being written
+	stop   func() error // non-nil error: stop before the next chunk (an Abort)
 	chunk  uint32       // CRC of the section's current chunk
 	inChk  int64        // bytes in the current chunk
 }
@@ -191,7 +192,8 @@ type rankReader struct {
 	f      ckptFile
 	name   string
 	footer ckptFooter
-	buf    []byte // one chunk
+	buf    []byte       // one chunk
+	stop   func() error // non-nil error: stop before the next read (an Abort)
 	// verified: the whole file matched the manifest's CRC32C, so reads
 	// go straight into the caller's memory, without the chunks' checks.
 	verified bool
@@ -199,17 +201,27 @@ type rankReader struct {
 
 // openRankFile opens name and reads its footer; want is the size the
 // manifest recorded (a truncated or grown file is refused before any read).
-func openRankFile(fsys ckptFS, name string, want int64) (*rankReader, error) {
+func openRankFile(fsys ckptFS, name string, want int64, stop func() error) (*rankReader, error) {
 	f, err := fsys.Open(name)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %w; the checkpoint is missing a rank's file: load another checkpoint", ErrCheckpoint, name, err)
 	}
-	r := &rankReader{f: f, name: name}
+	r := &rankReader{f: f, name: name, stop: stop}
 	if err := r.readFooter(want); err != nil {
 		f.Close()
 		return nil, err
 	}
 	return r, nil
+}
+
+// readAt reads p at off, unless the load was stopped meanwhile.
+func (r *rankReader) readAt(p []byte, off int64) (int, error) {
+	if r.stop != nil {
+		if err := r.stop(); err != nil {
+			return 0, err
+		}
+	}
+	return r.f.ReadAt(p, off)
 }
 
 func (r *rankReader) corrupt(format string, args ...any) error {
@@ -228,7 +240,7 @@ func (r *rankReader) readFooter(want int64) error {
 		return r.corrupt("too short for a checkpoint file")
 	}
 	var tr [ckptTrailerLen]byte
-	if _, err := r.f.ReadAt(tr[:], size-ckptTrailerLen); err != nil {
+	if _, err := r.readAt(tr[:], size-ckptTrailerLen); err != nil {
 		return r.corrupt("reading its trailer: %v", err)
 	}
 	at, n := int64(binary.LittleEndian.Uint64(tr[0:])), int64(binary.LittleEndian.Uint64(tr[8:]))
@@ -236,7 +248,7 @@ func (r *rankReader) readFooter(want int64) error {
 		return r.corrupt("no valid trailer")
 	}
 	foot := make([]byte, n)
-	if _, err := r.f.ReadAt(foot, at); err != nil {
+	if _, err := r.readAt(foot, at); err != nil {
 		return r.corrupt("reading its footer: %v", err)
 	}
 	if crc32.Checksum(foot, castagnoli) != binary.LittleEndian.Uint32(tr[16:]) {
@@ -267,7 +279,7 @@ func (r *rankReader) chunk(s *ckptSection, c int64) ([]byte, error) {
 	}
 	lo := c * ckptChunk
 	b := r.buf[:min(ckptChunk, s.Bytes-lo)]
-	if _, err := r.f.ReadAt(b, s.Offset+lo); err != nil && err != io.EOF {
+	if _, err := r.readAt(b, s.Offset+lo); err != nil && err != io.EOF {
 		return nil, r.corrupt("reading section %q: %v", s.Name, err)
 	}
 	if crc32.Checksum(b, castagnoli) != s.CRC[c] {
@@ -283,7 +295,7 @@ func (r *rankReader) read(s *ckptSection, off int64, p []byte) error {
 		return r.corrupt("section %q has %d bytes, %d wanted at %d", s.Name, s.Bytes, len(p), off)
 	}
 	if r.verified {
-		if _, err := r.f.ReadAt(p, s.Offset+off); err != nil && err != io.EOF {
+		if _, err := r.readAt(p, s.Offset+off); err != nil && err != io.EOF {
 			return r.corrupt("reading section %q: %v", s.Name, err)
 		}
 		return nil

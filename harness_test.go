@@ -79,6 +79,21 @@ func eachRank(n int, fn func(rank int) error) []error {
 	return errs
 }
 
+// within fails t unless fn returns within d (a hang is a bug too).
+func within(t *testing.T, d time.Duration, fn func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		fn()
+	}()
+	select {
+	case <-done:
+	case <-time.After(d):
+		t.Fatalf("did not return within %v", d)
+	}
+}
+
 // onEngines builds an engine per rank of a fresh in-process group, runs fn
 // on each rank's goroutine with a host stream, and returns the errors.
 func onEngines(world int, timeout time.Duration, cfg Config, params []Param, fn func(e *Engine, s *HostStream) error) []error {

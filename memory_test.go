@@ -12,21 +12,6 @@ import (
 // buffers of a collective that may still run after it failed are never
 // unmapped.
 
-// within fails t unless fn returns within d (a hang is a bug too).
-func within(t *testing.T, d time.Duration, fn func()) {
-	t.Helper()
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		fn()
-	}()
-	select {
-	case <-done:
-	case <-time.After(d):
-		t.Fatalf("did not return within %v", d)
-	}
-}
-
 // abortOnce returns a hook that aborts comm the first time it runs.
 func abortOnce(comm Comm) func() {
 	var once sync.Once

@@ -1031,8 +1031,14 @@ func (e *Engine) checkpointable(op string) (*ckptEngine, error) {
 	case e.ps != nil && e.ps.stillGathered() > 0:
 		return nil, errorf(ErrProtocol, "%s with %d gathered parameter views out: Release them first", op, e.ps.stillGathered())
 	}
+	stop := func() error {
+		if reason := e.aborted.Load(); reason != nil {
+			return fmt.Errorf("%w: %s interrupted by Abort: %w", ErrAborted, op, *reason)
+		}
+		return nil
+	}
 	return &ckptEngine{fs: e.ckptFS(), comm: e.comm, rank: e.rank, world: e.world, stage: e.cfg.Stage, plan: e.plan,
-		params: e.params, settings: e.Settings(), opt: e.opt, ps: e.ps, step: e.stepIndex}, nil
+		params: e.params, settings: e.Settings(), opt: e.opt, ps: e.ps, step: e.stepIndex, stop: stop}, nil
 }
 
 // ckptFS is the file layer checkpoints use (a test's, where one is set).
