@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"io"
 	"maps"
 	"math"
@@ -18,6 +19,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -671,7 +673,7 @@ func TestCheckpointRefusals(t *testing.T) {
 		if tc.parent {
 			from = filepath.Dir(d)
 		}
-		errs := refusedLoad(t, c, 2, from, nil)
+		errs, _ := refusedLoad(t, c, 2, from, nil)
 		t.Logf("%s: %v", tc.name, errs[0])
 		for rank, err := range errs {
 			if !errors.Is(err, ErrCheckpoint) || errors.Is(err, ErrCollective) {
@@ -685,22 +687,34 @@ func TestCheckpointRefusals(t *testing.T) {
 }
 
 // refusedLoad loads from into fresh engines of c on world ranks (fsys, if
-// set, is every engine's file layer), within a bound, and returns each
-// rank's error; a rank whose engine the load changed gets an error that
-// says so instead.
-func refusedLoad(t *testing.T, c ckptCase, world int, from string, fsys func(rank int) ckptFS) []error {
+// set, is every engine's file layer; the engines start as ckptRun's),
+// within a bound, and returns each rank's error; a rank whose engine the
+// load changed gets an error that says so instead. Where every rank was
+// refused and its engine is usable, each then takes ckptRun's step 0 and
+// the state after it is returned: the bits of a run that never tried.
+func refusedLoad(t *testing.T, c ckptCase, world int, from string, fsys func(rank int) ckptFS) ([]error, []ckptState) {
 	t.Helper()
 	comms, _ := NewLocalGroupTimeout(world, 20*time.Second)
 	var errs []error
+	var refused sync.WaitGroup
+	refused.Add(world)
+	var stepped atomic.Bool
+	stepped.Store(true)
+	states := make([]ckptState, world)
 	within(t, 60*time.Second, func() {
 		errs = eachRank(world, func(rank int) error {
 			defer comms[rank].Close()
 			ps := make([]Param, len(ckptSizes))
 			for p, n := range ckptSizes {
-				ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(make([]float32, n), c.dtype)}
+				x := make([]float32, n)
+				for i := range x {
+					x[i] = float32(i%17)*0.03 - 0.2 + float32(p)*0.01
+				}
+				ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(x, c.dtype)}
 			}
 			e, err := New(c.config(), comms[rank], ps)
 			if err != nil {
+				refused.Done()
 				return err
 			}
 			defer e.Close()
@@ -709,11 +723,16 @@ func refusedLoad(t *testing.T, c ckptCase, world int, from string, fsys func(ran
 			}
 			before, err := readCkptState(e)
 			if err != nil {
+				refused.Done()
 				return err
 			}
 			_, lerr := e.Load(from, LoadOptions{})
+			if !errors.Is(lerr, ErrCheckpoint) || errors.Is(lerr, ErrCollective) {
+				stepped.Store(false) // fatal, or loaded: no step
+			}
+			refused.Done()
 			if errors.Is(lerr, ErrCollective) {
-				return lerr // fatal: the state is not readable any more
+				return lerr // the state is not readable any more
 			}
 			after, err := readCkptState(e)
 			if err != nil {
@@ -722,10 +741,34 @@ func refusedLoad(t *testing.T, c ckptCase, world int, from string, fsys func(ran
 			if diff := before.diff(after); diff != "" {
 				return fmt.Errorf("a refused load changed the engine: %s", diff)
 			}
+			refused.Wait() // every rank's outcome known: all step, or none
+			if stepped.Load() {
+				s := NewHostStream()
+				defer s.Close()
+				for k := range 2 {
+					for p := len(ps) - 1; p >= 0; p-- {
+						if _, err := e.GradReady(p, ckptGrad(c, 0, k, rank, p, ps[p].Count, e.LossScale()), s); err != nil {
+							return err
+						}
+					}
+					if err := e.EndBackward(); err != nil {
+						return err
+					}
+				}
+				if err := e.Step(); err != nil {
+					return fmt.Errorf("the step after a refused load: %w", err)
+				}
+				if states[rank], err = readCkptState(e); err != nil {
+					return err
+				}
+			}
 			return lerr
 		})
 	})
-	return errs
+	if !stepped.Load() {
+		states = nil
+	}
+	return errs, states
 }
 
 // TestCheckpointSpecialFiles: a rank file that is a FIFO (whose plain open
@@ -781,7 +824,7 @@ func TestCheckpointSpecialFiles(t *testing.T) {
 			from = filepath.Dir(d)
 		}
 		before := heapAllocated()
-		errs := refusedLoad(t, c, 2, from, nil)
+		errs, _ := refusedLoad(t, c, 2, from, nil)
 		grown := heapAllocated() - before
 		t.Logf("%s: %v (%d bytes allocated)", tc.name, errs[0], grown)
 		for rank, err := range errs {
@@ -1459,4 +1502,302 @@ func dropCache(path string) error {
 		defer f.Close()
 		return unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED)
 	})
+}
+
+// ckptImage is a checkpoint directory read into memory, to be written
+// back with some of it changed and every checksum recomputed: the
+// manifest's own, each file's size and CRC32C in it, each footer's in its
+// trailer, and each section's chunk CRCs. Only content is then wrong.
+type ckptImage struct {
+	m     ckptManifestData
+	files []rankImage
+}
+
+// rankImage is a rank file: its footer and each section's bytes.
+type rankImage struct {
+	footer   ckptFooter
+	sections map[string][]byte
+}
+
+func readCkptImage(t *testing.T, dir string) *ckptImage {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, ckptManifest))
+	if err != nil {
+		t.Fatal(err)
+	}
+	im := &ckptImage{}
+	if err := json.Unmarshal(b, &im.m); err != nil {
+		t.Fatal(err)
+	}
+	for _, fi := range im.m.Files {
+		im.files = append(im.files, readRankImage(t, filepath.Join(dir, fi.Name)))
+	}
+	return im
+}
+
+func readRankImage(t *testing.T, name string) rankImage {
+	t.Helper()
+	b, err := os.ReadFile(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := b[len(b)-ckptTrailerLen:]
+	at, n := binary.LittleEndian.Uint64(tr), binary.LittleEndian.Uint64(tr[8:])
+	ri := rankImage{sections: map[string][]byte{}}
+	if err := json.Unmarshal(b[at:at+n], &ri.footer); err != nil {
+		t.Fatal(err)
+	}
+	for _, sec := range ri.footer.Sections {
+		ri.sections[sec.Name] = slices.Clone(b[sec.Offset : sec.Offset+sec.Bytes])
+	}
+	return ri
+}
+
+// write writes the image into dir: each rank file's sections in its
+// footer's order, packed, with their offsets and chunk CRCs recomputed,
+// then forge (if set) edits the footer, then the footer, its trailer, and
+// the manifest with every file's size and CRC32C, sealed.
+func (im *ckptImage) write(t *testing.T, dir string, forge func(r int, f *ckptFooter)) {
+	t.Helper()
+	for r, ri := range im.files {
+		var body []byte
+		f := ri.footer
+		f.Sections = nil
+		for _, sec := range ri.footer.Sections {
+			data, ok := ri.sections[sec.Name]
+			if !ok {
+				continue
+			}
+			sec.Offset, sec.Bytes, sec.CRC = int64(len(body)), int64(len(data)), nil
+			for lo := 0; lo < len(data); lo += ckptChunk {
+				sec.CRC = append(sec.CRC, crc32.Checksum(data[lo:min(lo+ckptChunk, len(data))], castagnoli))
+			}
+			f.Sections = append(f.Sections, sec)
+			body = append(body, data...)
+		}
+		if forge != nil {
+			forge(r, &f)
+		}
+		foot, err := json.Marshal(&f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var tr [ckptTrailerLen]byte
+		binary.LittleEndian.PutUint64(tr[0:], uint64(len(body)))
+		binary.LittleEndian.PutUint64(tr[8:], uint64(len(foot)))
+		binary.LittleEndian.PutUint32(tr[16:], crc32.Checksum(foot, castagnoli))
+		copy(tr[20:], ckptTrailerTag)
+		whole := append(append(body, foot...), tr[:]...)
+		if err := os.WriteFile(filepath.Join(dir, rankFileName(r)), whole, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if r < len(im.m.Files) {
+			im.m.Files[r].Bytes, im.m.Files[r].CRC = int64(len(whole)), crc32.Checksum(whole, castagnoli)
+		}
+	}
+	data, err := sealManifest(&im.m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, ckptManifest), data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestCheckpointForgedContent: checkpoints whose checksums were all
+// recomputed after a change, so that only their content is wrong, are
+// refused before anything changes (ErrCheckpoint naming the file and what
+// is wrong), the engine usable and unchanged: one more step gives the bits
+// of a run that never tried the bad checkpoint. A rewrite that changes
+// nothing loads (the rewriting is sound).
+func TestCheckpointForgedContent(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	saved := func() string {
+		base := t.TempDir()
+		ckptTrain(t, c, 0, 2, "", base)
+		latest, err := os.ReadFile(filepath.Join(base, ckptLatest))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return filepath.Join(base, strings.TrimSpace(string(latest)))
+	}
+	at := saved()
+	other := saved() // the same run saved again: another save, the same bits
+	never := ckptTrain(t, c, 0, 1, "", "")
+	member := func(b, i int, f func(*[2]int)) func(*ckptImage) {
+		return func(im *ckptImage) { f(&im.m.Layout.Buckets[b].Members[i]) }
+	}
+	bucket := func(b int, f func(*ckptBucket)) func(*ckptImage) {
+		return func(im *ckptImage) { f(&im.m.Layout.Buckets[b]) }
+	}
+	section := func(r int, name string, f func(*ckptSection)) func(int, *ckptFooter) {
+		return func(rank int, ft *ckptFooter) {
+			if rank != r {
+				return
+			}
+			s, ok := ft.section(name)
+			if !ok {
+				t.Fatalf("no section %s", name)
+			}
+			f(s)
+		}
+	}
+	for _, tc := range []struct {
+		name  string
+		edit  func(*ckptImage)
+		forge func(int, *ckptFooter)
+		file  string // the file the error names
+		what  string // and what it says is wrong
+		loads bool
+	}{
+		{name: "nothing changed", loads: true},
+		{name: "a shard offset of -1000", edit: bucket(0, func(b *ckptBucket) { b.ShardOffset = -1000 }), file: ckptManifest, what: "bucket 0 has a shard"},
+		{name: "a shard offset of +10^6", edit: bucket(1, func(b *ckptBucket) { b.ShardOffset += 1e6 }), file: ckptManifest, what: "bucket 1 has a shard"},
+		{name: "a shard offset of 2^62", edit: bucket(2, func(b *ckptBucket) { b.ShardOffset = 1 << 62 }), file: ckptManifest, what: "bucket 2 has a shard"},
+		{name: "a shard of 2^62", edit: bucket(0, func(b *ckptBucket) { b.Shard = 1 << 62 }), file: ckptManifest, what: "bucket 0 has a shard"},
+		{name: "a member offset of 2^62", edit: member(0, 1, func(m *[2]int) { m[1] = 1 << 62 }), file: ckptManifest, what: "past the bucket"},
+		{name: "a member offset of -1", edit: member(0, 0, func(m *[2]int) { m[1] = -1 }), file: ckptManifest, what: "bucket 0 places"},
+		{name: "parameters 0 and 1 swapped in the layout", edit: func(im *ckptImage) {
+			for b := range im.m.Layout.Buckets {
+				for i, mb := range im.m.Layout.Buckets[b].Members {
+					if mb[0] < 2 {
+						im.m.Layout.Buckets[b].Members[i][0] = 1 - mb[0]
+					}
+				}
+			}
+		}, file: ckptManifest, what: "over the member before it"},
+		{name: "parameters 0 and 1 swapped in the parameter list", edit: func(im *ckptImage) {
+			im.m.Params[0], im.m.Params[1] = im.m.Params[1], im.m.Params[0]
+		}, file: ckptManifest, what: "parameter 0"},
+		{name: "a member moved inside its bucket", edit: member(0, 1, func(m *[2]int) { m[1] += 36 }), file: "rank-00000.bin", what: "other parameter ranges"},
+		{name: "no buckets", edit: func(im *ckptImage) { im.m.Layout.Buckets = nil }, file: ckptManifest, what: "the buckets' shards hold 0 elements"},
+		{name: "a parameter in two buckets", edit: func(im *ckptImage) {
+			im.m.Layout.Buckets[0].Members = append(im.m.Layout.Buckets[0].Members, [2]int{1, 200})
+		}, file: ckptManifest, what: "lies in another bucket too"},
+		{name: "negative step counts", edit: func(im *ckptImage) { im.m.Optimizer.Steps[2] = -5 }, file: ckptManifest, what: "parameter 2 has taken -5"},
+		{name: "a negative loss scale", edit: func(im *ckptImage) { im.m.Optimizer.Scaler.Scale = -1 }, file: ckptManifest, what: "a loss scale of -1"},
+		{name: "a file named outside the checkpoint", edit: func(im *ckptImage) { im.m.Files[1].Name = "../rank-00001.bin" }, file: ckptManifest, what: "file 1 is"},
+		{name: "a section offset of MaxInt64-10", forge: section(0, "m", func(s *ckptSection) { s.Offset = math.MaxInt64 - 10 }), file: "rank-00000.bin", what: `section "m"`},
+		{name: "a master section of another dtype", forge: section(1, "master", func(s *ckptSection) { s.DType = "fp16" }), file: "rank-00001.bin", what: `section "master" holds "fp16"`},
+		{name: "a master section 4 bytes long", edit: func(im *ckptImage) { im.files[0].sections["master"] = im.files[0].sections["master"][:4] }, file: "rank-00000.bin", what: `section "master" has 4 bytes`},
+		{name: "a footer without its master section", edit: func(im *ckptImage) { delete(im.files[1].sections, "master") }, file: "rank-00001.bin", what: "no master section"},
+		{name: "a section of another name", forge: section(0, "vmax", func(s *ckptSection) { s.Name = "w" }), file: "rank-00000.bin", what: `a section "w"`},
+		{name: "a rank file of another save of this model", edit: func(im *ckptImage) {
+			im.files[1] = readRankImage(t, filepath.Join(other, rankFileName(1)))
+		}, file: "rank-00001.bin", what: "written by another save"},
+		{name: "a rank file listed as another rank's", edit: func(im *ckptImage) { im.files[0].footer.Rank = 1 }, file: "rank-00000.bin", what: "rank 1 of 2"},
+		{name: "the save's identity missing", edit: func(im *ckptImage) { im.m.Save = "" }, file: ckptManifest, what: "the save's identity"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := filepath.Join(t.TempDir(), "ck")
+			if err := os.CopyFS(d, os.DirFS(at)); err != nil {
+				t.Fatal(err)
+			}
+			im := readCkptImage(t, d)
+			if tc.edit != nil {
+				tc.edit(im)
+			}
+			im.write(t, d, tc.forge)
+			if tc.loads {
+				ckptRun{c: c, from: -1, to: -1, load: d}.run(t)
+				return
+			}
+			errs, after := refusedLoad(t, c, 2, d, nil)
+			for rank, err := range errs {
+				if !errors.Is(err, ErrCheckpoint) || errors.Is(err, ErrCollective) {
+					t.Fatalf("rank %d: %v, want ErrCheckpoint and an unchanged engine", rank, err)
+				}
+			}
+			all := errors.Join(errs...).Error()
+			if !strings.Contains(all, tc.file) || !strings.Contains(all, tc.what) {
+				t.Errorf("%v; want an error naming %s and saying %q", errors.Join(errs...), tc.file, tc.what)
+			}
+			for rank := range after {
+				if d := never[rank].diff(after[rank]); d != "" {
+					t.Errorf("rank %d: the step after the refusal differs from a run that never tried: %s", rank, d)
+				}
+			}
+			t.Logf("%v", errs[0])
+		})
+	}
+}
+
+// TestCheckpointLoadBoundsAllocation: manifests with a correct checksum
+// that declare a layout far larger than their files (8,192 ranks, 3,000
+// parameters, each spread over every rank) are refused, by Load's checks
+// and by CheckpointToSafetensors, before anything is allocated for their
+// numbers: the heap grows by at most 64 times the manifest plus 1 MiB
+// (it grew by 4.4 GB when the loader listed every piece first).
+func TestCheckpointLoadBoundsAllocation(t *testing.T) {
+	const world, params, count = 8192, 3000, 8192
+	build := func(overlap bool) ckptManifestData {
+		m := ckptManifestData{Format: ckptFormat, Version: ckptVersion, Save: formatSaveID(1), Stage: 2,
+			Optimizer: optCheckpoint{Kind: "adamw", Steps: make([]int, params), Scaler: scalerState{Scale: 1, LastOverflow: -1}}}
+		m.Layout.World = world
+		for p := range params {
+			m.Params = append(m.Params, ckptParam{Name: fmt.Sprint("w", p), Count: count, DType: "fp32"})
+			b := ckptBucket{Shard: 1, ShardOffset: p, Members: [][2]int{{p, 0}}}
+			if overlap { // the issue's: every member in one bucket, all at 0
+				if p > 0 {
+					m.Layout.Buckets[0].Members = append(m.Layout.Buckets[0].Members, [2]int{p, 0})
+					continue
+				}
+			}
+			m.Layout.Buckets = append(m.Layout.Buckets, b)
+			m.Layout.ShardElems++
+		}
+		for r := range world {
+			m.Files = append(m.Files, ckptFileInfo{Name: rankFileName(r), Rank: r, Bytes: 1 << 30})
+		}
+		return m
+	}
+	for _, tc := range []struct {
+		name    string
+		overlap bool
+		files   bool // every rank file there, 24 bytes long
+	}{{"overlapping members", true, false}, {"files missing", false, false}, {"files shorter than listed", false, true}} {
+		dir := t.TempDir()
+		m := build(tc.overlap)
+		data, err := sealManifest(&m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, ckptManifest), data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if tc.files {
+			for r := range world {
+				if err := os.WriteFile(filepath.Join(dir, rankFileName(r)), make([]byte, 24), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		limit := 64*uint64(len(data)) + 1<<20
+		before := heapAllocs()
+		err = checkpointToSafetensors(osFS{}, dir, filepath.Join(t.TempDir(), "out.safetensors"), ExportOptions{})
+		grown := heapAllocs() - before
+		t.Logf("%s: %d bytes of manifest, %d allocated: %v", tc.name, len(data), grown, err)
+		if !errors.Is(err, ErrCheckpoint) {
+			t.Errorf("%s: %v, want ErrCheckpoint", tc.name, err)
+		}
+		if grown > limit {
+			t.Errorf("%s: %d bytes allocated for a %d-byte manifest, more than %d", tc.name, grown, len(data), limit)
+		}
+		// an engine's load runs the same checks on its own parameters
+		ps := make([]Param, params)
+		for p := range ps {
+			ps[p] = Param{Name: fmt.Sprint("w", p), Count: count, DType: FP32}
+		}
+		before = heapAllocs()
+		_, err = checkLayout(dir, m, ps)
+		if err == nil {
+			ld := newLoader(&ckptEngine{fs: osFS{}, params: ps, plan: newPlan(ps, 1<<20, 1, 64)}, dir, m, nil)
+			ld.x, _ = checkLayout(dir, m, ps)
+			err = ld.verify()
+			ld.close()
+		}
+		if grown := heapAllocs() - before; !errors.Is(err, ErrCheckpoint) || grown > limit {
+			t.Errorf("%s: the load's checks: %v, %d bytes allocated (at most %d)", tc.name, err, grown, limit)
+		}
+	}
 }

@@ -1,11 +1,13 @@
 package zero
 
 import (
+	"cmp"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"hash/crc32"
 	"io"
+	"slices"
 )
 
 // A rank's checkpoint file: its sections (one tensor each, in the shard
@@ -23,8 +25,9 @@ const (
 	ckptRankMagic  = "zero-rank"
 	ckptTrailerTag = "ZCK1"
 	// ckptVersion is the format version, of the files and the manifest. A
-	// reader refuses a newer one.
-	ckptVersion = 1
+	// reader refuses a newer one and reads every older one. Version 2 added
+	// the save's identity to the manifest and every rank file's footer.
+	ckptVersion = 2
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -63,6 +66,7 @@ type ckptSection struct {
 type ckptFooter struct {
 	Magic      string        `json:"magic"`
 	Version    int           `json:"version"`
+	Save       string        `json:"save,omitempty"` // the save's identity, as the manifest's (version 2)
 	Rank       int           `json:"rank"`
 	World      int           `json:"world"`
 	ShardElems int64         `json:"shard_elems"`
@@ -243,12 +247,13 @@ func (r *rankReader) readFooter(want int64) error {
 	if _, err := r.readAt(tr[:], size-ckptTrailerLen); err != nil {
 		return r.corrupt("reading its trailer: %v", err)
 	}
-	at, n := int64(binary.LittleEndian.Uint64(tr[0:])), int64(binary.LittleEndian.Uint64(tr[8:]))
-	if string(tr[20:]) != ckptTrailerTag || at < 0 || n < 0 || at+n != size-ckptTrailerLen {
+	at, n := binary.LittleEndian.Uint64(tr[0:]), binary.LittleEndian.Uint64(tr[8:])
+	body := uint64(size - ckptTrailerLen)
+	if string(tr[20:]) != ckptTrailerTag || at > body || n != body-at {
 		return r.corrupt("no valid trailer")
 	}
-	foot := make([]byte, n)
-	if _, err := r.readAt(foot, at); err != nil {
+	foot := make([]byte, n) // at most the file's size
+	if _, err := r.readAt(foot, int64(at)); err != nil {
 		return r.corrupt("reading its footer: %v", err)
 	}
 	if crc32.Checksum(foot, castagnoli) != binary.LittleEndian.Uint32(tr[16:]) {
@@ -263,10 +268,17 @@ func (r *rankReader) readFooter(want int64) error {
 	if r.footer.Version > ckptVersion {
 		return fmt.Errorf("%w: %s: format version %d, newer than this library's %d; load it with a newer zero", ErrCheckpoint, r.name, r.footer.Version, ckptVersion)
 	}
-	for _, s := range r.footer.Sections {
-		if s.Offset < 0 || s.Bytes < 0 || s.Offset+s.Bytes > at || int64(len(s.CRC)) != (s.Bytes+ckptChunk-1)/ckptChunk {
-			return r.corrupt("section %q lies outside the file", s.Name)
+	// every section inside the file's sections, none over another (the
+	// sums cannot overflow: each term is checked against the end first)
+	end := int64(at)
+	secs := slices.Clone(r.footer.Sections)
+	slices.SortFunc(secs, func(a, b ckptSection) int { return cmp.Compare(a.Offset, b.Offset) })
+	next := int64(0)
+	for _, s := range secs {
+		if s.Offset < next || s.Offset > end || s.Bytes < 0 || s.Bytes > end-s.Offset || int64(len(s.CRC)) != (s.Bytes+ckptChunk-1)/ckptChunk {
+			return r.corrupt("section %q (%d bytes at %d, %d checksums) lies outside the file's %d bytes of sections or over another", s.Name, s.Bytes, s.Offset, len(s.CRC), end)
 		}
+		next = s.Offset + s.Bytes
 	}
 	return nil
 }
@@ -291,7 +303,7 @@ func (r *rankReader) chunk(s *ckptSection, c int64) ([]byte, error) {
 // read fills p with bytes [off, off+len(p)) of section s, reading and
 // checking every chunk they touch.
 func (r *rankReader) read(s *ckptSection, off int64, p []byte) error {
-	if off < 0 || off+int64(len(p)) > s.Bytes {
+	if off < 0 || off > s.Bytes || int64(len(p)) > s.Bytes-off {
 		return r.corrupt("section %q has %d bytes, %d wanted at %d", s.Name, s.Bytes, len(p), off)
 	}
 	if r.verified {

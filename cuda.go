@@ -291,7 +291,7 @@ func (d *cudaDevice) Free(t Tensor) error {
 	if t.keep != nil {
 		return errorf(ErrConfig, "Free: tensor at %#x is Go memory, not from %s", t.ptr, d.Name())
 	}
-	if quarantine.keeps(t.ptr, t.Bytes()) {
+	if quarantined(t.ptr, t.Bytes()) {
 		return nil
 	}
 	return d.err("Free", C.zc_free(d.dev(), C.uintptr_t(t.ptr)))
@@ -312,7 +312,7 @@ func (d *cudaDevice) freePinned(t Tensor) error {
 	if t.ptr == 0 {
 		return nil
 	}
-	if quarantine.keeps(t.ptr, t.Bytes()) {
+	if quarantined(t.ptr, t.Bytes()) {
 		return nil
 	}
 	return d.err("FreePinned", C.zc_host_free(d.dev(), C.uintptr_t(t.ptr)))

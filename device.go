@@ -153,7 +153,7 @@ func (h *hostDevice) Free(t Tensor) error {
 	if !ok {
 		return errorf(ErrConfig, "Free: tensor at %#x was not allocated by the cpu device", t.ptr)
 	}
-	if quarantine.keeps(uintptr(unsafe.Pointer(&mem[0])), len(mem)) {
+	if quarantined(uintptr(unsafe.Pointer(&mem[0])), len(mem)) {
 		return nil
 	}
 	return unix.Munmap(mem)
@@ -483,8 +483,12 @@ func (q *memQuarantine) add(ts ...Tensor) {
 	}
 }
 
-// keeps reports whether the allocation [ptr, ptr+n) holds quarantined
-// memory, and counts it as leaked if so.
+// quarantined reports whether the allocation [ptr, ptr+n) holds
+// quarantined memory (which its device's Free must leave allocated), and
+// counts it as leaked if so.
+func quarantined(ptr uintptr, n int) bool { return quarantine.keeps(ptr, n) }
+
+// keeps is quarantined.
 func (q *memQuarantine) keeps(ptr uintptr, n int) bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()

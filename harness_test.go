@@ -8,6 +8,7 @@ import (
 	randv2 "math/rand/v2"
 	"os"
 	"runtime"
+	"runtime/metrics"
 	"slices"
 	"strconv"
 	"sync"
@@ -1786,6 +1787,14 @@ func firstByteDiff(x, y []byte) int {
 
 // heapAllocated is the bytes the Go heap has handed out since the start:
 // the difference over a call is what it allocated (every goroutine's).
+// heapAllocs is runtime/metrics' /gc/heap/allocs:bytes: every byte the
+// heap has allocated, cumulative (cheaper to read than MemStats).
+func heapAllocs() uint64 {
+	s := []metrics.Sample{{Name: "/gc/heap/allocs:bytes"}}
+	metrics.Read(s)
+	return s[0].Value.Uint64()
+}
+
 func heapAllocated() uint64 {
 	var m runtime.MemStats
 	runtime.ReadMemStats(&m)
