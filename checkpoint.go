@@ -207,30 +207,44 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 	if keep < 0 {
 		return errorf(ErrConfig, "SaveOptions.Keep %d; keep at least 1 checkpoint (0 keeps 2)", keep)
 	}
-	// Rank 0 draws the save's identity, names the checkpoint (a name not
-	// taken yet) and makes its partial directory; every rank learns all
-	// three (an identity below 2^48 travels exactly).
+	// Rank 0 draws the save's identity, takes dir's lock for it (one
+	// writer at a time: ckptlock.go), names the checkpoint (a name not
+	// taken yet) and makes its partial directory; every rank learns the
+	// outcome, the name and the identity (below 2^48: it travels exactly).
 	var suffix, id float64
 	var err0 error
+	var lock *saveLock
 	if ce.rank == 0 {
-		var k int
-		id = float64(rand.Uint64() >> 16)
-		k, err0 = ce.freshName(dir)
-		suffix = float64(k)
+		n := rand.Uint64() >> 16
+		id = float64(n)
+		if err0 = ce.fs.MkdirAll(dir); err0 != nil {
+			err0 = fmt.Errorf("%w: %w", ErrCheckpoint, err0)
+		} else if lock, err0 = acquireSaveLock(ce.fs, dir, formatSaveID(n)); err0 == nil {
+			defer lock.release()
+			var k int
+			k, err0 = ce.freshName(dir)
+			suffix = float64(k)
+		}
 	}
 	failed, vals, err := ce.agree(err0 != nil, suffix, id)
 	if err != nil {
 		return err
 	}
 	if failed {
-		return ckptPeerError(err0, "could not create the checkpoint's directory in "+dir)
+		return ckptPeerError(err0, "could not take "+dir+" or create the checkpoint's directory there")
 	}
 	name := ckptName(ce.step, int(vals[0]))
 	partial := filepath.Join(dir, ckptPartial+name)
 	saveID := formatSaveID(uint64(vals[1]))
 
-	// Every rank writes its file; rank 0 gathers sizes and checksums.
-	size, crc, errw := ce.writeRankFile(partial, opt.Client, saveID)
+	// Every rank writes its file, under its save's lock; rank 0 gathers
+	// sizes and checksums.
+	var size int64
+	var crc uint32
+	errw := checkSaveLock(ce.fs, dir, saveID)
+	if errw == nil {
+		size, crc, errw = ce.writeRankFile(partial, opt.Client, saveID)
+	}
 	report := make([]float64, 2*ce.world)
 	if errw == nil {
 		report[2*ce.rank], report[2*ce.rank+1] = float64(size), float64(crc)
@@ -254,11 +268,17 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 		for r := range ce.world {
 			m.Files = append(m.Files, ckptFileInfo{Name: rankFileName(r), Rank: r, Bytes: int64(vals[2*r]), CRC: uint32(vals[2*r+1])})
 		}
-		if errc = ce.commit(dir, name, partial, m); errc == nil {
+		if errc = checkSaveLock(ce.fs, dir, saveID); errc == nil {
+			errc = ce.commit(dir, name, partial, m)
+		}
+		if errc == nil {
 			committed = 1
 			if perr := ce.prune(dir, name, keep); perr != nil {
 				errc = errorf(ErrCheckpoint, "%s is saved and %s names it, but removing older checkpoints failed: %v; remove them by hand", filepath.Join(dir, name), ckptLatest, perr)
 			}
+		}
+		if rerr := lock.release(); errc == nil && rerr != nil {
+			errc = errorf(ErrCheckpoint, "%s is saved and %s names it, but giving back the lock failed: %v; the next save breaks it", filepath.Join(dir, name), ckptLatest, rerr)
 		}
 	}
 	failed, vals, err = ce.agree(errc != nil, committed)
@@ -266,7 +286,7 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 	case err != nil:
 		return err
 	case failed && vals[0] != 0:
-		return ckptPeerError(errc, "the checkpoint is saved, but rank 0 could not remove older ones")
+		return ckptPeerError(errc, "the checkpoint is saved, but rank 0 could not remove older ones or give back the lock")
 	case failed:
 		return ckptPeerError(errc, "rank 0 could not commit the checkpoint")
 	}

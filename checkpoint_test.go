@@ -1,6 +1,7 @@
 package zero
 
 import (
+	"bufio"
 	"bytes"
 	"cmp"
 	"crypto/sha256"
@@ -13,6 +14,7 @@ import (
 	"maps"
 	"math"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -1799,5 +1801,293 @@ func TestCheckpointLoadBoundsAllocation(t *testing.T) {
 		if grown := heapAllocs() - before; !errors.Is(err, ErrCheckpoint) || grown > limit {
 			t.Errorf("%s: the load's checks: %v, %d bytes allocated (at most %d)", tc.name, err, grown, limit)
 		}
+	}
+}
+
+// TestCheckpointTwoJobsOneDirectory: two jobs (two groups of two ranks)
+// save into one directory at once, repeatedly. Each save either succeeds
+// or is refused, on every rank of its job, with an error that says another
+// save holds the directory; every checkpoint a save reported is there at
+// the end, complete, with its job's client bytes, and latest names a
+// complete one. (Before the lock, half the runs ended with no checkpoint
+// at all, the errors blaming rename.)
+func TestCheckpointTwoJobsOneDirectory(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	dir := t.TempDir()
+	const saves = 8
+	var mu sync.Mutex
+	saved := map[string]int{} // client bytes of rank 0 → saves reported
+	refused := 0
+	job := func(name string) error {
+		comms, _ := NewLocalGroupTimeout(2, 60*time.Second)
+		errs := eachRank(2, func(rank int) error {
+			defer comms[rank].Close()
+			ps := make([]Param, len(ckptSizes))
+			for p, n := range ckptSizes {
+				ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(make([]float32, n), c.dtype)}
+			}
+			e, err := New(c.config(), comms[rank], ps)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			for i := range saves {
+				client := fmt.Sprintf("%s save %d rank %d", name, i, rank)
+				err := e.Save(dir, SaveOptions{Client: []byte(client), Keep: 2 * saves})
+				var outcome error
+				switch {
+				case err == nil:
+					if rank == 0 {
+						mu.Lock()
+						saved[client]++
+						mu.Unlock()
+					}
+				case errors.Is(err, ErrCheckpoint) && !errors.Is(err, ErrCollective) && (errors.Is(err, errLockHeld) || strings.Contains(err.Error(), "see that rank's error")):
+					if rank == 0 {
+						if !errors.Is(err, errLockHeld) {
+							outcome = fmt.Errorf("save %d: rank 0 refused without naming the other writer: %w", i, err)
+						}
+						mu.Lock()
+						refused++
+						mu.Unlock()
+					}
+				default:
+					outcome = fmt.Errorf("save %d: %w", i, err)
+				}
+				if outcome != nil {
+					return outcome
+				}
+			}
+			return nil
+		})
+		return errors.Join(errs...)
+	}
+	errs := eachRank(2, func(j int) error { return job(fmt.Sprint("job", j)) })
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	// every reported save is there, complete, with its client bytes
+	found := map[string]int{}
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		if !e.IsDir() {
+			continue
+		}
+		at := filepath.Join(dir, e.Name())
+		_, m, err := findCheckpoint(osFS{}, at)
+		if err != nil {
+			t.Errorf("%s: %v", e.Name(), err)
+			continue
+		}
+		rr, err := openRankFile(osFS{}, filepath.Join(at, rankFileName(0)), m.Files[0].Bytes, nil)
+		if err != nil {
+			t.Errorf("%s: %v", e.Name(), err)
+			continue
+		}
+		sec, _ := rr.footer.section("client")
+		b := make([]byte, sec.Bytes)
+		if err := rr.read(sec, 0, b); err != nil {
+			t.Error(err)
+		}
+		rr.close()
+		found[string(b)]++
+	}
+	if !maps.Equal(found, saved) {
+		t.Errorf("the directory holds the checkpoints %v; the saves reported %v", found, saved)
+	}
+	if _, _, err := findCheckpoint(osFS{}, dir); err != nil {
+		t.Errorf("latest: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, ckptLockName)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the lock is still there after every save returned: %v", err)
+	}
+	t.Logf("%d saves committed, %d refused", len(saved), refused)
+}
+
+// blockingFS is the operating system's file layer until the first
+// creation of a rank file, where it says so on held and blocks for ever.
+type blockingFS struct {
+	osFS
+	held chan<- struct{}
+	once sync.Once
+}
+
+func (b *blockingFS) Create(name string) (ckptFile, error) {
+	if strings.Contains(name, "rank-") {
+		b.once.Do(func() { close(b.held) })
+		select {}
+	}
+	return b.osFS.Create(name)
+}
+
+// TestCheckpointStaleLock: a lock whose holder is gone is broken by the
+// next save: a process killed (SIGKILL) in the middle of a save, with the
+// lock held, leaves the directory loadable (the checkpoint before) and
+// the next save there succeeds; a lock from another host whose heartbeat
+// stopped is broken after the lease; one whose heartbeat moves, or whose
+// process on this host runs, is refused (ErrCheckpoint naming its holder).
+func TestCheckpointStaleLock(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	if dir := os.Getenv("ZERO_LOCK_CHILD"); dir != "" { // the process killed mid-save
+		held := make(chan struct{})
+		go func() {
+			<-held
+			fmt.Println("holding the lock")
+		}()
+		ckptRun{c: c, from: 0, to: 1, edit: func(e *Engine) error {
+			if e.Rank() == 0 { // rank 1 waits for it in the save's collective
+				e.files = &blockingFS{held: held}
+			}
+			return nil
+		}, save: dir}.run(t)
+		t.Fatal("the save returned")
+	}
+	dir := t.TempDir()
+	before := ckptTrain(t, c, 0, 2, "", dir)
+	cmd := exec.Command(os.Args[0], "-test.run", "^TestCheckpointStaleLock$")
+	cmd.Env = append(os.Environ(), "ZERO_LOCK_CHILD="+dir)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	line := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			if strings.Contains(sc.Text(), "holding the lock") {
+				line <- sc.Text()
+			}
+		}
+		close(line)
+	}()
+	select {
+	case _, ok := <-line:
+		if !ok {
+			t.Fatal("the child ended without holding the lock")
+		}
+	case <-time.After(120 * time.Second):
+		t.Fatal("the child did not take the lock within 120 s")
+	}
+	lock, err := os.ReadFile(filepath.Join(dir, ckptLockName))
+	if err != nil {
+		t.Fatalf("no lock while the child saves: %v", err)
+	}
+	cmd.Process.Kill()
+	cmd.Wait()
+	// the resume: the checkpoint before loads, and the next save succeeds
+	resumed := ckptRun{c: c, from: 2, to: 3, load: dir, save: dir}.run(t)
+	for rank := range resumed {
+		if d := before[rank].diff(resumed[rank]); d == "" {
+			t.Errorf("rank %d: the resumed step changed nothing", rank)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, ckptLockName)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the killed save's lock is still there: %v", err)
+	}
+	t.Logf("broke the lock of the killed process: %s", lock)
+
+	// a lock of another host: broken once its beat has stood still for
+	// the lease; refused while the beat moves
+	defer func(beat, lease time.Duration) { ckptLockBeat, ckptLockLease = beat, lease }(ckptLockBeat, ckptLockLease)
+	ckptLockBeat, ckptLockLease = 20*time.Millisecond, 200*time.Millisecond
+	other := saveLockData{Save: formatSaveID(7), Host: "elsewhere", Boot: "x", PID: 1, Start: 1}
+	write := func(d saveLockData) {
+		b, _ := json.Marshal(&d)
+		if err := os.WriteFile(filepath.Join(dir, ckptLockName), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	saveOnce := func() []error {
+		return refusedSave(t, c, dir)
+	}
+	write(other)
+	if err := errors.Join(saveOnce()...); err != nil {
+		t.Errorf("a lock of another host whose beat stopped: %v", err)
+	}
+	write(other)
+	stop := make(chan struct{})
+	go func() {
+		for d := other; ; d.Beat++ {
+			select {
+			case <-stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+				write(d)
+			}
+		}
+	}()
+	errs := saveOnce()
+	close(stop)
+	if !errors.Is(errs[0], errLockHeld) || !strings.Contains(errs[0].Error(), "elsewhere") || errors.Is(errs[0], ErrCollective) {
+		t.Errorf("a lock of another host whose beat moves: %v, want the holder named, ErrCheckpoint", errs[0])
+	}
+	// a lock of a running process of this host (this test's parent)
+	me := thisProcess()
+	parent := saveLockData{Save: formatSaveID(8), Host: me.Host, Boot: me.Boot, PID: os.Getppid(), Start: processStart(os.Getppid())}
+	write(parent)
+	if errs := saveOnce(); !errors.Is(errs[0], errLockHeld) {
+		t.Errorf("a lock of a running process: %v, want it refused", errs[0])
+	}
+	os.Remove(filepath.Join(dir, ckptLockName))
+}
+
+// refusedSave saves engines of c into dir once, on two ranks, and returns
+// each rank's error; a rank whose engine a refused save changed, or lost,
+// gets an error that says so instead.
+func refusedSave(t *testing.T, c ckptCase, dir string) []error {
+	t.Helper()
+	comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+	var errs []error
+	within(t, 60*time.Second, func() {
+		errs = eachRank(2, func(rank int) error {
+			defer comms[rank].Close()
+			ps := make([]Param, len(ckptSizes))
+			for p, n := range ckptSizes {
+				ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(make([]float32, n), c.dtype)}
+			}
+			e, err := New(c.config(), comms[rank], ps)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			err = e.Save(dir, SaveOptions{Keep: 100})
+			if uerr := e.usable("after Save"); err != nil && uerr != nil {
+				return fmt.Errorf("the engine after a refused save: %w (%w)", uerr, err)
+			}
+			return err
+		})
+	})
+	return errs
+}
+
+// TestCheckpointLockIsTheSaves: a rank checks the directory's lock against
+// its save's identity alone: a lock of its save taken by another process
+// on another host (rank 0's, under MPI) is its own; one of another save,
+// even taken by this very process, is not.
+func TestCheckpointLockIsTheSaves(t *testing.T) {
+	dir := t.TempDir()
+	write := func(d saveLockData) {
+		b, _ := json.Marshal(&d)
+		if err := os.WriteFile(filepath.Join(dir, ckptLockName), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	id := formatSaveID(42)
+	write(saveLockData{Save: id, Host: "rank0-node", Boot: "b", PID: 1234, Start: 99})
+	if err := checkSaveLock(osFS{}, dir, id); err != nil {
+		t.Errorf("its own save's lock, taken by rank 0's process elsewhere: %v", err)
+	}
+	me := thisProcess()
+	me.Save = formatSaveID(43)
+	write(me)
+	if err := checkSaveLock(osFS{}, dir, id); !errors.Is(err, errLockHeld) || !errors.Is(err, ErrCheckpoint) {
+		t.Errorf("another save's lock, of this process: %v, want it refused", err)
+	}
+	os.Remove(filepath.Join(dir, ckptLockName))
+	if err := checkSaveLock(osFS{}, dir, id); !errors.Is(err, errLockHeld) {
+		t.Errorf("no lock: %v, want it refused", err)
 	}
 }

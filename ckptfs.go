@@ -19,6 +19,9 @@ import (
 type ckptFS interface {
 	MkdirAll(dir string) error
 	Create(name string) (ckptFile, error) // truncates
+	// CreateNew creates name, failing with fs.ErrExist if it exists (a
+	// save's lock).
+	CreateNew(name string) (ckptFile, error)
 	Open(name string) (ckptFile, error)
 	// OpenWrite opens an existing file to write at offsets (an export's
 	// file, which every rank writes its own ranges of).
@@ -49,6 +52,14 @@ func (osFS) MkdirAll(dir string) error { return os.MkdirAll(dir, 0o755) }
 
 func (osFS) Create(name string) (ckptFile, error) {
 	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	return osFile{f}, nil
+}
+
+func (osFS) CreateNew(name string) (ckptFile, error) {
+	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o644)
 	if err != nil {
 		return nil, err
 	}
