@@ -943,7 +943,8 @@ func replaceOnce(s, old, new string) string {
 }
 
 // TestCheckpointLoadOptions: WeightsOnly gives the run of a fresh engine
-// built from the saved parameters (fp32: the master is the parameters);
+// built from the saved parameters (fp32: the master is the parameters),
+// its schedule starting from step 0 as a fresh engine's does;
 // KeepConfigGroups gives the run of a full load followed by SetGroup to
 // the engine's own group, with the moments and steps restored.
 func TestCheckpointLoadOptions(t *testing.T) {
@@ -954,6 +955,9 @@ func TestCheckpointLoadOptions(t *testing.T) {
 		a := NewAdamW(3e-2)
 		a.AMSGrad = true
 		cfg.Optimizer.Groups = []Optimizer{a}
+		// a warmup: the rate of each step depends on the schedule's step,
+		// which WeightsOnly starts afresh
+		cfg.Optimizer.Schedule = NewLinearWarmup(4, 100)
 	}
 	weights := ckptRun{c: c, from: 3, to: 5, load: dir, loadOpt: LoadOptions{WeightsOnly: true}, config: faster}.run(t)
 	fresh := ckptRun{c: c, from: 3, to: 5, config: faster, initial: saved[0].params}.run(t)
@@ -2090,4 +2094,255 @@ func TestCheckpointLockIsTheSaves(t *testing.T) {
 	if err := checkSaveLock(osFS{}, dir, id); !errors.Is(err, errLockHeld) {
 		t.Errorf("no lock: %v, want it refused", err)
 	}
+}
+
+// TestCheckpointKeepPrunes: after each save, the directory holds the
+// newest Keep complete checkpoints (2 at Keep 0), by step and then by the
+// suffix of a second save at the same step, and no incomplete one.
+func TestCheckpointKeepPrunes(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	for _, keep := range []int{0, 1, 3} {
+		dir := t.TempDir()
+		// an incomplete checkpoint no load takes: every save clears it
+		if err := os.MkdirAll(filepath.Join(dir, ckptName(0, 5)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		var names []string // every checkpoint saved, oldest first
+		for _, at := range []int{1, 2, 2, 3, 4} {
+			comms, _ := NewLocalGroup(2)
+			errs := eachRank(2, func(rank int) error {
+				defer comms[rank].Close()
+				ps := make([]Param, len(ckptSizes))
+				for p, n := range ckptSizes {
+					ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(make([]float32, n), c.dtype)}
+				}
+				e, err := New(c.config(), comms[rank], ps)
+				if err != nil {
+					return err
+				}
+				defer e.Close()
+				e.stepIndex = at // the name of the checkpoint: its step
+				return e.Save(dir, SaveOptions{Keep: keep})
+			})
+			if err := errors.Join(errs...); err != nil {
+				t.Fatal(err)
+			}
+			k := 0
+			for slices.Contains(names, ckptName(at, k)) {
+				k++
+			}
+			names = append(names, ckptName(at, k))
+			want := names[max(0, len(names)-cmp.Or(keep, 2)):]
+			var got []string
+			ents, _ := os.ReadDir(dir)
+			for _, e := range ents {
+				if e.IsDir() {
+					got = append(got, e.Name())
+				}
+			}
+			slices.SortFunc(got, compareCkptNames)
+			if !slices.Equal(got, want) {
+				t.Fatalf("Keep %d after saving %v: the directory holds %v, want %v", keep, names, got, want)
+			}
+		}
+	}
+}
+
+// TestCheckpointClientAcrossChunks: client bytes longer than a chunk (8
+// MiB and more, written in pieces that cross chunk boundaries) come back
+// whole from Load, and every chunk's own CRC in the rank file checks out
+// when the sections are read without the whole file's check.
+func TestCheckpointClientAcrossChunks(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	dir := t.TempDir()
+	rng := testRNG(t)
+	clients := make([][]byte, 2)
+	for r := range clients {
+		clients[r] = make([]byte, ckptChunk+ckptChunk/2+12345*(r+1))
+		for i := range clients[r] {
+			clients[r][i] = byte(rng.Uint32())
+		}
+	}
+	comms, _ := NewLocalGroup(2)
+	errs := eachRank(2, func(rank int) error {
+		defer comms[rank].Close()
+		ps := make([]Param, len(ckptSizes))
+		for p, n := range ckptSizes {
+			ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(make([]float32, n), c.dtype)}
+		}
+		e, err := New(c.config(), comms[rank], ps)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		if err := e.Save(dir, SaveOptions{Client: clients[rank]}); err != nil {
+			return err
+		}
+		back, err := e.Load(dir, LoadOptions{})
+		if err != nil {
+			return err
+		}
+		if !bytes.Equal(back, clients[rank]) {
+			return fmt.Errorf("rank %d: %d client bytes back, first difference at %d", rank, len(back), firstByteDiff(back, clients[rank]))
+		}
+		return nil
+	})
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	at, m, err := findCheckpoint(osFS{}, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for r, fi := range m.Files {
+		rr, err := openRankFile(osFS{}, filepath.Join(at, fi.Name), fi.Bytes, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := rr.verify(); err != nil { // every chunk of every section
+			t.Errorf("rank %d: %v", r, err)
+		}
+		sec, _ := rr.footer.section("client")
+		if len(sec.CRC) != 2 {
+			t.Errorf("rank %d: %d chunk checksums for %d client bytes, want 2", r, len(sec.CRC), sec.Bytes)
+		}
+		rr.close()
+	}
+}
+
+// TestCheckpointSectionReadBounds: a read of a section that starts before
+// it or runs past its end is refused, whether or not the file was checked
+// whole (it would read the next section's bytes, or past the chunk list),
+// and a read inside it is not.
+func TestCheckpointSectionReadBounds(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	dir := t.TempDir()
+	ckptTrain(t, c, 0, 1, "", dir)
+	at, m, err := findCheckpoint(osFS{}, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, verified := range []bool{false, true} {
+		rr, err := openRankFile(osFS{}, filepath.Join(at, m.Files[0].Name), m.Files[0].Bytes, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rr.verified = verified
+		sec, _ := rr.footer.section("master")
+		for _, rd := range []struct {
+			off  int64
+			n    int
+			fits bool
+		}{{0, 8, true}, {sec.Bytes - 8, 8, true}, {sec.Bytes - 4, 8, false}, {sec.Bytes, 1, false}, {-4, 8, false}, {sec.Bytes + 100, 4, false}} {
+			err := rr.read(sec, rd.off, make([]byte, rd.n))
+			if fits := err == nil; fits != rd.fits {
+				t.Errorf("verified %v: a read of %d bytes at %d of a %d-byte section: %v", verified, rd.n, rd.off, sec.Bytes, err)
+			}
+			if err != nil && !errors.Is(err, ErrCheckpoint) {
+				t.Errorf("verified %v: %v, want ErrCheckpoint", verified, err)
+			}
+		}
+		rr.close()
+	}
+}
+
+// TestCheckpointOverLongerLeftovers: files written over longer leftovers
+// of a crashed run (a latest.tmp, an export's .tmp) hold exactly what was
+// written: the load and the export are whole.
+func TestCheckpointOverLongerLeftovers(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	dir := t.TempDir()
+	junk := bytes.Repeat([]byte("leftover of a crashed run "), 200)
+	if err := os.WriteFile(filepath.Join(dir, ckptLatest+".tmp"), junk, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	saved := ckptTrain(t, c, 0, 2, "", dir)
+	loaded := ckptTrain(t, c, -1, -1, dir, "")
+	for rank := range saved {
+		if d := saved[rank].diff(loaded[rank]); d != "" {
+			t.Errorf("rank %d: the load after a save over a longer latest.tmp: %s", rank, d)
+		}
+	}
+	out := filepath.Join(t.TempDir(), "model.safetensors")
+	if err := os.WriteFile(out+".tmp", bytes.Repeat(junk, 100), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := CheckpointToSafetensors(dir, out, ExportOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	f, size, err := openRegular(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := readSTHeader(f, size, out); err != nil {
+		t.Errorf("the export over a longer leftover: %v", err)
+	}
+}
+
+// TestCheckpointClientWhereTheShardLiesElsewhere: a rank of the saving run
+// whose new shard, after a reshard, lies only in other ranks' files still
+// gets its own client bytes (its own file holds them). The layouts are
+// searched for such a rank, so the case cannot silently disappear.
+func TestCheckpointClientWhereTheShardLiesElsewhere(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	ps := make([]Param, len(ckptSizes))
+	for p, n := range ckptSizes {
+		ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype}
+	}
+	// the layout a plan writes, as a checked index
+	index := func(world, bucket, align int) *ckptIndex {
+		plan := newPlan(ps, bucket, world, align)
+		m := ckptManifestData{Layout: ckptLayout{World: world, ShardElems: plan.ShardElems}}
+		for r := range world {
+			m.Files = append(m.Files, ckptFileInfo{Name: rankFileName(r), Rank: r, Bytes: ckptTrailerLen})
+		}
+		for _, bp := range plan.Buckets {
+			b := ckptBucket{Shard: bp.Shard, ShardOffset: bp.ShardOffset}
+			for _, p := range bp.Params {
+				b.Members = append(b.Members, [2]int{p, plan.ParamOffset[p]})
+			}
+			m.Layout.Buckets = append(m.Layout.Buckets, b)
+		}
+		x, err := checkLayout("", m, ps)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return x
+	}
+	var from, to reshardEnd
+	rank := -1
+search:
+	for _, sw := range []int{2, 3, 4} {
+		for _, sb := range []int{300, 1024, 4096} {
+			x := index(sw, sb, 64)
+			for _, nw := range []int{2, 3, 4} {
+				for _, nb := range []int{300, 1024, 4096, 1 << 20} {
+					plan := newPlan(ps, nb, nw, 8)
+					for r := 0; r < min(sw, nw); r++ {
+						own := false
+						for p := range ps {
+							if rg := plan.shardRange(p, r); rg.Count > 0 {
+								x.each(p, rg.ParamOffset, rg.Count, func(src, _, _, _ int) error {
+									own = own || src == r
+									return nil
+								})
+							}
+						}
+						if !own {
+							from, to, rank = reshardEnd{sw, 2, sb, 64, false}, reshardEnd{nw, 2, nb, 8, false}, r
+							break search
+						}
+					}
+				}
+			}
+		}
+	}
+	if rank < 0 {
+		t.Fatal("no layout puts a rank's new shard only in other ranks' files")
+	}
+	t.Logf("%v → %v: rank %d's new shard lies only in other ranks' files", from, to, rank)
+	dir := t.TempDir()
+	from.run(t, ckptRun{c: c, from: 0, to: 2, save: dir})
+	to.run(t, ckptRun{c: c, from: 2, to: 2, load: dir, savedWorld: from.world}) // checks every rank's client bytes
 }
