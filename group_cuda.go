@@ -50,7 +50,7 @@ func NewCUDALocalGroupTimeout(n int, dev Device, timeout time.Duration) ([]Comm,
 	for r := range comms {
 		c := &cudaLocalComm{g: g, rank: r}
 		c.collectives = collectives{world: n, issue: func(s Stream, x collective) error {
-			return c.collective(s, x.args(), x.payload(), x.send, x.recv)
+			return c.ownErr(c.collective(s, x.args(), x.payload(), x.send, x.recv))
 		}}
 		comms[r] = c
 	}
@@ -83,9 +83,10 @@ type cudaSlot struct {
 }
 
 type cudaLocalComm struct {
-	g      *cudaGroup
-	rank   int
-	closed atomic.Bool // this rank closed its communicator
+	g       *cudaGroup
+	rank    int
+	closed  atomic.Bool           // this rank closed its communicator
+	aborted atomic.Pointer[error] // why this rank aborted the group, if it did
 	collectives
 	counters
 }
@@ -102,7 +103,17 @@ func (c *cudaLocalComm) Close() error {
 }
 
 func (c *cudaLocalComm) abort(reason error) {
+	c.aborted.CompareAndSwap(nil, &reason)
 	c.g.abort(fmt.Errorf("%w: %w", ErrPeerFailed, reason))
+}
+
+// ownErr is what this rank sees of a failed collective: ErrAborted once it
+// aborted the group itself, not a peer's failure.
+func (c *cudaLocalComm) ownErr(err error) error {
+	if reason := c.aborted.Load(); err != nil && reason != nil {
+		return fmt.Errorf("%w: rank %d aborted its group: %w", ErrAborted, c.rank, *reason)
+	}
+	return err
 }
 
 // collective publishes this rank's call and meets the peers; the last to

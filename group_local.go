@@ -117,10 +117,11 @@ func (g *localGroup) meet(rank int, seq uint64, a *collArgs) (*rendezvous, error
 }
 
 type localComm struct {
-	g      *localGroup
-	rank   int
-	seq    uint64      // collectives issued by this rank
-	closed atomic.Bool // this rank closed its communicator
+	g       *localGroup
+	rank    int
+	seq     uint64                // collectives issued by this rank
+	closed  atomic.Bool           // this rank closed its communicator
+	aborted atomic.Pointer[error] // why this rank aborted the group (AbortComm), if it did
 	collectives
 	counters
 }
@@ -138,14 +139,22 @@ func (c *localComm) Close() error {
 }
 
 func (c *localComm) abort(reason error) {
+	c.aborted.CompareAndSwap(nil, &reason)
 	c.g.abort(fmt.Errorf("%w: %w", ErrPeerFailed, reason))
 }
 
 // ownErr is what this rank sees of a failed collective: ErrClosed once it
-// closed its communicator itself, not a peer's failure.
+// closed its communicator itself, ErrAborted once it aborted the group
+// itself; a peer's failure only where it was a peer's.
 func (c *localComm) ownErr(err error) error {
-	if err != nil && c.closed.Load() {
+	if err == nil {
+		return nil
+	}
+	if c.closed.Load() {
 		return errorf(ErrClosed, "rank %d closed its communicator", c.rank)
+	}
+	if reason := c.aborted.Load(); reason != nil {
+		return fmt.Errorf("%w: rank %d aborted its group: %w", ErrAborted, c.rank, *reason)
 	}
 	return err
 }

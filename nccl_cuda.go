@@ -427,7 +427,7 @@ func (c *ncclComm) abortLocked(reason error) {
 // fail at once instead of at their watchdog's timeout.
 func (c *ncclComm) abort(reason error) {
 	c.mu.Lock()
-	c.abortLocked(reason)
+	c.abortLocked(fmt.Errorf("%w: rank %d aborted its communicator: %w", ErrAborted, c.rank, reason)) // this rank's own: not a peer's failure
 	c.mu.Unlock()
 	if c.relay != nil {
 		c.relay.abort(reason.Error())
