@@ -663,7 +663,7 @@ func (ld *loader) verifyRanks(ranks []int) error {
 		if err := ld.checkFooter(rr, r); err != nil {
 			return err
 		}
-		crc, err := fileCRC(rr, fi.Bytes, ld.buffers())
+		crc, err := fileCRC(rr, fi.Bytes, ld.buffers(fi.Bytes))
 		if err != nil {
 			return err
 		}
@@ -732,20 +732,24 @@ func (ld *loader) checkFooter(rr *rankReader, r int) error {
 	return nil
 }
 
-// buffer is the loader's chunk of memory for every read it copies.
-func (ld *loader) buffer() []byte {
-	if ld.buf == nil {
-		ld.buf = make([]byte, ckptChunk)
+// buffer is the loader's memory for every read it copies: a chunk, or
+// the bytes wanted where they are fewer (at least 4).
+func (ld *loader) buffer(want int64) []byte {
+	n := int(max(min(want, ckptChunk), 4))
+	if len(ld.buf) < n {
+		ld.buf = make([]byte, n)
 	}
 	return ld.buf
 }
 
-// buffers are two chunks, for reading ahead while checking.
-func (ld *loader) buffers() [2][]byte {
-	if ld.ahead == nil {
-		ld.ahead = make([]byte, 2*verifyPiece)
+// buffers are two pieces of at most verifyPiece bytes, for reading ahead
+// while checking files of up to size bytes.
+func (ld *loader) buffers(size int64) [2][]byte {
+	n := int(max(min(size, verifyPiece), 1))
+	if len(ld.ahead) < 2*n {
+		ld.ahead = make([]byte, 2*n)
 	}
-	return [2][]byte{ld.ahead[:verifyPiece], ld.ahead[verifyPiece:]}
+	return [2][]byte{ld.ahead[:n], ld.ahead[n : 2*n]}
 }
 
 const verifyPiece = 1 << 20 // the checks' reads: small enough to be summed while still in cache
@@ -763,8 +767,9 @@ func fileCRC(rr *rankReader, size int64, bufs [2][]byte) (uint32, error) {
 	free <- bufs[1]
 	go func() {
 		defer close(full)
-		for off := int64(0); off < size; off += verifyPiece {
-			b := (<-free)[:min(verifyPiece, size-off)]
+		step := int64(len(bufs[0]))
+		for off := int64(0); off < size; off += step {
+			b := (<-free)[:min(step, size-off)]
 			_, err := rr.readAt(b, off)
 			if err == io.EOF {
 				err = nil
@@ -853,7 +858,8 @@ func (ld *loader) fill(st stateTensor, zero bool) error {
 		wg.Wait()
 		return errors.Join(err, other)
 	}
-	buf := ld.buffer()
+	buf := ld.buffer(int64(st.t.count) * int64(size))
+	per = len(buf) / size
 	for off := 0; off < st.t.count; off += per {
 		n := min(per, st.t.count-off)
 		b := buf[:n*size]
@@ -1359,8 +1365,8 @@ func checkpointToSafetensors(fsys ckptFS, dir, file string, opt ExportOptions) e
 	}
 	tensors, items := exportList(params, groups, opt, false)
 	_, head, err := layoutST(tensors, exportMetadata(opt, m.Step))
-	if err != nil {
-		return err
+	if err != nil { // the manifest's names: it is damaged
+		return fmt.Errorf("%w: %s: %w; the manifest is damaged", ErrCheckpoint, where, err)
 	}
 	for _, it := range items {
 		if it.state != "step" && !ld.has(it.state) {
@@ -1373,7 +1379,11 @@ func checkpointToSafetensors(fsys ckptFS, dir, file string, opt ExportOptions) e
 		return fmt.Errorf("%w: %w", ErrCheckpoint, err)
 	}
 	_, err = f.Write(head)
-	buf := ld.buffer()
+	most := 0
+	for _, q := range params {
+		most = max(most, q.Count)
+	}
+	buf := ld.buffer(4 * int64(most))
 	per := len(buf) / 4
 	for i := 0; err == nil && i < len(items); i++ {
 		it := items[i]

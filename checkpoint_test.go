@@ -1280,12 +1280,13 @@ func copyTree(t *testing.T, src string) string {
 	return dst
 }
 
-// goldenCase is the run the golden checkpoint of format version 1 holds:
+// goldenCase is the run the golden checkpoints of every format version hold:
 // fp16 with a loss scale moved by an overflow, coalesced windows, AdamW
 // with amsgrad, ZeRO-2 on 2 ranks, saved after 3 steps.
 var goldenCase = ckptCase{stage: 2, dtype: FP16, window: true}
 
-const goldenDir = "testdata/checkpoint-v1"
+// goldenDir is the golden checkpoint of format version v.
+func goldenDir(v int) string { return fmt.Sprintf("testdata/checkpoint-v%d", v) }
 
 // goldenDigest is what a load of the golden checkpoint must give: a
 // SHA-256 of each state tensor and of the parameters, and the rest as is.
@@ -1312,41 +1313,45 @@ func digestOf(s ckptState) goldenDigest {
 	return d
 }
 
-// TestCheckpointGolden: the committed checkpoint of format version 1
-// loads, now and in every later version, into the state it was saved
-// with (its digest, committed beside it), or is refused by its version
-// with ErrCheckpoint. ZERO_WRITE_GOLDEN=1 writes it anew (only when the
-// format version changes: the old one stays, under its own name).
+// TestCheckpointGolden: the committed checkpoint of each format version
+// (testdata/checkpoint-vN) loads, now and in every later version, into
+// the state it was saved with (its digest, committed beside it), or is
+// refused by its version with ErrCheckpoint. ZERO_WRITE_GOLDEN=1 writes the
+// current version's anew (only when the format version changes: the older
+// ones stay, under their own names).
 func TestCheckpointGolden(t *testing.T) {
-	digests := filepath.Join(goldenDir, "digest.json")
-	if os.Getenv("ZERO_WRITE_GOLDEN") == "1" {
-		tmp := t.TempDir()
-		saved := ckptTrain(t, goldenCase, 0, 3, "", tmp)
-		latest, err := os.ReadFile(filepath.Join(tmp, ckptLatest))
+	for v := 1; v <= ckptVersion; v++ {
+		dir := goldenDir(v)
+		digests := filepath.Join(dir, "digest.json")
+		if os.Getenv("ZERO_WRITE_GOLDEN") == "1" && v == ckptVersion {
+			tmp := t.TempDir()
+			saved := ckptTrain(t, goldenCase, 0, 3, "", tmp)
+			latest, err := os.ReadFile(filepath.Join(tmp, ckptLatest))
+			if err != nil {
+				t.Fatal(err)
+			}
+			os.RemoveAll(dir)
+			if err := os.Rename(filepath.Join(tmp, strings.TrimSpace(string(latest))), dir); err != nil {
+				t.Fatal(err)
+			}
+			out, _ := json.MarshalIndent([]goldenDigest{digestOf(saved[0]), digestOf(saved[1])}, "", " ")
+			if err := os.WriteFile(digests, append(out, '\n'), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		b, err := os.ReadFile(digests)
 		if err != nil {
 			t.Fatal(err)
 		}
-		os.RemoveAll(goldenDir)
-		if err := os.Rename(filepath.Join(tmp, strings.TrimSpace(string(latest))), goldenDir); err != nil {
+		var want []goldenDigest
+		if err := json.Unmarshal(b, &want); err != nil {
 			t.Fatal(err)
 		}
-		out, _ := json.MarshalIndent([]goldenDigest{digestOf(saved[0]), digestOf(saved[1])}, "", " ")
-		if err := os.WriteFile(digests, append(out, '\n'), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	b, err := os.ReadFile(digests)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var want []goldenDigest
-	if err := json.Unmarshal(b, &want); err != nil {
-		t.Fatal(err)
-	}
-	got := ckptTrain(t, goldenCase, 3, 3, goldenDir, "")
-	for rank := range got {
-		if d := digestOf(got[rank]); !reflect.DeepEqual(d, want[rank]) {
-			t.Errorf("rank %d: the golden checkpoint loads as\n%+v\nit was saved as\n%+v", rank, d, want[rank])
+		got := ckptTrain(t, goldenCase, 3, 3, dir, "")
+		for rank := range got {
+			if d := digestOf(got[rank]); !reflect.DeepEqual(d, want[rank]) {
+				t.Errorf("version %d, rank %d: the golden checkpoint loads as\n%+v\nit was saved as\n%+v", v, rank, d, want[rank])
+			}
 		}
 	}
 }

@@ -286,11 +286,12 @@ func (r *rankReader) readFooter(want int64) error {
 // chunk reads chunk c of section s and checks it; the bytes are valid
 // until the next call.
 func (r *rankReader) chunk(s *ckptSection, c int64) ([]byte, error) {
-	if r.buf == nil {
-		r.buf = make([]byte, ckptChunk)
-	}
 	lo := c * ckptChunk
-	b := r.buf[:min(ckptChunk, s.Bytes-lo)]
+	n := min(ckptChunk, s.Bytes-lo) // a chunk, or the section's last bytes
+	if int64(len(r.buf)) < n {
+		r.buf = make([]byte, n)
+	}
+	b := r.buf[:n]
 	if _, err := r.readAt(b, s.Offset+lo); err != nil && err != io.EOF {
 		return nil, r.corrupt("reading section %q: %v", s.Name, err)
 	}
