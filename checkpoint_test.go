@@ -2096,8 +2096,8 @@ func TestCheckpointLockIsTheSaves(t *testing.T) {
 		t.Errorf("another save's lock, of this process: %v, want it refused", err)
 	}
 	os.Remove(filepath.Join(dir, ckptLockName))
-	if err := checkSaveLock(osFS{}, dir, id); !errors.Is(err, errLockHeld) {
-		t.Errorf("no lock: %v, want it refused", err)
+	if err := checkSaveLock(osFS{}, dir, id); !errors.Is(err, ErrCheckpoint) || !strings.Contains(err.Error(), "every rank shares") {
+		t.Errorf("no lock (a rank that does not see rank 0's directory): %v, want it refused, naming the shared directory it needs", err)
 	}
 }
 

@@ -268,17 +268,15 @@ func checkSaveLock(fsys ckptFS, dir, id string) error {
 	if err == nil {
 		err = json.Unmarshal(b, &d)
 	}
-	if err != nil || d.Save != id {
-		return fmt.Errorf("%w: %w: %s is no longer this save's (%s; %v): another job took the directory; give each job a directory of its own", ErrCheckpoint, errLockHeld, name, id, cmpErr(err, d.Save))
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return errorf(ErrCheckpoint, "%s, which rank 0 took for save %s, is not there: save into a directory every rank shares (a network or parallel file system), the same on every rank; or another job broke the lock", name, id)
+	case err != nil:
+		return fmt.Errorf("%w: reading the lock %s: %w", ErrCheckpoint, name, err)
+	case d.Save != id:
+		return fmt.Errorf("%w: %w: %s is held by save %s of process %d on %s, not by this save (%s): another job took the directory; give each job a directory of its own", ErrCheckpoint, errLockHeld, name, d.Save, d.PID, d.Host, id)
 	}
 	return nil
-}
-
-func cmpErr(err error, other string) any {
-	if err != nil {
-		return err
-	}
-	return "held by save " + other
 }
 
 // release gives the lock back, if it is still this save's; once.
