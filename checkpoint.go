@@ -105,8 +105,12 @@ type ckptFileInfo struct {
 
 // ckptManifestData is manifest.json.
 type ckptManifestData struct {
-	Format    string         `json:"format"`
-	Version   int            `json:"version"`
+	Format  string `json:"format"`
+	Version int    `json:"version"`
+	// Save is the save's identity (version 2 on): 48 random bits that rank
+	// 0 draws and every rank writes into its file's footer, so a load
+	// refuses a rank file of another save; it also names the save's lock.
+	Save      string         `json:"save,omitempty"`
 	Step      int            `json:"step"` // steps the engine had taken
 	Stage     int            `json:"stage"`
 	Params    []ckptParam    `json:"params"`
@@ -150,6 +154,9 @@ type ckptEngine struct {
 	opt         *optState
 	ps          *paramState // nil below stage 3
 	step        int
+	// stop says whether to stop before the next read or write of a
+	// chunk: the engine's Abort (nil: never).
+	stop func() error
 }
 
 func rankFileName(r int) string { return fmt.Sprintf("rank-%05d.bin", r) }
@@ -200,27 +207,44 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 	if keep < 0 {
 		return errorf(ErrConfig, "SaveOptions.Keep %d; keep at least 1 checkpoint (0 keeps 2)", keep)
 	}
-	// Rank 0 names the checkpoint (a name not taken yet) and makes its
-	// partial directory; every rank learns both outcomes.
-	var suffix float64
+	// Rank 0 draws the save's identity, takes dir's lock for it (one
+	// writer at a time: ckptlock.go), names the checkpoint (a name not
+	// taken yet) and makes its partial directory; every rank learns the
+	// outcome, the name and the identity (below 2^48: it travels exactly).
+	var suffix, id float64
 	var err0 error
+	var lock *saveLock
 	if ce.rank == 0 {
-		var k int
-		k, err0 = ce.freshName(dir)
-		suffix = float64(k)
+		n := rand.Uint64() >> 16
+		id = float64(n)
+		if err0 = ce.fs.MkdirAll(dir); err0 != nil {
+			err0 = fmt.Errorf("%w: %w", ErrCheckpoint, err0)
+		} else if lock, err0 = acquireSaveLock(ce.fs, dir, formatSaveID(n)); err0 == nil {
+			defer lock.release()
+			var k int
+			k, err0 = ce.freshName(dir)
+			suffix = float64(k)
+		}
 	}
-	failed, vals, err := ce.agree(err0 != nil, suffix)
+	failed, vals, err := ce.agree(err0 != nil, suffix, id)
 	if err != nil {
 		return err
 	}
 	if failed {
-		return ckptPeerError(err0, "could not create the checkpoint's directory in "+dir)
+		return ckptPeerError(err0, "could not take "+dir+" or create the checkpoint's directory there")
 	}
 	name := ckptName(ce.step, int(vals[0]))
 	partial := filepath.Join(dir, ckptPartial+name)
+	saveID := formatSaveID(uint64(vals[1]))
 
-	// Every rank writes its file; rank 0 gathers sizes and checksums.
-	size, crc, errw := ce.writeRankFile(partial, opt.Client)
+	// Every rank writes its file, under its save's lock; rank 0 gathers
+	// sizes and checksums.
+	var size int64
+	var crc uint32
+	errw := checkSaveLock(ce.fs, dir, saveID)
+	if errw == nil {
+		size, crc, errw = ce.writeRankFile(partial, opt.Client, saveID)
+	}
 	report := make([]float64, 2*ce.world)
 	if errw == nil {
 		report[2*ce.rank], report[2*ce.rank+1] = float64(size), float64(crc)
@@ -240,14 +264,21 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 	committed := 0.0
 	if ce.rank == 0 {
 		m := ce.manifestFor()
+		m.Save = saveID
 		for r := range ce.world {
 			m.Files = append(m.Files, ckptFileInfo{Name: rankFileName(r), Rank: r, Bytes: int64(vals[2*r]), CRC: uint32(vals[2*r+1])})
 		}
-		if errc = ce.commit(dir, name, partial, m); errc == nil {
+		if errc = checkSaveLock(ce.fs, dir, saveID); errc == nil {
+			errc = ce.commit(dir, name, partial, m)
+		}
+		if errc == nil {
 			committed = 1
 			if perr := ce.prune(dir, name, keep); perr != nil {
 				errc = errorf(ErrCheckpoint, "%s is saved and %s names it, but removing older checkpoints failed: %v; remove them by hand", filepath.Join(dir, name), ckptLatest, perr)
 			}
+		}
+		if rerr := lock.release(); errc == nil && rerr != nil {
+			errc = errorf(ErrCheckpoint, "%s is saved and %s names it, but giving back the lock failed: %v; the next save breaks it", filepath.Join(dir, name), ckptLatest, rerr)
 		}
 	}
 	failed, vals, err = ce.agree(errc != nil, committed)
@@ -255,11 +286,24 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 	case err != nil:
 		return err
 	case failed && vals[0] != 0:
-		return ckptPeerError(errc, "the checkpoint is saved, but rank 0 could not remove older ones")
+		return ckptPeerError(errc, "the checkpoint is saved, but rank 0 could not remove older ones or give back the lock")
 	case failed:
 		return ckptPeerError(errc, "rank 0 could not commit the checkpoint")
 	}
 	return nil
+}
+
+// formatSaveID writes a save's identity as it is stored.
+func formatSaveID(id uint64) string { return fmt.Sprintf("%012x", id) }
+
+// validSaveID reports whether s is a save's identity as formatSaveID
+// writes it.
+func validSaveID(s string) bool {
+	if len(s) != 12 {
+		return false
+	}
+	_, err := strconv.ParseUint(s, 16, 48)
+	return err == nil && strings.ToLower(s) == s
 }
 
 func ckptName(step, k int) string {
@@ -311,20 +355,21 @@ func (ce *ckptEngine) freshName(dir string) (int, error) {
 
 // writeRankFile streams this rank's state into partial/rank-R.bin, through
 // a temporary name, and returns the file's size and CRC32C.
-func (ce *ckptEngine) writeRankFile(partial string, client []byte) (int64, uint32, error) {
+func (ce *ckptEngine) writeRankFile(partial string, client []byte, saveID string) (int64, uint32, error) {
 	name := filepath.Join(partial, rankFileName(ce.rank))
 	tmp := name + ".tmp"
 	f, err := ce.fs.Create(tmp)
 	if err != nil {
 		return 0, 0, fmt.Errorf("%w: %w", ErrCheckpoint, err)
 	}
-	footer := ckptFooter{Rank: ce.rank, World: ce.world, ShardElems: int64(ce.plan.ShardElems)}
+	footer := ckptFooter{Save: saveID, Rank: ce.rank, World: ce.world, ShardElems: int64(ce.plan.ShardElems)}
 	for p := range ce.params {
 		if r := ce.plan.shardRange(p, ce.rank); r.Count > 0 {
 			footer.Segments = append(footer.Segments, ckptSegment{int64(p), int64(r.ParamOffset), int64(r.Count), int64(r.ShardOffset)})
 		}
 	}
 	w := newRankWriter(f, name, footer)
+	w.stop = ce.stop
 	var buf []byte
 	for _, st := range ce.opt.stateTensors() {
 		if buf == nil {
@@ -367,6 +412,11 @@ func writeState(w *rankWriter, st stateTensor, buf []byte) error {
 	per := len(buf) / size
 	_, onHost := st.dev.(*hostDevice)
 	for off := 0; off < st.t.count; off += per {
+		if w.stop != nil {
+			if err := w.stop(); err != nil {
+				return err
+			}
+		}
 		n := min(per, st.t.count-off)
 		part := st.t.slice(off, n)
 		var b []byte
@@ -500,40 +550,6 @@ func compareCkptNames(a, b string) int {
 
 // ---- load --------------------------------------------------------------------
 
-// findCheckpoint resolves dir: a checkpoint directory itself, or a
-// directory whose latest names one.
-func findCheckpoint(fsys ckptFS, dir string) (string, ckptManifestData, error) {
-	var m ckptManifestData
-	at := dir
-	data, err := fsys.ReadFile(filepath.Join(dir, ckptManifest))
-	if err != nil {
-		latest, lerr := fsys.ReadFile(filepath.Join(dir, ckptLatest))
-		if lerr != nil {
-			return "", m, errorf(ErrCheckpoint, "%s holds no checkpoint (no %s, no %s); pass a checkpoint directory or the directory Save wrote into", dir, ckptManifest, ckptLatest)
-		}
-		at = filepath.Join(dir, strings.TrimSpace(string(latest)))
-		if _, err := fsys.ReadDir(at); err != nil || strings.TrimSpace(string(latest)) == "" {
-			return "", m, errorf(ErrCheckpoint, "%s names %q, which is not a checkpoint directory (%v): %s is damaged; pass a checkpoint directory instead", filepath.Join(dir, ckptLatest), strings.TrimSpace(string(latest)), err, ckptLatest)
-		}
-		if data, err = fsys.ReadFile(filepath.Join(at, ckptManifest)); err != nil {
-			return "", m, errorf(ErrCheckpoint, "%s: the checkpoint %s names is incomplete (no %s): its save never finished; load another", dir, ckptLatest, ckptManifest)
-		}
-	}
-	if err := json.Unmarshal(data, &m); err != nil {
-		return "", m, errorf(ErrCheckpoint, "%s: %v; the manifest is damaged: load another checkpoint", filepath.Join(at, ckptManifest), err)
-	}
-	if m.Format != ckptFormat {
-		return "", m, errorf(ErrCheckpoint, "%s: not a zero checkpoint manifest", filepath.Join(at, ckptManifest))
-	}
-	if m.Version > ckptVersion {
-		return "", m, errorf(ErrCheckpoint, "%s: format version %d, newer than this library's %d; load it with a newer zero", filepath.Join(at, ckptManifest), m.Version, ckptVersion)
-	}
-	if !sealed(m) {
-		return "", m, errorf(ErrCheckpoint, "%s: its values do not match its checksum; the manifest is damaged: load another checkpoint", filepath.Join(at, ckptManifest))
-	}
-	return at, m, nil
-}
-
 // checkModel refuses a checkpoint of another model, or with settings that
 // must match and differ. The optimizer's settings are state (restored, or
 // the engine's own with WeightsOnly) and may differ; so may the layout
@@ -563,58 +579,53 @@ func (ce *ckptEngine) checkModel(at string, m ckptManifestData) error {
 			return errorf(ErrCheckpoint, "%s: %s was %s when saved, the engine has %s; it must match: set it as saved", where, s.Path, o.Value, s.Value)
 		}
 	}
-	if len(m.Files) != m.Layout.World {
-		return errorf(ErrCheckpoint, "%s: %d files for %d ranks; the manifest is damaged", where, len(m.Files), m.Layout.World)
+	return nil
+}
+
+// checkScalars refuses optimizer scalars no save writes: they would be
+// loaded as they are.
+func checkScalars(at string, c optCheckpoint) error {
+	bad := func(format string, args ...any) error {
+		return errorf(ErrCheckpoint, "%s: %s; the manifest is damaged: load another checkpoint", filepath.Join(at, ckptManifest), fmt.Sprintf(format, args...))
+	}
+	for p, n := range c.Steps {
+		if n < 0 {
+			return bad("parameter %d has taken %d optimizer steps", p, n)
+		}
+	}
+	s := c.Scaler
+	switch {
+	case c.Scheduled < 0:
+		return bad("the schedule is at step %d", c.Scheduled)
+	case !(s.Scale > 0) || math.IsInf(s.Scale, 0):
+		return bad("a loss scale of %v", s.Scale)
+	case s.CurHysteresis < 0 || s.Iter < 0 || s.LastOverflow < -1 || s.LastOverflow > s.Iter:
+		return bad("the loss scaler's hysteresis %d, iteration %d, last overflow %d", s.CurHysteresis, s.Iter, s.LastOverflow)
 	}
 	return nil
 }
 
-// source is where part of a parameter lies in a checkpoint: elements
-// [paramOffset, paramOffset+count) in rank's shard at shardOffset.
-type source struct {
-	rank, paramOffset, count, shardOffset int
-}
-
 // loader reads a checkpoint's state into this rank's plan.
 type loader struct {
-	ce      *ckptEngine
-	at      string
-	m       ckptManifestData
-	pieces  [][]source // per parameter, sorted by paramOffset
-	readers map[int]*rankReader
-	buf     []byte // one chunk (ckptChunk bytes)
-	ahead   []byte // a second one, for the checks' read-ahead
+	ce       *ckptEngine
+	at       string
+	m        ckptManifestData
+	x        *ckptIndex
+	readers  map[int]*rankReader
+	sections []string // the first verified file's, which every file must have
+	buf      []byte   // one chunk (ckptChunk bytes)
+	ahead    []byte   // a second one, for the checks' read-ahead
 }
 
-func newLoader(ce *ckptEngine, at string, m ckptManifestData) (*loader, error) {
-	ld := &loader{ce: ce, at: at, m: m, pieces: make([][]source, len(ce.params)), readers: map[int]*rankReader{}}
-	for bi, b := range m.Layout.Buckets {
-		if b.Shard <= 0 && len(b.Members) > 0 {
-			return nil, errorf(ErrCheckpoint, "%s: bucket %d has no shard; the manifest is damaged", at, bi)
-		}
-		for _, mem := range b.Members {
-			p, o := mem[0], mem[1]
-			if p < 0 || p >= len(ce.params) || o < 0 {
-				return nil, errorf(ErrCheckpoint, "%s: bucket %d lists parameter %d at %d; the manifest is damaged", at, bi, p, o)
-			}
-			c := ce.params[p].Count
-			for r := o / b.Shard; r < m.Layout.World && r*b.Shard < o+c; r++ {
-				lo, hi := max(o, r*b.Shard), min(o+c, (r+1)*b.Shard)
-				ld.pieces[p] = append(ld.pieces[p], source{rank: r, paramOffset: lo - o, count: hi - lo, shardOffset: b.ShardOffset + lo - r*b.Shard})
-			}
-		}
-	}
-	for p := range ld.pieces {
-		slices.SortFunc(ld.pieces[p], func(x, y source) int { return x.paramOffset - y.paramOffset })
-	}
-	return ld, nil
+func newLoader(ce *ckptEngine, at string, m ckptManifestData, x *ckptIndex) *loader {
+	return &loader{ce: ce, at: at, m: m, x: x, readers: map[int]*rankReader{}}
 }
 
 // need lists the ranks whose files hold part of this rank's shard, and the
 // client bytes (this rank's own file, where the checkpoint had this rank).
 func (ld *loader) need() []int {
 	set := map[int]bool{}
-	if ld.ce.rank < ld.m.Layout.World {
+	if ld.ce.rank < ld.x.world {
 		set[ld.ce.rank] = true
 	}
 	for p := range ld.ce.params {
@@ -622,11 +633,10 @@ func (ld *loader) need() []int {
 		if r.Count == 0 {
 			continue
 		}
-		for _, s := range ld.pieces[p] {
-			if s.paramOffset < r.ParamOffset+r.Count && r.ParamOffset < s.paramOffset+s.count {
-				set[s.rank] = true
-			}
-		}
+		ld.x.each(p, r.ParamOffset, r.Count, func(rank, _, _, _ int) error {
+			set[rank] = true
+			return nil
+		})
 	}
 	out := make([]int, 0, len(set))
 	for r := range set {
@@ -636,24 +646,24 @@ func (ld *loader) need() []int {
 	return out
 }
 
-// verify opens every file this rank needs and checks it whole against the
-// manifest's size and CRC32C, before anything of the engine changes.
+// verify opens every file this rank needs and checks it against the
+// manifest, and whole against its CRC32C, before anything of the engine
+// changes.
 func (ld *loader) verify() error { return ld.verifyRanks(ld.need()) }
 
-// verifyRanks checks the files of ranks, whole, and keeps them open.
+// verifyRanks checks the files of ranks and keeps them open.
 func (ld *loader) verifyRanks(ranks []int) error {
 	for _, r := range ranks {
 		fi := ld.m.Files[r]
-		name := filepath.Join(ld.at, fi.Name)
-		rr, err := openRankFile(ld.ce.fs, name, fi.Bytes)
+		rr, err := openRankFile(ld.ce.fs, filepath.Join(ld.at, fi.Name), fi.Bytes, ld.ce.stop)
 		if err != nil {
 			return err
 		}
 		ld.readers[r] = rr
-		if rr.footer.Rank != r || rr.footer.World != ld.m.Layout.World {
-			return rr.corrupt("rank %d of %d, the manifest lists it as rank %d of %d", rr.footer.Rank, rr.footer.World, r, ld.m.Layout.World)
+		if err := ld.checkFooter(rr, r); err != nil {
+			return err
 		}
-		crc, err := fileCRC(rr, fi.Bytes, ld.buffers())
+		crc, err := fileCRC(rr, fi.Bytes, ld.buffers(fi.Bytes))
 		if err != nil {
 			return err
 		}
@@ -665,20 +675,81 @@ func (ld *loader) verifyRanks(ranks []int) error {
 	return nil
 }
 
-// buffer is the loader's chunk of memory for every read it copies.
-func (ld *loader) buffer() []byte {
-	if ld.buf == nil {
-		ld.buf = make([]byte, ckptChunk)
+// checkFooter checks rank r's file's footer against the manifest: its
+// format version, the save's identity, its rank and world, its shard's
+// parameter ranges (the manifest's for rank r, exactly), and its sections
+// (every one zero's, of its dtype and the shard's size; master, model and
+// client there, and AdamW's moments; the same names in every file).
+func (ld *loader) checkFooter(rr *rankReader, r int) error {
+	f := &rr.footer
+	switch {
+	case f.Version != ld.m.Version:
+		return rr.corrupt("format version %d, the manifest's is %d", f.Version, ld.m.Version)
+	case f.Save != ld.m.Save:
+		return rr.corrupt("written by another save (%q; the manifest's is %q): a file of another checkpoint", f.Save, ld.m.Save)
+	case f.Rank != r || f.World != ld.x.world || f.ShardElems != int64(ld.x.shardElems):
+		return rr.corrupt("rank %d of %d with a shard of %d elements; the manifest lists it as rank %d of %d with %d", f.Rank, f.World, f.ShardElems, r, ld.x.world, ld.x.shardElems)
+	}
+	want := ld.x.segments(r)
+	if !slices.Equal(f.Segments, want) {
+		i := 0
+		for i < min(len(want), len(f.Segments)) && f.Segments[i] == want[i] {
+			i++
+		}
+		return rr.corrupt("its shard holds other parameter ranges than the manifest's layout gives rank %d (they differ from range %d on: %v, the layout's %v)", r, i, f.Segments[i:min(i+1, len(f.Segments))], want[i:min(i+1, len(want))])
+	}
+	names := make([]string, 0, len(f.Sections))
+	for _, s := range f.Sections {
+		dt, ok := ld.x.sectionDType(s.Name)
+		switch {
+		case !ok || slices.Contains(names, s.Name):
+			return rr.corrupt("a section %q, which is not one of zero's or comes twice", s.Name)
+		case s.DType != dt:
+			return rr.corrupt("section %q holds %q, not %q", s.Name, s.DType, dt)
+		case dt != "":
+			d, _ := dtypeNamed(dt)
+			if s.Bytes != f.ShardElems*int64(d.Size()) {
+				return rr.corrupt("section %q has %d bytes, a shard of %d %s elements has %d", s.Name, s.Bytes, f.ShardElems, dt, f.ShardElems*int64(d.Size()))
+			}
+		}
+		names = append(names, s.Name)
+	}
+	required := []string{"master", "model", "client"}
+	if ld.m.Optimizer.Kind == "adamw" {
+		required = append(required, "m", "v")
+	}
+	for _, name := range required {
+		if !slices.Contains(names, name) {
+			return rr.corrupt("no %s section", name)
+		}
+	}
+	slices.Sort(names)
+	if ld.sections == nil {
+		ld.sections = names
+	} else if !slices.Equal(names, ld.sections) {
+		return rr.corrupt("the sections %v, another rank's file has %v", names, ld.sections)
+	}
+	return nil
+}
+
+// buffer is the loader's memory for every read it copies: a chunk, or
+// the bytes wanted where they are fewer (at least 4).
+func (ld *loader) buffer(want int64) []byte {
+	n := int(max(min(want, ckptChunk), 4))
+	if len(ld.buf) < n {
+		ld.buf = make([]byte, n)
 	}
 	return ld.buf
 }
 
-// buffers are two chunks, for reading ahead while checking.
-func (ld *loader) buffers() [2][]byte {
-	if ld.ahead == nil {
-		ld.ahead = make([]byte, 2*verifyPiece)
+// buffers are two pieces of at most verifyPiece bytes, for reading ahead
+// while checking files of up to size bytes.
+func (ld *loader) buffers(size int64) [2][]byte {
+	n := int(max(min(size, verifyPiece), 1))
+	if len(ld.ahead) < 2*n {
+		ld.ahead = make([]byte, 2*n)
 	}
-	return [2][]byte{ld.ahead[:verifyPiece], ld.ahead[verifyPiece:]}
+	return [2][]byte{ld.ahead[:n], ld.ahead[n : 2*n]}
 }
 
 const verifyPiece = 1 << 20 // the checks' reads: small enough to be summed while still in cache
@@ -696,9 +767,10 @@ func fileCRC(rr *rankReader, size int64, bufs [2][]byte) (uint32, error) {
 	free <- bufs[1]
 	go func() {
 		defer close(full)
-		for off := int64(0); off < size; off += verifyPiece {
-			b := (<-free)[:min(verifyPiece, size-off)]
-			_, err := rr.f.ReadAt(b, off)
+		step := int64(len(bufs[0]))
+		for off := int64(0); off < size; off += step {
+			b := (<-free)[:min(step, size-off)]
+			_, err := rr.readAt(b, off)
 			if err == io.EOF {
 				err = nil
 			}
@@ -712,7 +784,10 @@ func fileCRC(rr *rankReader, size int64, bufs [2][]byte) (uint32, error) {
 	var err error
 	for p := range full {
 		if p.err != nil && err == nil {
-			err = rr.corrupt("reading it: %v", p.err)
+			err = p.err
+			if !errors.Is(err, ErrAborted) {
+				err = rr.corrupt("reading it: %v", p.err)
+			}
 		}
 		if err == nil {
 			crc = crc32.Update(crc, castagnoli, p.b)
@@ -783,7 +858,8 @@ func (ld *loader) fill(st stateTensor, zero bool) error {
 		wg.Wait()
 		return errors.Join(err, other)
 	}
-	buf := ld.buffer()
+	buf := ld.buffer(int64(st.t.count) * int64(size))
+	per = len(buf) / size
 	for off := 0; off < st.t.count; off += per {
 		n := min(per, st.t.count-off)
 		b := buf[:n*size]
@@ -804,22 +880,17 @@ func (ld *loader) fill(st stateTensor, zero bool) error {
 // section st.name, into dst, from whichever ranks' files hold them.
 func (ld *loader) readParam(st stateTensor, p, from, count int, dst []byte) error {
 	size := st.t.dtype.Size()
-	for _, s := range ld.pieces[p] {
-		lo, hi := max(from, s.paramOffset), min(from+count, s.paramOffset+s.count)
-		if lo >= hi {
-			continue
+	return ld.x.each(p, from, count, func(rank, po, n, so int) error {
+		rr := ld.readers[rank]
+		if rr == nil {
+			return errorf(ErrCheckpoint, "%s: rank %d's file holds part of parameter %d and was not checked", ld.at, rank, p)
 		}
-		rr := ld.readers[s.rank]
 		sec, ok := rr.footer.section(st.name)
 		if !ok || sec.DType != st.t.dtype.String() {
 			return rr.corrupt("no %s section of %v", st.name, st.t.dtype)
 		}
-		at := int64(s.shardOffset+lo-s.paramOffset) * int64(size)
-		if err := rr.read(sec, at, dst[(lo-from)*size:(hi-from)*size]); err != nil {
-			return err
-		}
-	}
-	return nil
+		return rr.read(sec, int64(so)*int64(size), dst[(po-from)*size:(po-from+n)*size])
+	})
 }
 
 // client returns this rank's bytes (nil where the checkpoint had fewer
@@ -833,7 +904,7 @@ func (ld *loader) client() ([]byte, error) {
 	if !ok {
 		return nil, rr.corrupt("no client section")
 	}
-	b := make([]byte, sec.Bytes)
+	b := make([]byte, sec.Bytes) // bounded by the file's size (readFooter)
 	return b, rr.read(sec, 0, b)
 }
 
@@ -843,15 +914,9 @@ func (ld *loader) close() {
 	}
 }
 
-// has reports whether the checkpoint holds section name (it lists the
-// sections of rank 0's file, which every rank wrote alike).
-func (ld *loader) has(name string) bool {
-	for _, rr := range ld.readers {
-		_, ok := rr.footer.section(name)
-		return ok
-	}
-	return false
-}
+// has reports whether the checkpoint holds section name (every file has
+// the same sections: checkFooter).
+func (ld *loader) has(name string) bool { return slices.Contains(ld.sections, name) }
 
 // load replaces the engine's state with the checkpoint's; every rank calls
 // it. Nothing changes until every rank has found and checked every file it
@@ -859,22 +924,24 @@ func (ld *loader) has(name string) bool {
 // the engine, the caller's error says so.
 func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (client []byte, step int, fatal bool, err error) {
 	at, m, err := findCheckpoint(ce.fs, dir)
+	var x *ckptIndex
 	var ld *loader
 	var groups []Optimizer
 	if err == nil {
 		err = ce.checkModel(at, m)
 	}
 	if err == nil {
-		ld, err = newLoader(ce, at, m)
+		x, err = checkLayout(at, m, ce.params)
 	}
 	if err == nil && !opt.WeightsOnly {
-		groups, err = ce.opt.restorable(m.Optimizer)
+		if err = checkScalars(at, m.Optimizer); err == nil {
+			groups, err = ce.opt.restorable(filepath.Join(at, ckptManifest), m.Optimizer)
+		}
 	}
 	if err == nil {
-		err = ld.verify()
-	}
-	if ld != nil {
+		ld = newLoader(ce, at, m, x)
 		defer ld.close()
+		err = ld.verify()
 	}
 	failed, _, cerr := ce.agree(err != nil)
 	if cerr != nil {
@@ -1216,6 +1283,22 @@ func writeWidened(f ckptFile, at int64, dev Device, s Stream, data Tensor, buf [
 	return nil
 }
 
+// shapeHolds reports whether shape (none, or its dimensions) has count
+// elements.
+func shapeHolds(shape []int, count int) bool {
+	if len(shape) == 0 {
+		return true
+	}
+	n := 1
+	for _, d := range shape {
+		if d < 0 || d > 0 && n > count/d {
+			return false
+		}
+		n *= d
+	}
+	return n == count
+}
+
 // dtypeNamed is the DType a manifest names.
 func dtypeNamed(s string) (DType, bool) {
 	for _, d := range []DType{FP32, BF16, FP16} {
@@ -1247,18 +1330,22 @@ func checkpointToSafetensors(fsys ckptFS, dir, file string, opt ExportOptions) e
 	params := make([]Param, len(m.Params))
 	for i, p := range m.Params {
 		d, ok := dtypeNamed(p.DType)
-		if !ok || p.Count < 0 {
-			return errorf(ErrCheckpoint, "%s: parameter %d has the dtype %q and count %d; the manifest is damaged", where, i, p.DType, p.Count)
+		if !ok || p.Count < 0 || !shapeHolds(p.Shape, p.Count) {
+			return errorf(ErrCheckpoint, "%s: parameter %d has the dtype %q, count %d and shape %v; the manifest is damaged", where, i, p.DType, p.Count, p.Shape)
 		}
 		params[i] = Param{Name: p.Name, Count: p.Count, Shape: p.Shape, DType: d, Group: p.Group, Frozen: p.Frozen}
 	}
-	if len(m.Files) != m.Layout.World || len(m.Optimizer.Steps) != len(params) {
-		return errorf(ErrCheckpoint, "%s: %d files for %d ranks, %d step counts for %d parameters; the manifest is damaged", where, len(m.Files), m.Layout.World, len(m.Optimizer.Steps), len(params))
+	if len(m.Optimizer.Steps) != len(params) {
+		return errorf(ErrCheckpoint, "%s: %d step counts for %d parameters; the manifest is damaged", where, len(m.Optimizer.Steps), len(params))
 	}
-	ld, err := newLoader(&ckptEngine{fs: fsys, params: params}, at, m)
+	if err := checkScalars(at, m.Optimizer); err != nil {
+		return err
+	}
+	x, err := checkLayout(at, m, params)
 	if err != nil {
 		return err
 	}
+	ld := newLoader(&ckptEngine{fs: fsys, params: params}, at, m, x)
 	defer ld.close()
 	ranks := make([]int, m.Layout.World)
 	for r := range ranks {
@@ -1278,8 +1365,8 @@ func checkpointToSafetensors(fsys ckptFS, dir, file string, opt ExportOptions) e
 	}
 	tensors, items := exportList(params, groups, opt, false)
 	_, head, err := layoutST(tensors, exportMetadata(opt, m.Step))
-	if err != nil {
-		return err
+	if err != nil { // the manifest's names: it is damaged
+		return fmt.Errorf("%w: %s: %w; the manifest is damaged", ErrCheckpoint, where, err)
 	}
 	for _, it := range items {
 		if it.state != "step" && !ld.has(it.state) {
@@ -1292,7 +1379,11 @@ func checkpointToSafetensors(fsys ckptFS, dir, file string, opt ExportOptions) e
 		return fmt.Errorf("%w: %w", ErrCheckpoint, err)
 	}
 	_, err = f.Write(head)
-	buf := ld.buffer()
+	most := 0
+	for _, q := range params {
+		most = max(most, q.Count)
+	}
+	buf := ld.buffer(4 * int64(most))
 	per := len(buf) / 4
 	for i := 0; err == nil && i < len(items); i++ {
 		it := items[i]

@@ -1,6 +1,7 @@
 package zero
 
 import (
+	"bufio"
 	"bytes"
 	"cmp"
 	"crypto/sha256"
@@ -8,15 +9,21 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"maps"
 	"math"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"reflect"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // ckptCase is one configuration of the resume test.
@@ -669,32 +676,7 @@ func TestCheckpointRefusals(t *testing.T) {
 		if tc.parent {
 			from = filepath.Dir(d)
 		}
-		comms, _ := NewLocalGroup(2)
-		errs := eachRank(2, func(rank int) error {
-			defer comms[rank].Close()
-			ps := make([]Param, len(ckptSizes))
-			for p, n := range ckptSizes {
-				ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(make([]float32, n), c.dtype)}
-			}
-			e, err := New(c.config(), comms[rank], ps)
-			if err != nil {
-				return err
-			}
-			defer e.Close()
-			before, err := readCkptState(e)
-			if err != nil {
-				return err
-			}
-			_, lerr := e.Load(from, LoadOptions{})
-			after, err := readCkptState(e)
-			if err != nil {
-				return fmt.Errorf("the engine after a refused load: %w", err)
-			}
-			if diff := before.diff(after); diff != "" {
-				return fmt.Errorf("a refused load changed the engine: %s", diff)
-			}
-			return lerr
-		})
+		errs, _ := refusedLoad(t, c, 2, from, nil)
 		t.Logf("%s: %v", tc.name, errs[0])
 		for rank, err := range errs {
 			if !errors.Is(err, ErrCheckpoint) || errors.Is(err, ErrCollective) {
@@ -707,6 +689,253 @@ func TestCheckpointRefusals(t *testing.T) {
 	}
 }
 
+// refusedLoad loads from into fresh engines of c on world ranks (fsys, if
+// set, is every engine's file layer; the engines start as ckptRun's),
+// within a bound, and returns each rank's error; a rank whose engine the
+// load changed gets an error that says so instead. Where every rank was
+// refused and its engine is usable, each then takes ckptRun's step 0 and
+// the state after it is returned: the bits of a run that never tried.
+func refusedLoad(t *testing.T, c ckptCase, world int, from string, fsys func(rank int) ckptFS) ([]error, []ckptState) {
+	t.Helper()
+	comms, _ := NewLocalGroupTimeout(world, 20*time.Second)
+	var errs []error
+	var refused sync.WaitGroup
+	refused.Add(world)
+	var stepped atomic.Bool
+	stepped.Store(true)
+	states := make([]ckptState, world)
+	within(t, 60*time.Second, func() {
+		errs = eachRank(world, func(rank int) error {
+			defer comms[rank].Close()
+			ps := make([]Param, len(ckptSizes))
+			for p, n := range ckptSizes {
+				x := make([]float32, n)
+				for i := range x {
+					x[i] = float32(i%17)*0.03 - 0.2 + float32(p)*0.01
+				}
+				ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(x, c.dtype)}
+			}
+			e, err := New(c.config(), comms[rank], ps)
+			if err != nil {
+				refused.Done()
+				return err
+			}
+			defer e.Close()
+			if fsys != nil {
+				e.files = fsys(rank)
+			}
+			before, err := readCkptState(e)
+			if err != nil {
+				refused.Done()
+				return err
+			}
+			_, lerr := e.Load(from, LoadOptions{})
+			if !errors.Is(lerr, ErrCheckpoint) || errors.Is(lerr, ErrCollective) {
+				stepped.Store(false) // fatal, or loaded: no step
+			}
+			refused.Done()
+			if errors.Is(lerr, ErrCollective) {
+				return lerr // the state is not readable any more
+			}
+			after, err := readCkptState(e)
+			if err != nil {
+				return fmt.Errorf("the engine after a refused load: %w", err)
+			}
+			if diff := before.diff(after); diff != "" {
+				return fmt.Errorf("a refused load changed the engine: %s", diff)
+			}
+			refused.Wait() // every rank's outcome known: all step, or none
+			if stepped.Load() {
+				s := NewHostStream()
+				defer s.Close()
+				for k := range 2 {
+					for p := len(ps) - 1; p >= 0; p-- {
+						if _, err := e.GradReady(p, ckptGrad(c, 0, k, rank, p, ps[p].Count, e.LossScale()), s); err != nil {
+							return err
+						}
+					}
+					if err := e.EndBackward(); err != nil {
+						return err
+					}
+				}
+				if err := e.Step(); err != nil {
+					return fmt.Errorf("the step after a refused load: %w", err)
+				}
+				if states[rank], err = readCkptState(e); err != nil {
+					return err
+				}
+			}
+			return lerr
+		})
+	})
+	if !stepped.Load() {
+		states = nil
+	}
+	return errs, states
+}
+
+// TestCheckpointSpecialFiles: a rank file that is a FIFO (whose plain open
+// waits for a writer forever), a directory, or a symlink to /dev/zero, and
+// a manifest or latest that is a symlink to /dev/zero (whose plain read
+// never ends), are refused within a bound, naming the file and that it is
+// not a regular file, with little memory, and the engine unchanged; so is
+// a FIFO given to ImportSafetensors.
+func TestCheckpointSpecialFiles(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	base := t.TempDir()
+	ckptTrain(t, c, 0, 1, "", base)
+	latest, err := os.ReadFile(filepath.Join(base, ckptLatest))
+	if err != nil {
+		t.Fatal(err)
+	}
+	at := filepath.Join(base, strings.TrimSpace(string(latest)))
+	replace := func(name string, with func(string) error) func(string) {
+		return func(d string) {
+			p := filepath.Join(d, name)
+			if err := os.Remove(p); err != nil {
+				t.Fatal(err)
+			}
+			if err := with(p); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	fifo := func(p string) error { return unix.Mkfifo(p, 0o644) }
+	zeros := func(p string) error { return os.Symlink("/dev/zero", p) }
+	dir := func(p string) error { return os.Mkdir(p, 0o755) }
+	for _, tc := range []struct {
+		name   string
+		damage func(string)
+		want   string
+		parent bool
+	}{
+		{"rank file a FIFO", replace("rank-00001.bin", fifo), "rank-00001.bin", false},
+		{"rank file a directory", replace("rank-00000.bin", dir), "rank-00000.bin", false},
+		{"rank file a symlink to /dev/zero", replace("rank-00000.bin", zeros), "rank-00000.bin", false},
+		{"manifest a symlink to /dev/zero", replace(ckptManifest, zeros), ckptManifest, false},
+		{"manifest a FIFO", replace(ckptManifest, fifo), ckptManifest, false},
+		{"latest a symlink to /dev/zero", func(d string) { zeros(filepath.Join(filepath.Dir(d), ckptLatest)) }, ckptLatest, true},
+		{"latest a FIFO", func(d string) { fifo(filepath.Join(filepath.Dir(d), ckptLatest)) }, ckptLatest, true},
+	} {
+		d := filepath.Join(t.TempDir(), "ck")
+		if err := os.CopyFS(d, os.DirFS(at)); err != nil {
+			t.Fatal(err)
+		}
+		tc.damage(d)
+		from := d
+		if tc.parent {
+			from = filepath.Dir(d)
+		}
+		before := heapAllocated()
+		errs, _ := refusedLoad(t, c, 2, from, nil)
+		grown := heapAllocated() - before
+		t.Logf("%s: %v (%d bytes allocated)", tc.name, errs[0], grown)
+		for rank, err := range errs {
+			if !errors.Is(err, ErrCheckpoint) || errors.Is(err, ErrCollective) {
+				t.Errorf("%s: rank %d: %v, want ErrCheckpoint and a usable engine", tc.name, rank, err)
+			}
+		}
+		if err := errors.Join(errs...); err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "not a regular file") {
+			t.Errorf("%s: %v, want an error naming %s, not a regular file", tc.name, err, tc.want)
+		}
+		if grown > 64<<20 {
+			t.Errorf("%s: %d bytes allocated by two engines and the refused load", tc.name, grown)
+		}
+	}
+	f := filepath.Join(t.TempDir(), "model.safetensors")
+	if err := fifo(f); err != nil {
+		t.Fatal(err)
+	}
+	var ierr error
+	within(t, 30*time.Second, func() {
+		ierr = ImportSafetensors(f, Config{Stage: 2}, CPU(), []Param{{Name: "w", Count: 4, DType: FP32, Data: toDType(make([]float32, 4), FP32)}}, ImportOptions{})
+	})
+	if !errors.Is(ierr, ErrCheckpoint) || !strings.Contains(ierr.Error(), "not a regular file") {
+		t.Errorf("ImportSafetensors of a FIFO: %v, want ErrCheckpoint, not a regular file", ierr)
+	}
+}
+
+// hangingFS reads as the operating system's until its at-th read, which
+// runs then calls abort: every later read blocks until release is closed,
+// as on a device that stopped answering.
+type hangingFS struct {
+	osFS
+	mu      sync.Mutex
+	reads   int
+	at      int
+	abort   func()
+	release chan struct{}
+}
+
+type hangingFile struct {
+	ckptFile
+	fs *hangingFS
+}
+
+func (h *hangingFS) Open(name string) (ckptFile, error) {
+	f, err := h.osFS.Open(name)
+	if err != nil {
+		return nil, err
+	}
+	return hangingFile{f, h}, nil
+}
+
+func (f hangingFile) ReadAt(p []byte, off int64) (int, error) {
+	h := f.fs
+	h.mu.Lock()
+	h.reads++
+	n := h.reads
+	h.mu.Unlock()
+	switch {
+	case n == h.at:
+		defer h.abort()
+	case n > h.at:
+		<-h.release
+	}
+	return f.ckptFile.ReadAt(p, off)
+}
+
+// TestCheckpointAbortInterruptsLoad: an Abort while a load reads its files
+// stops it before its next read (which would block for ever here): Load
+// returns ErrAborted within a bound, and the peer's Load fails too.
+func TestCheckpointAbortInterruptsLoad(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	dir := t.TempDir()
+	ckptTrain(t, c, 0, 1, "", dir)
+	for _, at := range []int{1, 3, 5} { // the trailer, the checks' reads, a section
+		h := &hangingFS{at: at, release: make(chan struct{})}
+		comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+		var errs []error
+		within(t, 60*time.Second, func() {
+			errs = eachRank(2, func(rank int) error {
+				defer comms[rank].Close()
+				ps := make([]Param, len(ckptSizes))
+				for p, n := range ckptSizes {
+					ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(make([]float32, n), c.dtype)}
+				}
+				e, err := New(c.config(), comms[rank], ps)
+				if err != nil {
+					return err
+				}
+				defer e.Close()
+				if rank == 0 {
+					e.files = h
+					h.abort = func() { e.Abort(errors.New("stop the load")) }
+				}
+				_, err = e.Load(dir, LoadOptions{})
+				return err
+			})
+		})
+		close(h.release)
+		if !errors.Is(errs[0], ErrAborted) {
+			t.Errorf("read %d: rank 0: %v, want ErrAborted", at, errs[0])
+		}
+		if errs[1] == nil {
+			t.Errorf("read %d: rank 1 loaded while rank 0 aborted", at)
+		}
+	}
+}
+
 func replaceOnce(s, old, new string) string {
 	if !strings.Contains(s, old) {
 		panic("no " + old + " in the manifest")
@@ -715,7 +944,8 @@ func replaceOnce(s, old, new string) string {
 }
 
 // TestCheckpointLoadOptions: WeightsOnly gives the run of a fresh engine
-// built from the saved parameters (fp32: the master is the parameters);
+// built from the saved parameters (fp32: the master is the parameters),
+// its schedule starting from step 0 as a fresh engine's does;
 // KeepConfigGroups gives the run of a full load followed by SetGroup to
 // the engine's own group, with the moments and steps restored.
 func TestCheckpointLoadOptions(t *testing.T) {
@@ -726,6 +956,9 @@ func TestCheckpointLoadOptions(t *testing.T) {
 		a := NewAdamW(3e-2)
 		a.AMSGrad = true
 		cfg.Optimizer.Groups = []Optimizer{a}
+		// a warmup: the rate of each step depends on the schedule's step,
+		// which WeightsOnly starts afresh
+		cfg.Optimizer.Schedule = NewLinearWarmup(4, 100)
 	}
 	weights := ckptRun{c: c, from: 3, to: 5, load: dir, loadOpt: LoadOptions{WeightsOnly: true}, config: faster}.run(t)
 	fresh := ckptRun{c: c, from: 3, to: 5, config: faster, initial: saved[0].params}.run(t)
@@ -1051,12 +1284,13 @@ func copyTree(t *testing.T, src string) string {
 	return dst
 }
 
-// goldenCase is the run the golden checkpoint of format version 1 holds:
+// goldenCase is the run the golden checkpoints of every format version hold:
 // fp16 with a loss scale moved by an overflow, coalesced windows, AdamW
 // with amsgrad, ZeRO-2 on 2 ranks, saved after 3 steps.
 var goldenCase = ckptCase{stage: 2, dtype: FP16, window: true}
 
-const goldenDir = "testdata/checkpoint-v1"
+// goldenDir is the golden checkpoint of format version v.
+func goldenDir(v int) string { return fmt.Sprintf("testdata/checkpoint-v%d", v) }
 
 // goldenDigest is what a load of the golden checkpoint must give: a
 // SHA-256 of each state tensor and of the parameters, and the rest as is.
@@ -1083,41 +1317,45 @@ func digestOf(s ckptState) goldenDigest {
 	return d
 }
 
-// TestCheckpointGolden: the committed checkpoint of format version 1
-// loads, now and in every later version, into the state it was saved
-// with (its digest, committed beside it), or is refused by its version
-// with ErrCheckpoint. ZERO_WRITE_GOLDEN=1 writes it anew (only when the
-// format version changes: the old one stays, under its own name).
+// TestCheckpointGolden: the committed checkpoint of each format version
+// (testdata/checkpoint-vN) loads, now and in every later version, into
+// the state it was saved with (its digest, committed beside it), or is
+// refused by its version with ErrCheckpoint. ZERO_WRITE_GOLDEN=1 writes the
+// current version's anew (only when the format version changes: the older
+// ones stay, under their own names).
 func TestCheckpointGolden(t *testing.T) {
-	digests := filepath.Join(goldenDir, "digest.json")
-	if os.Getenv("ZERO_WRITE_GOLDEN") == "1" {
-		tmp := t.TempDir()
-		saved := ckptTrain(t, goldenCase, 0, 3, "", tmp)
-		latest, err := os.ReadFile(filepath.Join(tmp, ckptLatest))
+	for v := 1; v <= ckptVersion; v++ {
+		dir := goldenDir(v)
+		digests := filepath.Join(dir, "digest.json")
+		if os.Getenv("ZERO_WRITE_GOLDEN") == "1" && v == ckptVersion {
+			tmp := t.TempDir()
+			saved := ckptTrain(t, goldenCase, 0, 3, "", tmp)
+			latest, err := os.ReadFile(filepath.Join(tmp, ckptLatest))
+			if err != nil {
+				t.Fatal(err)
+			}
+			os.RemoveAll(dir)
+			if err := os.Rename(filepath.Join(tmp, strings.TrimSpace(string(latest))), dir); err != nil {
+				t.Fatal(err)
+			}
+			out, _ := json.MarshalIndent([]goldenDigest{digestOf(saved[0]), digestOf(saved[1])}, "", " ")
+			if err := os.WriteFile(digests, append(out, '\n'), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		b, err := os.ReadFile(digests)
 		if err != nil {
 			t.Fatal(err)
 		}
-		os.RemoveAll(goldenDir)
-		if err := os.Rename(filepath.Join(tmp, strings.TrimSpace(string(latest))), goldenDir); err != nil {
+		var want []goldenDigest
+		if err := json.Unmarshal(b, &want); err != nil {
 			t.Fatal(err)
 		}
-		out, _ := json.MarshalIndent([]goldenDigest{digestOf(saved[0]), digestOf(saved[1])}, "", " ")
-		if err := os.WriteFile(digests, append(out, '\n'), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	b, err := os.ReadFile(digests)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var want []goldenDigest
-	if err := json.Unmarshal(b, &want); err != nil {
-		t.Fatal(err)
-	}
-	got := ckptTrain(t, goldenCase, 3, 3, goldenDir, "")
-	for rank := range got {
-		if d := digestOf(got[rank]); !reflect.DeepEqual(d, want[rank]) {
-			t.Errorf("rank %d: the golden checkpoint loads as\n%+v\nit was saved as\n%+v", rank, d, want[rank])
+		got := ckptTrain(t, goldenCase, 3, 3, dir, "")
+		for rank := range got {
+			if d := digestOf(got[rank]); !reflect.DeepEqual(d, want[rank]) {
+				t.Errorf("version %d, rank %d: the golden checkpoint loads as\n%+v\nit was saved as\n%+v", v, rank, d, want[rank])
+			}
 		}
 	}
 }
@@ -1138,4 +1376,918 @@ func TestCheckpointGolden(t *testing.T) {
 // temporary one.
 func BenchmarkCheckpoint(b *testing.B) {
 	checkpointRun(b, hostBench) // benchenv_test.go; BenchmarkCUDACheckpoint from GPU memory
+}
+
+// ckptImage is a checkpoint directory read into memory, to be written
+// back with some of it changed and every checksum recomputed: the
+// manifest's own, each file's size and CRC32C in it, each footer's in its
+// trailer, and each section's chunk CRCs. Only content is then wrong.
+type ckptImage struct {
+	m     ckptManifestData
+	files []rankImage
+}
+
+// rankImage is a rank file: its footer and each section's bytes.
+type rankImage struct {
+	footer   ckptFooter
+	sections map[string][]byte
+}
+
+func readCkptImage(t *testing.T, dir string) *ckptImage {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, ckptManifest))
+	if err != nil {
+		t.Fatal(err)
+	}
+	im := &ckptImage{}
+	if err := json.Unmarshal(b, &im.m); err != nil {
+		t.Fatal(err)
+	}
+	for _, fi := range im.m.Files {
+		im.files = append(im.files, readRankImage(t, filepath.Join(dir, fi.Name)))
+	}
+	return im
+}
+
+func readRankImage(t *testing.T, name string) rankImage {
+	t.Helper()
+	b, err := os.ReadFile(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := b[len(b)-ckptTrailerLen:]
+	at, n := binary.LittleEndian.Uint64(tr), binary.LittleEndian.Uint64(tr[8:])
+	ri := rankImage{sections: map[string][]byte{}}
+	if err := json.Unmarshal(b[at:at+n], &ri.footer); err != nil {
+		t.Fatal(err)
+	}
+	for _, sec := range ri.footer.Sections {
+		ri.sections[sec.Name] = slices.Clone(b[sec.Offset : sec.Offset+sec.Bytes])
+	}
+	return ri
+}
+
+// write writes the image into dir: each rank file's sections in its
+// footer's order, packed, with their offsets and chunk CRCs recomputed,
+// then forge (if set) edits the footer, then the footer, its trailer, and
+// the manifest with every file's size and CRC32C, sealed.
+func (im *ckptImage) write(t *testing.T, dir string, forge func(r int, f *ckptFooter)) {
+	t.Helper()
+	for r, ri := range im.files {
+		var body []byte
+		f := ri.footer
+		f.Sections = nil
+		for _, sec := range ri.footer.Sections {
+			data, ok := ri.sections[sec.Name]
+			if !ok {
+				continue
+			}
+			sec.Offset, sec.Bytes, sec.CRC = int64(len(body)), int64(len(data)), nil
+			for lo := 0; lo < len(data); lo += ckptChunk {
+				sec.CRC = append(sec.CRC, crc32.Checksum(data[lo:min(lo+ckptChunk, len(data))], castagnoli))
+			}
+			f.Sections = append(f.Sections, sec)
+			body = append(body, data...)
+		}
+		if forge != nil {
+			forge(r, &f)
+		}
+		foot, err := json.Marshal(&f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var tr [ckptTrailerLen]byte
+		binary.LittleEndian.PutUint64(tr[0:], uint64(len(body)))
+		binary.LittleEndian.PutUint64(tr[8:], uint64(len(foot)))
+		binary.LittleEndian.PutUint32(tr[16:], crc32.Checksum(foot, castagnoli))
+		copy(tr[20:], ckptTrailerTag)
+		whole := append(append(body, foot...), tr[:]...)
+		if err := os.WriteFile(filepath.Join(dir, rankFileName(r)), whole, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if r < len(im.m.Files) {
+			im.m.Files[r].Bytes, im.m.Files[r].CRC = int64(len(whole)), crc32.Checksum(whole, castagnoli)
+		}
+	}
+	data, err := sealManifest(&im.m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, ckptManifest), data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestCheckpointForgedContent: checkpoints whose checksums were all
+// recomputed after a change, so that only their content is wrong, are
+// refused before anything changes (ErrCheckpoint naming the file and what
+// is wrong), the engine usable and unchanged: one more step gives the bits
+// of a run that never tried the bad checkpoint. A rewrite that changes
+// nothing loads (the rewriting is sound).
+func TestCheckpointForgedContent(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	saved := func() string {
+		base := t.TempDir()
+		ckptTrain(t, c, 0, 2, "", base)
+		latest, err := os.ReadFile(filepath.Join(base, ckptLatest))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return filepath.Join(base, strings.TrimSpace(string(latest)))
+	}
+	at := saved()
+	other := saved() // the same run saved again: another save, the same bits
+	never := ckptTrain(t, c, 0, 1, "", "")
+	member := func(b, i int, f func(*[2]int)) func(*ckptImage) {
+		return func(im *ckptImage) { f(&im.m.Layout.Buckets[b].Members[i]) }
+	}
+	bucket := func(b int, f func(*ckptBucket)) func(*ckptImage) {
+		return func(im *ckptImage) { f(&im.m.Layout.Buckets[b]) }
+	}
+	section := func(r int, name string, f func(*ckptSection)) func(int, *ckptFooter) {
+		return func(rank int, ft *ckptFooter) {
+			if rank != r {
+				return
+			}
+			s, ok := ft.section(name)
+			if !ok {
+				t.Fatalf("no section %s", name)
+			}
+			f(s)
+		}
+	}
+	for _, tc := range []struct {
+		name  string
+		edit  func(*ckptImage)
+		forge func(int, *ckptFooter)
+		file  string // the file the error names
+		what  string // and what it says is wrong
+		loads bool
+	}{
+		{name: "nothing changed", loads: true},
+		{name: "a shard offset of -1000", edit: bucket(0, func(b *ckptBucket) { b.ShardOffset = -1000 }), file: ckptManifest, what: "bucket 0 has a shard"},
+		{name: "a shard offset of +10^6", edit: bucket(1, func(b *ckptBucket) { b.ShardOffset += 1e6 }), file: ckptManifest, what: "bucket 1 has a shard"},
+		{name: "a shard offset of 2^62", edit: bucket(2, func(b *ckptBucket) { b.ShardOffset = 1 << 62 }), file: ckptManifest, what: "bucket 2 has a shard"},
+		{name: "a shard of 2^62", edit: bucket(0, func(b *ckptBucket) { b.Shard = 1 << 62 }), file: ckptManifest, what: "bucket 0 has a shard"},
+		{name: "a member offset of 2^62", edit: member(0, 1, func(m *[2]int) { m[1] = 1 << 62 }), file: ckptManifest, what: "past the bucket"},
+		{name: "a member offset of -1", edit: member(0, 0, func(m *[2]int) { m[1] = -1 }), file: ckptManifest, what: "bucket 0 places"},
+		{name: "parameters 0 and 1 swapped in the layout", edit: func(im *ckptImage) {
+			for b := range im.m.Layout.Buckets {
+				for i, mb := range im.m.Layout.Buckets[b].Members {
+					if mb[0] < 2 {
+						im.m.Layout.Buckets[b].Members[i][0] = 1 - mb[0]
+					}
+				}
+			}
+		}, file: ckptManifest, what: "over the member before it"},
+		{name: "parameters 0 and 1 swapped in the parameter list", edit: func(im *ckptImage) {
+			im.m.Params[0], im.m.Params[1] = im.m.Params[1], im.m.Params[0]
+		}, file: ckptManifest, what: "parameter 0"},
+		{name: "a member moved inside its bucket", edit: member(0, 1, func(m *[2]int) { m[1] += 36 }), file: "rank-00000.bin", what: "other parameter ranges"},
+		{name: "no buckets", edit: func(im *ckptImage) { im.m.Layout.Buckets = nil }, file: ckptManifest, what: "the buckets' shards hold 0 elements"},
+		{name: "a parameter in two buckets", edit: func(im *ckptImage) {
+			im.m.Layout.Buckets[0].Members = append(im.m.Layout.Buckets[0].Members, [2]int{1, 200})
+		}, file: ckptManifest, what: "lies in another bucket too"},
+		{name: "negative step counts", edit: func(im *ckptImage) { im.m.Optimizer.Steps[2] = -5 }, file: ckptManifest, what: "parameter 2 has taken -5"},
+		{name: "a negative loss scale", edit: func(im *ckptImage) { im.m.Optimizer.Scaler.Scale = -1 }, file: ckptManifest, what: "a loss scale of -1"},
+		{name: "a file named outside the checkpoint", edit: func(im *ckptImage) { im.m.Files[1].Name = "../rank-00001.bin" }, file: ckptManifest, what: "file 1 is"},
+		{name: "a section offset of MaxInt64-10", forge: section(0, "m", func(s *ckptSection) { s.Offset = math.MaxInt64 - 10 }), file: "rank-00000.bin", what: `section "m"`},
+		{name: "a master section of another dtype", forge: section(1, "master", func(s *ckptSection) { s.DType = "fp16" }), file: "rank-00001.bin", what: `section "master" holds "fp16"`},
+		{name: "a master section 4 bytes long", edit: func(im *ckptImage) { im.files[0].sections["master"] = im.files[0].sections["master"][:4] }, file: "rank-00000.bin", what: `section "master" has 4 bytes`},
+		{name: "a footer without its master section", edit: func(im *ckptImage) { delete(im.files[1].sections, "master") }, file: "rank-00001.bin", what: "no master section"},
+		{name: "a section of another name", forge: section(0, "vmax", func(s *ckptSection) { s.Name = "w" }), file: "rank-00000.bin", what: `a section "w"`},
+		{name: "a rank file of another save of this model", edit: func(im *ckptImage) {
+			im.files[1] = readRankImage(t, filepath.Join(other, rankFileName(1)))
+		}, file: "rank-00001.bin", what: "written by another save"},
+		{name: "a rank file listed as another rank's", edit: func(im *ckptImage) { im.files[0].footer.Rank = 1 }, file: "rank-00000.bin", what: "rank 1 of 2"},
+		{name: "the save's identity missing", edit: func(im *ckptImage) { im.m.Save = "" }, file: ckptManifest, what: "the save's identity"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := filepath.Join(t.TempDir(), "ck")
+			if err := os.CopyFS(d, os.DirFS(at)); err != nil {
+				t.Fatal(err)
+			}
+			im := readCkptImage(t, d)
+			if tc.edit != nil {
+				tc.edit(im)
+			}
+			im.write(t, d, tc.forge)
+			if tc.loads {
+				ckptRun{c: c, from: -1, to: -1, load: d}.run(t)
+				return
+			}
+			errs, after := refusedLoad(t, c, 2, d, nil)
+			for rank, err := range errs {
+				if !errors.Is(err, ErrCheckpoint) || errors.Is(err, ErrCollective) {
+					t.Fatalf("rank %d: %v, want ErrCheckpoint and an unchanged engine", rank, err)
+				}
+			}
+			all := errors.Join(errs...).Error()
+			if !strings.Contains(all, tc.file) || !strings.Contains(all, tc.what) {
+				t.Errorf("%v; want an error naming %s and saying %q", errors.Join(errs...), tc.file, tc.what)
+			}
+			for rank := range after {
+				if d := never[rank].diff(after[rank]); d != "" {
+					t.Errorf("rank %d: the step after the refusal differs from a run that never tried: %s", rank, d)
+				}
+			}
+			t.Logf("%v", errs[0])
+		})
+	}
+}
+
+// TestCheckpointLoadBoundsAllocation: manifests with a correct checksum
+// that declare a layout far larger than their files (8,192 ranks, 3,000
+// parameters, each spread over every rank) are refused, by Load's checks
+// and by CheckpointToSafetensors, before anything is allocated for their
+// numbers: the heap grows by at most 64 times the manifest plus 1 MiB
+// (it grew by 4.4 GB when the loader listed every piece first).
+func TestCheckpointLoadBoundsAllocation(t *testing.T) {
+	const world, params, count = 8192, 3000, 8192
+	build := func(overlap bool) ckptManifestData {
+		m := ckptManifestData{Format: ckptFormat, Version: ckptVersion, Save: formatSaveID(1), Stage: 2,
+			Optimizer: optCheckpoint{Kind: "adamw", Steps: make([]int, params), Scaler: scalerState{Scale: 1, LastOverflow: -1}}}
+		m.Layout.World = world
+		for p := range params {
+			m.Params = append(m.Params, ckptParam{Name: fmt.Sprint("w", p), Count: count, DType: "fp32"})
+			b := ckptBucket{Shard: 1, ShardOffset: p, Members: [][2]int{{p, 0}}}
+			if overlap { // the issue's: every member in one bucket, all at 0
+				if p > 0 {
+					m.Layout.Buckets[0].Members = append(m.Layout.Buckets[0].Members, [2]int{p, 0})
+					continue
+				}
+			}
+			m.Layout.Buckets = append(m.Layout.Buckets, b)
+			m.Layout.ShardElems++
+		}
+		for r := range world {
+			m.Files = append(m.Files, ckptFileInfo{Name: rankFileName(r), Rank: r, Bytes: 1 << 30})
+		}
+		return m
+	}
+	for _, tc := range []struct {
+		name    string
+		overlap bool
+		files   bool // every rank file there, 24 bytes long
+	}{{"overlapping members", true, false}, {"files missing", false, false}, {"files shorter than listed", false, true}} {
+		dir := t.TempDir()
+		m := build(tc.overlap)
+		data, err := sealManifest(&m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, ckptManifest), data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if tc.files {
+			for r := range world {
+				if err := os.WriteFile(filepath.Join(dir, rankFileName(r)), make([]byte, 24), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		limit := 64*uint64(len(data)) + 1<<20
+		before := heapAllocs()
+		err = checkpointToSafetensors(osFS{}, dir, filepath.Join(t.TempDir(), "out.safetensors"), ExportOptions{})
+		grown := heapAllocs() - before
+		t.Logf("%s: %d bytes of manifest, %d allocated: %v", tc.name, len(data), grown, err)
+		if !errors.Is(err, ErrCheckpoint) {
+			t.Errorf("%s: %v, want ErrCheckpoint", tc.name, err)
+		}
+		if grown > limit {
+			t.Errorf("%s: %d bytes allocated for a %d-byte manifest, more than %d", tc.name, grown, len(data), limit)
+		}
+		// an engine's load runs the same checks on its own parameters
+		ps := make([]Param, params)
+		for p := range ps {
+			ps[p] = Param{Name: fmt.Sprint("w", p), Count: count, DType: FP32}
+		}
+		before = heapAllocs()
+		_, err = checkLayout(dir, m, ps)
+		if err == nil {
+			ld := newLoader(&ckptEngine{fs: osFS{}, params: ps, plan: newPlan(ps, 1<<20, 1, 64)}, dir, m, nil)
+			ld.x, _ = checkLayout(dir, m, ps)
+			err = ld.verify()
+			ld.close()
+		}
+		if grown := heapAllocs() - before; !errors.Is(err, ErrCheckpoint) || grown > limit {
+			t.Errorf("%s: the load's checks: %v, %d bytes allocated (at most %d)", tc.name, err, grown, limit)
+		}
+	}
+}
+
+// TestCheckpointTwoJobsOneDirectory: two jobs (two groups of two ranks)
+// save into one directory at once, repeatedly. Each save either succeeds
+// or is refused, on every rank of its job, with an error that says another
+// save holds the directory; every checkpoint a save reported is there at
+// the end, complete, with its job's client bytes, and latest names a
+// complete one. (Before the lock, half the runs ended with no checkpoint
+// at all, the errors blaming rename.)
+func TestCheckpointTwoJobsOneDirectory(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	dir := t.TempDir()
+	const saves = 8
+	var mu sync.Mutex
+	saved := map[string]int{} // client bytes of rank 0 → saves reported
+	refused := 0
+	job := func(name string) error {
+		comms, _ := NewLocalGroupTimeout(2, 60*time.Second)
+		errs := eachRank(2, func(rank int) error {
+			defer comms[rank].Close()
+			ps := make([]Param, len(ckptSizes))
+			for p, n := range ckptSizes {
+				ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(make([]float32, n), c.dtype)}
+			}
+			e, err := New(c.config(), comms[rank], ps)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			for i := range saves {
+				client := fmt.Sprintf("%s save %d rank %d", name, i, rank)
+				err := e.Save(dir, SaveOptions{Client: []byte(client), Keep: 2 * saves})
+				var outcome error
+				switch {
+				case err == nil:
+					if rank == 0 {
+						mu.Lock()
+						saved[client]++
+						mu.Unlock()
+					}
+				case errors.Is(err, ErrCheckpoint) && !errors.Is(err, ErrCollective) && (errors.Is(err, errLockHeld) || strings.Contains(err.Error(), "see that rank's error")):
+					if rank == 0 {
+						if !errors.Is(err, errLockHeld) {
+							outcome = fmt.Errorf("save %d: rank 0 refused without naming the other writer: %w", i, err)
+						}
+						mu.Lock()
+						refused++
+						mu.Unlock()
+					}
+				default:
+					outcome = fmt.Errorf("save %d: %w", i, err)
+				}
+				if outcome != nil {
+					return outcome
+				}
+			}
+			return nil
+		})
+		return errors.Join(errs...)
+	}
+	errs := eachRank(2, func(j int) error { return job(fmt.Sprint("job", j)) })
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	// every reported save is there, complete, with its client bytes
+	found := map[string]int{}
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		if !e.IsDir() {
+			continue
+		}
+		at := filepath.Join(dir, e.Name())
+		_, m, err := findCheckpoint(osFS{}, at)
+		if err != nil {
+			t.Errorf("%s: %v", e.Name(), err)
+			continue
+		}
+		rr, err := openRankFile(osFS{}, filepath.Join(at, rankFileName(0)), m.Files[0].Bytes, nil)
+		if err != nil {
+			t.Errorf("%s: %v", e.Name(), err)
+			continue
+		}
+		sec, _ := rr.footer.section("client")
+		b := make([]byte, sec.Bytes)
+		if err := rr.read(sec, 0, b); err != nil {
+			t.Error(err)
+		}
+		rr.close()
+		found[string(b)]++
+	}
+	if !maps.Equal(found, saved) {
+		t.Errorf("the directory holds the checkpoints %v; the saves reported %v", found, saved)
+	}
+	if _, _, err := findCheckpoint(osFS{}, dir); err != nil {
+		t.Errorf("latest: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, ckptLockName)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the lock is still there after every save returned: %v", err)
+	}
+	t.Logf("%d saves committed, %d refused", len(saved), refused)
+}
+
+// blockingFS is the operating system's file layer until the first
+// creation of a rank file, where it says so on held and blocks for ever.
+type blockingFS struct {
+	osFS
+	held chan<- struct{}
+	once sync.Once
+}
+
+func (b *blockingFS) Create(name string) (ckptFile, error) {
+	if strings.Contains(name, "rank-") {
+		b.once.Do(func() { close(b.held) })
+		select {}
+	}
+	return b.osFS.Create(name)
+}
+
+// TestCheckpointStaleLock: a lock whose holder is gone is broken by the
+// next save: a process killed (SIGKILL) in the middle of a save, with the
+// lock held, leaves the directory loadable (the checkpoint before) and
+// the next save there succeeds; a lock from another host whose heartbeat
+// stopped is broken after the lease; one whose heartbeat moves, or whose
+// process on this host runs, is refused (ErrCheckpoint naming its holder).
+func TestCheckpointStaleLock(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	if dir := os.Getenv("ZERO_LOCK_CHILD"); dir != "" { // the process killed mid-save
+		held := make(chan struct{})
+		go func() {
+			<-held
+			fmt.Println("holding the lock")
+		}()
+		ckptRun{c: c, from: 0, to: 1, edit: func(e *Engine) error {
+			if e.Rank() == 0 { // rank 1 waits for it in the save's collective
+				e.files = &blockingFS{held: held}
+			}
+			return nil
+		}, save: dir}.run(t)
+		t.Fatal("the save returned")
+	}
+	dir := t.TempDir()
+	before := ckptTrain(t, c, 0, 2, "", dir)
+	cmd := exec.Command(os.Args[0], "-test.run", "^TestCheckpointStaleLock$")
+	cmd.Env = append(os.Environ(), "ZERO_LOCK_CHILD="+dir)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	line := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			if strings.Contains(sc.Text(), "holding the lock") {
+				line <- sc.Text()
+			}
+		}
+		close(line)
+	}()
+	select {
+	case _, ok := <-line:
+		if !ok {
+			t.Fatal("the child ended without holding the lock")
+		}
+	case <-time.After(120 * time.Second):
+		t.Fatal("the child did not take the lock within 120 s")
+	}
+	lock, err := os.ReadFile(filepath.Join(dir, ckptLockName))
+	if err != nil {
+		t.Fatalf("no lock while the child saves: %v", err)
+	}
+	cmd.Process.Kill()
+	cmd.Wait()
+	// the resume: the checkpoint before loads, and the next save succeeds
+	resumed := ckptRun{c: c, from: 2, to: 3, load: dir, save: dir}.run(t)
+	for rank := range resumed {
+		if d := before[rank].diff(resumed[rank]); d == "" {
+			t.Errorf("rank %d: the resumed step changed nothing", rank)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, ckptLockName)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the killed save's lock is still there: %v", err)
+	}
+	t.Logf("broke the lock of the killed process: %s", lock)
+
+	// a lock of another host: broken once its beat has stood still for
+	// the lease; refused while the beat moves
+	defer func(beat, lease time.Duration) { ckptLockBeat, ckptLockLease = beat, lease }(ckptLockBeat, ckptLockLease)
+	ckptLockBeat, ckptLockLease = 20*time.Millisecond, 200*time.Millisecond
+	other := saveLockData{Save: formatSaveID(7), Host: "elsewhere", Boot: "x", PID: 1, Start: 1}
+	write := func(d saveLockData) {
+		b, _ := json.Marshal(&d)
+		if err := os.WriteFile(filepath.Join(dir, ckptLockName), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	saveOnce := func() []error {
+		return refusedSave(t, c, dir)
+	}
+	write(other)
+	if err := errors.Join(saveOnce()...); err != nil {
+		t.Errorf("a lock of another host whose beat stopped: %v", err)
+	}
+	write(other)
+	stop := make(chan struct{})
+	go func() {
+		for d := other; ; d.Beat++ {
+			select {
+			case <-stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+				write(d)
+			}
+		}
+	}()
+	errs := saveOnce()
+	close(stop)
+	if !errors.Is(errs[0], errLockHeld) || !strings.Contains(errs[0].Error(), "elsewhere") || errors.Is(errs[0], ErrCollective) {
+		t.Errorf("a lock of another host whose beat moves: %v, want the holder named, ErrCheckpoint", errs[0])
+	}
+	// a lock of a running process of this host (this test's parent)
+	me := thisProcess()
+	parent := saveLockData{Save: formatSaveID(8), Host: me.Host, Boot: me.Boot, PID: os.Getppid(), Start: processStart(os.Getppid())}
+	write(parent)
+	if errs := saveOnce(); !errors.Is(errs[0], errLockHeld) {
+		t.Errorf("a lock of a running process: %v, want it refused", errs[0])
+	}
+	os.Remove(filepath.Join(dir, ckptLockName))
+}
+
+// refusedSave saves engines of c into dir once, on two ranks, and returns
+// each rank's error; a rank whose engine a refused save changed, or lost,
+// gets an error that says so instead.
+func refusedSave(t *testing.T, c ckptCase, dir string) []error {
+	t.Helper()
+	comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+	var errs []error
+	within(t, 60*time.Second, func() {
+		errs = eachRank(2, func(rank int) error {
+			defer comms[rank].Close()
+			ps := make([]Param, len(ckptSizes))
+			for p, n := range ckptSizes {
+				ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(make([]float32, n), c.dtype)}
+			}
+			e, err := New(c.config(), comms[rank], ps)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			err = e.Save(dir, SaveOptions{Keep: 100})
+			if uerr := e.usable("after Save"); err != nil && uerr != nil {
+				return fmt.Errorf("the engine after a refused save: %w (%w)", uerr, err)
+			}
+			return err
+		})
+	})
+	return errs
+}
+
+// TestCheckpointLockIsTheSaves: a rank checks the directory's lock against
+// its save's identity alone: a lock of its save taken by another process
+// on another host (rank 0's, under MPI) is its own; one of another save,
+// even taken by this very process, is not.
+func TestCheckpointLockIsTheSaves(t *testing.T) {
+	dir := t.TempDir()
+	write := func(d saveLockData) {
+		b, _ := json.Marshal(&d)
+		if err := os.WriteFile(filepath.Join(dir, ckptLockName), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	id := formatSaveID(42)
+	write(saveLockData{Save: id, Host: "rank0-node", Boot: "b", PID: 1234, Start: 99})
+	if err := checkSaveLock(osFS{}, dir, id); err != nil {
+		t.Errorf("its own save's lock, taken by rank 0's process elsewhere: %v", err)
+	}
+	me := thisProcess()
+	me.Save = formatSaveID(43)
+	write(me)
+	if err := checkSaveLock(osFS{}, dir, id); !errors.Is(err, errLockHeld) || !errors.Is(err, ErrCheckpoint) {
+		t.Errorf("another save's lock, of this process: %v, want it refused", err)
+	}
+	os.Remove(filepath.Join(dir, ckptLockName))
+	if err := checkSaveLock(osFS{}, dir, id); !errors.Is(err, ErrCheckpoint) || !strings.Contains(err.Error(), "every rank shares") {
+		t.Errorf("no lock (a rank that does not see rank 0's directory): %v, want it refused, naming the shared directory it needs", err)
+	}
+}
+
+// TestCheckpointKeepPrunes: after each save, the directory holds the
+// newest Keep complete checkpoints (2 at Keep 0), by step and then by the
+// suffix of a second save at the same step, and no incomplete one.
+func TestCheckpointKeepPrunes(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	for _, keep := range []int{0, 1, 3} {
+		dir := t.TempDir()
+		// an incomplete checkpoint no load takes: every save clears it
+		if err := os.MkdirAll(filepath.Join(dir, ckptName(0, 5)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		var names []string // every checkpoint saved, oldest first
+		for _, at := range []int{1, 2, 2, 3, 4} {
+			comms, _ := NewLocalGroup(2)
+			errs := eachRank(2, func(rank int) error {
+				defer comms[rank].Close()
+				ps := make([]Param, len(ckptSizes))
+				for p, n := range ckptSizes {
+					ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(make([]float32, n), c.dtype)}
+				}
+				e, err := New(c.config(), comms[rank], ps)
+				if err != nil {
+					return err
+				}
+				defer e.Close()
+				e.stepIndex = at // the name of the checkpoint: its step
+				return e.Save(dir, SaveOptions{Keep: keep})
+			})
+			if err := errors.Join(errs...); err != nil {
+				t.Fatal(err)
+			}
+			k := 0
+			for slices.Contains(names, ckptName(at, k)) {
+				k++
+			}
+			names = append(names, ckptName(at, k))
+			want := names[max(0, len(names)-cmp.Or(keep, 2)):]
+			var got []string
+			ents, _ := os.ReadDir(dir)
+			for _, e := range ents {
+				if e.IsDir() {
+					got = append(got, e.Name())
+				}
+			}
+			slices.SortFunc(got, compareCkptNames)
+			if !slices.Equal(got, want) {
+				t.Fatalf("Keep %d after saving %v: the directory holds %v, want %v", keep, names, got, want)
+			}
+		}
+	}
+}
+
+// TestCheckpointClientAcrossChunks: client bytes longer than a chunk (8
+// MiB and more, written in pieces that cross chunk boundaries) come back
+// whole from Load, and every chunk's own CRC in the rank file checks out
+// when the sections are read without the whole file's check.
+func TestCheckpointClientAcrossChunks(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	dir := t.TempDir()
+	rng := testRNG(t)
+	clients := make([][]byte, 2)
+	for r := range clients {
+		clients[r] = make([]byte, ckptChunk+ckptChunk/2+12345*(r+1))
+		for i := range clients[r] {
+			clients[r][i] = byte(rng.Uint32())
+		}
+	}
+	comms, _ := NewLocalGroup(2)
+	errs := eachRank(2, func(rank int) error {
+		defer comms[rank].Close()
+		ps := make([]Param, len(ckptSizes))
+		for p, n := range ckptSizes {
+			ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype, Data: toDType(make([]float32, n), c.dtype)}
+		}
+		e, err := New(c.config(), comms[rank], ps)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		if err := e.Save(dir, SaveOptions{Client: clients[rank]}); err != nil {
+			return err
+		}
+		back, err := e.Load(dir, LoadOptions{})
+		if err != nil {
+			return err
+		}
+		if !bytes.Equal(back, clients[rank]) {
+			return fmt.Errorf("rank %d: %d client bytes back, first difference at %d", rank, len(back), firstByteDiff(back, clients[rank]))
+		}
+		return nil
+	})
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	at, m, err := findCheckpoint(osFS{}, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for r, fi := range m.Files {
+		rr, err := openRankFile(osFS{}, filepath.Join(at, fi.Name), fi.Bytes, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := rr.verify(); err != nil { // every chunk of every section
+			t.Errorf("rank %d: %v", r, err)
+		}
+		sec, _ := rr.footer.section("client")
+		if len(sec.CRC) != 2 {
+			t.Errorf("rank %d: %d chunk checksums for %d client bytes, want 2", r, len(sec.CRC), sec.Bytes)
+		}
+		rr.close()
+	}
+}
+
+// TestCheckpointSectionReadBounds: a read of a section that starts before
+// it or runs past its end is refused, whether or not the file was checked
+// whole (it would read the next section's bytes, or past the chunk list),
+// and a read inside it is not.
+func TestCheckpointSectionReadBounds(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	dir := t.TempDir()
+	ckptTrain(t, c, 0, 1, "", dir)
+	at, m, err := findCheckpoint(osFS{}, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, verified := range []bool{false, true} {
+		rr, err := openRankFile(osFS{}, filepath.Join(at, m.Files[0].Name), m.Files[0].Bytes, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rr.verified = verified
+		sec, _ := rr.footer.section("master")
+		for _, rd := range []struct {
+			off  int64
+			n    int
+			fits bool
+		}{{0, 8, true}, {sec.Bytes - 8, 8, true}, {sec.Bytes - 4, 8, false}, {sec.Bytes, 1, false}, {-4, 8, false}, {sec.Bytes + 100, 4, false}} {
+			err := rr.read(sec, rd.off, make([]byte, rd.n))
+			if fits := err == nil; fits != rd.fits {
+				t.Errorf("verified %v: a read of %d bytes at %d of a %d-byte section: %v", verified, rd.n, rd.off, sec.Bytes, err)
+			}
+			if err != nil && !errors.Is(err, ErrCheckpoint) {
+				t.Errorf("verified %v: %v, want ErrCheckpoint", verified, err)
+			}
+		}
+		rr.close()
+	}
+}
+
+// TestCheckpointOverLongerLeftovers: files written over longer leftovers
+// of a crashed run (a latest.tmp, an export's .tmp) hold exactly what was
+// written: the load and the export are whole.
+func TestCheckpointOverLongerLeftovers(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	dir := t.TempDir()
+	junk := bytes.Repeat([]byte("leftover of a crashed run "), 200)
+	if err := os.WriteFile(filepath.Join(dir, ckptLatest+".tmp"), junk, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	saved := ckptTrain(t, c, 0, 2, "", dir)
+	loaded := ckptTrain(t, c, -1, -1, dir, "")
+	for rank := range saved {
+		if d := saved[rank].diff(loaded[rank]); d != "" {
+			t.Errorf("rank %d: the load after a save over a longer latest.tmp: %s", rank, d)
+		}
+	}
+	out := filepath.Join(t.TempDir(), "model.safetensors")
+	if err := os.WriteFile(out+".tmp", bytes.Repeat(junk, 100), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := CheckpointToSafetensors(dir, out, ExportOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	f, size, err := openRegular(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := readSTHeader(f, size, out); err != nil {
+		t.Errorf("the export over a longer leftover: %v", err)
+	}
+}
+
+// TestCheckpointClientWhereTheShardLiesElsewhere: a rank of the saving run
+// whose new shard, after a reshard, lies only in other ranks' files still
+// gets its own client bytes (its own file holds them). The layouts are
+// searched for such a rank, so the case cannot silently disappear.
+func TestCheckpointClientWhereTheShardLiesElsewhere(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	ps := make([]Param, len(ckptSizes))
+	for p, n := range ckptSizes {
+		ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype}
+	}
+	// the layout a plan writes, as a checked index
+	index := func(world, bucket, align int) *ckptIndex {
+		plan := newPlan(ps, bucket, world, align)
+		m := ckptManifestData{Layout: ckptLayout{World: world, ShardElems: plan.ShardElems}}
+		for r := range world {
+			m.Files = append(m.Files, ckptFileInfo{Name: rankFileName(r), Rank: r, Bytes: ckptTrailerLen})
+		}
+		for _, bp := range plan.Buckets {
+			b := ckptBucket{Shard: bp.Shard, ShardOffset: bp.ShardOffset}
+			for _, p := range bp.Params {
+				b.Members = append(b.Members, [2]int{p, plan.ParamOffset[p]})
+			}
+			m.Layout.Buckets = append(m.Layout.Buckets, b)
+		}
+		x, err := checkLayout("", m, ps)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return x
+	}
+	var from, to reshardEnd
+	rank := -1
+search:
+	for _, sw := range []int{2, 3, 4} {
+		for _, sb := range []int{300, 1024, 4096} {
+			x := index(sw, sb, 64)
+			for _, nw := range []int{2, 3, 4} {
+				for _, nb := range []int{300, 1024, 4096, 1 << 20} {
+					plan := newPlan(ps, nb, nw, 8)
+					for r := 0; r < min(sw, nw); r++ {
+						own := false
+						for p := range ps {
+							if rg := plan.shardRange(p, r); rg.Count > 0 {
+								x.each(p, rg.ParamOffset, rg.Count, func(src, _, _, _ int) error {
+									own = own || src == r
+									return nil
+								})
+							}
+						}
+						if !own {
+							from, to, rank = reshardEnd{sw, 2, sb, 64, false}, reshardEnd{nw, 2, nb, 8, false}, r
+							break search
+						}
+					}
+				}
+			}
+		}
+	}
+	if rank < 0 {
+		t.Fatal("no layout puts a rank's new shard only in other ranks' files")
+	}
+	t.Logf("%v → %v: rank %d's new shard lies only in other ranks' files", from, to, rank)
+	dir := t.TempDir()
+	from.run(t, ckptRun{c: c, from: 0, to: 2, save: dir})
+	to.run(t, ckptRun{c: c, from: 2, to: 2, load: dir, savedWorld: from.world}) // checks every rank's client bytes
+}
+
+// TestLossScaleOfFormat1: a checkpoint of format version 1 saved the scale
+// each backward carried; format 2 saves the scaler's, that of the step's
+// mean loss. A format-1 fp16 scale X saved with Grads.AccumSteps 2 loads as
+// a scaler at 2X, so each backward carries X again; the same X in a
+// format-2 manifest loads as the scaler's X, each backward carrying X/2.
+// At AccumSteps 0 (counted) both formats' X is what each backward carries.
+func TestLossScaleOfFormat1(t *testing.T) {
+	for _, c := range []struct {
+		accum, version int
+		want           float64 // each backward's scale after the load of X = 96
+	}{{2, 1, 96}, {2, 2, 48}, {0, 1, 96}, {0, 2, 96}} {
+		dir := t.TempDir()
+		cfg := Config{Stage: 2, BucketBytes: 512, Grads: GradPolicy{AccumSteps: c.accum},
+			Precision: PrecisionPolicy{LossScale: LossScale{Initial: 256, Hysteresis: 1}},
+			Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.01)}}}
+		train := func(load bool) []error {
+			comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+			return eachRank(2, func(rank int) error {
+				ps, _ := smallModel(FP16, 0.5)
+				e, err := New(cfg, comms[rank], ps)
+				if err != nil {
+					return err
+				}
+				defer e.Close()
+				if load {
+					if _, err := e.Load(dir, LoadOptions{}); err != nil {
+						return err
+					}
+					if got := e.LossScale(); got != c.want {
+						return fmt.Errorf("AccumSteps %d, format %d: each backward carries %v after the load, want %v", c.accum, c.version, got, c.want)
+					}
+					return nil
+				}
+				s := NewHostStream()
+				defer s.Close()
+				for range max(1, c.accum) {
+					for p := 2; p >= 0; p-- {
+						g := newTBuf(FP16, ps[p].Count)
+						for i := range g.len() {
+							g.set(i, float32(0.25*e.LossScale()))
+						}
+						if _, err := e.GradReady(p, g.t(), s); err != nil {
+							return err
+						}
+					}
+					if err := e.EndBackward(); err != nil {
+						return err
+					}
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+				return e.Save(dir, SaveOptions{})
+			})
+		}
+		everyRankIs(t, "the run saved", train(false), nil)
+		manifests, err := filepath.Glob(filepath.Join(dir, "*", ckptManifest))
+		if err != nil || len(manifests) != 1 {
+			t.Fatalf("manifests %v: %v", manifests, err)
+		}
+		// rewritten as format c.version wrote it (no save identity below 2),
+		// every checksum recomputed
+		im := readCkptImage(t, filepath.Dir(manifests[0]))
+		im.m.Version, im.m.Optimizer.Scaler.Scale = c.version, 96
+		if c.version < 2 {
+			im.m.Save = ""
+		}
+		im.write(t, filepath.Dir(manifests[0]), func(_ int, f *ckptFooter) {
+			f.Version = c.version
+			if c.version < 2 {
+				f.Save = ""
+			}
+		})
+		everyRankIs(t, fmt.Sprintf("AccumSteps %d, format %d, loaded", c.accum, c.version), train(true), nil)
+	}
 }

@@ -1,11 +1,13 @@
 package zero
 
 import (
+	"cmp"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"hash/crc32"
 	"io"
+	"slices"
 )
 
 // A rank's checkpoint file: its sections (one tensor each, in the shard
@@ -23,8 +25,10 @@ const (
 	ckptRankMagic  = "zero-rank"
 	ckptTrailerTag = "ZCK1"
 	// ckptVersion is the format version, of the files and the manifest. A
-	// reader refuses a newer one. 2: the loss scale saved is that of the
-	// step's mean loss (scalerState says what a version-1 scale means).
+	// reader refuses a newer one and reads every older one. Version 2 added
+	// the save's identity to the manifest and every rank file's footer, and
+	// saves the loss scale of the step's mean loss (scalerState says what a
+	// version-1 scale means).
 	ckptVersion = 2
 )
 
@@ -64,6 +68,7 @@ type ckptSection struct {
 type ckptFooter struct {
 	Magic      string        `json:"magic"`
 	Version    int           `json:"version"`
+	Save       string        `json:"save,omitempty"` // the save's identity, as the manifest's (version 2)
 	Rank       int           `json:"rank"`
 	World      int           `json:"world"`
 	ShardElems int64         `json:"shard_elems"`
@@ -89,6 +94,7 @@ type rankWriter struct {
 	crc    uint32 // of the whole file so far
 	footer ckptFooter
 	sec    *ckptSection // the section being written
+	stop   func() error // non-nil error: stop before the next chunk (an Abort)
 	chunk  uint32       // CRC of the section's current chunk
 	inChk  int64        // bytes in the current chunk
 }
@@ -192,7 +198,8 @@ type rankReader struct {
 	f      ckptFile
 	name   string
 	footer ckptFooter
-	buf    []byte // one chunk
+	buf    []byte       // one chunk
+	stop   func() error // non-nil error: stop before the next read (an Abort)
 	// verified: the whole file matched the manifest's CRC32C, so reads
 	// go straight into the caller's memory, without the chunks' checks.
 	verified bool
@@ -200,17 +207,27 @@ type rankReader struct {
 
 // openRankFile opens name and reads its footer; want is the size the
 // manifest recorded (a truncated or grown file is refused before any read).
-func openRankFile(fsys ckptFS, name string, want int64) (*rankReader, error) {
+func openRankFile(fsys ckptFS, name string, want int64, stop func() error) (*rankReader, error) {
 	f, err := fsys.Open(name)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %w; the checkpoint is missing a rank's file: load another checkpoint", ErrCheckpoint, name, err)
 	}
-	r := &rankReader{f: f, name: name}
+	r := &rankReader{f: f, name: name, stop: stop}
 	if err := r.readFooter(want); err != nil {
 		f.Close()
 		return nil, err
 	}
 	return r, nil
+}
+
+// readAt reads p at off, unless the load was stopped meanwhile.
+func (r *rankReader) readAt(p []byte, off int64) (int, error) {
+	if r.stop != nil {
+		if err := r.stop(); err != nil {
+			return 0, err
+		}
+	}
+	return r.f.ReadAt(p, off)
 }
 
 func (r *rankReader) corrupt(format string, args ...any) error {
@@ -229,15 +246,16 @@ func (r *rankReader) readFooter(want int64) error {
 		return r.corrupt("too short for a checkpoint file")
 	}
 	var tr [ckptTrailerLen]byte
-	if _, err := r.f.ReadAt(tr[:], size-ckptTrailerLen); err != nil {
+	if _, err := r.readAt(tr[:], size-ckptTrailerLen); err != nil {
 		return r.corrupt("reading its trailer: %v", err)
 	}
-	at, n := int64(binary.LittleEndian.Uint64(tr[0:])), int64(binary.LittleEndian.Uint64(tr[8:]))
-	if string(tr[20:]) != ckptTrailerTag || at < 0 || n < 0 || at+n != size-ckptTrailerLen {
+	at, n := binary.LittleEndian.Uint64(tr[0:]), binary.LittleEndian.Uint64(tr[8:])
+	body := uint64(size - ckptTrailerLen)
+	if string(tr[20:]) != ckptTrailerTag || at > body || n != body-at {
 		return r.corrupt("no valid trailer")
 	}
-	foot := make([]byte, n)
-	if _, err := r.f.ReadAt(foot, at); err != nil {
+	foot := make([]byte, n) // at most the file's size
+	if _, err := r.readAt(foot, int64(at)); err != nil {
 		return r.corrupt("reading its footer: %v", err)
 	}
 	if crc32.Checksum(foot, castagnoli) != binary.LittleEndian.Uint32(tr[16:]) {
@@ -252,10 +270,17 @@ func (r *rankReader) readFooter(want int64) error {
 	if r.footer.Version > ckptVersion {
 		return fmt.Errorf("%w: %s: format version %d, newer than this library's %d; load it with a newer zero", ErrCheckpoint, r.name, r.footer.Version, ckptVersion)
 	}
-	for _, s := range r.footer.Sections {
-		if s.Offset < 0 || s.Bytes < 0 || s.Offset+s.Bytes > at || int64(len(s.CRC)) != (s.Bytes+ckptChunk-1)/ckptChunk {
-			return r.corrupt("section %q lies outside the file", s.Name)
+	// every section inside the file's sections, none over another (the
+	// sums cannot overflow: each term is checked against the end first)
+	end := int64(at)
+	secs := slices.Clone(r.footer.Sections)
+	slices.SortFunc(secs, func(a, b ckptSection) int { return cmp.Compare(a.Offset, b.Offset) })
+	next := int64(0)
+	for _, s := range secs {
+		if s.Offset < next || s.Offset > end || s.Bytes < 0 || s.Bytes > end-s.Offset || int64(len(s.CRC)) != (s.Bytes+ckptChunk-1)/ckptChunk {
+			return r.corrupt("section %q (%d bytes at %d, %d checksums) lies outside the file's %d bytes of sections or over another", s.Name, s.Bytes, s.Offset, len(s.CRC), end)
 		}
+		next = s.Offset + s.Bytes
 	}
 	return nil
 }
@@ -263,12 +288,13 @@ func (r *rankReader) readFooter(want int64) error {
 // chunk reads chunk c of section s and checks it; the bytes are valid
 // until the next call.
 func (r *rankReader) chunk(s *ckptSection, c int64) ([]byte, error) {
-	if r.buf == nil {
-		r.buf = make([]byte, ckptChunk)
-	}
 	lo := c * ckptChunk
-	b := r.buf[:min(ckptChunk, s.Bytes-lo)]
-	if _, err := r.f.ReadAt(b, s.Offset+lo); err != nil && err != io.EOF {
+	n := min(ckptChunk, s.Bytes-lo) // a chunk, or the section's last bytes
+	if int64(len(r.buf)) < n {
+		r.buf = make([]byte, n)
+	}
+	b := r.buf[:n]
+	if _, err := r.readAt(b, s.Offset+lo); err != nil && err != io.EOF {
 		return nil, r.corrupt("reading section %q: %v", s.Name, err)
 	}
 	if crc32.Checksum(b, castagnoli) != s.CRC[c] {
@@ -280,11 +306,11 @@ func (r *rankReader) chunk(s *ckptSection, c int64) ([]byte, error) {
 // read fills p with bytes [off, off+len(p)) of section s, reading and
 // checking every chunk they touch.
 func (r *rankReader) read(s *ckptSection, off int64, p []byte) error {
-	if off < 0 || off+int64(len(p)) > s.Bytes {
+	if off < 0 || off > s.Bytes || int64(len(p)) > s.Bytes-off {
 		return r.corrupt("section %q has %d bytes, %d wanted at %d", s.Name, s.Bytes, len(p), off)
 	}
 	if r.verified {
-		if _, err := r.f.ReadAt(p, s.Offset+off); err != nil && err != io.EOF {
+		if _, err := r.readAt(p, s.Offset+off); err != nil && err != io.EOF {
 			return r.corrupt("reading section %q: %v", s.Name, err)
 		}
 		return nil

@@ -1,6 +1,8 @@
 package zero
 
 import (
+	"errors"
+	"fmt"
 	"io"
 	"io/fs"
 	"os"
@@ -17,6 +19,9 @@ import (
 type ckptFS interface {
 	MkdirAll(dir string) error
 	Create(name string) (ckptFile, error) // truncates
+	// CreateNew creates name, failing with fs.ErrExist if it exists (a
+	// save's lock).
+	CreateNew(name string) (ckptFile, error)
 	Open(name string) (ckptFile, error)
 	// OpenWrite opens an existing file to write at offsets (an export's
 	// file, which every rank writes its own ranges of).
@@ -53,8 +58,16 @@ func (osFS) Create(name string) (ckptFile, error) {
 	return osFile{f}, nil
 }
 
+func (osFS) CreateNew(name string) (ckptFile, error) {
+	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	return osFile{f}, nil
+}
+
 func (osFS) Open(name string) (ckptFile, error) {
-	f, err := os.Open(name)
+	f, _, err := openRegular(name)
 	if err != nil {
 		return nil, err
 	}
@@ -62,6 +75,68 @@ func (osFS) Open(name string) (ckptFile, error) {
 	// where it is refused the reads are the same)
 	unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_SEQUENTIAL)
 	return osFile{f}, nil
+}
+
+// errNotRegular is a checkpoint's file that is not a regular file.
+var errNotRegular = errors.New("not a regular file")
+
+// openRegular opens name to read, refusing anything but a regular file
+// before a byte is read: the open does not block (a FIFO's would wait for
+// a writer, and Abort could not end it), and the handle's fstat, not the
+// name's, decides, so a symlink to /dev/zero is refused too. It returns the
+// size the reads are limited to.
+func openRegular(name string) (*os.File, int64, error) {
+	fd, err := unix.Open(name, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, 0, &fs.PathError{Op: "open", Path: name, Err: err}
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return nil, 0, &fs.PathError{Op: "fstat", Path: name, Err: err}
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		unix.Close(fd)
+		return nil, 0, &fs.PathError{Op: "open", Path: name, Err: fmt.Errorf("%w (%s)", errNotRegular, fileKind(st.Mode))}
+	}
+	// O_NONBLOCK means nothing to a regular file's reads; cleared anyway
+	if err := unix.SetNonblock(fd, false); err != nil {
+		unix.Close(fd)
+		return nil, 0, &fs.PathError{Op: "fcntl", Path: name, Err: err}
+	}
+	return os.NewFile(uintptr(fd), name), st.Size, nil
+}
+
+func fileKind(mode uint32) string {
+	switch mode & unix.S_IFMT {
+	case unix.S_IFIFO:
+		return "a FIFO"
+	case unix.S_IFCHR:
+		return "a character device"
+	case unix.S_IFBLK:
+		return "a block device"
+	case unix.S_IFDIR:
+		return "a directory"
+	case unix.S_IFSOCK:
+		return "a socket"
+	}
+	return fmt.Sprintf("file type %#o", mode&unix.S_IFMT)
+}
+
+// readRegular reads a regular file whole, at most the size its fstat gave
+// (a file that grows meanwhile is read as it was).
+func readRegular(name string) ([]byte, error) {
+	f, size, err := openRegular(name)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	b := make([]byte, size)
+	n, err := io.ReadFull(f, b)
+	if err == io.ErrUnexpectedEOF { // it shrank
+		err = nil
+	}
+	return b[:n], err
 }
 
 func (osFS) OpenWrite(name string) (ckptFile, error) {
@@ -72,7 +147,7 @@ func (osFS) OpenWrite(name string) (ckptFile, error) {
 	return osFile{f}, nil
 }
 
-func (osFS) ReadFile(name string) ([]byte, error)      { return os.ReadFile(name) }
+func (osFS) ReadFile(name string) ([]byte, error)      { return readRegular(name) }
 func (osFS) Rename(from, to string) error              { return os.Rename(from, to) }
 func (osFS) RemoveAll(name string) error               { return os.RemoveAll(name) }
 func (osFS) ReadDir(dir string) ([]fs.DirEntry, error) { return os.ReadDir(dir) }

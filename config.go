@@ -842,7 +842,7 @@ func allGatherWords(dev Device, comm Comm, s Stream, mine []uint32) ([][]uint32,
 	if err != nil {
 		return nil, err
 	}
-	defer dev.Free(buf)
+	defer freeAfter(dev, buf, s)
 	part := buf.slice(comm.Rank()*n, n)
 	if err := dev.copy(s, part, Float32s(words[comm.Rank()*n:(comm.Rank()+1)*n])); err != nil {
 		return nil, err

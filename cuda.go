@@ -291,6 +291,9 @@ func (d *cudaDevice) Free(t Tensor) error {
 	if t.keep != nil {
 		return errorf(ErrConfig, "Free: tensor at %#x is Go memory, not from %s", t.ptr, d.Name())
 	}
+	if quarantined(t.ptr, t.Bytes()) {
+		return nil
+	}
 	return d.err("Free", C.zc_free(d.dev(), C.uintptr_t(t.ptr)))
 }
 
@@ -307,6 +310,9 @@ func (d *cudaDevice) allocPinned(count int, t DType) (Tensor, bool, error) {
 
 func (d *cudaDevice) freePinned(t Tensor) error {
 	if t.ptr == 0 {
+		return nil
+	}
+	if quarantined(t.ptr, t.Bytes()) {
 		return nil
 	}
 	return d.err("FreePinned", C.zc_host_free(d.dev(), C.uintptr_t(t.ptr)))
@@ -855,9 +861,7 @@ func (d *cudaDevice) copyScaled(s Stream, dst, src Tensor, scale float32) error 
 	if serr := s.Sync(); err == nil {
 		err = serr
 	}
-	if ferr := d.Free(tmp); err == nil {
-		err = ferr
-	}
+	freeAfter(d, tmp, s)
 	return err
 }
 

@@ -1856,3 +1856,102 @@ func TestCUDATimedEventsRecycled(t *testing.T) {
 		}
 	}
 }
+
+// TestCUDAFreeAfterQueuedWork: a stream-ordered free of device memory
+// returns at once and leaves the memory allocated while a queued copy still
+// writes it (the fake driver's cuMemFree, like a real one's where it does
+// not synchronise, would free it under the copy); it is freed once the
+// stream gets past the copy.
+func TestCUDAFreeAfterQueuedWork(t *testing.T) {
+	d := fakeCUDA(t)
+	s := gpuStream(t, d)
+	const n = 1 << 20
+	src, err := d.Alloc(n, FP32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Free(src)
+	x, err := d.Alloc(n, FP32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before, _, err := d.memInfo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cudaSpin(s, 300*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.copy(s, x, src); err != nil { // device to device: queued behind the spin
+		t.Fatal(err)
+	}
+	freeAfter(d, x, s)
+	if now, _, _ := d.memInfo(); now != before {
+		t.Fatalf("%d bytes freed while the copy into them was queued", now-before)
+	}
+	if err := s.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		if now, _, _ := d.memInfo(); now == before+4*n {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("not freed 10 s after the stream drained")
+		}
+	}
+}
+
+// TestCUDAReductionEventErrorReachesStep: a reduction whose event's wait
+// fails (the fake driver's cuEventSynchronize of the reduction stream's
+// untimed events; nothing else fails, so that wait is the only place that
+// sees it) fails Step with the CUDA error, with and without Overlap, at
+// every stage, and the engine refuses to go on.
+func TestCUDAReductionEventErrorReachesStep(t *testing.T) {
+	d := fakeCUDA(t)
+	params := testParams(FP32)
+	for _, stage := range []int{1, 2, 3} {
+		for _, overlap := range []bool{false, true} {
+			what := fmt.Sprintf("stage %d overlap=%v", stage, overlap)
+			comms, err := NewCUDALocalGroup(1, d)
+			if err != nil {
+				t.Fatal(err)
+			}
+			e, err := New(Config{Stage: stage, BucketBytes: 1024, Overlap: overlap}, comms[0], params)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := gpuStream(t, d)
+			grads := make([]Tensor, len(params))
+			for p, q := range params {
+				g := newGBuf(FP32, q.Count)
+				for i := range g.f {
+					g.f[i] = 1
+				}
+				grads[p] = upload(t, d, s, g, 0)
+			}
+			if err := s.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			// where reductions run: the engine's stream, and without
+			// Overlap the caller's that completed the bucket
+			rh, _ := StreamHandle(e.reduceStream)
+			sh, _ := StreamHandle(s)
+			if err := backward(e, s, grads); err != nil {
+				t.Fatal(err)
+			}
+			os.Setenv("FAKECUDA_FAIL_EVENT_SYNC", fmt.Sprintf("%d,%d", rh, sh))
+			err = e.Step()
+			os.Unsetenv("FAKECUDA_FAIL_EVENT_SYNC")
+			var ce *CUDAError
+			if !errors.As(err, &ce) || ce.Name != "CUDA_ERROR_LAUNCH_FAILED" || !errors.Is(err, ErrCollective) {
+				t.Errorf("%s: Step returned %v; want the failed wait's CUDA_ERROR_LAUNCH_FAILED, fatal", what, err)
+			}
+			if _, err := e.GradShard(); !errors.Is(err, ErrCollective) {
+				t.Errorf("%s: GradShard after the failure: %v, want ErrCollective", what, err)
+			}
+			e.Close()
+			comms[0].Close()
+		}
+	}
+}

@@ -97,46 +97,6 @@ type hostDevice struct {
 	mu    sync.Mutex
 	maps  map[uintptr][]byte // aligned address -> whole mapping
 	count atomic.Uint64
-	// abandoned are the mappings a transfer that can no longer be
-	// cancelled may still touch (abandonHost): Free forgets them unmapped.
-	abandoned map[uintptr]bool
-}
-
-// abandonedGo keeps the Go memory behind abandoned tensors reachable.
-var abandonedGo struct {
-	mu   sync.Mutex
-	keep []any
-}
-
-// abandonHost leaves the memory of ts for ever to a transfer that can no
-// longer be cancelled (MPI's, after a timeout or an abort): a mapping of
-// the cpu device that holds one of them is never unmapped, even by Free,
-// and Go memory stays reachable. The process is expected to exit soon.
-func abandonHost(ts ...Tensor) {
-	h := hostDev
-	h.mu.Lock()
-	for _, t := range ts {
-		if t.ptr == 0 {
-			continue
-		}
-		for base, mem := range h.maps {
-			start := uintptr(unsafe.Pointer(&mem[0]))
-			if t.ptr >= start && t.ptr < start+uintptr(len(mem)) {
-				if h.abandoned == nil {
-					h.abandoned = map[uintptr]bool{}
-				}
-				h.abandoned[base] = true
-			}
-		}
-	}
-	h.mu.Unlock()
-	abandonedGo.mu.Lock()
-	for _, t := range ts {
-		if t.keep != nil {
-			abandonedGo.keep = append(abandonedGo.keep, t.keep)
-		}
-	}
-	abandonedGo.mu.Unlock()
 }
 
 func (*hostDevice) Name() string { return "cpu" }
@@ -189,13 +149,11 @@ func (h *hostDevice) Free(t Tensor) error {
 	h.mu.Lock()
 	mem, ok := h.maps[t.ptr]
 	delete(h.maps, t.ptr)
-	kept := h.abandoned[t.ptr]
-	delete(h.abandoned, t.ptr)
 	h.mu.Unlock()
 	if !ok {
 		return errorf(ErrConfig, "Free: tensor at %#x was not allocated by the cpu device", t.ptr)
 	}
-	if kept {
+	if quarantined(uintptr(unsafe.Pointer(&mem[0])), len(mem)) {
 		return nil
 	}
 	return unix.Munmap(mem)
@@ -421,4 +379,125 @@ func keepAliveSegments(segs []Segment) {
 	for _, sg := range segs {
 		runtime.KeepAlive(sg.Src.keep)
 	}
+}
+
+// ---- memory and queued work -----------------------------------------------------
+
+// freeAfter returns t to dev once the work enqueued so far on every one of
+// streams has finished, without blocking the caller: a free in stream
+// order, on every device. A function that allocates scratch memory, uses
+// it on a stream and returns (on success or on any error, a refused
+// collective with a copy into it still queued) frees it with this, so no
+// order of defers can unmap memory that queued work still writes. CUDA's
+// cuMemFree is not relied on to wait. Memory it cannot order after the
+// work (a stream that failed to record) is left allocated instead.
+func freeAfter(dev Device, t Tensor, streams ...Stream) {
+	if t.ptr == 0 || len(streams) == 0 {
+		return
+	}
+	on := streams[0]
+	for _, o := range streams[1:] { // on waits for the others' work first
+		ev, err := record(o)
+		if err == nil {
+			err = on.Wait(ev)
+		}
+		if err != nil && !drained(o) {
+			quarantine.add(t)
+			return
+		}
+	}
+	if hs, ok := on.(*HostStream); ok {
+		if hs.ranAll() { // the usual case, after a Sync: at once, as before
+			dev.Free(t)
+			return
+		}
+		// a control item runs even after the stream failed, in its order
+		if _, err := hs.enqueue(hostOp{control: true, fn: func() error {
+			dev.Free(t) // a failure here is the caller's bug, not the stream's
+			return nil
+		}}); err == nil {
+			return
+		}
+	} else if ev, err := record(on); err == nil {
+		if ev.Done() {
+			if ev.Sync() == nil {
+				dev.Free(t)
+			} else {
+				quarantine.add(t) // the device failed: whether the work ran is unknown
+			}
+			return
+		}
+		go func() {
+			if ev.Sync() == nil {
+				dev.Free(t)
+			} else {
+				quarantine.add(t)
+			}
+		}()
+		return
+	}
+	if drained(on) { // closed: its Close drained it
+		dev.Free(t)
+		return
+	}
+	quarantine.add(t)
+}
+
+// drained waits for s's work and reports whether none of it can still run:
+// a host stream's Sync returns only then; a closed stream was drained by
+// its Close; another stream whose Sync failed may still hold work.
+func drained(s Stream) bool {
+	err := s.Sync()
+	_, host := s.(*HostStream)
+	return err == nil || host || errors.Is(err, ErrClosed)
+}
+
+// quarantine holds the memory that a failed collective may still write or
+// read after it returned: NCCL aborted mid-flight, an MPI transfer that
+// cannot be cancelled, the in-process group's
+// peer still copying after this rank's wait timed out, a CUDA group's
+// collective enqueued in part. Unmapping such memory could crash the
+// process (or corrupt the next allocation there), so every device's Free
+// leaves an allocation that holds any of it allocated: a leak, counted,
+// and only on those failures.
+var quarantine memQuarantine
+
+type memQuarantine struct {
+	mu     sync.Mutex
+	spans  [][2]uintptr // [lo, hi) of each buffer
+	keep   []any        // the Go memory behind some, kept from the collector
+	leaked atomic.Int64 // bytes Free left allocated
+}
+
+// add quarantines the buffers ts (their Go memory too).
+func (q *memQuarantine) add(ts ...Tensor) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for _, t := range ts {
+		if t.ptr == 0 {
+			continue
+		}
+		q.spans = append(q.spans, [2]uintptr{t.ptr, t.ptr + uintptr(max(t.Bytes(), 1))})
+		if t.keep != nil {
+			q.keep = append(q.keep, t.keep)
+		}
+	}
+}
+
+// quarantined reports whether the allocation [ptr, ptr+n) holds
+// quarantined memory (which its device's Free must leave allocated), and
+// counts it as leaked if so.
+func quarantined(ptr uintptr, n int) bool { return quarantine.keeps(ptr, n) }
+
+// keeps is quarantined.
+func (q *memQuarantine) keeps(ptr uintptr, n int) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for _, sp := range q.spans {
+		if sp[0] < ptr+uintptr(n) && ptr < sp[1] {
+			q.leaked.Add(int64(n))
+			return true
+		}
+	}
+	return false
 }

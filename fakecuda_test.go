@@ -49,15 +49,6 @@ func buildFakeCUDA() (string, error) {
 	return lib, nil
 }
 
-// fakeCUDA skips a test that needs the fake driver's hooks.
-func fakeCUDA(t *testing.T) *cudaDevice {
-	t.Helper()
-	if os.Getenv("ZERO_FAKE_CUDA") != "1" {
-		t.Skip("runs against the fake driver only (ZERO_FAKE_CUDA=1)")
-	}
-	return needCUDA(t)
-}
-
 // TestCUDALeavesTheCallersContext: a framework's own context, current on
 // the calling thread, is current again after every call into the library,
 // which works in the device's primary context meanwhile (the fake refuses

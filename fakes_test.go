@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // The fakes that several test files share: a host device that keeps a
@@ -296,4 +297,213 @@ func (c *countingComm) AllGather(s Stream, send, recv Tensor) error {
 func (c *countingComm) Broadcast(s Stream, t Tensor, root int) error {
 	c.calls++
 	return c.Comm.Broadcast(s, t, root)
+}
+
+// queuedDevice is the host device with a ledger of the work queued on its
+// streams, to catch memory freed while queued work still uses it: every
+// kernel, and every collective issued through a queuedComm, counts its
+// buffers as in use until it has run. A Free of memory that queued work
+// still uses is recorded (early) and the memory stays mapped, instead of
+// crashing the test; release unmaps it at the end. Streams it makes start
+// held by a gate (and, with gateEach, so does each kernel and collective),
+// which opens once a Sync or Close waits on that stream or a Free is
+// called: a free that does not wait for the work comes while it is queued.
+type queuedDevice struct {
+	Device
+	mu      sync.Mutex
+	pending map[*queuedWork]bool
+	early   []string
+	kept    []Tensor
+	freed   atomic.Int64 // Free calls
+	// failKernel makes the call of that kernel ("cast", "copy", ...) after
+	// the first failSkip fail with errInjected, before it enqueues anything.
+	failKernel string
+	failSkip   int
+	gateEach   bool
+}
+
+type queuedWork struct {
+	what string
+	ts   []Tensor
+}
+
+func newQueuedDevice() *queuedDevice {
+	return &queuedDevice{Device: CPU(), pending: map[*queuedWork]bool{}}
+}
+
+// hold queues a gate on s that opens once something waits on s or a Free
+// comes (or after 20 s, so a test that waits for neither fails on time).
+func (d *queuedDevice) hold(s Stream) {
+	hs := s.(*HostStream)
+	gate := make(chan struct{})
+	if _, err := hs.enqueue(hostOp{control: true, fn: func() error { <-gate; return nil }}); err != nil {
+		return
+	}
+	frees := d.freed.Load()
+	go func() {
+		defer close(gate)
+		for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Microsecond) {
+			if hs.waitedOn() || d.freed.Load() > frees {
+				return
+			}
+		}
+	}()
+}
+
+func (d *queuedDevice) NewStream() (Stream, error) {
+	s, err := d.Device.NewStream()
+	if err == nil {
+		d.hold(s)
+	}
+	return s, err
+}
+
+// track counts ts in use from before enqueue until the work it enqueues on
+// s has run.
+func (d *queuedDevice) track(what string, s Stream, enqueue func() error, ts ...Tensor) error {
+	d.mu.Lock()
+	if what == d.failKernel && d.failSkip > 0 {
+		d.failSkip--
+	} else if what == d.failKernel {
+		d.failKernel = ""
+		d.mu.Unlock()
+		return errInjected
+	}
+	w := &queuedWork{what, ts}
+	d.pending[w] = true
+	gate := d.gateEach
+	d.mu.Unlock()
+	if gate {
+		d.hold(s)
+	}
+	done := func() error {
+		d.mu.Lock()
+		delete(d.pending, w)
+		d.mu.Unlock()
+		return nil
+	}
+	if err := enqueue(); err != nil {
+		done()
+		return err
+	}
+	if hs, ok := s.(*HostStream); !ok {
+		done()
+	} else if _, err := hs.enqueue(hostOp{control: true, fn: done}); err != nil {
+		done()
+	}
+	return nil
+}
+
+func (d *queuedDevice) Free(t Tensor) error {
+	if t.ptr == 0 {
+		return nil
+	}
+	defer d.freed.Add(1)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for w := range d.pending {
+		for _, u := range w.ts {
+			if u.ptr < t.ptr+uintptr(t.Bytes()) && t.ptr < u.ptr+uintptr(u.Bytes()) {
+				d.early = append(d.early, fmt.Sprintf("%d bytes at %#x freed while a queued %s still uses them", t.Bytes(), t.ptr, w.what))
+				d.kept = append(d.kept, t)
+				return nil
+			}
+		}
+	}
+	return d.Device.Free(t)
+}
+
+// earlyFrees lists the frees that came while queued work used the memory.
+func (d *queuedDevice) earlyFrees() []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return append([]string(nil), d.early...)
+}
+
+// release unmaps what Free kept; every stream must be drained.
+func (d *queuedDevice) release() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, t := range d.kept {
+		d.Device.Free(t)
+	}
+	d.kept = nil
+}
+
+func (d *queuedDevice) zero(s Stream, t Tensor) error {
+	return d.track("zero", s, func() error { return d.Device.zero(s, t) }, t)
+}
+
+func (d *queuedDevice) copy(s Stream, dst, src Tensor) error {
+	return d.track("copy", s, func() error { return d.Device.copy(s, dst, src) }, dst, src)
+}
+
+func (d *queuedDevice) cast(s Stream, dst, src Tensor, scale float32) error {
+	return d.track("cast", s, func() error { return d.Device.cast(s, dst, src, scale) }, dst, src)
+}
+
+func (d *queuedDevice) copyScaled(s Stream, dst, src Tensor, scale float32) error {
+	return d.track("copyScaled", s, func() error { return d.Device.copyScaled(s, dst, src, scale) }, dst, src)
+}
+
+func (d *queuedDevice) flatten(s Stream, dst Tensor, segs []Segment, scale float32) error {
+	return d.track("flatten", s, func() error { return d.Device.flatten(s, dst, segs, scale) }, dst)
+}
+
+func (d *queuedDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool, scale float32, flag Tensor) error {
+	return d.track("accumulate", s, func() error { return d.Device.accumulate(s, acc, segs, first, scale, flag) }, acc, flag)
+}
+
+func (d *queuedDevice) accumulateSquares(s Stream, acc Tensor, seg Segment, first bool, scale float32, flag, parts Tensor) error {
+	return d.track("accumulateSquares", s, func() error { return d.Device.accumulateSquares(s, acc, seg, first, scale, flag, parts) }, acc, flag, parts)
+}
+
+func (d *queuedDevice) chunkSquares(s Stream, x, parts Tensor) error {
+	return d.track("chunkSquares", s, func() error { return d.Device.chunkSquares(s, x, parts) }, x, parts)
+}
+
+func (d *queuedDevice) sumChunks(s Stream, parts Tensor, ranges []chunkRange, outs Tensor) error {
+	return d.track("sumChunks", s, func() error { return d.Device.sumChunks(s, parts, ranges, outs) }, parts, outs)
+}
+
+func (d *queuedDevice) optimize(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32) error {
+	return d.track("optimize", s, func() error { return d.Device.optimize(s, kind, b, ranges, gscale) }, b.p, b.g, b.m, b.v, b.vmax, b.out)
+}
+
+func (d *queuedDevice) unflatten(s Stream, flat Tensor, segs []Segment) error {
+	return d.track("unflatten", s, func() error { return d.Device.unflatten(s, flat, segs) }, flat)
+}
+
+// queuedComm is a communicator on a queuedDevice whose collectives the
+// device's ledger counts. before, if set, runs before each collective is
+// issued (a peer's Abort during the call).
+type queuedComm struct {
+	Comm
+	dev    *queuedDevice
+	before func()
+}
+
+func (c *queuedComm) Device() Device { return c.dev }
+
+func (c *queuedComm) issue(what string, s Stream, call func() error, ts ...Tensor) error {
+	if c.before != nil {
+		c.before()
+	}
+	return c.dev.track(what, s, call, ts...)
+}
+
+func (c *queuedComm) AllReduce(s Stream, t Tensor, op ReduceOp) error {
+	return c.issue("all-reduce", s, func() error { return c.Comm.AllReduce(s, t, op) }, t)
+}
+
+func (c *queuedComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
+	return c.issue("reduce-scatter", s, func() error { return c.Comm.ReduceScatter(s, send, recv, op) }, send, recv)
+}
+
+func (c *queuedComm) AllGather(s Stream, send, recv Tensor) error {
+	return c.issue("all-gather", s, func() error { return c.Comm.AllGather(s, send, recv) }, send, recv)
+}
+
+func (c *queuedComm) Broadcast(s Stream, t Tensor, root int) error {
+	return c.issue("broadcast", s, func() error { return c.Comm.Broadcast(s, t, root) }, t)
 }

@@ -2,10 +2,13 @@ package zero
 
 import (
 	"bufio"
+	"bytes"
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -2152,4 +2155,289 @@ func TestFuzzStatsSummary(t *testing.T) {
 		b, _ := hex.DecodeString(f.Input)
 		t.Errorf("a failed execution: %s\n  replay it as a file in testdata/fuzz/FuzzProtocol:\ngo test fuzz v1\n[]byte(%q)", f.Problem, b)
 	}
+}
+
+// ---- fuzzing what a loader reads ----------------------------------------------
+//
+// The readers of files fuzzed one at a time: a checkpoint's manifest, a rank
+// file's footer, a whole rank file, a safetensors file. Each input becomes
+// that file of an otherwise good checkpoint (the golden one of the current
+// format version), its checksums recomputed where the input parses, so the
+// checks behind the checksums are reached. Each execution checks: no panic;
+// the heap allocated across the call (runtime/metrics /gc/heap/allocs:bytes)
+// at most 64 times the bytes of the files plus 1 MiB; and a refusal is
+// ErrCheckpoint, never fatal, with the engine's state bit for bit as before
+// (a one-rank engine of the golden checkpoint's model, also resharding it:
+// it reads both rank files). The seed corpora are in testdata/fuzz; plain
+// go test runs them.
+//
+//	go test -run '^$' -fuzz FuzzCheckpointManifest -fuzztime 5m .
+
+// fuzzCkptEnv is the golden checkpoint's files and an engine that loaded
+// them (state: its state after that load).
+type fuzzCkptEnv struct {
+	files  map[string][]byte
+	total  int // bytes of the files
+	e      *Engine
+	state  ckptState
+	golden string
+}
+
+var fuzzCkpt = sync.OnceValues(func() (*fuzzCkptEnv, error) {
+	env := &fuzzCkptEnv{files: map[string][]byte{}, golden: fmt.Sprintf("testdata/checkpoint-v%d", ckptVersion)}
+	for _, name := range []string{ckptManifest, rankFileName(0), rankFileName(1)} {
+		b, err := os.ReadFile(filepath.Join(env.golden, name))
+		if err != nil {
+			return nil, err
+		}
+		env.files[name] = b
+		env.total += len(b)
+	}
+	comms, err := NewLocalGroup(1)
+	if err != nil {
+		return nil, err
+	}
+	a := NewAdamW(1e-2) // the golden run's settings (checkpoint_test.go's goldenCase)
+	a.AMSGrad, a.WeightDecay = true, 0.01
+	cfg := Config{Stage: 2, BucketBytes: 1024, Overlap: true, Optimizer: OptimizerPolicy{Groups: []Optimizer{a}, Clip: 5}}
+	cfg.Precision.LossScale = LossScale{Initial: 256, Window: 2, Hysteresis: 2, Min: 1}
+	var ps []Param
+	for p, n := range []int{300, 7, 1000, 129, 64} {
+		ps = append(ps, Param{Name: fmt.Sprint("w", p), Count: n, DType: FP16, Data: Halfs(make([]uint16, n), FP16)})
+	}
+	if env.e, err = New(cfg, comms[0], ps); err != nil {
+		return nil, err
+	}
+	if err := env.reset(); err != nil {
+		return nil, err
+	}
+	return env, nil
+})
+
+// reset loads the golden checkpoint again and notes the state.
+func (env *fuzzCkptEnv) reset() error {
+	if _, err := env.e.Load(env.golden, LoadOptions{}); err != nil {
+		return err
+	}
+	var err error
+	env.state, err = readCkptState(env.e)
+	return err
+}
+
+// sameState reports where two states of one engine differ ("" if nowhere).
+func sameState(a, b ckptState) string {
+	for name, x := range a.state {
+		if !slices.Equal(x, b.state[name]) {
+			return "state " + name
+		}
+	}
+	for p := range a.params {
+		if !slices.EqualFunc(a.params[p], b.params[p], func(x, y float32) bool { return math.Float32bits(x) == math.Float32bits(y) }) {
+			return fmt.Sprintf("parameter %d", p)
+		}
+	}
+	if !slices.Equal(a.steps, b.steps) || a.scaler != b.scaler || a.step != b.step {
+		return "steps or scaler"
+	}
+	return ""
+}
+
+// resealed is data, a manifest, with its checksum recomputed where it
+// parses, and edit (if set) applied first; data as is where it does not.
+func resealed(data []byte, edit func(*ckptManifestData)) []byte {
+	var m ckptManifestData
+	if json.Unmarshal(data, &m) != nil {
+		return data
+	}
+	if edit != nil {
+		edit(&m)
+	}
+	out, err := sealManifest(&m)
+	if err != nil {
+		return data
+	}
+	return out
+}
+
+// fuzzLoad writes files (the golden ones, overridden) into a directory of
+// t's, loads it into the engine and exports it without one, and checks
+// what the fuzzers promise (see above).
+func fuzzLoad(t *testing.T, files map[string][]byte) {
+	env, err := fuzzCkpt()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	size := 0
+	for name, b := range env.files {
+		if over, ok := files[name]; ok {
+			b = over
+		}
+		size += len(b)
+		if err := os.WriteFile(filepath.Join(dir, name), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	limit := 64*uint64(size) + 1<<20
+	before := heapAllocs()
+	_, lerr := env.e.Load(dir, LoadOptions{})
+	if grown := heapAllocs() - before; grown > limit {
+		t.Fatalf("Load allocated %d bytes for %d bytes of files (at most %d): %v", grown, size, limit, lerr)
+	}
+	if lerr != nil {
+		if !errors.Is(lerr, ErrCheckpoint) || errors.Is(lerr, ErrCollective) {
+			t.Fatalf("Load: %v; want a refusal (ErrCheckpoint), the engine usable", lerr)
+		}
+		st, err := readCkptState(env.e)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := sameState(env.state, st); d != "" {
+			t.Fatalf("a refused Load (%v) changed the engine: %s", lerr, d)
+		}
+	} else if err := env.reset(); err != nil { // it loaded: start the next from the golden state
+		t.Fatal(err)
+	}
+	before = heapAllocs()
+	xerr := checkpointToSafetensors(osFS{}, dir, filepath.Join(dir, "out.safetensors"), ExportOptions{Optimizer: true})
+	if grown := heapAllocs() - before; grown > limit {
+		t.Fatalf("CheckpointToSafetensors allocated %d bytes for %d bytes of files (at most %d): %v", grown, size, limit, xerr)
+	}
+	if xerr != nil && !errors.Is(xerr, ErrCheckpoint) {
+		t.Fatalf("CheckpointToSafetensors: %v; want ErrCheckpoint", xerr)
+	}
+}
+
+// FuzzCheckpointManifest: any manifest.json, resealed where it parses.
+func FuzzCheckpointManifest(f *testing.F) {
+	env, err := fuzzCkpt()
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(env.files[ckptManifest])
+	f.Fuzz(func(t *testing.T, data []byte) {
+		fuzzLoad(t, map[string][]byte{ckptManifest: resealed(data, nil)})
+	})
+}
+
+// rankFileParts splits a rank file into its sections' bytes and its footer.
+func rankFileParts(b []byte) (body, footer []byte) {
+	tr := b[len(b)-ckptTrailerLen:]
+	at, n := binary.LittleEndian.Uint64(tr), binary.LittleEndian.Uint64(tr[8:])
+	return b[:at], b[at : at+n]
+}
+
+// withRankFile is the golden files with rank 0's file replaced by file and
+// the manifest's size and CRC32C of it, resealed.
+func withRankFile(env *fuzzCkptEnv, file []byte) map[string][]byte {
+	return map[string][]byte{rankFileName(0): file, ckptManifest: resealed(env.files[ckptManifest], func(m *ckptManifestData) {
+		if len(m.Files) > 0 {
+			m.Files[0].Bytes, m.Files[0].CRC = int64(len(file)), crc32.Checksum(file, castagnoli)
+		}
+	})}
+}
+
+// FuzzCheckpointFooter: any footer of rank 0's file, behind its sections,
+// with a trailer that points at it and its checksum, the manifest's size
+// and CRC32C of the file recomputed.
+func FuzzCheckpointFooter(f *testing.F) {
+	env, err := fuzzCkpt()
+	if err != nil {
+		f.Fatal(err)
+	}
+	_, footer := rankFileParts(env.files[rankFileName(0)])
+	f.Add(footer)
+	f.Fuzz(func(t *testing.T, footer []byte) {
+		body, _ := rankFileParts(env.files[rankFileName(0)])
+		file := append(slices.Clone(body), footer...)
+		var tr [ckptTrailerLen]byte
+		binary.LittleEndian.PutUint64(tr[0:], uint64(len(body)))
+		binary.LittleEndian.PutUint64(tr[8:], uint64(len(footer)))
+		binary.LittleEndian.PutUint32(tr[16:], crc32.Checksum(footer, castagnoli))
+		copy(tr[20:], ckptTrailerTag)
+		fuzzLoad(t, withRankFile(env, append(file, tr[:]...)))
+	})
+}
+
+// FuzzCheckpointRankFile: any rank 0 file, the manifest's size and CRC32C
+// of it recomputed.
+func FuzzCheckpointRankFile(f *testing.F) {
+	env, err := fuzzCkpt()
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(env.files[rankFileName(0)])
+	f.Fuzz(func(t *testing.T, file []byte) {
+		fuzzLoad(t, withRankFile(env, file))
+	})
+}
+
+// FuzzImportSafetensors: any file given to ImportSafetensors, for a model
+// of an fp32 matrix and a bf16 vector, with Convert or without; at stage 2
+// into their Data, at stage 3 through the Init it sets (asked for each
+// parameter whole, as a one-rank New would). A refusal leaves Data (and
+// Init) as they were; a file accepted without Convert holds the values
+// read, exactly.
+func FuzzImportSafetensors(f *testing.F) {
+	f.Add([]byte("\x10\x00\x00\x00\x00\x00\x00\x00{}              "), false)
+	f.Fuzz(func(t *testing.T, data []byte, convert bool) {
+		path := filepath.Join(t.TempDir(), "m.safetensors")
+		if err := os.WriteFile(path, data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		limit := 64*uint64(len(data)) + 1<<20
+		w, b := make([]float32, 6), make([]uint16, 3)
+		for i := range w {
+			w[i] = float32(i) + 0.5
+		}
+		for i := range b {
+			b[i] = 0x3f80 + uint16(i)
+		}
+		ws, bs := slices.Clone(w), slices.Clone(b)
+		ps := []Param{{Name: "w", Count: 6, Shape: []int{2, 3}, DType: FP32, Data: Float32s(w)}, {Name: "b", Count: 3, DType: BF16, Data: Halfs(b, BF16)}}
+		before := heapAllocs()
+		err := ImportSafetensors(path, Config{Stage: 2}, CPU(), ps, ImportOptions{Convert: convert})
+		if grown := heapAllocs() - before; grown > limit {
+			t.Fatalf("ImportSafetensors allocated %d bytes for %d bytes (at most %d): %v", grown, len(data), limit, err)
+		}
+		if err != nil {
+			if !errors.Is(err, ErrCheckpoint) {
+				t.Fatalf("ImportSafetensors: %v; want ErrCheckpoint", err)
+			}
+			if !slices.Equal(w, ws) || !slices.Equal(b, bs) || ps[0].Init != nil || ps[1].Init != nil {
+				t.Fatalf("a refused import (%v) changed the parameters", err)
+			}
+		} else if !convert { // the bytes of each tensor, as the header places them
+			h, herr := readSTHeader(bytes.NewReader(data), int64(len(data)), path)
+			if herr != nil {
+				t.Fatalf("the file imported, its header does not read: %v", herr)
+			}
+			for i, got := range [][]byte{ps[0].Data.hostBytes(), ps[1].Data.hostBytes()} {
+				tn, _ := h.find(ps[i].Name)
+				if want := data[h.DataStart+tn.Begin : h.DataStart+tn.End]; !bytes.Equal(got, want) {
+					t.Fatalf("parameter %q holds %x, the file %x", ps[i].Name, got, want)
+				}
+			}
+		}
+		// stage 3: Init reads the ranges New asks for
+		ps3 := []Param{{Name: "w", Count: 6, Shape: []int{2, 3}, DType: FP32}, {Name: "b", Count: 3, DType: BF16}}
+		before = heapAllocs()
+		err3 := ImportSafetensors(path, Config{Stage: 3}, CPU(), ps3, ImportOptions{Convert: convert})
+		for _, p := range ps3 {
+			if err3 == nil && p.Init != nil {
+				if ierr := p.Init(make([]float32, p.Count), 0); ierr != nil && !errors.Is(ierr, ErrCheckpoint) {
+					t.Fatalf("Init: %v; want ErrCheckpoint", ierr)
+				}
+			}
+		}
+		if grown := heapAllocs() - before; grown > limit {
+			t.Fatalf("a stage-3 import and its Init allocated %d bytes for %d bytes (at most %d)", grown, len(data), limit)
+		}
+		if (err == nil) != (err3 == nil) {
+			t.Fatalf("stage 2 and stage 3 disagree on the file: %v / %v", err, err3)
+		}
+		if err3 != nil && (ps3[0].Init != nil || ps3[1].Init != nil) {
+			t.Fatalf("a refused import (%v) set an Init", err3)
+		}
+	})
 }

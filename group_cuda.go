@@ -50,7 +50,7 @@ func NewCUDALocalGroupTimeout(n int, dev Device, timeout time.Duration) ([]Comm,
 	for r := range comms {
 		c := &cudaLocalComm{g: g, rank: r}
 		c.collectives = collectives{world: n, issue: func(s Stream, x collective) error {
-			return c.collective(s, x.args(), x.payload(), x.send, x.recv)
+			return c.ownErr(c.collective(s, x.args(), x.payload(), x.send, x.recv))
 		}}
 		comms[r] = c
 	}
@@ -88,9 +88,10 @@ type cudaSlot struct {
 }
 
 type cudaLocalComm struct {
-	g      *cudaGroup
-	rank   int
-	closed atomic.Bool // this rank closed its communicator
+	g       *cudaGroup
+	rank    int
+	closed  atomic.Bool           // this rank closed its communicator
+	aborted atomic.Pointer[error] // why this rank aborted the group, if it did
 	collectives
 	counters
 }
@@ -107,7 +108,17 @@ func (c *cudaLocalComm) Close() error {
 }
 
 func (c *cudaLocalComm) abort(reason error) {
+	c.aborted.CompareAndSwap(nil, &reason)
 	c.g.abort(fmt.Errorf("%w: %w", ErrPeerFailed, reason))
+}
+
+// ownErr is what this rank sees of a failed collective: ErrAborted once it
+// aborted the group itself, not a peer's failure.
+func (c *cudaLocalComm) ownErr(err error) error {
+	if reason := c.aborted.Load(); err != nil && reason != nil {
+		return fmt.Errorf("%w: rank %d aborted its group: %w", ErrAborted, c.rank, *reason)
+	}
+	return err
 }
 
 // collective publishes this rank's call and meets the peers; the last to
@@ -148,8 +159,14 @@ func (c *cudaLocalComm) collective(s Stream, a collArgs, payload int, ts ...Tens
 		ph.claimed = true
 		g.phase = newCUDAPhase(g.n)
 		g.mu.Unlock()
-		ph.err = g.run(c.rank, slots)
+		var enqueued bool
+		enqueued, ph.err = g.run(c.rank, slots)
 		if ph.err != nil {
+			if enqueued { // part of it is queued; the others' streams are not ordered after it
+				for _, o := range slots {
+					quarantine.add(o.a.buffers(g.n)...)
+				}
+			}
 			g.abort(ph.err)
 		}
 		close(ph.done)
@@ -192,8 +209,9 @@ func (c *cudaLocalComm) collective(s Stream, a collArgs, payload int, ts ...Tens
 	return g.abortErr()
 }
 
-// run enqueues one collective for every rank on the stream of rank last.
-func (g *cudaGroup) run(last int, slots []cudaSlot) error {
+// run enqueues one collective for every rank on the stream of rank last;
+// enqueued says whether any of it may have been enqueued.
+func (g *cudaGroup) run(last int, slots []cudaSlot) (enqueued bool, err error) {
 	a := slots[last].a
 	for _, o := range slots {
 		oa := o.a
@@ -202,33 +220,33 @@ func (g *cudaGroup) run(last int, slots []cudaSlot) error {
 			for i := range slots {
 				calls[i] = slots[i].a
 			}
-			return errorf(ErrMismatch, "%s; every rank must issue the same collectives in the same order", callsText(calls))
+			return false, errorf(ErrMismatch, "%s; every rank must issue the same collectives in the same order", callsText(calls))
 		}
 	}
 	d, L := g.dev, slots[last].stream
 	for r, o := range slots {
 		if r != last {
 			if err := L.Wait(o.ready); err != nil {
-				return err
+				return false, err
 			}
 		}
 	}
 	if err := g.work(L, slots); err != nil {
-		return err
+		return true, err
 	}
 	done, err := L.record(false)
 	if err != nil {
-		return err
+		return true, err
 	}
 	for r, o := range slots {
 		if r != last && o.stream != L {
 			if code := C.zc_stream_wait(d.dev(), C.uintptr_t(o.stream.h), C.uintptr_t(done.h)); code != 0 {
-				return d.err("cudaStreamWaitEvent", code)
+				return true, d.err("cudaStreamWaitEvent", code)
 			}
 		}
 	}
 	runtime.KeepAlive(done) // the waits above use its handle
-	return nil
+	return true, nil
 }
 
 // work enqueues the collective's kernels and copies on L.

@@ -39,6 +39,9 @@ func NewLocalGroupTimeout(n int, timeout time.Duration) ([]Comm, error) {
 type localGroup struct {
 	n       int
 	timeout time.Duration
+	// beforeWork, for tests, runs before a rank's part of each collective:
+	// a peer slow to finish it.
+	beforeWork func(rank int)
 
 	abortLatch                        // its mu also guards pending
 	pending    map[uint64]*rendezvous // by collective sequence number
@@ -172,10 +175,11 @@ func callsText(args []collArgs) string {
 }
 
 type localComm struct {
-	g      *localGroup
-	rank   int
-	seq    uint64      // collectives issued by this rank
-	closed atomic.Bool // this rank closed its communicator
+	g       *localGroup
+	rank    int
+	seq     uint64                // collectives issued by this rank
+	closed  atomic.Bool           // this rank closed its communicator
+	aborted atomic.Pointer[error] // why this rank aborted the group (AbortComm), if it did
 	collectives
 	counters
 }
@@ -193,14 +197,22 @@ func (c *localComm) Close() error {
 }
 
 func (c *localComm) abort(reason error) {
+	c.aborted.CompareAndSwap(nil, &reason)
 	c.g.abort(fmt.Errorf("%w: %w", ErrPeerFailed, reason))
 }
 
 // ownErr is what this rank sees of a failed collective: ErrClosed once it
-// closed its communicator itself, not a peer's failure.
+// closed its communicator itself, ErrAborted once it aborted the group
+// itself; a peer's failure only where it was a peer's.
 func (c *localComm) ownErr(err error) error {
-	if err != nil && c.closed.Load() {
+	if err == nil {
+		return nil
+	}
+	if c.closed.Load() {
 		return errorf(ErrClosed, "rank %d closed its communicator", c.rank)
+	}
+	if reason := c.aborted.Load(); reason != nil {
+		return fmt.Errorf("%w: rank %d aborted its group: %w", ErrAborted, c.rank, *reason)
 	}
 	return err
 }
@@ -225,19 +237,23 @@ func (c *localComm) enqueue(s Stream, x collective) error {
 
 // run is one rank's part of a collective: publish the arguments, meet the
 // peers, do this rank's 1/n of the work, and meet again so no rank reuses a
-// buffer a peer still reads.
+// buffer a peer still reads (that meeting waits for every peer, so no
+// buffer of a returned collective is ever in a peer's use).
 func (c *localComm) run(seq uint64, a collArgs) error {
 	g := c.g
 	rv, err := g.meet(c.rank, seq, &a)
 	if err != nil {
-		return err
+		return err // no peer works with this rank's buffers (see meet)
 	}
 	for _, o := range rv.args {
 		if o.kind != a.kind || o.op != a.op || o.root != a.root || o.dtype != a.dtype || o.count != a.count {
 			err := errorf(ErrMismatch, "collective %d: %s; every rank must issue the same collectives in the same order", seq, callsText(rv.args))
 			g.abort(err)
-			return err
+			return err // every rank sees the mismatch: none works
 		}
+	}
+	if g.beforeWork != nil {
+		g.beforeWork(c.rank)
 	}
 	c.work(rv.args, a)
 	_, err = g.meet(c.rank, seq, nil)

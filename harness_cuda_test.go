@@ -22,6 +22,15 @@ func needCUDA(t testing.TB) *cudaDevice {
 	return d.(*cudaDevice)
 }
 
+// fakeCUDA skips a test that needs the fake driver's hooks.
+func fakeCUDA(t *testing.T) *cudaDevice {
+	t.Helper()
+	if os.Getenv("ZERO_FAKE_CUDA") != "1" {
+		t.Skip("runs against the fake driver only (ZERO_FAKE_CUDA=1)")
+	}
+	return needCUDA(t)
+}
+
 // skipOrFail skips a GPU test, or fails it where ZERO_REQUIRE_GPU=1 (the GPU
 // host's runner sets it), so a host whose driver is too old cannot pass by
 // skipping everything.

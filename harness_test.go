@@ -10,6 +10,7 @@ import (
 	"os"
 	"reflect"
 	"runtime"
+	"runtime/metrics"
 	"slices"
 	"strconv"
 	"strings"
@@ -80,6 +81,21 @@ func eachRank(n int, fn func(rank int) error) []error {
 	}
 	wg.Wait()
 	return errs
+}
+
+// within fails t unless fn returns within d (a hang is a bug too).
+func within(t *testing.T, d time.Duration, fn func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		fn()
+	}()
+	select {
+	case <-done:
+	case <-time.After(d):
+		t.Fatalf("did not return within %v", d)
+	}
 }
 
 // onEngines builds an engine per rank of a fresh in-process group, runs fn
@@ -1887,6 +1903,14 @@ func firstByteDiff(x, y []byte) int {
 
 // heapAllocated is the bytes the Go heap has handed out since the start:
 // the difference over a call is what it allocated (every goroutine's).
+// heapAllocs is runtime/metrics' /gc/heap/allocs:bytes: every byte the
+// heap has allocated, cumulative (cheaper to read than MemStats).
+func heapAllocs() uint64 {
+	s := []metrics.Sample{{Name: "/gc/heap/allocs:bytes"}}
+	metrics.Read(s)
+	return s[0].Value.Uint64()
+}
+
 func heapAllocated() uint64 {
 	var m runtime.MemStats
 	runtime.ReadMemStats(&m)

@@ -918,7 +918,7 @@ var errDone = fmt.Errorf("done")
 func (ph *mpiPhase) abandon() {
 	for _, x := range ph.xfers {
 		if x.state == 1 {
-			abandonHost(ph.bufs...)
+			quarantine.add(ph.bufs...)
 			ph.c.th.abandon(fmt.Errorf("%s was abandoned", ph.what))
 			return
 		}

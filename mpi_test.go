@@ -905,15 +905,16 @@ func TestMPICheckpointsAcrossProcesses(t *testing.T) {
 		t.Error("rank 0 committed a checkpoint without rank 1's file")
 	}
 	// the same, where rank 1's disk has the partial directory too (an
-	// earlier attempt left it): rank 1 writes its file, and rank 0's check
-	// that it sees every rank's file refuses the commit
+	// earlier attempt left it): rank 1 finds no lock of rank 0's save there
+	// (and, were it to write its file, rank 0's check that it sees every
+	// rank's file would refuse the commit): one of them names the fix
 	other := t.TempDir()
 	if err := os.MkdirAll(filepath.Join(other, "rank1", ckptPartial+ckptName(1, 0)), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	res = m.trainMPI(t, 2, mpiTrainSpec{stage: 2, steps: 1, save: filepath.Join(other, "rank%d"), absent: -1}, seed, 30*time.Second, "-disable-auto-cleanup")
-	if msg := res.rankErr(0); !strings.Contains(msg, "every rank shares") {
-		t.Errorf("rank 0: %q, want the check that every rank's file is in one shared directory\n%s", msg, res.out)
+	if msg := res.rankErr(0) + "; " + res.rankErr(1); !strings.Contains(msg, "every rank shares") {
+		t.Errorf("ranks 0 and 1: %q, want the check that every rank's file is in one shared directory\n%s", msg, res.out)
 	}
 	if msg := res.rankErr(1); !strings.Contains(msg, ErrCheckpoint.Error()) {
 		t.Errorf("rank 1: %q, want ErrCheckpoint", msg)
@@ -1071,14 +1072,14 @@ func TestMPIPieces(t *testing.T) {
 	}
 }
 
-// TestAbandonedHostMemoryStaysMapped: memory left to a transfer that
-// cannot be cancelled is never unmapped, even by Free.
+// TestAbandonedHostMemoryStaysMapped: memory left to an MPI transfer that
+// cannot be cancelled (quarantined) is never unmapped, even by Free.
 func TestAbandonedHostMemoryStaysMapped(t *testing.T) {
 	a, err := hostDev.Alloc(1<<16, FP32)
 	if err != nil {
 		t.Fatal(err)
 	}
-	abandonHost(a.slice(100, 10))
+	quarantine.add(a.slice(100, 10))
 	if err := hostDev.Free(a); err != nil {
 		t.Fatal(err)
 	}
@@ -1088,10 +1089,10 @@ func TestAbandonedHostMemoryStaysMapped(t *testing.T) {
 		t.Fatal("the abandoned buffer does not hold what was written")
 	}
 	keep := Float32s(make([]float32, 8))
-	abandonHost(keep)
-	abandonedGo.mu.Lock()
-	defer abandonedGo.mu.Unlock()
-	if len(abandonedGo.keep) == 0 {
+	quarantine.add(keep)
+	quarantine.mu.Lock()
+	defer quarantine.mu.Unlock()
+	if len(quarantine.keep) == 0 {
 		t.Fatal("abandoned Go memory is not kept")
 	}
 }

@@ -220,6 +220,19 @@ func (x collective) args() collArgs {
 	return collArgs{kind: x.kind, op: x.op, root: x.root, dtype: x.send.dtype, count: x.send.count, send: x.send.ptr, recv: x.recv.ptr}
 }
 
+// buffers are the memory a collective of world ranks reads and writes, as
+// device tensors (for the quarantine of a failed one).
+func (a collArgs) buffers(world int) []Tensor {
+	n := a.count
+	switch a.kind {
+	case KindAllGather:
+		n *= world
+	case KindReduceScatter:
+		n /= max(world, 1)
+	}
+	return []Tensor{{ptr: a.send, count: a.count, dtype: a.dtype}, {ptr: a.recv, count: n, dtype: a.dtype}}
+}
+
 func (a collArgs) String() string {
 	return fmt.Sprintf("%v(%d × %v, %v)", a.kind, a.count, a.dtype, a.op)
 }
@@ -311,7 +324,7 @@ func AllReduceScalars(comm Comm, op ReduceOp, values ...float64) ([]float64, err
 	if err != nil {
 		return nil, err
 	}
-	defer dev.Free(buf)
+	defer freeAfter(dev, buf, s)
 	mine := make([]float32, words*n)
 	for i, v := range values {
 		m, exp := math.Frexp(v)

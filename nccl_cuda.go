@@ -242,6 +242,7 @@ type ncclPending struct {
 	at    time.Time
 	first ncclOp
 	n     int
+	bufs  [8]Tensor // every op's send and recv, quarantined if the batch is aborted
 }
 
 func (p ncclPending) String() string {
@@ -302,6 +303,9 @@ func (c *ncclComm) batch(s Stream, ops ...ncclOp) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	p := ncclPending{first: ops[0], n: len(ops)}
+	for i, o := range ops {
+		p.bufs[2*i], p.bufs[2*i+1] = o.send, o.recv
+	}
 	if c.failed != nil {
 		return c.failed
 	}
@@ -318,11 +322,13 @@ func (c *ncclComm) batch(s Stream, ops ...ncclOp) error {
 	code := C.zc_nccl_batch(c.dev.dev(), C.uintptr_t(c.h), &c.cops[0], C.int(len(ops)), C.int64_t(c.timeout.Milliseconds()))
 	switch {
 	case code == ncclInProgress:
+		quarantine.add(p.bufs[:]...) // it may be under way
 		c.abortLocked(fmt.Errorf("%w: %w: rank %d: %v was not enqueued within %v; a peer is not taking part (aborted the communicator)", ErrNCCL, ErrTimeout, c.rank, p, c.timeout))
 		return c.failed
 	case code == 4 || code == 5: // ncclInvalidArgument, ncclInvalidUsage: the communicator is still good
 		return ncclErr(p.String(), c.rank, c.h, code)
 	case code != 0:
+		quarantine.add(p.bufs[:]...) // part of the batch may be enqueued
 		c.abortLocked(ncclErr(p.String(), c.rank, c.h, code))
 		return c.failed
 	}
@@ -404,6 +410,11 @@ func (c *ncclComm) abortLocked(reason error) {
 		return
 	}
 	c.failed = reason
+	// The batches not seen finished may still write into their buffers
+	// (peers' copies among them): those are never freed.
+	for _, p := range c.pending {
+		quarantine.add(p.bufs[:]...)
+	}
 	if c.h != 0 {
 		C.zc_nccl_abort(c.dev.dev(), C.uintptr_t(c.h))
 		c.h = 0
@@ -416,7 +427,7 @@ func (c *ncclComm) abortLocked(reason error) {
 // fail at once instead of at their watchdog's timeout.
 func (c *ncclComm) abort(reason error) {
 	c.mu.Lock()
-	c.abortLocked(reason)
+	c.abortLocked(fmt.Errorf("%w: rank %d aborted its communicator: %w", ErrAborted, c.rank, reason)) // this rank's own: not a peer's failure
 	c.mu.Unlock()
 	if c.relay != nil {
 		c.relay.abort(reason.Error())

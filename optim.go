@@ -683,19 +683,19 @@ func (o *optState) checkpointState() optCheckpoint {
 
 // restorable checks a checkpoint's optimizer state against this engine's
 // and returns its groups, ready to be set.
-func (o *optState) restorable(c optCheckpoint) ([]Optimizer, error) {
+func (o *optState) restorable(where string, c optCheckpoint) ([]Optimizer, error) {
 	if len(c.Steps) != len(o.params) {
-		return nil, errorf(ErrCheckpoint, "the checkpoint counts steps of %d parameters, the engine has %d", len(c.Steps), len(o.params))
+		return nil, errorf(ErrCheckpoint, "%s: the checkpoint counts steps of %d parameters, the engine has %d", where, len(c.Steps), len(o.params))
 	}
 	want := "adamw"
 	if o.kind == optSGD {
 		want = "sgd"
 	}
 	if c.Kind != want {
-		return nil, errorf(ErrCheckpoint, "the checkpoint's optimizer is %s, the engine's %s; build the engine with the checkpoint's optimizer, or load with WeightsOnly", c.Kind, want)
+		return nil, errorf(ErrCheckpoint, "%s: the checkpoint's optimizer is %s, the engine's %s; build the engine with the checkpoint's optimizer, or load with WeightsOnly", where, c.Kind, want)
 	}
 	if len(c.Groups) != len(o.groups) {
-		return nil, errorf(ErrCheckpoint, "the checkpoint has %d optimizer groups, the engine %d", len(c.Groups), len(o.groups))
+		return nil, errorf(ErrCheckpoint, "%s: the checkpoint has %d optimizer groups, the engine %d", where, len(c.Groups), len(o.groups))
 	}
 	groups := make([]Optimizer, len(c.Groups))
 	for i, g := range c.Groups {
@@ -705,9 +705,9 @@ func (o *optState) restorable(c optCheckpoint) ([]Optimizer, error) {
 		case g.SGD != nil && o.kind == optSGD:
 			groups[i] = made(*g.SGD)
 		default:
-			return nil, errorf(ErrCheckpoint, "the checkpoint's group %d is not a %s group", i, want)
+			return nil, errorf(ErrCheckpoint, "%s: the checkpoint's group %d is not a %s group", where, i, want)
 		}
-		if err := groups[i].check(fmt.Sprintf("the checkpoint's group %d", i)); err != nil {
+		if err := groups[i].check(fmt.Sprintf("%s: the checkpoint's group %d", where, i)); err != nil {
 			return nil, fmt.Errorf("%w: %w", ErrCheckpoint, err)
 		}
 	}

@@ -1,13 +1,10 @@
 package zero
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
 	"math/rand"
-	"os"
-	"path/filepath"
 	"slices"
 	"testing"
 	"time"
@@ -1127,81 +1124,3 @@ func TestNormBeyondFP32(t *testing.T) {
 	}
 }
 
-// TestLossScaleOfFormat1: a checkpoint of format version 1 saved the scale
-// each backward carried; format 2 saves the scaler's, that of the step's
-// mean loss. A format-1 fp16 scale X saved with Grads.AccumSteps 2 loads as
-// a scaler at 2X, so each backward carries X again; the same X in a
-// format-2 manifest loads as the scaler's X, each backward carrying X/2.
-// At AccumSteps 0 (counted) both formats' X is what each backward carries.
-func TestLossScaleOfFormat1(t *testing.T) {
-	for _, c := range []struct {
-		accum, version int
-		want           float64 // each backward's scale after the load of X = 96
-	}{{2, 1, 96}, {2, 2, 48}, {0, 1, 96}, {0, 2, 96}} {
-		dir := t.TempDir()
-		cfg := Config{Stage: 2, BucketBytes: 512, Grads: GradPolicy{AccumSteps: c.accum},
-			Precision: PrecisionPolicy{LossScale: LossScale{Initial: 256, Hysteresis: 1}},
-			Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.01)}}}
-		train := func(load bool) []error {
-			comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
-			return eachRank(2, func(rank int) error {
-				ps, _ := smallModel(FP16, 0.5)
-				e, err := New(cfg, comms[rank], ps)
-				if err != nil {
-					return err
-				}
-				defer e.Close()
-				if load {
-					if _, err := e.Load(dir, LoadOptions{}); err != nil {
-						return err
-					}
-					if got := e.LossScale(); got != c.want {
-						return fmt.Errorf("AccumSteps %d, format %d: each backward carries %v after the load, want %v", c.accum, c.version, got, c.want)
-					}
-					return nil
-				}
-				s := NewHostStream()
-				defer s.Close()
-				for range max(1, c.accum) {
-					for p := 2; p >= 0; p-- {
-						g := newTBuf(FP16, ps[p].Count)
-						for i := range g.len() {
-							g.set(i, float32(0.25*e.LossScale()))
-						}
-						if _, err := e.GradReady(p, g.t(), s); err != nil {
-							return err
-						}
-					}
-					if err := e.EndBackward(); err != nil {
-						return err
-					}
-				}
-				if err := e.Step(); err != nil {
-					return err
-				}
-				return e.Save(dir, SaveOptions{})
-			})
-		}
-		everyRankIs(t, "the run saved", train(false), nil)
-		manifests, err := filepath.Glob(filepath.Join(dir, "*", ckptManifest))
-		if err != nil || len(manifests) != 1 {
-			t.Fatalf("manifests %v: %v", manifests, err)
-		}
-		raw, err := os.ReadFile(manifests[0])
-		if err != nil {
-			t.Fatal(err)
-		}
-		var m ckptManifestData
-		if err := json.Unmarshal(raw, &m); err != nil {
-			t.Fatal(err)
-		}
-		m.Version, m.Optimizer.Scaler.Scale = c.version, 96
-		if raw, err = sealManifest(&m); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(manifests[0], raw, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		everyRankIs(t, fmt.Sprintf("AccumSteps %d, format %d, loaded", c.accum, c.version), train(true), nil)
-	}
-}

@@ -27,9 +27,10 @@ var floors = map[string]int{
 	// 4: what lives on a device: pools, page-locked memory, collectives;
 	// the bootstrap of a group
 	"pool.go": 4, "pinned.go": 4, "nccl.go": 4, "bootstrap.go": 4,
-	// the checkpoint's file layer and its rank files; the safetensors
+	// the checkpoint's file layer, its rank files, its manifest's layout
+	// and the lock of its directory; the safetensors
 	// format and the import of a model from it
-	"ckptfs.go": 4, "ckptfile.go": 4, "safetensors.go": 4,
+	"ckptfs.go": 4, "ckptfile.go": 4, "ckptlayout.go": 4, "ckptlock.go": 4, "safetensors.go": 4,
 	// 5: the communicators
 	"group_local.go": 5, "group_cuda.go": 5, "nccl_cuda.go": 5, "mpi.go": 5,
 	// 6: the caller's words and what the engine reports back

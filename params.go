@@ -115,6 +115,9 @@ func loadShard(ld loadSpec, pool *bufferPool, into Tensor) error {
 		if err == nil {
 			done, err = record(s)
 		}
+		if done == nil { // failed: the work queued on buf may still run
+			done = fence(s)
+		}
 		pool.put(buf, done)
 		if err != nil {
 			return err
@@ -196,7 +199,8 @@ func (ps *paramState) uploadCast(s Stream, dst Tensor, host []float32) error {
 	if err == nil {
 		err = s.Sync()
 	}
-	return errors.Join(err, ps.dev.Free(tmp))
+	freeAfter(ps.dev, tmp, s)
+	return err
 }
 
 // check refuses op's stream and parameters before anything changes.
@@ -504,7 +508,7 @@ func readParams(dev Device, s, rs Stream, plan *Plan, params []Param, ps *paramS
 	if err != nil {
 		return nil, err
 	}
-	defer dev.Free(wide)
+	defer freeAfter(dev, wide, s)
 	read := func(src Tensor) ([]float32, error) { // any dtype, on the device, to host fp32
 		host := make([]float32, src.count)
 		err := dev.cast(s, wide.slice(0, src.count), src, 1)
@@ -537,7 +541,7 @@ func readParams(dev Device, s, rs Stream, plan *Plan, params []Param, ps *paramS
 	if err != nil {
 		return nil, err
 	}
-	defer dev.Free(buf)
+	defer freeAfter(dev, buf, s)
 	for _, bp := range plan.Buckets {
 		t := buf.slice(0, bp.Padded)
 		if err := ps.comm.AllGather(s, ps.shard.slice(bp.ShardOffset, bp.Shard), t); err != nil {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -276,16 +275,12 @@ func ImportSafetensors(name string, cfg Config, dev Device, params []Param, opt 
 	if dev == nil {
 		dev = CPU()
 	}
-	f, err := os.Open(name)
+	f, size, err := openRegular(name)
 	if err != nil {
 		return fmt.Errorf("%w: %w; pass a safetensors file", ErrCheckpoint, err)
 	}
 	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return fmt.Errorf("%w: %w", ErrCheckpoint, err)
-	}
-	h, err := readSTHeader(f, st.Size(), name)
+	h, err := readSTHeader(f, size, name)
 	if err != nil {
 		return err
 	}
@@ -325,7 +320,7 @@ func ImportSafetensors(name string, cfg Config, dev Device, params []Param, opt 
 			if buf == nil {
 				buf = make([]byte, ckptChunk)
 			}
-			src := stReader{path: name, t: srcs[i], start: h.DataStart, size: st.Size()}
+			src := stReader{path: name, t: srcs[i], start: h.DataStart, size: size}
 			if err := src.checkFinite(f, 0, p.Count, buf); err != nil {
 				return err
 			}
@@ -343,7 +338,7 @@ func ImportSafetensors(name string, cfg Config, dev Device, params []Param, opt 
 		if p.Count == 0 {
 			continue
 		}
-		src := stReader{path: name, t: srcs[i], start: h.DataStart, size: st.Size(), finite: opt.RequireFinite}
+		src := stReader{path: name, t: srcs[i], start: h.DataStart, size: size, finite: opt.RequireFinite}
 		if cfg.Stage == 3 && !p.Frozen && p.Data.count == 0 {
 			p.Init = src.init
 			continue
@@ -353,8 +348,13 @@ func ImportSafetensors(name string, cfg Config, dev Device, params []Param, opt 
 				return err
 			}
 		}
-		if buf == nil {
-			buf, conv = make([]byte, ckptChunk), make([]byte, ckptChunk)
+		if buf == nil { // a chunk, or the largest tensor where that is less
+			n := int64(0)
+			for _, q := range params {
+				n = max(n, 4*int64(q.Count)) // 4: the widest dtype
+			}
+			n = min(n, ckptChunk)
+			buf, conv = make([]byte, n), make([]byte, n)
 		}
 		if err := src.fill(f, dev, s, p.Data, buf, conv); err != nil {
 			return err
@@ -499,12 +499,12 @@ func (r stReader) read(f io.ReaderAt, from int, dst []byte) error {
 // init is the tensor as a stage-3 Init: this rank's elements, widened to
 // fp32 a chunk at a time (New rounds them to the model dtype).
 func (r stReader) init(dst []float32, offset int) error {
-	f, err := os.Open(r.path)
+	f, size, err := openRegular(r.path)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrCheckpoint, err)
 	}
 	defer f.Close()
-	if st, err := f.Stat(); err != nil || st.Size() != r.size {
+	if size != r.size {
 		return errorf(ErrCheckpoint, "%s changed since ImportSafetensors read its header; import it again", r.path)
 	}
 	d := r.dtype()

@@ -1045,3 +1045,31 @@ func TestSafetensorsPython(t *testing.T) {
 func BenchmarkSafetensors(b *testing.B) {
 	safetensorsRun(b, hostBench, CPU()) // benchenv_test.go; BenchmarkCUDASafetensors from GPU memory
 }
+
+// TestSafetensorsConvertingImportLarge: a converting import of a tensor
+// larger than a chunk (3M elements: the import reads and converts it in
+// two pieces) gives every element the reference rounding, BF16 widened
+// into fp32 and F32 rounded into bf16, the last piece too.
+func TestSafetensorsConvertingImportLarge(t *testing.T) {
+	rng := testRNG(t)
+	const n = 3 << 20
+	values := make([]float32, n)
+	for i := range values {
+		values[i] = float32(rng.NormFloat64())
+	}
+	for _, tc := range []struct{ file, model DType }{{BF16, FP32}, {FP32, BF16}} {
+		path := filepath.Join(t.TempDir(), "big.safetensors")
+		writeSafetensors(t, path, []stOut{{"w", stDType(tc.file), []int{n}, leDType(values, tc.file)}}, nil)
+		data := newTBuf(tc.model, n)
+		ps := []Param{{Name: "w", Count: n, DType: tc.model, Data: data.t()}}
+		if err := ImportSafetensors(path, Config{Stage: 2}, CPU(), ps, ImportOptions{Convert: true}); err != nil {
+			t.Fatal(err)
+		}
+		for i, v := range values {
+			want := refEncode(tc.model, refDecode(tc.file, refEncode(tc.file, v)))
+			if got := data.bits(i); got != want {
+				t.Fatalf("file %v, model %v: element %d of %d is %#x, want %#x", tc.file, tc.model, i, n, got, want)
+			}
+		}
+	}
+}

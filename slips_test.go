@@ -255,7 +255,12 @@ var slips = []slip{
 					return err
 				}
 			}
-			return backward(e, s, constGrads(errTableParams, 1))
+			// the reduction may fail after the backward returned: Step
+			// waits for it
+			if err := backward(e, s, constGrads(errTableParams, 1)); err != nil {
+				return err
+			}
+			return e.Step()
 		})
 		return errs[0]
 	}, []error{ErrCollective, ErrMismatch}, []string{"rank 0 called reduce_scatter(", "rank 1 called all_gather("}},

@@ -189,6 +189,14 @@ func (s *HostStream) usable() error {
 	return nil
 }
 
+// ranAll reports whether every item enqueued so far has run (or been
+// skipped): nothing queued can touch memory any more.
+func (s *HostStream) ranAll() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.done.Load() >= s.enqueued
+}
+
 // failure is the stream's sticky error, or nil.
 func (s *HostStream) failure() error {
 	s.mu.Lock()

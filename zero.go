@@ -654,7 +654,8 @@ func (e *Engine) copyScaled(d Device, s Stream, dst, src Tensor, scale float32) 
 			if err == nil {
 				err = d.copyScaled(s, dst, tmp, scale)
 			}
-			err = errors.Join(err, s.Sync(), d.Free(tmp))
+			err = errors.Join(err, s.Sync())
+			freeAfter(d, tmp, s)
 		}
 	case dst.dtype != FP32: // the host into d's 16-bit memory
 		var tmp Tensor
@@ -663,7 +664,8 @@ func (e *Engine) copyScaled(d Device, s Stream, dst, src Tensor, scale float32) 
 			if err == nil {
 				err = d.cast(s, dst, tmp, 1)
 			}
-			err = errors.Join(err, s.Sync(), d.Free(tmp))
+			err = errors.Join(err, s.Sync())
+			freeAfter(d, tmp, s)
 		}
 	default:
 		if err = d.copyScaled(s, dst, src, scale); err == nil {
@@ -687,7 +689,7 @@ func (e *Engine) FullGrads() ([][]float32, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer e.dev.Free(all)
+	defer freeAfter(e.dev, all, e.gatherStream, e.copyStream)
 	// the collective needs the shard in device memory
 	send, err := e.pl.shardOnDevice(e.gatherStream, all.slice(e.rank*e.plan.ShardElems, e.plan.ShardElems))
 	if err != nil {
@@ -1085,8 +1087,14 @@ func (e *Engine) checkpointable(op string) (*ckptEngine, error) {
 	case e.ps != nil && e.ps.stillGathered() > 0:
 		return nil, errorf(ErrProtocol, "%s with %d gathered parameter views out: Release them first", op, e.ps.stillGathered())
 	}
+	stop := func() error {
+		if reason := e.aborted.Load(); reason != nil {
+			return fmt.Errorf("%w: %s interrupted by Abort: %w", ErrAborted, op, *reason)
+		}
+		return nil
+	}
 	return &ckptEngine{fs: e.ckptFS(), comm: e.comm, rank: e.rank, world: e.world, stage: e.cfg.Stage, plan: e.plan,
-		params: e.params, settings: e.Settings(), opt: e.opt, ps: e.ps, step: e.stepIndex}, nil
+		params: e.params, settings: e.Settings(), opt: e.opt, ps: e.ps, step: e.stepIndex, stop: stop}, nil
 }
 
 // ckptFS is the file layer checkpoints use (a test's, where one is set).

@@ -21,6 +21,11 @@
  *     so results are those of the real kernels' code.
  * Every call returns its own status. FAKECUDA_DRIVER sets the driver version
  * (default 12040), FAKECUDA_CC the compute capability (default 9.0).
+ * FAKECUDA_FAIL_EVENT_SYNC, read at each call, names streams (their handles,
+ * as strtoull reads them, separated by commas): cuEventSynchronize of an
+ * untimed event last recorded on one waits, then returns
+ * CUDA_ERROR_LAUNCH_FAILED, and nothing else fails,
+ * as when the work before the event failed and only its wait can tell.
  */
 #include <chrono>
 #include <condition_variable>
@@ -160,6 +165,7 @@ struct CUevent_st {
 	std::condition_variable cv;
 	uint64_t recorded = 0, completed = 0;
 	bool timing = true;
+	CUstream stream = nullptr; /* the stream of its last record */
 	std::chrono::steady_clock::time_point at;
 	/* work queued on streams that still uses the event (records, waits);
 	 * a destroyed event is freed by whichever of those finishes last, as
@@ -261,6 +267,7 @@ CUresult cuGetErrorName(CUresult err, const char** s) {
 	case CUDA_ERROR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
 	case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
 	case CUDA_ERROR_NOT_READY: *s = "CUDA_ERROR_NOT_READY"; break;
+	case CUDA_ERROR_LAUNCH_FAILED: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
 	default: *s = nullptr; return CUDA_ERROR_INVALID_VALUE;
 	}
 	return CUDA_SUCCESS;
@@ -470,6 +477,7 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
 		std::lock_guard<std::mutex> l(e->mu);
 		g = ++e->recorded;
 		e->users++;
+		e->stream = s;
 	}
 	S(s)->push([=] {
 		{
@@ -485,12 +493,19 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
 
 CUresult cuEventSynchronize(CUevent e) {
 	uint64_t g;
+	bool fail = false;
 	{
 		std::lock_guard<std::mutex> l(e->mu);
 		g = e->recorded;
+		for (const char* f = getenv("FAKECUDA_FAIL_EVENT_SYNC"); f && *f && !e->timing && !fail; f += *f == ',') {
+			char* end;
+			fail = (uintptr_t)strtoull(f, &end, 0) == (uintptr_t)e->stream;
+			if (end == f) break;
+			f = end;
+		}
 	}
 	e->wait_for(g);
-	return CUDA_SUCCESS;
+	return fail ? CUDA_ERROR_LAUNCH_FAILED : CUDA_SUCCESS;
 }
 
 CUresult cuEventQuery(CUevent e) {
