@@ -979,6 +979,9 @@ type z3Run struct {
 	clip         float64
 	lossScale    LossScale
 	offload      bool
+	// offloadParams keeps stage 3's parameter shard in page-locked host
+	// memory (Offload.Params)
+	offloadParams bool
 	// order gives the layers' forward order in a step (nil: 0, 1, 2, …)
 	order func(step int) []int
 	// check, if set, sees the parameter memory after every Gather and
@@ -992,6 +995,7 @@ type z3Run struct {
 type z3Result struct {
 	final [][]uint32
 	stats []Stats
+	state []ckptState // every rank's state tensors after the run
 }
 
 // trainZ3 trains q with AdamW as TestTrainingEquivalence does, reading the
@@ -1002,7 +1006,7 @@ type z3Result struct {
 func trainZ3(t *testing.T, q *quadTask, r z3Run) z3Result {
 	t.Helper()
 	comms, _ := NewLocalGroupTimeout(r.world, 20*time.Second)
-	res := z3Result{final: make([][]uint32, r.world)}
+	res := z3Result{final: make([][]uint32, r.world), state: make([]ckptState, r.world)}
 	errs := eachRank(r.world, func(rank int) error {
 		defer comms[rank].Close()
 		n := len(q.sizes)
@@ -1034,7 +1038,7 @@ func trainZ3(t *testing.T, q *quadTask, r z3Run) z3Result {
 			}
 			off += size
 		}
-		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Precision: PrecisionPolicy{LossScale: r.lossScale}, Optimizer: OptimizerPolicy{Groups: []Optimizer{with(NewAdamW(0.01), func(o *AdamW) { o.WeightDecay = 0.01 })}, Clip: r.clip}, Params: ParamPolicy{PrefetchBytes: r.prefetch, LiveParamBytes: r.live}, Offload: OffloadPolicy{Optimizer: r.offload}}
+		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Precision: PrecisionPolicy{LossScale: r.lossScale}, Optimizer: OptimizerPolicy{Groups: []Optimizer{with(NewAdamW(0.01), func(o *AdamW) { o.WeightDecay = 0.01 })}, Clip: r.clip}, Params: ParamPolicy{PrefetchBytes: r.prefetch, LiveParamBytes: r.live}, Offload: OffloadPolicy{Optimizer: r.offload, Params: r.offloadParams}}
 		e, err := New(cfg, comms[rank], ps)
 		if err != nil {
 			return err
@@ -1150,7 +1154,8 @@ func trainZ3(t *testing.T, q *quadTask, r z3Run) z3Result {
 				res.final[rank] = append(res.final[rank], refEncodeBits(r.dtype, float32(x)))
 			}
 		}
-		return nil
+		res.state[rank], err = readCkptState(e)
+		return err
 	})
 	for rank, err := range errs {
 		if err != nil {

@@ -3,8 +3,11 @@ package zero
 import (
 	"errors"
 	"fmt"
+	"math"
 	"math/rand"
+	"reflect"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 )
@@ -684,4 +687,125 @@ func TestFullParams(t *testing.T) {
 			t.Fatalf("%v: the parameters did not move", dt)
 		}
 	}
+}
+
+// ---- parameter offload (Offload.Params) ---------------------------------------
+
+// TestParamOffloadEqualsStage3: stage 3 with the parameter shard in
+// page-locked host memory gives the bits of stage 3 without it, step by
+// step: the parameters every rank gathers, the fp32 master, the moments
+// and the model-dtype shard, and every Stats figure but the byte counts,
+// which move the shard from the device's side to the host's. Over fp32,
+// bf16 and fp16 (a dynamic loss scale that starts too high: steps skip),
+// W 1, 2 and 4 with sizes that split unevenly into 512-byte buckets,
+// prefetch on and off, a live budget, windows, the optimizer on the
+// device and offloaded, clipping and a sharded build.
+func TestParamOffloadEqualsStage3(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	sizes := []int{37, 130, 8, 257, 61}
+	const steps, backwards = 4, 2
+	runs := 0
+	for _, dt := range []DType{FP32, BF16, FP16} {
+		for _, world := range []int{1, 2, 4} {
+			q := newQuadTask(rng, sizes, steps, world*backwards)
+			q.roundTo(dt)
+			for _, v := range []struct {
+				name                     string
+				prefetch, live           int
+				window, offload, sharded bool
+			}{
+				{name: "prefetch", prefetch: 1024},
+				{name: "no prefetch", prefetch: -1},
+				{name: "live budget", prefetch: 4096, live: 2 * 512},
+				{name: "window", prefetch: 1024, window: true},
+				{name: "optimizer offloaded", prefetch: 1024, offload: true},
+				{name: "optimizer offloaded, no prefetch, window", prefetch: -1, offload: true, window: true},
+				{name: "sharded build", prefetch: 1024, sharded: true},
+			} {
+				r := z3Run{stage: 3, world: world, dtype: dt, bucket: 512, steps: steps, backwards: backwards, clip: 0.5,
+					prefetch: v.prefetch, live: v.live, window: v.window, offload: v.offload, sharded: v.sharded, overlap: rng.Intn(2) == 0}
+				if dt == FP16 {
+					r.lossScale = LossScale{Initial: 1 << 22, Hysteresis: 1}
+				}
+				want := trainZ3(t, q, r)
+				r.offloadParams = true
+				got := trainZ3(t, q, r)
+				what := fmt.Sprintf("%v W=%d %s overlap=%v", dt, world, v.name, r.overlap)
+				sameParamOffloadRun(t, what, got, want)
+				skipped := 0
+				for _, s := range got.stats {
+					if s.Skipped {
+						skipped++
+					}
+				}
+				if dt == FP16 && skipped == 0 {
+					t.Fatalf("%s: no step skipped; the fp16 runs start with a scale that overflows", what)
+				}
+				runs++
+			}
+		}
+	}
+	t.Logf("%d configurations bit-identical with the parameter shard on the host", runs)
+}
+
+// sameParamOffloadRun fails t where a run with Offload.Params differs from
+// want, the same run without it: in a bit of the parameters or of a state
+// tensor, in a Stats figure other than a byte count or a time, or in the
+// byte counts other than by the shard's move to the host.
+func sameParamOffloadRun(t *testing.T, what string, got, want z3Result) {
+	t.Helper()
+	for rank := range want.final {
+		if !slices.Equal(got.final[rank], want.final[rank]) {
+			t.Fatalf("%s: rank %d's parameters differ from stage 3 without parameter offload", what, rank)
+		}
+		for name, b := range want.state[rank].state {
+			if i := firstByteDiff(got.state[rank].state[name], b); i >= 0 {
+				t.Fatalf("%s: rank %d's %s differs from stage 3 without parameter offload at byte %d", what, rank, name, i)
+			}
+		}
+	}
+	for st := range want.stats {
+		g, w := got.stats[st], want.stats[st]
+		if d := statsDiffBut(g, w); d != "" {
+			t.Fatalf("%s: step %d: Stats differ in more than the byte counts:%s", what, st, d)
+		}
+		shard := w.ParamShardBytes
+		if shard == 0 || g.ParamShardBytes != 0 || g.HostParamBytes != shard || g.PeakParamBytes != w.PeakParamBytes-shard ||
+			g.DeviceBytesSaved != w.DeviceBytesSaved+shard {
+			t.Fatalf("%s: step %d: device shard %d, host shard %d, peak %d, saved %d; without parameter offload %d, 0, %d, %d: the shard's %d bytes must move to the host",
+				what, st, g.ParamShardBytes, g.HostParamBytes, g.PeakParamBytes, g.DeviceBytesSaved, w.ParamShardBytes, w.PeakParamBytes, w.DeviceBytesSaved, shard)
+		}
+		// with the optimizer offloaded the host's copy of the new
+		// parameters goes: the step writes the host's shard
+		if w.HostBytes > 0 && g.HostBytes != w.HostBytes || w.HostBytes == 0 && g.HostBytes != shard {
+			t.Fatalf("%s: step %d: host bytes %d, without parameter offload %d (shard %d)", what, st, g.HostBytes, w.HostBytes, shard)
+		}
+		for _, f := range []string{"PeakGradBytes", "OptimizerBytes", "ControlBytes", "HostGradBytes"} {
+			if gv, wv := reflect.ValueOf(g).FieldByName(f).Int(), reflect.ValueOf(w).FieldByName(f).Int(); gv != wv {
+				t.Fatalf("%s: step %d: %s %d, without parameter offload %d", what, st, f, gv, wv)
+			}
+		}
+	}
+}
+
+// statsDiffBut lists the fields of two Stats that differ, leaving out the
+// byte counts and the times.
+func statsDiffBut(got, want Stats) string {
+	var out strings.Builder
+	gv, wv := reflect.ValueOf(got), reflect.ValueOf(want)
+	for i := range gv.NumField() {
+		f := gv.Type().Field(i)
+		if strings.HasSuffix(f.Name, "Bytes") || f.Name == "DeviceBytesSaved" || f.Type == reflect.TypeOf(time.Duration(0)) {
+			continue
+		}
+		same := reflect.DeepEqual(gv.Field(i).Interface(), wv.Field(i).Interface())
+		if f.Type.Kind() == reflect.Float64 { // a NaN norm equals itself here
+			same = math.Float64bits(gv.Field(i).Float()) == math.Float64bits(wv.Field(i).Float())
+		}
+		if !same {
+			fmt.Fprintf(&out, "\n\t%s %v, without parameter offload %v", f.Name, gv.Field(i).Interface(), wv.Field(i).Interface())
+		}
+	}
+	return out.String()
 }

@@ -77,6 +77,7 @@ type Device struct {
 
 // Host is an offloading rank's page-locked host bytes by kind.
 type Host struct {
+	ParamShard     int64 `json:"param_shard"`
 	GradShard      int64 `json:"grad_shard"`
 	GradScratch    int64 `json:"grad_scratch"`
 	Landing        int64 `json:"landing"`
