@@ -72,8 +72,8 @@ type ParamMemory struct {
 	// HostShardBytes is the same shard in page-locked host memory, with
 	// Offload.Params (0 without)
 	HostShardBytes int64
-	GatheredBytes int64 // gather buffers holding a gathered bucket now
-	PooledBytes   int64 // idle gather buffers kept for the next gathers
+	GatheredBytes  int64 // gather buffers holding a gathered bucket now
+	PooledBytes    int64 // idle gather buffers kept for the next gathers
 	// PeakBytes is the most of ShardBytes + GatheredBytes + PooledBytes since
 	// the last Step.
 	PeakBytes       int64
