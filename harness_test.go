@@ -1336,8 +1336,8 @@ type estimateCase struct {
 
 func (c estimateCase) String() string {
 	p, pp := c.cfg.Precision, c.cfg.Params
-	return fmt.Sprintf("stage %d W=%d offload %v window %v budget %d window %v shard %v comm %v backwards %d prefetch %d live %d opt %T",
-		c.cfg.Stage, c.world, c.cfg.Offload.Optimizer, c.run.Window, c.cfg.Window.BudgetBytes, c.cfg.Window.DType, p.ShardDType, p.CommDType,
+	return fmt.Sprintf("stage %d W=%d offload %+v window %v budget %d window %v shard %v comm %v backwards %d prefetch %d live %d opt %T",
+		c.cfg.Stage, c.world, c.cfg.Offload, c.run.Window, c.cfg.Window.BudgetBytes, c.cfg.Window.DType, p.ShardDType, p.CommDType,
 		c.run.Backwards, pp.PrefetchBytes, pp.LiveParamBytes, c.cfg.Optimizer.Groups)
 }
 
@@ -1348,6 +1348,7 @@ type measured struct {
 	before, at   []GPUMemory  // the device's own figures (NVML) before New and after the last Step
 	wire         CommCounters // the last step's
 	stats        Stats
+	params       ParamMemory // stage 3's after the last Step
 }
 
 // measureEngine drives c on every rank of env's group, each rank's engine
@@ -1482,6 +1483,7 @@ func measureEngine(t *testing.T, env trainEnv, newDev func(rank int) *countingDe
 		m := &out[rank]
 		m.at = e.DeviceMemory()
 		m.live, m.allocs = dev.liveBytes(), dev.liveCount()
+		m.params = e.ParamMemory()
 		st := e.Stats()
 		if err := e.Close(); err != nil {
 			return err
@@ -1500,7 +1502,8 @@ func measureEngine(t *testing.T, env trainEnv, newDev func(rank int) *countingDe
 
 // checkEstimateOn compares c's estimate with what measureEngine saw on
 // every rank: device and host bytes to the byte, the engine's own Stats
-// field by field (estimatedStats), the collectives to the byte but for
+// field by field (estimatedStats), the parameter shard's bytes on each
+// side (ParamMemory), the collectives to the byte but for
 // stage 3's gathers, where a prefetch that keeps a bucket from one ask to
 // the next saves a gather the estimate counts. It returns the estimate and
 // the measurements.
@@ -1521,6 +1524,12 @@ func checkEstimateOn(t *testing.T, env trainEnv, newDev func(rank int) *counting
 		}
 		if d := statsDiff(est.Stats(), m.stats); d != "" {
 			t.Errorf("%s: the engine's Stats against the estimate's:%s\n(estimate %+v, %+v)", what, d, est.Device, est.Host)
+		}
+		// the parameter shard on the side the estimate puts it (with
+		// Offload.Params the host's, the device holding none of it)
+		if m.params.ShardBytes != est.Device.ParamShard || m.params.HostShardBytes != est.Host.ParamShard {
+			t.Errorf("%s: parameter shard %d device bytes and %d host bytes; the estimate %d and %d", what,
+				m.params.ShardBytes, m.params.HostShardBytes, est.Device.ParamShard, est.Host.ParamShard)
 		}
 		for k := range numKinds {
 			got, want := m.wire[k], est.Wire[k]
