@@ -251,15 +251,22 @@ func TestStage3CloseFreesEverything(t *testing.T) {
 
 // TestStage3ReleaseWaitsForTheUser: a bucket released by a stream whose
 // work has not run yet keeps its buffer until that work has: the next
-// gather into the same pooled buffer waits for it.
+// gather into the same pooled buffer waits for it, also when it starts by
+// copying the shard's part from the host (Offload.Params).
 func TestStage3ReleaseWaitsForTheUser(t *testing.T) {
+	for _, onHost := range []bool{false, true} {
+		releaseWaitsForTheUser(t, onHost)
+	}
+}
+
+func releaseWaitsForTheUser(t *testing.T, onHost bool) {
 	comms, _ := NewLocalGroup(1)
 	ones, twos := make([]float32, 256), make([]float32, 256)
 	for i := range ones {
 		ones[i], twos[i] = 1, 2
 	}
 	ps := []Param{{Name: "a", Count: 256, DType: FP32, Data: Float32s(ones)}, {Name: "b", Count: 256, DType: FP32, Data: Float32s(twos)}}
-	e, err := New(Config{Stage: 3, BucketBytes: 1024, Params: ParamPolicy{PrefetchBytes: -1}}, comms[0], ps)
+	e, err := New(Config{Stage: 3, BucketBytes: 1024, Params: ParamPolicy{PrefetchBytes: -1}, Offload: OffloadPolicy{Params: onHost}}, comms[0], ps)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -295,7 +302,7 @@ func TestStage3ReleaseWaitsForTheUser(t *testing.T) {
 	}
 	for i, x := range seen {
 		if x != 2 {
-			t.Fatalf("the released view read %v at %d, want 2: the next gather overwrote it before its user ran", x, i)
+			t.Fatalf("shard on the host %v: the released view read %v at %d, want 2: the next gather overwrote it before its user ran", onHost, x, i)
 		}
 	}
 	if err := e.Release(b, 0); err != nil {
@@ -808,4 +815,231 @@ func statsDiffBut(got, want Stats) string {
 		}
 	}
 	return out.String()
+}
+
+// holdStream makes s (one of the engine's) wait until the returned
+// function is called.
+func holdStream(t *testing.T, s Stream) (open func()) {
+	t.Helper()
+	gated, open := gateStream()
+	t.Cleanup(func() { open(); gated.Close() })
+	ev, err := gated.Record()
+	if err == nil {
+		err = s.Wait(ev)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return open
+}
+
+// TestParamOffloadGatherOnItsStream: with the parameter shard on the host,
+// a gather copies the shard's part into the gather buffer on the gather
+// stream itself, ahead of its all-gather: with every other stream of the
+// engine held (the reductions' and the step's, the copies', the offload's
+// host stream), a Gather's view still lands, holding the bucket's values.
+// A copy enqueued on another stream would leave the buffer's old contents
+// in the view, or make the gather wait for a held stream.
+func TestParamOffloadGatherOnItsStream(t *testing.T) {
+	for _, offload := range []bool{false, true} {
+		e, _ := stage3Engine(t, 3, Config{Offload: OffloadPolicy{Params: true, Optimizer: offload},
+			Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.5)}}, Params: ParamPolicy{PrefetchBytes: -1}})
+		defer e.Close()
+		held := []Stream{e.reduceStream, e.copyStream}
+		if offload {
+			held = append(held, e.off.hostStream())
+		}
+		var opens []func()
+		for _, s := range held {
+			opens = append(opens, holdStream(t, s))
+		}
+		a := NewHostStream()
+		for p := range 3 {
+			views, err := e.Gather(a, p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			seen := readView(a, views[0])
+			synced := make(chan error, 1)
+			go func() { synced <- a.Sync() }()
+			select {
+			case err := <-synced:
+				if err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatalf("offload=%v: the gather of parameter %d waits for a stream other than the gather stream", offload, p)
+			}
+			if err := allEqual(seen, float32(p+1)); err != nil {
+				t.Fatalf("offload=%v: parameter %d's view: %v", offload, p, err)
+			}
+			if err := e.Release(a, p); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, open := range opens {
+			open()
+		}
+		if err := a.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestParamOffloadPrefetchWaitsForTheUser: a bucket the prefetch gathers
+// into a pooled buffer whose last user's stream has not yet read it copies
+// the host shard's part in only after that user: the user reads its own
+// bucket's values.
+func TestParamOffloadPrefetchWaitsForTheUser(t *testing.T) {
+	e, ps := stage3Engine(t, 3, Config{Offload: OffloadPolicy{Params: true}, Params: ParamPolicy{PrefetchBytes: 1024}})
+	defer e.Close()
+	s := NewHostStream()
+	defer s.Close()
+	// a first window gives the prefetch its order: 0, 1, 2
+	for p := range ps {
+		if _, err := e.Gather(s, p); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Release(s, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := backward(e, s, constGrads(ps, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Step(); err != nil {
+		t.Fatal(err)
+	}
+	a, open := gateStream()
+	defer a.Close()
+	defer open()
+	views, err := e.Gather(a, 0) // prefetched at Step; it prefetches parameter 1's bucket
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := readView(a, views[0])
+	if err := e.Release(a, 0); err != nil { // its buffer goes back to the pool, free once a has read it
+		t.Fatal(err)
+	}
+	if _, err := e.Gather(s, 1); err != nil { // prefetches parameter 2's bucket into that buffer
+		t.Fatal(err)
+	}
+	if m := e.ParamMemory(); m.GatheredBuckets != 2 || m.Buffers != 2 {
+		t.Fatalf("%d buckets gathered in %d buffers; want parameters 1 and 2, the prefetch reusing parameter 0's buffer", m.GatheredBuckets, m.Buffers)
+	}
+	settleBehind(t, e.gatherStream.(*HostStream), a)
+	open()
+	if err := a.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if err := allEqual(seen, 1); err != nil {
+		t.Fatalf("parameter 0's view, read after the prefetch of parameter 2 into its buffer: %v", err)
+	}
+	if err := e.Release(s, 1); err != nil {
+		t.Fatal(err)
+	}
+	if st := e.Stats(); st.HostParamBytes == 0 {
+		t.Fatal("no parameter shard on the host")
+	}
+}
+
+// deviceOnlyComm is a communicator whose collectives refuse buffers in
+// page-locked host memory, as NCCL's kernels need device memory: it holds
+// an engine on the CPU to what it must do on a GPU.
+type deviceOnlyComm struct {
+	Comm
+	dev *countingDevice
+}
+
+func (c deviceOnlyComm) check(op string, ts ...Tensor) error {
+	for _, t := range ts {
+		if t.count > 0 && c.dev.pinned(t) {
+			return fmt.Errorf("%s of a buffer in page-locked host memory: a GPU collective needs device memory", op)
+		}
+	}
+	return nil
+}
+
+func (c deviceOnlyComm) AllReduce(s Stream, buf Tensor, op ReduceOp) error {
+	return errors.Join(c.check("AllReduce", buf), c.Comm.AllReduce(s, buf, op))
+}
+
+func (c deviceOnlyComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
+	if err := c.check("ReduceScatter", send, recv); err != nil {
+		return err
+	}
+	return c.Comm.ReduceScatter(s, send, recv, op)
+}
+
+func (c deviceOnlyComm) AllGather(s Stream, send, recv Tensor) error {
+	if err := c.check("AllGather", send, recv); err != nil {
+		return err
+	}
+	return c.Comm.AllGather(s, send, recv)
+}
+
+func (c deviceOnlyComm) Broadcast(s Stream, buf Tensor, root int) error {
+	if err := c.check("Broadcast", buf); err != nil {
+		return err
+	}
+	return c.Comm.Broadcast(s, buf, root)
+}
+
+// TestParamOffloadCollectivesReadDeviceMemory: with the parameter shard
+// (and the optimizer's state) in page-locked host memory, every collective
+// the engine issues reads and writes device memory only, as NCCL needs:
+// New's load, each gather and prefetch (the shard's part copied into the
+// gather buffer first), the step, FullParams, FullGrads. Two ranks, three
+// steps of two backwards.
+func TestParamOffloadCollectivesReadDeviceMemory(t *testing.T) {
+	sizes := []int{300, 77, 1000, 129}
+	for _, offload := range []bool{false, true} {
+		comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+		errs := eachRank(2, func(rank int) error {
+			dev := newCountingDevice()
+			defer dev.release()
+			ps := make([]Param, len(sizes))
+			for p, n := range sizes {
+				x := make([]float32, n)
+				for i := range x {
+					x[i] = float32(p) + float32(i)/1000
+				}
+				ps[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: FP32, Data: Float32s(x)}
+			}
+			cfg := Config{Stage: 3, BucketBytes: 1024, Overlap: true, Offload: OffloadPolicy{Params: true, Optimizer: offload},
+				Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.01)}}}
+			e, err := New(cfg, deviceOnlyComm{onDevice{comms[rank], dev}, dev}, ps)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			s := NewHostStream()
+			defer s.Close()
+			for range 3 {
+				for range 2 {
+					if err := backward(e, s, constGrads(ps, float32(rank+1))); err != nil {
+						return err
+					}
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+			}
+			if _, err := e.FullParams(); err != nil {
+				return err
+			}
+			if _, err := e.FullGrads(); err != nil {
+				return err
+			}
+			if st := e.Stats(); st.PrefetchHits == 0 {
+				return fmt.Errorf("no prefetch hit: the prefetch's gathers went unchecked")
+			}
+			return nil
+		})
+		for rank, err := range errs {
+			if err != nil {
+				t.Fatalf("optimizer offloaded %v: rank %d: %v", offload, rank, err)
+			}
+		}
+	}
 }
