@@ -636,16 +636,19 @@ func TestStage3RepeatedGathers(t *testing.T) {
 
 // TestFullParams: the current parameters read the same at every stage (bf16
 // and fp32, with a frozen one): at stages 1 and 2 from Param.Data, at stage
-// 3 gathered from the shards, while stage 3 leaves Param.Data as it was at
+// 3 gathered from the shards (index 4: with the shard in page-locked host
+// memory, Offload.Params), while stage 3 leaves Param.Data as it was at
 // New, as its doc says.
 func TestFullParams(t *testing.T) {
 	for _, dt := range []DType{FP32, BF16} {
-		var reads [4][][]float32
-		for _, stage := range []int{1, 2, 3} {
+		var reads [5][][]float32
+		for _, run := range []int{1, 2, 3, 4} {
+			stage, onHost := min(run, 3), run == 4
 			comms, _ := NewLocalGroupTimeout(2, 10*time.Second)
 			errs := eachRank(2, func(rank int) error {
 				ps, bufs := smallModel(dt, 0.5)
-				e, err := New(Config{Stage: stage, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.25)}}}, comms[rank], ps)
+				e, err := New(Config{Stage: stage, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.25)}},
+					Offload: OffloadPolicy{Params: onHost}}, comms[rank], ps)
 				if err != nil {
 					return err
 				}
@@ -677,16 +680,16 @@ func TestFullParams(t *testing.T) {
 					return fmt.Errorf("stage 3 wrote Param.Data")
 				}
 				if rank == 0 {
-					reads[stage] = full
+					reads[run] = full
 				}
 				return nil
 			})
-			everyRankIs(t, fmt.Sprintf("%v stage %d", dt, stage), errs, nil)
+			everyRankIs(t, fmt.Sprintf("%v stage %d, parameter offload %v", dt, stage, onHost), errs, nil)
 		}
-		for _, stage := range []int{2, 3} {
+		for _, run := range []int{2, 3, 4} {
 			for p := range reads[1] {
-				if !slices.Equal(reads[stage][p], reads[1][p]) {
-					t.Fatalf("%v: parameter %d reads %v at stage %d, %v at stage 1", dt, p, reads[stage][p][:3], stage, reads[1][p][:3])
+				if !slices.Equal(reads[run][p], reads[1][p]) {
+					t.Fatalf("%v: parameter %d reads %v in run %d, %v at stage 1", dt, p, reads[run][p][:3], run, reads[1][p][:3])
 				}
 			}
 		}
