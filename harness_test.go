@@ -2054,3 +2054,156 @@ func stillWorks(t *testing.T, e *Engine, s Stream) {
 func twoRanks(timeout time.Duration, cfg Config, fn func(e *Engine, s *HostStream) error) []error {
 	return onEngines(2, timeout, cfg, errTableParams, fn)
 }
+
+// ---- the parameter offload benchmarks ---------------------------------------------
+
+// seed000Params is seed 000's model: 8 layers × hidden 4096, bf16 (134M
+// parameters), a layer a 32 MiB bucket.
+func seed000Params() []Param {
+	ps := make([]Param, 8)
+	for i := range ps {
+		ps[i] = Param{Name: fmt.Sprintf("layer%d.weight", i), Count: 4096 * 4096, DType: BF16}
+	}
+	return ps
+}
+
+// benchParamOffloadStep times stage-3 AdamW steps of params on world ranks
+// of env, with the parameter shard on the device and in page-locked host
+// memory (Offload.Params), the optimizer on the device: each step takes
+// backwards backwards, each layer gathered for its forward and released,
+// then gathered again in backward (in reverse) while its gradient is
+// handed over, and released. It reports per step the wall ms, the gathers'
+// time (Stats.ParamGatherTime, copies included), and from rank 0's Stats
+// the device bytes the engine holds (PeakParamBytes, PeakGradBytes,
+// OptimizerBytes, ControlBytes), the parameter shard's on the device and
+// on the host, and the host's page-locked bytes.
+func benchParamOffloadStep(b *testing.B, env trainEnv, params []Param, world, backwards int) {
+	for _, onHost := range []bool{false, true} {
+		b.Run(fmt.Sprintf("offload-params=%v", onHost), func(b *testing.B) {
+			comms, err := env.group(world)
+			if err != nil {
+				b.Fatal(err)
+			}
+			cfg := Config{Stage: 3, BucketBytes: 32 << 20, Overlap: true, Offload: OffloadPolicy{Params: onHost},
+				Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-4)}}}
+			ready, start, done := make(chan error, world), make(chan struct{}), make(chan error, world)
+			stats := make([]Stats, world)
+			var wg sync.WaitGroup
+			for rank := range world {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					defer comms[rank].Close()
+					fail := func(err error) { ready <- err }
+					s, err := env.stream()
+					if err != nil {
+						fail(err)
+						return
+					}
+					defer s.Close()
+					ps := append([]Param(nil), params...)
+					grads := make([]Tensor, len(ps))
+					for p, q := range ps {
+						w, g := newTBuf(q.DType, q.Count), newTBuf(q.DType, q.Count)
+						for i := range g.len() {
+							w.set(i, float32(i%251)/251-0.5)
+							g.set(i, float32(i%7)/64-0.05)
+						}
+						var freeW, freeG func()
+						if ps[p].Data, freeW, err = env.place(s, w); err == nil {
+							defer freeW()
+							grads[p], freeG, err = env.place(s, g)
+						}
+						if err != nil {
+							fail(err)
+							return
+						}
+						defer freeG()
+					}
+					if err := s.Sync(); err != nil {
+						fail(err)
+						return
+					}
+					e, err := New(cfg, comms[rank], ps)
+					if err != nil {
+						fail(err)
+						return
+					}
+					defer e.Close()
+					gather := func(p int) error {
+						if _, err := e.Gather(s, p); err != nil {
+							return err
+						}
+						return e.Release(s, p)
+					}
+					step := func() error {
+						for range backwards {
+							for p := range ps {
+								if err := gather(p); err != nil {
+									return err
+								}
+							}
+							for p := len(ps) - 1; p >= 0; p-- {
+								if _, err := e.Gather(s, p); err != nil {
+									return err
+								}
+								if _, err := e.GradReady(p, grads[p], s); err != nil {
+									return err
+								}
+								if err := e.Release(s, p); err != nil {
+									return err
+								}
+							}
+							if err := e.EndBackward(); err != nil {
+								return err
+							}
+						}
+						return e.Step()
+					}
+					if err := step(); err != nil { // the first step allocates the moments and learns the order
+						fail(err)
+						return
+					}
+					ready <- s.Sync()
+					<-start
+					var gathers time.Duration
+					for range b.N {
+						if err := step(); err != nil {
+							done <- err
+							return
+						}
+						gathers += e.Stats().ParamGatherTime
+					}
+					stats[rank] = e.Stats()
+					stats[rank].ParamGatherTime = gathers / time.Duration(b.N)
+					done <- s.Sync()
+				}()
+			}
+			for range world {
+				if err := <-ready; err != nil {
+					close(start)
+					wg.Wait()
+					b.Fatal(err)
+				}
+			}
+			b.ResetTimer()
+			t0 := time.Now()
+			close(start)
+			for range world {
+				if err := <-done; err != nil {
+					b.Fatal(err)
+				}
+			}
+			el := time.Since(t0)
+			b.StopTimer()
+			wg.Wait()
+			st, mib := stats[0], func(x int64) float64 { return float64(x) / (1 << 20) }
+			b.ReportMetric(float64(el.Microseconds())/1000/float64(b.N), "ms/step")
+			b.ReportMetric(float64(st.ParamGatherTime.Microseconds())/1000, "gather-ms")
+			b.ReportMetric(mib(st.PeakParamBytes+st.PeakGradBytes+st.OptimizerBytes+st.ControlBytes), "device-MiB")
+			b.ReportMetric(mib(st.ParamShardBytes), "device-shard-MiB")
+			b.ReportMetric(mib(st.HostParamBytes), "host-shard-MiB")
+			b.ReportMetric(mib(st.HostBytes), "host-MiB")
+		})
+	}
+}

@@ -14,6 +14,11 @@
 #   pipeline    the seed-000 pipeline, ZeRO-1/2/3 (BenchmarkCUDAPipeline)
 #   offload     pinned copy bandwidth against the host link's limit, and the
 #               offloaded step (BenchmarkCUDAOffloadCopy, BenchmarkCUDAOffloadStep)
+#   params      parameter offload: a gather's host-to-device copy against a
+#               plain cuMemcpyAsync of the same size from page-locked memory,
+#               and the stage-3 step at seed 000's shape with and without the
+#               parameter shard on the host (BenchmarkCUDAParamOffloadCopy,
+#               BenchmarkCUDAParamOffloadStep)
 #   torch       the same pipeline in PyTorch eager ops (torch_pipeline.py)
 #   memcheck    compute-sanitizer memcheck on the kernel tests
 #   racecheck   compute-sanitizer racecheck on the kernels with shared memory
@@ -104,12 +109,13 @@ if [[ -z $gpu ]]; then
 	step tests 60 "$bin" -test.v -test.count=1 -test.run 'CUDA|NCCL|GPU|NVML|Bootstrap'
 	# each skipped test with its reason (the line go test prints before it)
 	awk '/^--- SKIP: /{r=prev; sub(/^ +[a-z_]+\.go:[0-9]+: /, "", r); print "  " $3 ": " substr(r, 1, 150)} {prev=$0}' "$out/tests.log" >>"$summary"
-	for s in kernels pipeline offload torch memcheck racecheck; do skip "$s" "no GPU on this host"; done
+	for s in kernels pipeline offload params torch memcheck racecheck; do skip "$s" "no GPU on this host"; done
 else
 	step tests 120 env ZERO_REQUIRE_GPU=1 "$bin" -test.v -test.count=1 -test.run 'CUDA|NCCL|GPU|NVML|Bootstrap'
 	step kernels 40 "$bin" -test.run '^$' -test.bench 'CUDAKernelBandwidth' -test.benchtime "${BENCHTIME:-10x}"
 	step pipeline 40 "$bin" -test.run '^$' -test.bench 'CUDAPipeline' -test.benchtime "${BENCHTIME:-10x}"
 	step offload 60 "$bin" -test.run '^$' -test.bench 'CUDAOffload' -test.benchtime "${BENCHTIME:-10x}" -test.v
+	step params 60 "$bin" -test.run '^$' -test.bench 'CUDAParamOffload' -test.benchtime "${BENCHTIME:-10x}" -test.v
 	if "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
 		step torch 40 "$py" "$here/torch_pipeline.py"
 	else
@@ -134,7 +140,7 @@ else
 		done
 	fi
 	# the figures, for BENCHMARKS.md
-	grep -h -E '^Benchmark|PCIe gen' "$out/kernels.log" "$out/pipeline.log" "$out/offload.log" 2>/dev/null >"$out/bench.txt"
+	grep -h -E '^Benchmark|PCIe gen' "$out/kernels.log" "$out/pipeline.log" "$out/offload.log" "$out/params.log" 2>/dev/null >"$out/bench.txt"
 	grep -h -E '^\{' "$out/torch.log" 2>/dev/null >>"$out/bench.txt"
 fi
 
