@@ -509,7 +509,7 @@ func BenchmarkNormInLanding(b *testing.B) {
 // the engine's Stats. On the CPU device "device" and "host" are the same
 // RAM, so the time shows what the copies cost, not what a GPU saves.
 func BenchmarkParamOffloadStep(b *testing.B) {
-	benchParamOffloadStep(b, hostTrain, seed000Params(), 2, 2)
+	benchParamOffloadStep(b, hostTrain, layerParams(8, 4096), 2, 2)
 }
 
 // BenchmarkParamOffloadEstimate: the same device-side figures at Llama-2

@@ -2057,12 +2057,12 @@ func twoRanks(timeout time.Duration, cfg Config, fn func(e *Engine, s *HostStrea
 
 // ---- the parameter offload benchmarks ---------------------------------------------
 
-// seed000Params is seed 000's model: 8 layers × hidden 4096, bf16 (134M
-// parameters), a layer a 32 MiB bucket.
-func seed000Params() []Param {
-	ps := make([]Param, 8)
+// layerParams is a model of layers bf16 weights of hidden² each: seed
+// 000's at 8 × 4096 (134M parameters, a layer a 32 MiB bucket).
+func layerParams(layers, hidden int) []Param {
+	ps := make([]Param, layers)
 	for i := range ps {
-		ps[i] = Param{Name: fmt.Sprintf("layer%d.weight", i), Count: 4096 * 4096, DType: BF16}
+		ps[i] = Param{Name: fmt.Sprintf("layer%d.weight", i), Count: hidden * hidden, DType: BF16}
 	}
 	return ps
 }
