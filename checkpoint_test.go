@@ -287,6 +287,66 @@ func TestCheckpointResume(t *testing.T) {
 	}
 }
 
+// TestCheckpointParamOffload: a stage-3 checkpoint saved with the
+// parameter shard in page-locked host memory (Offload.Params) resumes
+// without it, and one saved without it resumes with it, bit for bit the
+// run that never stopped (parameters, master, moments, step counts, loss
+// scaler), with the optimizer on the device and offloaded, in fp32, bf16
+// and fp16; and it reshards, with the setting on either side, to another
+// world size, bucket size and stage (2 and 1, which keep no shard), the
+// state assembled parameter by parameter the saved one.
+func TestCheckpointParamOffload(t *testing.T) {
+	const steps, at = 5, 3
+	onHost := func(on bool) func(*Config) { return func(cfg *Config) { cfg.Offload.Params = on } }
+	for _, dt := range []DType{FP32, BF16, FP16} {
+		for _, offload := range []bool{false, true} {
+			for _, saveOnHost := range []bool{false, true} {
+				c := ckptCase{stage: 3, dtype: dt, offload: offload, window: dt == BF16}
+				name := fmt.Sprintf("%v saved with parameter offload %v", c, saveOnHost)
+				dir := t.TempDir()
+				whole := ckptRun{c: c, from: 0, to: steps, config: onHost(!saveOnHost)}.run(t)
+				saved := ckptRun{c: c, from: 0, to: at, save: dir, config: onHost(saveOnHost)}.run(t)
+				loaded := ckptRun{c: c, from: at, to: at, load: dir, config: onHost(!saveOnHost)}.run(t)
+				resumed := ckptRun{c: c, from: at, to: steps, load: dir, config: onHost(!saveOnHost)}.run(t)
+				for rank := range whole {
+					if d := saved[rank].diff(loaded[rank]); d != "" {
+						t.Fatalf("%s, loaded without: the loaded state differs from the saved one: %s", name, d)
+					}
+					if d := whole[rank].diff(resumed[rank]); d != "" {
+						t.Fatalf("%s, resumed without: the resumed run differs from the one that never stopped: %s", name, d)
+					}
+				}
+			}
+		}
+	}
+	for _, r := range []struct {
+		from, to             reshardEnd
+		fromOnHost, toOnHost bool
+	}{
+		{reshardEnd{2, 3, 1024, 0, false}, reshardEnd{3, 3, 300, 16, true}, true, true},
+		{reshardEnd{4, 3, 512, 8, true}, reshardEnd{2, 3, 4096, 0, false}, true, false},
+		{reshardEnd{2, 3, 1024, 0, false}, reshardEnd{2, 2, 1024, 0, true}, true, false},
+		{reshardEnd{2, 1, 1024, 0, false}, reshardEnd{3, 3, 300, 0, false}, false, true},
+	} {
+		c := ckptCase{dtype: BF16, window: r.from.stage != r.to.stage}
+		name := fmt.Sprintf("%v (parameter offload %v) → %v (parameter offload %v)", r.from, r.fromOnHost, r.to, r.toOnHost)
+		dir := t.TempDir()
+		with := func(e reshardEnd, on bool) ckptRun {
+			return ckptRun{c: ckptCase{stage: e.stage, dtype: c.dtype, offload: e.offload, window: c.window}, world: e.world,
+				config: func(cfg *Config) { cfg.BucketBytes, cfg.Align, cfg.Offload.Params = e.bucket, e.align, on }}
+		}
+		save := with(r.from, r.fromOnHost)
+		save.from, save.to, save.save = 0, at, dir
+		saved := save.run(t)
+		load := with(r.to, r.toOnHost)
+		load.from, load.to, load.load, load.savedWorld = at, at, dir, r.from.world
+		loaded := load.run(t)
+		if d := sameConsolidated(saved, loaded); d != "" {
+			t.Fatalf("%s: the loaded state differs from the saved one: %s", name, d)
+		}
+	}
+}
+
 // sameConsolidated reports the first difference between two runs' state,
 // parameter by parameter (whatever their world size, stage or buckets):
 // each state tensor's bits, the parameters, the step counts, the loss

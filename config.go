@@ -151,6 +151,13 @@ type OffloadPolicy struct {
 	// and the new parameters are copied back. On the CPU device the same
 	// buffers and copies run in RAM.
 	Optimizer bool `zero:"local:the same collectives and bits; the sums and the optimizer run on the host"`
+	// Params keeps stage 3's parameter shard, in the model dtype, in
+	// page-locked host memory (DeepSpeed's offload_param): each gather
+	// copies this rank's part of the bucket from the host into the
+	// bucket's gather buffer on the gather stream and all-gathers it in
+	// place, so the device holds only gathered buckets; the step writes the
+	// new parameters into the host shard. Stage 3 only.
+	Params bool `zero:"local:the same collectives and bits; the shard is copied from the host before each gather"`
 }
 
 // Reduction says how Step combines the gradients of a window.
@@ -414,6 +421,9 @@ func (c *Config) resolve(params []Param) (DType, error) {
 	}
 	if err := c.Params.resolve(c.BucketBytes); err != nil {
 		return 0, err
+	}
+	if c.Offload.Params && c.Stage != 3 {
+		return 0, errorf(ErrConfig, "Offload.Params at stage %d: only stage 3 keeps a parameter shard to offload (below it the parameters are the framework's memory); set Stage to 3, or leave Offload.Params off", c.Stage)
 	}
 	if err := c.Optimizer.check(params); err != nil {
 		return 0, err

@@ -757,3 +757,68 @@ func TestCUDADirectedCopies(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkCUDAParamOffloadCopy: the copy a gather makes with the parameter
+// shard in page-locked host memory (Offload.Params), against a plain
+// cuMemcpyAsync of the same 256 MiB from page-locked memory to the device,
+// interleaved: one rank, one bf16 bucket of 128M parameters, so the gather
+// is the copy alone (a one-rank all-gather in place moves nothing), timed
+// on the caller's stream from before the Gather to its wait on the
+// gather's event. x_memcpy is the gather's throughput over the memcpy's
+// (goal ≥ 0.8); link-GB/s the host link's limit (NVML).
+func BenchmarkCUDAParamOffloadCopy(b *testing.B) {
+	d := needCUDA(b)
+	n := 128 << 20 / benchShrink(b, 128) // bf16 elements: 256 MiB (the fake driver copies with the CPU: its path, not its figure)
+	comms, err := NewCUDALocalGroup(1, d)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer comms[0].Close()
+	e, err := New(Config{Stage: 3, BucketBytes: 2 * n, Params: ParamPolicy{PrefetchBytes: -1}, Offload: OffloadPolicy{Params: true}},
+		comms[0], []Param{{Name: "w", Count: n, DType: BF16, Init: func(dst []float32, _ int) error { clear(dst); return nil }}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer e.Close()
+	dev, err := d.Alloc(n, BF16)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer d.Free(dev)
+	host, err := AllocPinned(d, n, BF16)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer FreePinned(d, host)
+	s := gpuStream(b, d)
+	link := pcieLinkBytesPerSecond(b, d.ordinal)
+	var gather, memcpy time.Duration
+	b.SetBytes(2 * int64(n))
+	for range b.N {
+		gather += gpuTime(b, s, func() error {
+			if _, err := e.Gather(s, 0); err != nil {
+				return err
+			}
+			return e.Release(s, 0)
+		})
+		memcpy += gpuTime(b, s, func() error { return d.copy(s, dev, host) })
+	}
+	gbs := func(t time.Duration) float64 { return 2 * float64(n) * float64(b.N) / t.Seconds() / 1e9 }
+	b.ReportMetric(gbs(gather), "gatherGB/s")
+	b.ReportMetric(gbs(memcpy), "memcpyGB/s")
+	b.ReportMetric(gbs(gather)/gbs(memcpy), "x_memcpy")
+	if link > 0 {
+		b.ReportMetric(link/1e9, "link-GB/s")
+	}
+}
+
+// BenchmarkCUDAParamOffloadStep is BenchmarkParamOffloadStep (bench_test.go)
+// on the one-GPU group: stage-3 AdamW steps at seed 000's shape (8 × 4096²
+// bf16 layers, a layer a bucket), 2 ranks, 4 backwards a step (seed 000's),
+// the parameter shard on the device and in page-locked host memory; on
+// the fake driver, which runs the kernels on the CPU, 8 × 256².
+func BenchmarkCUDAParamOffloadStep(b *testing.B) {
+	d := needCUDA(b)
+	hidden := 4096 / benchShrink(b, 16)
+	benchParamOffloadStep(b, gpuTrainEnv(d), layerParams(8, hidden), 2, 4)
+}

@@ -1641,15 +1641,16 @@ func TestCUDATrainingMatchesCPU(t *testing.T) {
 // GPU memory: the gathered views hold rank 0's values after New, and after
 // an SGD step the values the step computed (x − lr·1 for a mean gradient of
 // ones, exact in fp32), with the optimizer on the GPU and offloaded to the
-// host; every byte is freed at Close.
+// host, and with the parameter shard in page-locked host memory
+// (Offload.Params); every byte is freed at Close.
 func TestCUDAStage3Gather(t *testing.T) {
 	d := needCUDA(t)
-	for _, offload := range []bool{false, true} {
+	for _, offload := range []OffloadPolicy{{}, {Optimizer: true}, {Params: true}, {Optimizer: true, Params: true}} {
 		cudaStage3Gather(t, d, offload)
 	}
 }
 
-func cudaStage3Gather(t *testing.T, d *cudaDevice, offload bool) {
+func cudaStage3Gather(t *testing.T, d *cudaDevice, offload OffloadPolicy) {
 	const world = 2
 	sizes := []int{300, 1000, 77}
 	comms, err := NewCUDALocalGroupTimeout(world, d, 60*time.Second)
@@ -1695,7 +1696,7 @@ func cudaStage3Gather(t *testing.T, d *cudaDevice, offload bool) {
 			}
 			ps[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: FP32, Data: x}
 		}
-		e, err := New(Config{Stage: 3, BucketBytes: 2048, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.5)}}, Offload: OffloadPolicy{Optimizer: offload}}, comms[rank], ps)
+		e, err := New(Config{Stage: 3, BucketBytes: 2048, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.5)}}, Offload: offload}, comms[rank], ps)
 		if err != nil {
 			return err
 		}
@@ -1750,7 +1751,7 @@ func cudaStage3Gather(t *testing.T, d *cudaDevice, offload bool) {
 	})
 	for rank, err := range errs {
 		if err != nil {
-			t.Fatalf("offload=%v rank %d: %v", offload, rank, err)
+			t.Fatalf("offload %+v rank %d: %v", offload, rank, err)
 		}
 	}
 }

@@ -995,15 +995,11 @@ var dsZeroKeys = map[string]dsKey{
 	"load_from_fp32_weights": noted("zero's checkpoints hold the fp32 master weights: " + noEffect),
 	"elastic_checkpoint": only(is(false), noEffect,
 		"DeepSpeed no longer supports it either; zero's checkpoints reshard by parameter: remove it"),
-	"offload_param": only(func(v any) bool {
-		m, ok := v.(map[string]any)
-		return v == nil || ok && sameJSON(m["device"], "none")
-	}, "device none: "+noEffect, "zero keeps the parameters on the device (stage 3 shards them): remove offload_param or set its device to \"none\""),
-	"zenflow": only(func(v any) bool { return v == nil }, noEffect, "zero has no ZenFlow: remove it"),
+	"offload_param": mapped(),
+	"zenflow":       only(func(v any) bool { return v == nil }, noEffect, "zero has no ZenFlow: remove it"),
 	"sub_group_size": tuning(never, "zero steps the optimizer bucket by bucket (reduce_bucket_size) as one fused pass: the same bits",
 		"zero steps the optimizer bucket by bucket (reduce_bucket_size): remove it"),
-	"cpu_offload_param": only(is(false), noEffect,
-		"zero keeps the parameters on the device (stage 3 shards them): remove it"),
+	"cpu_offload_param":          mapped(),
 	"cpu_offload_use_pin_memory": noted("zero pins its host memory where the system allows: " + noEffect),
 	"stage3_param_persistence_threshold": tuning(is(0), persistence,
 		"zero partitions every parameter, small ones too: set it to 0 or remove it (the same bits: only DeepSpeed's all-gathers of small parameters differ)"),
@@ -1146,6 +1142,7 @@ func (r *dsReader) zero(root map[string]any, cfg *Config, model DType) int {
 		}
 	}
 	r.offload(z, cfg)
+	r.offloadParams(z, cfg, stage)
 	return stage
 }
 
@@ -1191,6 +1188,71 @@ func (r *dsReader) offload(z map[string]any, cfg *Config) {
 		r.notice(at+"pin_memory", "false: zero page-locks its host memory where the system allows, whatever this says; the same bits")
 	} else if _, has := o["pin_memory"]; has {
 		r.notice(at+"pin_memory", "zero page-locks its host memory (unlocked where RLIMIT_MEMLOCK refuses; Stats.HostPinnedBytes shows it)")
+	}
+}
+
+var dsOffloadParamKeys = map[string]dsKey{
+	"device": mapped(), "pin_memory": mapped(),
+	"nvme_path":                noted("no NVMe offload in zero: " + noEffect),
+	"nvme_path_per_local_rank": noted("no NVMe offload in zero: " + noEffect),
+	"buffer_count": noted("the buffer pool of NVMe's parameter swapping: zero gathers into its own pool of bucket buffers, " +
+		"as many as stage3_prefetch_bucket_size and stage3_max_live_parameters ask (Params.PrefetchBytes, Params.LiveParamBytes): " + noEffect),
+	"buffer_size": noted("the buffers of NVMe's parameter swapping: zero's gather buffers are each the largest bucket (reduce_bucket_size): " + noEffect),
+	"max_in_cpu": noted("the parameter elements NVMe offload keeps in host memory: zero keeps this rank's whole shard in page-locked host memory " +
+		"(Stats.HostParamBytes): " + noEffect),
+}
+
+// offloadParams maps offload_param (and the old cpu_offload_param): with
+// device "cpu", at stage 3, Offload.Params; below stage 3 DeepSpeed
+// offloads no parameters either.
+func (r *dsReader) offloadParams(z map[string]any, cfg *Config, stage int) {
+	const at = "zero_optimization.offload_param."
+	on := false
+	old, hasOld := z["cpu_offload_param"]
+	if hasOld {
+		if b, ok := r.boolean("zero_optimization.cpu_offload_param", old); ok {
+			on = b
+			r.notice("zero_optimization.cpu_offload_param", "the old name of offload_param {\"device\": \"cpu\"}, read as DeepSpeed reads it")
+		}
+	}
+	if v, has := z["offload_param"]; has && v != nil {
+		if hasOld {
+			r.invalid("zero_optimization.cpu_offload_param", "given with offload_param, which replaces it; DeepSpeed refuses both: give one")
+		}
+		o, ok := r.object("zero_optimization.offload_param", v)
+		if !ok {
+			return
+		}
+		r.keys(o, at, dsOffloadParamKeys, unknownPyd)
+		dev := "none"
+		if d, has := o["device"]; has {
+			if s, ok := r.text(at+"device", d); ok {
+				dev = s
+			}
+		}
+		switch dev {
+		case "cpu":
+			on = true
+		case "none":
+			r.notice(at+"device", "none: the parameters stay on the device")
+		case "nvme":
+			r.refuse(at+"device", "zero offloads the parameters to host memory, not NVMe: set \"cpu\"")
+		default:
+			r.invalid(at+"device", "%q; give \"cpu\", \"nvme\" or \"none\"", dev)
+		}
+		if pin := r.boolOr(o, "pin_memory", at, false); !pin {
+			if _, has := o["pin_memory"]; has || on {
+				r.notice(at+"pin_memory", "false (DeepSpeed's default): zero page-locks its host memory where the system allows, whatever this says; the same bits")
+			}
+		} else {
+			r.notice(at+"pin_memory", "zero page-locks its host memory (unlocked where RLIMIT_MEMLOCK refuses; Stats.HostPinnedBytes shows it)")
+		}
+	}
+	switch {
+	case on && stage == 3:
+		cfg.Offload.Params = true
+	case on:
+		r.notice("zero_optimization.offload_param", "stage %d keeps the parameters whole in the framework's memory, and DeepSpeed offloads them at stage 3 only: %s", stage, noEffect)
 	}
 }
 

@@ -104,11 +104,25 @@ var dsPublished = []struct {
 			return c
 		}, dtype: BF16, micro: 4, global: 16, notices: []string{"data_types.grad_accum_dtype"}},
 	{file: "hf_ds_config_zero3.json", source: "huggingface/transformers tests/deepspeed/ds_config_zero3.json",
-		refused: []string{"zero_optimization.offload_param"}, strict: []string{"zero_optimization.offload_param", "zero_optimization.stage3_max_reuse_distance",
+		want: func() Config {
+			c := dsDefaults(3, FP32) // fp16 off (the Trainer's override), no bf16 section
+			c.BucketBytes, c.Params.PrefetchBytes, c.Grads.AccumSteps = 1024*1024*4, 943718*4, 2
+			c.Offload.Optimizer, c.Offload.Params = true, true
+			c.Optimizer.Groups = []Optimizer{adamW(5e-5, 0.9, 0.999, 1e-8, 0)}
+			c.Optimizer.Schedule = NewWarmupLR(0, 5e-5, 10)
+			return c
+		}, dtype: FP32, micro: 4, global: 16,
+		notices: []string{"zero_optimization.stage3_max_reuse_distance", "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.sub_group_size", "zero_optimization.offload_param.pin_memory"},
+		strict: []string{"zero_optimization.stage3_max_reuse_distance",
 			"zero_optimization.stage3_param_persistence_threshold", "zero_optimization.sub_group_size"}},
 	{file: "hf_docs_zero3.json", source: "https://github.com/huggingface/transformers/blob/019da1e8268a76436582cccc51c03638d267aa5b/docs/source/en/deepspeed.md (the ZeRO-3 block)",
-		refused: []string{"zero_optimization.offload_param"}, strict: []string{"zero_optimization.offload_param", "zero_optimization.stage3_max_reuse_distance",
-			"zero_optimization.stage3_param_persistence_threshold", "zero_optimization.sub_group_size"}},
+		want: func() Config {
+			c := dsDefaults(3, FP32)
+			c.BucketBytes, c.Params.PrefetchBytes = 1024*1024*4, 943718*4
+			c.Offload.Optimizer, c.Offload.Params = true, true
+			return c
+		}, dtype: FP32, notices: []string{"zero_optimization.stage3_max_reuse_distance", "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.sub_group_size", "zero_optimization.offload_param.pin_memory"},
+		strict: []string{"zero_optimization.stage3_max_reuse_distance", "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.sub_group_size"}},
 	{file: "accelerate_zero_stage1.json", source: "https://github.com/huggingface/accelerate/blob/1703b79a797dab765996764707186def7533d8fd/examples/deepspeed_config_templates/zero_stage1_config.json",
 		want: func() Config {
 			c := dsDefaults(1, FP16)
@@ -170,8 +184,8 @@ var dsPublished = []struct {
 	{file: "hf_docs_zero2.json", source: "huggingface/transformers docs/source/en/deepspeed.md, ZeRO-2 (a comma missing)",
 		malformed: "line 14, column 9"},
 	{file: "hf_docs_zero3_nvme.json", source: "huggingface/transformers docs/source/en/deepspeed.md, ZeRO-3/Infinity",
-		refused: []string{"zero_optimization.aio", "zero_optimization.offload_optimizer.device", "zero_optimization.offload_param"},
-		strict: []string{"zero_optimization.aio", "zero_optimization.offload_optimizer.device", "zero_optimization.offload_param",
+		refused: []string{"zero_optimization.aio", "zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device"},
+		strict: []string{"zero_optimization.aio", "zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device",
 			"zero_optimization.stage3_max_reuse_distance", "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.sub_group_size"}},
 	{file: "ds_getting_started.json", source: "deepspeedai/DeepSpeed docs/_tutorials/getting-started.md",
 		want: func() Config {
@@ -188,7 +202,13 @@ var dsPublished = []struct {
 			return c
 		}, dtype: FP32, notices: []string{"zero_optimization.reduce_scatter", "zero_optimization.allgather_bucket_size"}},
 	{file: "ds_zero_stage3.json", source: "deepspeedai/DeepSpeed docs/_tutorials/zero.md, ZeRO-3",
-		refused: []string{"zero_optimization.offload_param"}, strict: []string{"zero_optimization.offload_param", "zero_optimization.stage3_max_reuse_distance",
+		want: func() Config {
+			c := dsDefaults(3, FP32)
+			c.BucketBytes, c.Params.PrefetchBytes = 10_000_000*4, 10_000_000*4
+			c.Offload.Optimizer, c.Offload.Params = true, true
+			return c
+		}, dtype: FP32, notices: []string{"zero_optimization.stage3_max_reuse_distance", "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.sub_group_size"},
+		strict: []string{"zero_optimization.stage3_max_reuse_distance",
 			"zero_optimization.stage3_param_persistence_threshold", "zero_optimization.sub_group_size"}},
 	{file: "ds_zero_offload.json", source: "deepspeedai/DeepSpeed docs/_tutorials/zero-offload.md (a trailing comma)",
 		malformed: "line 6, column 9"},
@@ -818,7 +838,7 @@ func TestDeepSpeedNothingSilent(t *testing.T) {
 		if !errors.As(err, &ds) {
 			t.Fatalf("%v, want a *DeepSpeedError", err)
 		}
-		wantRefused := []string{"fp16.consecutive_hysteresis", "optimizer.params.adam_w_mode", "zero_optimization.offload_param",
+		wantRefused := []string{"fp16.consecutive_hysteresis", "optimizer.params.adam_w_mode",
 			"zero_optimization.reduce_scatter", "zero_optimization.stage"}
 		if strict {
 			wantRefused = append(wantRefused, tuningKeys...)
@@ -1610,6 +1630,84 @@ func TestDeepSpeedStepsPerPrint(t *testing.T) {
 		var ds *DeepSpeedError
 		if !errors.As(err, &ds) || !slices.Equal(ds.Paths(), []string{"steps_per_print"}) {
 			t.Errorf("steps_per_print %s: %v, want steps_per_print refused", bad, err)
+		}
+	}
+}
+
+// TestDeepSpeedOffloadParam: offload_param with device "cpu" at stage 3
+// maps to Offload.Params (the old cpu_offload_param: true too, with a
+// notice), and New takes the mapped config; pin_memory, buffer_count,
+// buffer_size, max_in_cpu and nvme_path are noticed, each saying what zero
+// does instead; device "none" is noticed; NVMe, an unknown key, a bad
+// device and both names at once are refused or invalid; below stage 3 it
+// is noticed as having no effect, as DeepSpeed offloads parameters at
+// stage 3 only.
+func TestDeepSpeedOffloadParam(t *testing.T) {
+	text := func(stage int, zero string) string {
+		return fmt.Sprintf(`{"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": true},
+			"optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+			"zero_optimization": {"stage": %d, "stage3_param_persistence_threshold": 0%s}}`, stage, zero)
+	}
+	noticed := func(c DeepSpeedConfig, path, says string) bool {
+		for _, n := range c.Notices {
+			if n.Path == path && strings.Contains(n.Text, says) {
+				return true
+			}
+		}
+		return false
+	}
+	full := `, "offload_param": {"device": "cpu", "pin_memory": true, "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9, "nvme_path": "/local_nvme"}`
+	c := dsRead(t, text(3, full))
+	if !c.Config.Offload.Params || c.Config.Offload.Optimizer {
+		t.Fatalf("offload_param cpu at stage 3: Offload %+v, want Params alone", c.Config.Offload)
+	}
+	for path, says := range map[string]string{
+		"zero_optimization.offload_param.pin_memory":   "page-locks",
+		"zero_optimization.offload_param.buffer_count": "gathers into its own pool",
+		"zero_optimization.offload_param.buffer_size":  "largest bucket",
+		"zero_optimization.offload_param.max_in_cpu":   "whole shard in page-locked host memory",
+		"zero_optimization.offload_param.nvme_path":    "no NVMe",
+	} {
+		if !noticed(c, path, says) {
+			t.Errorf("%s: no notice saying %q in %v", path, says, c.Notices)
+		}
+	}
+	comms, _ := NewLocalGroup(1)
+	e, err := New(c.Config, comms[0], []Param{{Name: "w", Count: 1000, DType: c.DType, Data: toDType(make([]float32, 1000), c.DType)}})
+	if err != nil {
+		t.Fatalf("New with the mapped config: %v", err)
+	}
+	if st := e.ParamMemory(); st.ShardBytes != 0 || st.HostShardBytes == 0 {
+		t.Errorf("the mapped engine's parameter memory %+v: the shard must be on the host", st)
+	}
+	e.Close()
+
+	old := dsRead(t, text(3, `, "cpu_offload_param": true`))
+	if !old.Config.Offload.Params || !noticed(old, "zero_optimization.cpu_offload_param", "old name of offload_param") {
+		t.Errorf("cpu_offload_param true: Offload %+v, notices %v", old.Config.Offload, old.Notices)
+	}
+	none := dsRead(t, text(3, `, "offload_param": {"device": "none"}`))
+	if none.Config.Offload.Params || !noticed(none, "zero_optimization.offload_param.device", "stay on the device") {
+		t.Errorf("device none: Offload %+v, notices %v", none.Config.Offload, none.Notices)
+	}
+	below := dsRead(t, text(2, `, "offload_param": {"device": "cpu"}`))
+	if below.Config.Offload.Params || !noticed(below, "zero_optimization.offload_param", "stage 3 only") {
+		t.Errorf("stage 2: Offload %+v, notices %v", below.Config.Offload, below.Notices)
+	}
+	for _, c := range []struct {
+		zero    string
+		path    string
+		refused bool
+	}{
+		{`, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}`, "zero_optimization.offload_param.device", true},
+		{`, "offload_param": {"device": "cpu", "max_in_cpus": 1}`, "zero_optimization.offload_param.max_in_cpus", true},
+		{`, "offload_param": {"device": "gpu"}`, "zero_optimization.offload_param.device", false},
+		{`, "offload_param": {"device": "cpu"}, "cpu_offload_param": true`, "zero_optimization.cpu_offload_param", false},
+	} {
+		_, err := ReadDeepSpeed([]byte(text(3, c.zero)), DeepSpeedOptions{World: 2})
+		var ds *DeepSpeedError
+		if !errors.As(err, &ds) || !slices.Equal(ds.Paths(), []string{c.path}) || ds.Problems[0].Refused != c.refused || ds.Problems[0].Text == "" {
+			t.Errorf("%s: %v, want %s refused=%v, saying what to do", c.zero, err, c.path, c.refused)
 		}
 	}
 }

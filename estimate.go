@@ -32,7 +32,7 @@ type Run struct {
 type Estimation struct {
 	Plan   *Plan       // the plan the engine would build
 	Device DeviceBytes // device memory by kind
-	Host   HostBytes   // page-locked host memory (Offload.Optimizer)
+	Host   HostBytes   // page-locked host memory (Offload.Optimizer, Offload.Params)
 	// Wire is one step's collectives as Stats.Collectives counts them
 	// (ring model). At stage 3 each set of Run.Gathers gathers its buckets
 	// for the forward and again for the backward of each backward: exact
@@ -54,7 +54,7 @@ type DeviceBytes struct {
 	// them at stages 1 and 2 (the engine writes into them), the frozen ones
 	// at stage 3 (the others may be freed after New).
 	FrameworkParams int64
-	ParamShard      int64 // stage 3: this rank's shard of the parameters, model dtype
+	ParamShard      int64 // stage 3: this rank's shard of the parameters, model dtype (on the host with Offload.Params)
 	Gathered        int64 // stage 3: gather buffers (a set held, and the prefetch within its budgets)
 	GradShard       int64 // the reduced gradient shard, in Precision.ShardDType
 	GradScratch     int64 // fp32, the largest bucket shard: the optimizer reads a 16-bit shard widened through it
@@ -69,14 +69,16 @@ type DeviceBytes struct {
 }
 
 // HostBytes is an offloading rank's page-locked host memory by kind: all of
-// it in Stats.HostBytes, GradShard and Landing in Stats.HostGradBytes.
+// it in Stats.HostBytes, GradShard and Landing in Stats.HostGradBytes,
+// ParamShard in Stats.HostParamBytes.
 type HostBytes struct {
+	ParamShard     int64 // Offload.Params: stage 3's shard of the parameters, model dtype
 	GradShard      int64 // the gradient shard, in Precision.ShardDType
 	GradScratch    int64 // fp32, the largest bucket shard: the optimizer reads a 16-bit shard widened through it
 	Landing        int64 // buffers the reduced parts land in, comm dtype
 	Master         int64 // fp32 master weights
 	OptimizerState int64 // as DeviceBytes.OptimizerState
-	NewParams      int64 // the host's model-dtype copy of the new parameters
+	NewParams      int64 // the host's model-dtype copy of the new parameters (none with Offload.Params: the step writes ParamShard)
 	Control        int64 // the overflow flag and the norm's chunk sums
 }
 
@@ -101,14 +103,15 @@ func (d DeviceBytes) Buffers() int64 {
 
 // Total is the engine's host memory.
 func (h HostBytes) Total() int64 {
-	return h.GradShard + h.GradScratch + h.Landing + h.Master + h.OptimizerState + h.NewParams + h.Control
+	return h.ParamShard + h.GradShard + h.GradScratch + h.Landing + h.Master + h.OptimizerState + h.NewParams + h.Control
 }
 
 // Stats is the estimate in the words of the Stats a Step of the run
 // reports on this rank: the memory fields PeakGradBytes,
 // ResidentGradBytes, PooledGradBytes, GradBytesInUse, WindowResidentBytes
 // (with Run.Window), OptimizerBytes, ControlBytes, ParamShardBytes,
-// PeakParamBytes, HostBytes, HostGradBytes and DeviceBytesSaved, each
+// PeakParamBytes, HostBytes, HostGradBytes, HostParamBytes and
+// DeviceBytesSaved, each
 // equal to the engine's once its pools hold what the run needs (from its
 // first Step on, where no pool grew past the estimate); the other fields
 // are zero. HostPinnedBytes is not estimated: on the CPU device it is what
@@ -123,8 +126,8 @@ func (e Estimation) Stats() Stats {
 		OptimizerBytes:  d.GradScratch + d.Master + d.OptimizerState + d.NewParams + d.ParamGather,
 		ControlBytes:    d.Control,
 		ParamShardBytes: d.ParamShard, PeakParamBytes: d.ParamShard + d.Gathered,
-		HostBytes: h.Total(), HostGradBytes: h.GradShard + h.Landing,
-		DeviceBytesSaved: h.GradShard + h.Master + h.OptimizerState,
+		HostBytes: h.Total(), HostGradBytes: h.GradShard + h.Landing, HostParamBytes: h.ParamShard,
+		DeviceBytesSaved: h.GradShard + h.Master + h.OptimizerState + h.ParamShard,
 	}
 	if e.window {
 		st.WindowResidentBytes = grads
@@ -166,6 +169,7 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 	optimizer := len(cfg.Optimizer.Groups) > 0
 	stage3 := cfg.Stage == 3 && (optimizer || hasParamMemory(params))
 	offload := cfg.Offload.Optimizer
+	paramsOnHost := stage3 && cfg.Offload.Params
 
 	for _, p := range params {
 		if !stage3 || p.Frozen {
@@ -243,7 +247,7 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 		}
 		if offload {
 			h.Master, h.OptimizerState = shard*4, state
-			if shard > 0 {
+			if shard > 0 && !paramsOnHost { // else the pass writes the host's parameter shard
 				h.NewParams = shard * msize
 			}
 		} else {
@@ -271,7 +275,11 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 
 	// Stage 3: the parameter shard and the gathers.
 	if stage3 {
-		d.ParamShard = shard * msize
+		if paramsOnHost {
+			h.ParamShard = shard * msize
+		} else {
+			d.ParamShard = shard * msize
+		}
 		d.Gathered = gatherBuffers(plan, params, cfg.Params, run.Gathers, maxB*msize) * maxB * msize
 	}
 

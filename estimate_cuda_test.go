@@ -12,8 +12,9 @@ import (
 
 // TestCUDAEstimateMatchesAllocations: on the one-GPU group, stages 1-3 ×
 // offload × window (none, Coalesce, Coalesce under half the sums' budget)
-// × shard dtype, two ranks, two backwards a step: the engine's device and
-// page-locked host allocations reach the estimate to the byte.
+// × shard dtype, two ranks, two backwards a step, and at stage 3 with the
+// parameter shard offloaded too: the engine's device and page-locked host
+// allocations reach the estimate to the byte.
 func TestCUDAEstimateMatchesAllocations(t *testing.T) {
 	d := needCUDA(t)
 	seed := testSeed(t)
@@ -22,21 +23,23 @@ func TestCUDAEstimateMatchesAllocations(t *testing.T) {
 	const bucket = 512
 	for _, stage := range []int{1, 2, 3} {
 		for _, offload := range []bool{false, true} {
-			const world = 2
-			for _, window := range []string{"none", "coalesce", "budget"} {
-				for _, shard := range []DType{FP32, BF16} {
-					cfg := Config{Stage: stage, BucketBytes: bucket, Overlap: true}
-					cfg.Offload.Optimizer = offload
-					cfg.Precision.ShardDType, cfg.Window.DType = shard, shard
-					cfg.Optimizer.Groups = []Optimizer{NewAdamW(1e-3)}
-					if window == "budget" {
-						plan := newPlan(params, bucket, world, 64)
-						for b := len(plan.Buckets) / 2; b < len(plan.Buckets); b++ {
-							cfg.Window.BudgetBytes += shard.Size() * plan.Buckets[b].Padded
+			for _, onHost := range []bool{false, stage == 3} {
+				const world = 2
+				for _, window := range []string{"none", "coalesce", "budget"} {
+					for _, shard := range []DType{FP32, BF16} {
+						cfg := Config{Stage: stage, BucketBytes: bucket, Overlap: true}
+						cfg.Offload.Optimizer, cfg.Offload.Params = offload, onHost
+						cfg.Precision.ShardDType, cfg.Window.DType = shard, shard
+						cfg.Optimizer.Groups = []Optimizer{NewAdamW(1e-3)}
+						if window == "budget" {
+							plan := newPlan(params, bucket, world, 64)
+							for b := len(plan.Buckets) / 2; b < len(plan.Buckets); b++ {
+								cfg.Window.BudgetBytes += shard.Size() * plan.Buckets[b].Padded
+							}
 						}
+						c := estimateCase{cfg: cfg, world: world, run: Run{Backwards: 2, Window: window != "none", Gathers: sets}}
+						checkEstimateOn(t, env, func(int) *countingDevice { return newCountingDeviceOn(d) }, c, params, seed)
 					}
-					c := estimateCase{cfg: cfg, world: world, run: Run{Backwards: 2, Window: window != "none", Gathers: sets}}
-					checkEstimateOn(t, env, func(int) *countingDevice { return newCountingDeviceOn(d) }, c, params, seed)
 				}
 			}
 		}

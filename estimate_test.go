@@ -19,43 +19,45 @@ func checkEstimate(t *testing.T, c estimateCase, params []Param, seed int64) (Es
 
 // TestEstimateMatchesAllocations: every stage × offload × window (none, a
 // Coalesce window) × window budget (none, half the window's sums) ×
-// stage-3 gather budgets (paramBudgets) × shard dtype × window dtype at W
-// = 1, 2, 4, AdamW, two backwards a step: the estimate equals the counting
-// device's high-water marks to the byte.
+// stage-3 gather budgets (paramBudgets) and parameter offload (off, on) ×
+// shard dtype × window dtype at W = 1, 2, 4, AdamW, two backwards a step:
+// the estimate equals the counting device's high-water marks to the byte.
 func TestEstimateMatchesAllocations(t *testing.T) {
 	seed := testSeed(t)
 	params, sets := estimateModel(BF16)
 	const bucket = 512
 	runs := 0
 	for _, stage := range []int{1, 2, 3} {
-		pps := paramBudgets[:1]
+		pps, onHost := paramBudgets[:1], []bool{false}
 		if stage == 3 {
-			pps = paramBudgets
+			pps, onHost = paramBudgets, []bool{false, true}
 		}
 		for _, offload := range []bool{false, true} {
-			for _, window := range []bool{false, true} {
-				for _, budget := range []bool{false, true} {
-					for _, pp := range pps {
-						for _, shard := range []DType{FP32, BF16} {
-							for _, wdt := range []DType{FP32, BF16} {
-								if !window && wdt == BF16 {
-									continue // no window, no window dtype
-								}
-								for _, world := range []int{1, 2, 4} {
-									cfg := Config{Stage: stage, BucketBytes: bucket, Overlap: true, Params: pp}
-									cfg.Offload.Optimizer = offload
-									cfg.Precision.ShardDType = shard
-									cfg.Window.DType = wdt
-									cfg.Optimizer.Groups = []Optimizer{NewAdamW(1e-3)}
-									if budget {
-										plan := newPlan(params, bucket, world, 64)
-										for b := len(plan.Buckets) / 2; b < len(plan.Buckets); b++ {
-											cfg.Window.BudgetBytes += wdt.Size() * plan.Buckets[b].Padded
-										}
+			for _, paramsOnHost := range onHost {
+				for _, window := range []bool{false, true} {
+					for _, budget := range []bool{false, true} {
+						for _, pp := range pps {
+							for _, shard := range []DType{FP32, BF16} {
+								for _, wdt := range []DType{FP32, BF16} {
+									if !window && wdt == BF16 {
+										continue // no window, no window dtype
 									}
-									c := estimateCase{cfg: cfg, world: world, run: Run{Backwards: 2, Window: window, Gathers: sets}}
-									checkEstimate(t, c, params, seed)
-									runs++
+									for _, world := range []int{1, 2, 4} {
+										cfg := Config{Stage: stage, BucketBytes: bucket, Overlap: true, Params: pp}
+										cfg.Offload.Optimizer, cfg.Offload.Params = offload, paramsOnHost
+										cfg.Precision.ShardDType = shard
+										cfg.Window.DType = wdt
+										cfg.Optimizer.Groups = []Optimizer{NewAdamW(1e-3)}
+										if budget {
+											plan := newPlan(params, bucket, world, 64)
+											for b := len(plan.Buckets) / 2; b < len(plan.Buckets); b++ {
+												cfg.Window.BudgetBytes += wdt.Size() * plan.Buckets[b].Padded
+											}
+										}
+										c := estimateCase{cfg: cfg, world: world, run: Run{Backwards: 2, Window: window, Gathers: sets}}
+										checkEstimate(t, c, params, seed)
+										runs++
+									}
 								}
 							}
 						}
@@ -73,7 +75,9 @@ func TestEstimateMatchesAllocations(t *testing.T) {
 // fp32 models, one and three staging buffers, a stage-3 model built
 // sharded (Init) with and without the broadcast, stage-3 gathers of one
 // parameter at a time and without prefetch, and a stage-3 prefetch capped
-// by LiveParamBytes.
+// by LiveParamBytes; at stage 3 each with the parameter shard offloaded
+// too (on a bf16 wire, with three staging buffers, and beside each of the
+// others).
 func TestEstimateOptimizersAndDTypes(t *testing.T) {
 	seed := testSeed(t)
 	params, sets := estimateModel(BF16)
@@ -95,6 +99,7 @@ func TestEstimateOptimizersAndDTypes(t *testing.T) {
 					cfg.Window.DType = BF16
 					cfg.Optimizer.Groups = groups
 					cfg.Offload.Optimizer = offload
+					cfg.Offload.Params = stage == 3 && comm == BF16
 					checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 1, Window: true, Gathers: sets}}, params, seed)
 				}
 			}
@@ -107,6 +112,7 @@ func TestEstimateOptimizersAndDTypes(t *testing.T) {
 				for _, staging := range []int{1, 3} {
 					cfg := Config{Stage: stage, BucketBytes: 512, StagingBuffers: staging, Overlap: true}
 					cfg.Offload.Optimizer = offload
+					cfg.Offload.Params = stage == 3 && staging == 3
 					cfg.Precision.ShardDType, cfg.Window.DType = dt, dt
 					cfg.Optimizer.Groups = []Optimizer{NewAdamW(1e-3)}
 					checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 3, Window: true, Gathers: sets}}, params, seed)
@@ -118,26 +124,32 @@ func TestEstimateOptimizersAndDTypes(t *testing.T) {
 	// broadcast: the upload's temporaries stay under the peak
 	for _, groups := range [][]Optimizer{nil, {NewAdamW(1e-3)}} {
 		for _, noBroadcast := range []bool{false, true} {
-			built, sets := estimateModel(BF16)
-			for i := range built {
-				if !built[i].Frozen {
-					built[i].Data, built[i].Init = Tensor{}, func(dst []float32, off int) error {
-						for j := range dst {
-							dst[j] = float32(off+j) * 1e-3
+			for _, onHost := range []bool{false, true} {
+				built, sets := estimateModel(BF16)
+				for i := range built {
+					if !built[i].Frozen {
+						built[i].Data, built[i].Init = Tensor{}, func(dst []float32, off int) error {
+							for j := range dst {
+								dst[j] = float32(off+j) * 1e-3
+							}
+							return nil
 						}
-						return nil
 					}
 				}
+				cfg := Config{Stage: 3, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: groups}}
+				cfg.Params.NoBroadcast = noBroadcast
+				cfg.Offload.Params = onHost
+				checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 2, Gathers: sets}}, built, seed)
 			}
-			cfg := Config{Stage: 3, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: groups}}
-			cfg.Params.NoBroadcast = noBroadcast
-			checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 2, Gathers: sets}}, built, seed)
 		}
 	}
 	for _, pp := range []ParamPolicy{{PrefetchBytes: -1}, {PrefetchBytes: 4096}, {PrefetchBytes: 4096, LiveParamBytes: 3 * 2048}} {
 		for _, gathers := range [][][]int{sets, single} {
-			cfg := Config{Stage: 3, BucketBytes: 512, Params: pp, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}
-			checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 2, Gathers: gathers}}, params, seed)
+			for _, onHost := range []bool{false, true} {
+				cfg := Config{Stage: 3, BucketBytes: 512, Params: pp, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}
+				cfg.Offload.Params = onHost
+				checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 2, Gathers: gathers}}, params, seed)
+			}
 		}
 	}
 }
@@ -160,6 +172,7 @@ func TestEstimateRefuses(t *testing.T) {
 		{"stage 4", params, with(good, func(c *Config) { c.Stage = 4 }), 2, Run{}, ErrConfig},
 		{"no bucket", params, with(good, func(c *Config) { c.BucketBytes = 0 }), 2, Run{}, ErrConfig},
 		{"window dtype", params, with(good, func(c *Config) { c.Window.DType = FP16 }), 2, Run{}, ErrConfig},
+		{"parameter offload at stage 2", params, with(good, func(c *Config) { c.Offload.Params = true }), 2, Run{}, ErrConfig},
 		{"AdamW literal", params, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{AdamW{}} }), 2, Run{}, ErrConfig},
 		{"group out of range", []Param{{Count: 4, DType: BF16, Group: 1}}, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{NewSGD(1)} }), 2, Run{}, ErrParam},
 		{"mixed dtypes", []Param{{Count: 4, DType: BF16}, {Count: 4, DType: FP32}}, good, 2, Run{}, ErrDType},

@@ -85,6 +85,19 @@ func (d *countingDevice) freePinned(t Tensor) error {
 	return d.Device.(pinnedAllocator).freePinned(t)
 }
 
+// pinned reports whether t lies in page-locked host memory this device
+// handed out and has not taken back.
+func (d *countingDevice) pinned(t Tensor) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for p, n := range d.host.live {
+		if t.ptr >= p && t.ptr < p+uintptr(n) {
+			return true
+		}
+	}
+	return false
+}
+
 // peaks returns the high-water marks of live device and host bytes.
 func (d *countingDevice) peaks() (device, host int) {
 	d.mu.Lock()

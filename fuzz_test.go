@@ -285,6 +285,7 @@ func fzDecode(data []byte) *fzCase {
 		c.cfg.Window.DType = c.dtype
 	}
 	c.cfg.Offload.Optimizer = flags&12 == 12
+	c.cfg.Offload.Params = c.stage == 3 && flags&128 != 0
 	c.cfg.Window.BudgetBytes = fzBudgets[flags>>4&3]
 	c.sparse = flags&64 != 0
 	c.cfg.Grads.AccumSteps = fzAccums[r.next()%8]
@@ -565,8 +566,8 @@ func (c *fzCase) String() string {
 	if c.opt != "none" {
 		fmt.Fprintf(&b, " lr %g clip %g lossScale %+v", c.lr, cfg.Optimizer.Clip, cfg.Precision.LossScale)
 	}
-	fmt.Fprintf(&b, "\n  Config{BucketBytes: %d, Overlap: %v, Align: %d, Grads: GradPolicy{AccumSteps: %d}, Window: WindowPolicy{BudgetBytes: %d, DType: %v}, Offload: OffloadPolicy{Optimizer: %v}} streams %d sparse %v seed %d",
-		cfg.BucketBytes, cfg.Overlap, cfg.Align, cfg.Grads.AccumSteps, cfg.Window.BudgetBytes, cfg.Window.DType, cfg.Offload.Optimizer, c.streams, c.sparse, c.seed)
+	fmt.Fprintf(&b, "\n  Config{BucketBytes: %d, Overlap: %v, Align: %d, Grads: GradPolicy{AccumSteps: %d}, Window: WindowPolicy{BudgetBytes: %d, DType: %v}, Offload: OffloadPolicy{Optimizer: %v, Params: %v}} streams %d sparse %v seed %d",
+		cfg.BucketBytes, cfg.Overlap, cfg.Align, cfg.Grads.AccumSteps, cfg.Window.BudgetBytes, cfg.Window.DType, cfg.Offload.Optimizer, cfg.Offload.Params, c.streams, c.sparse, c.seed)
 	if c.div.kind != "" {
 		fmt.Fprintf(&b, "\n  divergence: %s on rank %d", c.div.kind, c.div.rank)
 		switch {

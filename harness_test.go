@@ -1045,6 +1045,9 @@ type z3Run struct {
 	clip         float64
 	lossScale    LossScale
 	offload      bool
+	// offloadParams keeps stage 3's parameter shard in page-locked host
+	// memory (Offload.Params)
+	offloadParams bool
 	// order gives the layers' forward order in a step (nil: 0, 1, 2, …)
 	order func(step int) []int
 	// check, if set, sees the parameter memory after every Gather and
@@ -1058,6 +1061,7 @@ type z3Run struct {
 type z3Result struct {
 	final [][]uint32
 	stats []Stats
+	state []ckptState // every rank's state tensors after the run
 }
 
 // trainZ3 trains q with AdamW as TestTrainingEquivalence does, reading the
@@ -1068,7 +1072,7 @@ type z3Result struct {
 func trainZ3(t *testing.T, q *quadTask, r z3Run) z3Result {
 	t.Helper()
 	comms, _ := NewLocalGroupTimeout(r.world, 20*time.Second)
-	res := z3Result{final: make([][]uint32, r.world)}
+	res := z3Result{final: make([][]uint32, r.world), state: make([]ckptState, r.world)}
 	errs := eachRank(r.world, func(rank int) error {
 		defer comms[rank].Close()
 		n := len(q.sizes)
@@ -1100,7 +1104,7 @@ func trainZ3(t *testing.T, q *quadTask, r z3Run) z3Result {
 			}
 			off += size
 		}
-		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Precision: PrecisionPolicy{LossScale: r.lossScale}, Optimizer: OptimizerPolicy{Groups: []Optimizer{with(NewAdamW(0.01), func(o *AdamW) { o.WeightDecay = 0.01 })}, Clip: r.clip}, Params: ParamPolicy{PrefetchBytes: r.prefetch, LiveParamBytes: r.live}, Offload: OffloadPolicy{Optimizer: r.offload}}
+		cfg := Config{Stage: r.stage, BucketBytes: r.bucket, Overlap: r.overlap, Precision: PrecisionPolicy{LossScale: r.lossScale}, Optimizer: OptimizerPolicy{Groups: []Optimizer{with(NewAdamW(0.01), func(o *AdamW) { o.WeightDecay = 0.01 })}, Clip: r.clip}, Params: ParamPolicy{PrefetchBytes: r.prefetch, LiveParamBytes: r.live}, Offload: OffloadPolicy{Optimizer: r.offload, Params: r.offloadParams}}
 		e, err := New(cfg, comms[rank], ps)
 		if err != nil {
 			return err
@@ -1216,7 +1220,8 @@ func trainZ3(t *testing.T, q *quadTask, r z3Run) z3Result {
 				res.final[rank] = append(res.final[rank], refEncodeBits(r.dtype, float32(x)))
 			}
 		}
-		return nil
+		res.state[rank], err = readCkptState(e)
+		return err
 	})
 	for rank, err := range errs {
 		if err != nil {
@@ -1397,8 +1402,8 @@ type estimateCase struct {
 
 func (c estimateCase) String() string {
 	p, pp := c.cfg.Precision, c.cfg.Params
-	return fmt.Sprintf("stage %d W=%d offload %v window %v budget %d window %v shard %v comm %v backwards %d prefetch %d live %d opt %T",
-		c.cfg.Stage, c.world, c.cfg.Offload.Optimizer, c.run.Window, c.cfg.Window.BudgetBytes, c.cfg.Window.DType, p.ShardDType, p.CommDType,
+	return fmt.Sprintf("stage %d W=%d offload %+v window %v budget %d window %v shard %v comm %v backwards %d prefetch %d live %d opt %T",
+		c.cfg.Stage, c.world, c.cfg.Offload, c.run.Window, c.cfg.Window.BudgetBytes, c.cfg.Window.DType, p.ShardDType, p.CommDType,
 		c.run.Backwards, pp.PrefetchBytes, pp.LiveParamBytes, c.cfg.Optimizer.Groups)
 }
 
@@ -1409,6 +1414,7 @@ type measured struct {
 	before, at   []GPUMemory  // the device's own figures (NVML) before New and after the last Step
 	wire         CommCounters // the last step's
 	stats        Stats
+	params       ParamMemory // stage 3's after the last Step
 }
 
 // measureEngine drives c on every rank of env's group, each rank's engine
@@ -1543,6 +1549,7 @@ func measureEngine(t *testing.T, env trainEnv, newDev func(rank int) *countingDe
 		m := &out[rank]
 		m.at = e.DeviceMemory()
 		m.live, m.allocs = dev.liveBytes(), dev.liveCount()
+		m.params = e.ParamMemory()
 		st := e.Stats()
 		if err := e.Close(); err != nil {
 			return err
@@ -1561,7 +1568,8 @@ func measureEngine(t *testing.T, env trainEnv, newDev func(rank int) *countingDe
 
 // checkEstimateOn compares c's estimate with what measureEngine saw on
 // every rank: device and host bytes to the byte, the engine's own Stats
-// field by field (estimatedStats), the collectives to the byte but for
+// field by field (estimatedStats), the parameter shard's bytes on each
+// side (ParamMemory), the collectives to the byte but for
 // stage 3's gathers, where a prefetch that keeps a bucket from one ask to
 // the next saves a gather the estimate counts. It returns the estimate and
 // the measurements.
@@ -1582,6 +1590,12 @@ func checkEstimateOn(t *testing.T, env trainEnv, newDev func(rank int) *counting
 		}
 		if d := statsDiff(est.Stats(), m.stats); d != "" {
 			t.Errorf("%s: the engine's Stats against the estimate's:%s\n(estimate %+v, %+v)", what, d, est.Device, est.Host)
+		}
+		// the parameter shard on the side the estimate puts it (with
+		// Offload.Params the host's, the device holding none of it)
+		if m.params.ShardBytes != est.Device.ParamShard || m.params.HostShardBytes != est.Host.ParamShard {
+			t.Errorf("%s: parameter shard %d device bytes and %d host bytes; the estimate %d and %d", what,
+				m.params.ShardBytes, m.params.HostShardBytes, est.Device.ParamShard, est.Host.ParamShard)
 		}
 		for k := range numKinds {
 			got, want := m.wire[k], est.Wire[k]
@@ -2120,4 +2134,157 @@ func stillWorks(t *testing.T, e *Engine, s Stream) {
 // comms are not closed when fn returns.
 func twoRanks(timeout time.Duration, cfg Config, fn func(e *Engine, s *HostStream) error) []error {
 	return onEngines(2, timeout, cfg, errTableParams, fn)
+}
+
+// ---- the parameter offload benchmarks ---------------------------------------------
+
+// layerParams is a model of layers bf16 weights of hidden² each: seed
+// 000's at 8 × 4096 (134M parameters, a layer a 32 MiB bucket).
+func layerParams(layers, hidden int) []Param {
+	ps := make([]Param, layers)
+	for i := range ps {
+		ps[i] = Param{Name: fmt.Sprintf("layer%d.weight", i), Count: hidden * hidden, DType: BF16}
+	}
+	return ps
+}
+
+// benchParamOffloadStep times stage-3 AdamW steps of params on world ranks
+// of env, with the parameter shard on the device and in page-locked host
+// memory (Offload.Params), the optimizer on the device: each step takes
+// backwards backwards, each layer gathered for its forward and released,
+// then gathered again in backward (in reverse) while its gradient is
+// handed over, and released. It reports per step the wall ms, the gathers'
+// time (Stats.ParamGatherTime, copies included), and from rank 0's Stats
+// the device bytes the engine holds (PeakParamBytes, PeakGradBytes,
+// OptimizerBytes, ControlBytes), the parameter shard's on the device and
+// on the host, and the host's page-locked bytes.
+func benchParamOffloadStep(b *testing.B, env trainEnv, params []Param, world, backwards int) {
+	for _, onHost := range []bool{false, true} {
+		b.Run(fmt.Sprintf("offload-params=%v", onHost), func(b *testing.B) {
+			comms, err := env.group(world)
+			if err != nil {
+				b.Fatal(err)
+			}
+			cfg := Config{Stage: 3, BucketBytes: 32 << 20, Overlap: true, Offload: OffloadPolicy{Params: onHost},
+				Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-4)}}}
+			ready, start, done := make(chan error, world), make(chan struct{}), make(chan error, world)
+			stats := make([]Stats, world)
+			var wg sync.WaitGroup
+			for rank := range world {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					defer comms[rank].Close()
+					fail := func(err error) { ready <- err }
+					s, err := env.stream()
+					if err != nil {
+						fail(err)
+						return
+					}
+					defer s.Close()
+					ps := append([]Param(nil), params...)
+					grads := make([]Tensor, len(ps))
+					for p, q := range ps {
+						w, g := newTBuf(q.DType, q.Count), newTBuf(q.DType, q.Count)
+						for i := range g.len() {
+							w.set(i, float32(i%251)/251-0.5)
+							g.set(i, float32(i%7)/64-0.05)
+						}
+						var freeW, freeG func()
+						if ps[p].Data, freeW, err = env.place(s, w); err == nil {
+							defer freeW()
+							grads[p], freeG, err = env.place(s, g)
+						}
+						if err != nil {
+							fail(err)
+							return
+						}
+						defer freeG()
+					}
+					if err := s.Sync(); err != nil {
+						fail(err)
+						return
+					}
+					e, err := New(cfg, comms[rank], ps)
+					if err != nil {
+						fail(err)
+						return
+					}
+					defer e.Close()
+					gather := func(p int) error {
+						if _, err := e.Gather(s, p); err != nil {
+							return err
+						}
+						return e.Release(s, p)
+					}
+					step := func() error {
+						for range backwards {
+							for p := range ps {
+								if err := gather(p); err != nil {
+									return err
+								}
+							}
+							for p := len(ps) - 1; p >= 0; p-- {
+								if _, err := e.Gather(s, p); err != nil {
+									return err
+								}
+								if _, err := e.GradReady(p, grads[p], s); err != nil {
+									return err
+								}
+								if err := e.Release(s, p); err != nil {
+									return err
+								}
+							}
+							if err := e.EndBackward(); err != nil {
+								return err
+							}
+						}
+						return e.Step()
+					}
+					if err := step(); err != nil { // the first step allocates the moments and learns the order
+						fail(err)
+						return
+					}
+					ready <- s.Sync()
+					<-start
+					var gathers time.Duration
+					for range b.N {
+						if err := step(); err != nil {
+							done <- err
+							return
+						}
+						gathers += e.Stats().ParamGatherTime
+					}
+					stats[rank] = e.Stats()
+					stats[rank].ParamGatherTime = gathers / time.Duration(b.N)
+					done <- s.Sync()
+				}()
+			}
+			for range world {
+				if err := <-ready; err != nil {
+					close(start)
+					wg.Wait()
+					b.Fatal(err)
+				}
+			}
+			b.ResetTimer()
+			t0 := time.Now()
+			close(start)
+			for range world {
+				if err := <-done; err != nil {
+					b.Fatal(err)
+				}
+			}
+			el := time.Since(t0)
+			b.StopTimer()
+			wg.Wait()
+			st, mib := stats[0], func(x int64) float64 { return float64(x) / (1 << 20) }
+			b.ReportMetric(float64(el.Microseconds())/1000/float64(b.N), "ms/step")
+			b.ReportMetric(float64(st.ParamGatherTime.Microseconds())/1000, "gather-ms")
+			b.ReportMetric(mib(st.PeakParamBytes+st.PeakGradBytes+st.OptimizerBytes+st.ControlBytes), "device-MiB")
+			b.ReportMetric(mib(st.ParamShardBytes), "device-shard-MiB")
+			b.ReportMetric(mib(st.HostParamBytes), "host-shard-MiB")
+			b.ReportMetric(mib(st.HostBytes), "host-MiB")
+		})
+	}
 }

@@ -15,7 +15,10 @@ import (
 // bucket's new model-dtype parameters copied back to the device while the
 // host works on the next). On the CPU device the "device" buffers and the
 // host ones are distinct mappings copied on the same streams, so this path
-// runs, and is tested, on every machine.
+// runs, and is tested, on every machine. With Offload.Params too, the
+// model-dtype shard the pass writes is stage 3's parameter shard, itself in
+// page-locked memory (params.go): the pass writes it in place and nothing
+// is copied back.
 
 // offload is an offloading engine's host side.
 type offload struct {
@@ -32,7 +35,10 @@ type offload struct {
 	sum, raised Tensor     // the host shard and the overflow flag
 	norm        *shardNorm // the host shard's sums of squares; nil without an optimizer
 	scratch     Tensor     // fp32, the largest bucket shard: a 16-bit shard widened for the optimizer
-	host        Tensor     // the host's model-dtype copy of the new parameters
+	host        Tensor     // the host's model-dtype copy of the new parameters (none with modelOnHost)
+	// modelOnHost: the model-dtype shard the pass is given is host memory
+	// (stage 3's offloaded parameter shard), written in place
+	modelOnHost bool
 	// saved is the device memory this engine does not hold: the shard and
 	// the optimizer's state, allocated here.
 	saved int64
@@ -41,18 +47,30 @@ type offload struct {
 	ends                    *backwardEnd // the engine's: when the window's last backward ended
 }
 
-func newOffload(dev Device, plan *Plan, copyStream Stream, commDType, shardDType DType, keep int, withNorm bool, ends *backwardEnd) (*offload, error) {
-	mem, err := newHostMemory(dev)
-	if err != nil {
-		return nil, err
-	}
+// offloadSpec is what the offload needs of the engine.
+type offloadSpec struct {
+	dev                   Device      // the engine's device
+	mem                   *hostMemory // the engine's page-locked memory
+	plan                  *Plan
+	copy                  Stream // the engine's copy stream
+	commDType, shardDType DType
+	keep                  int  // landing buffers (Config.StagingBuffers)
+	withNorm              bool // keep the shard's sums of squares (an optimizer)
+	modelOnHost           bool // the parameter shard is host memory (Offload.Params)
+	ends                  *backwardEnd
+}
+
+func newOffload(sp offloadSpec) (*offload, error) {
+	plan, mem := sp.plan, sp.mem
 	maxShard := maxShardElems(plan)
-	o := &offload{dev: dev, plan: plan, mem: mem, copy: copyStream, stream: NewHostStream(), maxLand: maxShard, keep: keep, ends: ends}
-	o.landing = newBufferPool(mem, commDType, &o.meter)
-	if o.sum, err = o.Alloc(plan.ShardElems, shardDType); err != nil {
+	o := &offload{dev: sp.dev, plan: plan, mem: mem, copy: sp.copy, stream: NewHostStream(), maxLand: maxShard, keep: sp.keep, ends: sp.ends,
+		modelOnHost: sp.modelOnHost}
+	o.landing = newBufferPool(mem, sp.commDType, &o.meter)
+	var err error
+	if o.sum, err = o.Alloc(plan.ShardElems, sp.shardDType); err != nil {
 		return o, err
 	}
-	if shardDType != FP32 { // the optimizer reads a 16-bit shard widened, bucket by bucket
+	if sp.shardDType != FP32 { // the optimizer reads a 16-bit shard widened, bucket by bucket
 		if o.scratch, err = mem.Alloc(maxShard, FP32); err != nil {
 			return o, err
 		}
@@ -60,12 +78,12 @@ func newOffload(dev Device, plan *Plan, copyStream Stream, commDType, shardDType
 	if o.raised, err = mem.Alloc(1, FP32); err != nil {
 		return o, err
 	}
-	if withNorm {
+	if sp.withNorm {
 		if o.norm, err = newShardNorm(hostDev, mem, plan); err != nil {
 			return o, err
 		}
 	}
-	return o, o.landing.grow(maxShard, keep)
+	return o, o.landing.grow(maxShard, sp.keep)
 }
 
 // ---- the pipeline's sink ----------------------------------------------------------
@@ -199,23 +217,26 @@ func (o *offload) Free(t Tensor) error {
 }
 
 // loadMaster fills master from the model-dtype shard model on the device
-// (written on s), through the host's copy of it, which then mirrors it.
+// (written on s), through the host's copy of it, which then mirrors it; a
+// shard in host memory (modelOnHost) is read where it is.
 func (o *offload) loadMaster(s Stream, master, model Tensor) error {
-	if o.host.ptr == 0 && model.count > 0 {
+	if o.host.ptr == 0 && model.count > 0 && !o.modelOnHost {
 		var err error
 		if o.host, err = o.mem.Alloc(model.count, model.dtype); err != nil {
 			return err
 		}
 	}
+	src := model
 	ev, err := record(s)
-	if err == nil {
+	if err == nil && !o.modelOnHost {
 		ev, err = o.transfer(o.host, model, ev, false)
+		src = o.host
 	}
 	if err == nil {
 		err = o.stream.Wait(ev)
 	}
 	if err == nil {
-		err = hostDev.cast(o.stream, master, o.host, 1)
+		err = hostDev.cast(o.stream, master, src, 1)
 	}
 	if err == nil {
 		err = o.stream.Sync()
@@ -225,11 +246,15 @@ func (o *offload) loadMaster(s Stream, master, model Tensor) error {
 
 // pass runs the fused optimizer on the host shard bucket by bucket, each
 // bucket's new parameters copied to model (the device's model-dtype shard)
-// as soon as they are written, while the host works on the next. It
-// returns, per bucket, the event of that copy (nil where this rank updated
-// nothing in the bucket).
+// as soon as they are written, while the host works on the next; a model
+// shard in host memory (modelOnHost) is written in place. It returns, per
+// bucket, the event after which model holds them (nil where this rank
+// updated nothing in the bucket).
 func (o *offload) pass(_ Stream, kind optKind, b optTensors, ranges []optRange, gscale float32, model Tensor) ([]Event, error) {
 	b.out = o.host
+	if o.modelOnHost {
+		b.out = model
+	}
 	ready := make([]Event, len(o.plan.Buckets))
 	err := eachBucket(o.plan, ranges, func(bi int, bp BucketPlan, part []optRange) error {
 		sub := b.slice(bp.ShardOffset, bp.Shard)
@@ -247,7 +272,8 @@ func (o *offload) pass(_ Stream, kind optKind, b optTensors, ranges []optRange, 
 			return err
 		}
 		written, err := o.stream.recordUntimed(nil)
-		if err != nil {
+		if err != nil || o.modelOnHost {
+			ready[bi] = written
 			return err
 		}
 		first, last := part[0].offset, part[len(part)-1].offset+part[len(part)-1].count
@@ -260,12 +286,12 @@ func (o *offload) pass(_ Stream, kind optKind, b optTensors, ranges []optRange, 
 
 // ---- stats -------------------------------------------------------------------------
 
-// report fills the step's host figures and its copy times, and starts the
-// next step's.
+// report fills the step's gradient host figures and the device bytes the
+// offload saves (the host memory's own count reports HostBytes) and its
+// copy times, and starts the next step's.
 func (o *offload) report(st *Stats) error {
-	st.HostBytes, st.HostPinnedBytes = o.mem.bytes, o.mem.locked
 	st.HostGradBytes = int64(o.sum.Bytes()) + int64(o.landing.held*o.maxLand*o.landing.dtype.Size())
-	st.DeviceBytesSaved = o.saved
+	st.DeviceBytesSaved += o.saved
 	var err error
 	if st.GradCopyExposed, _, _, err = o.ends.exposure(&o.gradCopies); err != nil {
 		return err

@@ -1123,4 +1123,3 @@ func TestNormBeyondFP32(t *testing.T) {
 		}
 	}
 }
-

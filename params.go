@@ -12,6 +12,9 @@ import (
 // parameter; Release hands them back, and a bucket's buffer returns to the
 // pool once every stream that used it is done. From the second window on,
 // the engine prefetches buckets in the order the last window gathered them.
+// With Offload.Params the shard lives in page-locked host memory: a gather
+// first copies this rank's part into its place in the gather buffer, on the
+// gather stream, and all-gathers in place, so the device holds no shard.
 
 // gathered is the state of one bucket's gathered copy.
 type gathered struct {
@@ -34,9 +37,12 @@ type paramState struct {
 	// the gathers must wait for and which must wait for them
 	gs, rs Stream
 
-	shard   Tensor // model dtype, this rank's shard of every bucket
+	shard Tensor // model dtype, this rank's shard of every bucket
+	// host, with Offload.Params, holds the shard in page-locked host
+	// memory (nil: the shard is device memory)
+	host    *hostMemory
 	pool    *bufferPool
-	mem     memoryMeter // shard + gather buffers, in use or idle
+	mem     memoryMeter // the device's: shard (unless offloaded) + gather buffers, in use or idle
 	buckets []gathered
 	refs    []int // per parameter
 	// asked marks the parameters a caller's Gather named since the last
@@ -62,9 +68,12 @@ type paramState struct {
 
 // ParamMemory is a stage-3 engine's parameter memory on this rank, in bytes.
 type ParamMemory struct {
-	ShardBytes    int64 // this rank's shard of every bucket's parameters
-	GatheredBytes int64 // gather buffers holding a gathered bucket now
-	PooledBytes   int64 // idle gather buffers kept for the next gathers
+	ShardBytes int64 // this rank's shard of every bucket's parameters, on the device (0 with Offload.Params)
+	// HostShardBytes is the same shard in page-locked host memory, with
+	// Offload.Params (0 without)
+	HostShardBytes int64
+	GatheredBytes  int64 // gather buffers holding a gathered bucket now
+	PooledBytes    int64 // idle gather buffers kept for the next gathers
 	// PeakBytes is the most of ShardBytes + GatheredBytes + PooledBytes since
 	// the last Step.
 	PeakBytes       int64
@@ -138,20 +147,27 @@ func loadShard(ld loadSpec, pool *bufferPool, into Tensor) error {
 // newParamState fills the stage-3 parameter shard: from the parameters'
 // memory (rank 0's, unless NoBroadcast) and from the initialisers of a
 // sharded build, each called for this rank's ranges only. gs is the gather
-// stream; ld.s the stream the step updates the shard on.
-func newParamState(ld loadSpec, cfg ParamPolicy, gs Stream) (*paramState, error) {
-	ps := &paramState{dev: ld.dev, comm: ld.comm, plan: ld.plan, params: ld.params, world: ld.comm.Size(), gs: gs, rs: ld.s,
+// stream; ld.s the stream the step updates the shard on. host, when not
+// nil, holds the shard in page-locked host memory (Offload.Params).
+func newParamState(ld loadSpec, cfg ParamPolicy, gs Stream, host *hostMemory) (*paramState, error) {
+	ps := &paramState{dev: ld.dev, comm: ld.comm, plan: ld.plan, params: ld.params, world: ld.comm.Size(), gs: gs, rs: ld.s, host: host,
 		refs: make([]int, len(ld.params)), asked: make([]bool, len(ld.params)), buckets: make([]gathered, len(ld.plan.Buckets)),
 		prefetchBytes: int64(cfg.PrefetchBytes), liveBytes: int64(cfg.LiveParamBytes)}
 	ps.pool = newBufferPool(ps.dev, ps.plan.modelDType(), &ps.mem)
-	var err error
-	if ps.shard, err = ps.dev.Alloc(ps.plan.ShardElems, ps.plan.modelDType()); err != nil {
-		return ps, err
-	}
-	ps.mem.add(int64(ps.shard.Bytes()))
 	s := ld.s
-	if err := ps.dev.zero(s, ps.shard); err != nil {
-		return ps, err
+	var err error
+	if host != nil { // page-locked memory comes zeroed
+		if ps.shard, err = host.Alloc(ps.plan.ShardElems, ps.plan.modelDType()); err != nil {
+			return ps, err
+		}
+	} else {
+		if ps.shard, err = ps.dev.Alloc(ps.plan.ShardElems, ps.plan.modelDType()); err != nil {
+			return ps, err
+		}
+		ps.mem.add(int64(ps.shard.Bytes()))
+		if err := ps.dev.zero(s, ps.shard); err != nil {
+			return ps, err
+		}
 	}
 	if err := loadShard(ld, ps.pool, ps.shard); err != nil {
 		return ps, err
@@ -186,8 +202,15 @@ func newParamState(ld loadSpec, cfg ParamPolicy, gs Stream) (*paramState, error)
 // sharedShard is the parameter shard, which the optimizer's pass writes.
 func (ps *paramState) sharedShard() *Tensor { return &ps.shard }
 
-// uploadCast writes host fp32 values into device memory of any dtype.
+// uploadCast writes host fp32 values into the shard, of any dtype: cast
+// by the host where the shard is host memory, else through an fp32 copy on
+// the device.
 func (ps *paramState) uploadCast(s Stream, dst Tensor, host []float32) error {
+	if ps.host != nil {
+		hs := NewHostStream()
+		err := hostDev.cast(hs, dst, Float32s(host), 1)
+		return errors.Join(err, hs.Sync(), hs.Close())
+	}
 	tmp, err := ps.dev.Alloc(len(host), FP32)
 	if err != nil {
 		return err
@@ -315,8 +338,31 @@ func (ps *paramState) memory() ParamMemory {
 			n++
 		}
 	}
-	return ParamMemory{ShardBytes: int64(ps.shard.Bytes()), GatheredBytes: ps.gatheredBytes, PooledBytes: ps.pool.bytes,
+	device, host := ps.shardBytes()
+	return ParamMemory{ShardBytes: device, HostShardBytes: host, GatheredBytes: ps.gatheredBytes, PooledBytes: ps.pool.bytes,
 		PeakBytes: ps.mem.peak, GatheredBuckets: n, Buffers: ps.pool.held}
+}
+
+// shardBytes is the shard's bytes on the device and on the host: one of
+// them is zero.
+func (ps *paramState) shardBytes() (device, host int64) {
+	if ps.host != nil {
+		return 0, int64(ps.shard.Bytes())
+	}
+	return int64(ps.shard.Bytes()), 0
+}
+
+// send is this rank's part of bucket bp as an all-gather into buf (the
+// bucket's padded buffer, on the device) sends it, enqueued on s: the
+// shard's own memory, or, where the shard is host memory, a copy of it into
+// its place in buf, so the all-gather runs in place.
+func (ps *paramState) send(s Stream, bp *BucketPlan, buf Tensor) (Tensor, error) {
+	mine := ps.shard.slice(bp.ShardOffset, bp.Shard)
+	if ps.host == nil {
+		return mine, nil
+	}
+	slot := buf.slice(ps.comm.Rank()*bp.Shard, bp.Shard)
+	return slot, ps.dev.copy(s, slot, mine)
 }
 
 // gatherBucket all-gathers bucket b from every rank's parameter shard into a
@@ -333,8 +379,12 @@ func (ps *paramState) gatherBucket(b int) error {
 	if err == nil {
 		start, err = st.times.mark(s)
 	}
+	var send Tensor
 	if err == nil {
-		err = ps.comm.AllGather(s, st.shard.slice(bp.ShardOffset, bp.Shard), buf.t.slice(0, bp.Padded))
+		send, err = ps.send(s, bp, buf.t)
+	}
+	if err == nil {
+		err = ps.comm.AllGather(s, send, buf.t.slice(0, bp.Padded))
 	}
 	if err == nil {
 		ps.sent.add(KindAllGather, bp.Padded*ps.plan.modelDType().Size(), ps.world)
@@ -491,6 +541,10 @@ func (st *paramState) close() error {
 		g.buf = nil
 	}
 	errs = append(errs, st.pool.trim(0))
+	if st.shard.ptr != 0 && st.host != nil {
+		errs = append(errs, st.host.Free(st.shard))
+		st.shard = Tensor{}
+	}
 	if st.shard.ptr != 0 {
 		errs = append(errs, st.dev.Free(st.shard))
 		st.shard = Tensor{}
@@ -542,9 +596,14 @@ func readParams(dev Device, s, rs Stream, plan *Plan, params []Param, ps *paramS
 		return nil, err
 	}
 	defer freeAfter(dev, buf, s)
-	for _, bp := range plan.Buckets {
+	for b := range plan.Buckets {
+		bp := &plan.Buckets[b]
 		t := buf.slice(0, bp.Padded)
-		if err := ps.comm.AllGather(s, ps.shard.slice(bp.ShardOffset, bp.Shard), t); err != nil {
+		send, err := ps.send(s, bp, t)
+		if err != nil {
+			return nil, err
+		}
+		if err := ps.comm.AllGather(s, send, t); err != nil {
 			return nil, err
 		}
 		flat, err := read(t)
@@ -572,7 +631,10 @@ func maxCount(params []Param) int {
 func (ps *paramState) report(st *Stats) error {
 	st.Collectives = st.Collectives.Add(ps.sent)
 	ps.sent = CommCounters{}
-	st.ParamShardBytes, st.PeakParamBytes, st.GatherBuffers = int64(ps.shard.Bytes()), ps.mem.peak, ps.pool.held
+	device, host := ps.shardBytes()
+	st.ParamShardBytes, st.PeakParamBytes, st.GatherBuffers = device, ps.mem.peak, ps.pool.held
+	st.HostParamBytes = host
+	st.DeviceBytesSaved += host
 	st.PrefetchHits, st.PrefetchMisses, st.PrefetchWasted = ps.hits, ps.misses, ps.wasted
 	ps.hits, ps.misses, ps.wasted = 0, 0, 0
 	ps.mem.peak = ps.mem.cur

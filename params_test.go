@@ -3,8 +3,11 @@ package zero
 import (
 	"errors"
 	"fmt"
+	"math"
 	"math/rand"
+	"reflect"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 )
@@ -248,15 +251,22 @@ func TestStage3CloseFreesEverything(t *testing.T) {
 
 // TestStage3ReleaseWaitsForTheUser: a bucket released by a stream whose
 // work has not run yet keeps its buffer until that work has: the next
-// gather into the same pooled buffer waits for it.
+// gather into the same pooled buffer waits for it, also when it starts by
+// copying the shard's part from the host (Offload.Params).
 func TestStage3ReleaseWaitsForTheUser(t *testing.T) {
+	for _, onHost := range []bool{false, true} {
+		releaseWaitsForTheUser(t, onHost)
+	}
+}
+
+func releaseWaitsForTheUser(t *testing.T, onHost bool) {
 	comms, _ := NewLocalGroup(1)
 	ones, twos := make([]float32, 256), make([]float32, 256)
 	for i := range ones {
 		ones[i], twos[i] = 1, 2
 	}
 	ps := []Param{{Name: "a", Count: 256, DType: FP32, Data: Float32s(ones)}, {Name: "b", Count: 256, DType: FP32, Data: Float32s(twos)}}
-	e, err := New(Config{Stage: 3, BucketBytes: 1024, Params: ParamPolicy{PrefetchBytes: -1}}, comms[0], ps)
+	e, err := New(Config{Stage: 3, BucketBytes: 1024, Params: ParamPolicy{PrefetchBytes: -1}, Offload: OffloadPolicy{Params: onHost}}, comms[0], ps)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -292,7 +302,7 @@ func TestStage3ReleaseWaitsForTheUser(t *testing.T) {
 	}
 	for i, x := range seen {
 		if x != 2 {
-			t.Fatalf("the released view read %v at %d, want 2: the next gather overwrote it before its user ran", x, i)
+			t.Fatalf("shard on the host %v: the released view read %v at %d, want 2: the next gather overwrote it before its user ran", onHost, x, i)
 		}
 	}
 	if err := e.Release(b, 0); err != nil {
@@ -626,16 +636,19 @@ func TestStage3RepeatedGathers(t *testing.T) {
 
 // TestFullParams: the current parameters read the same at every stage (bf16
 // and fp32, with a frozen one): at stages 1 and 2 from Param.Data, at stage
-// 3 gathered from the shards, while stage 3 leaves Param.Data as it was at
+// 3 gathered from the shards (index 4: with the shard in page-locked host
+// memory, Offload.Params), while stage 3 leaves Param.Data as it was at
 // New, as its doc says.
 func TestFullParams(t *testing.T) {
 	for _, dt := range []DType{FP32, BF16} {
-		var reads [4][][]float32
-		for _, stage := range []int{1, 2, 3} {
+		var reads [5][][]float32
+		for _, run := range []int{1, 2, 3, 4} {
+			stage, onHost := min(run, 3), run == 4
 			comms, _ := NewLocalGroupTimeout(2, 10*time.Second)
 			errs := eachRank(2, func(rank int) error {
 				ps, bufs := smallModel(dt, 0.5)
-				e, err := New(Config{Stage: stage, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.25)}}}, comms[rank], ps)
+				e, err := New(Config{Stage: stage, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.25)}},
+					Offload: OffloadPolicy{Params: onHost}}, comms[rank], ps)
 				if err != nil {
 					return err
 				}
@@ -667,21 +680,369 @@ func TestFullParams(t *testing.T) {
 					return fmt.Errorf("stage 3 wrote Param.Data")
 				}
 				if rank == 0 {
-					reads[stage] = full
+					reads[run] = full
 				}
 				return nil
 			})
-			everyRankIs(t, fmt.Sprintf("%v stage %d", dt, stage), errs, nil)
+			everyRankIs(t, fmt.Sprintf("%v stage %d, parameter offload %v", dt, stage, onHost), errs, nil)
 		}
-		for _, stage := range []int{2, 3} {
+		for _, run := range []int{2, 3, 4} {
 			for p := range reads[1] {
-				if !slices.Equal(reads[stage][p], reads[1][p]) {
-					t.Fatalf("%v: parameter %d reads %v at stage %d, %v at stage 1", dt, p, reads[stage][p][:3], stage, reads[1][p][:3])
+				if !slices.Equal(reads[run][p], reads[1][p]) {
+					t.Fatalf("%v: parameter %d reads %v in run %d, %v at stage 1", dt, p, reads[run][p][:3], run, reads[1][p][:3])
 				}
 			}
 		}
 		if reads[1][0][0] == 0.5 {
 			t.Fatalf("%v: the parameters did not move", dt)
+		}
+	}
+}
+
+// ---- parameter offload (Offload.Params) ---------------------------------------
+
+// TestParamOffloadEqualsStage3: stage 3 with the parameter shard in
+// page-locked host memory gives the bits of stage 3 without it, step by
+// step: the parameters every rank gathers, the fp32 master, the moments
+// and the model-dtype shard, and every Stats figure but the byte counts,
+// which move the shard from the device's side to the host's. Over fp32,
+// bf16 and fp16 (a dynamic loss scale that starts too high: steps skip),
+// W 1, 2 and 4 with sizes that split unevenly into 512-byte buckets,
+// prefetch on and off, a live budget, windows, the optimizer on the
+// device and offloaded, clipping and a sharded build.
+func TestParamOffloadEqualsStage3(t *testing.T) {
+	seed := testSeed(t)
+	rng := rand.New(rand.NewSource(seed))
+	sizes := []int{37, 130, 8, 257, 61}
+	const steps, backwards = 4, 2
+	runs := 0
+	for _, dt := range []DType{FP32, BF16, FP16} {
+		for _, world := range []int{1, 2, 4} {
+			q := newQuadTask(rng, sizes, steps, world*backwards)
+			q.roundTo(dt)
+			for _, v := range []struct {
+				name                     string
+				prefetch, live           int
+				window, offload, sharded bool
+			}{
+				{name: "prefetch", prefetch: 1024},
+				{name: "no prefetch", prefetch: -1},
+				{name: "live budget", prefetch: 4096, live: 2 * 512},
+				{name: "window", prefetch: 1024, window: true},
+				{name: "optimizer offloaded", prefetch: 1024, offload: true},
+				{name: "optimizer offloaded, no prefetch, window", prefetch: -1, offload: true, window: true},
+				{name: "sharded build", prefetch: 1024, sharded: true},
+			} {
+				r := z3Run{stage: 3, world: world, dtype: dt, bucket: 512, steps: steps, backwards: backwards, clip: 0.5,
+					prefetch: v.prefetch, live: v.live, window: v.window, offload: v.offload, sharded: v.sharded, overlap: rng.Intn(2) == 0}
+				if dt == FP16 {
+					r.lossScale = LossScale{Initial: 1 << 22, Hysteresis: 1}
+				}
+				want := trainZ3(t, q, r)
+				r.offloadParams = true
+				got := trainZ3(t, q, r)
+				what := fmt.Sprintf("%v W=%d %s overlap=%v", dt, world, v.name, r.overlap)
+				sameParamOffloadRun(t, what, got, want)
+				skipped := 0
+				for _, s := range got.stats {
+					if s.Skipped {
+						skipped++
+					}
+				}
+				if dt == FP16 && skipped == 0 {
+					t.Fatalf("%s: no step skipped; the fp16 runs start with a scale that overflows", what)
+				}
+				runs++
+			}
+		}
+	}
+	t.Logf("%d configurations bit-identical with the parameter shard on the host", runs)
+}
+
+// sameParamOffloadRun fails t where a run with Offload.Params differs from
+// want, the same run without it: in a bit of the parameters or of a state
+// tensor, in a Stats figure other than a byte count or a time, or in the
+// byte counts other than by the shard's move to the host.
+func sameParamOffloadRun(t *testing.T, what string, got, want z3Result) {
+	t.Helper()
+	for rank := range want.final {
+		if !slices.Equal(got.final[rank], want.final[rank]) {
+			t.Fatalf("%s: rank %d's parameters differ from stage 3 without parameter offload", what, rank)
+		}
+		for name, b := range want.state[rank].state {
+			if i := firstByteDiff(got.state[rank].state[name], b); i >= 0 {
+				t.Fatalf("%s: rank %d's %s differs from stage 3 without parameter offload at byte %d", what, rank, name, i)
+			}
+		}
+	}
+	for st := range want.stats {
+		g, w := got.stats[st], want.stats[st]
+		if d := statsDiffBut(g, w); d != "" {
+			t.Fatalf("%s: step %d: Stats differ in more than the byte counts:%s", what, st, d)
+		}
+		shard := w.ParamShardBytes
+		if shard == 0 || g.ParamShardBytes != 0 || g.HostParamBytes != shard || g.PeakParamBytes != w.PeakParamBytes-shard ||
+			g.DeviceBytesSaved != w.DeviceBytesSaved+shard {
+			t.Fatalf("%s: step %d: device shard %d, host shard %d, peak %d, saved %d; without parameter offload %d, 0, %d, %d: the shard's %d bytes must move to the host",
+				what, st, g.ParamShardBytes, g.HostParamBytes, g.PeakParamBytes, g.DeviceBytesSaved, w.ParamShardBytes, w.PeakParamBytes, w.DeviceBytesSaved, shard)
+		}
+		// with the optimizer offloaded the host's copy of the new
+		// parameters goes: the step writes the host's shard
+		if w.HostBytes > 0 && g.HostBytes != w.HostBytes || w.HostBytes == 0 && g.HostBytes != shard {
+			t.Fatalf("%s: step %d: host bytes %d, without parameter offload %d (shard %d)", what, st, g.HostBytes, w.HostBytes, shard)
+		}
+		for _, f := range []string{"PeakGradBytes", "OptimizerBytes", "ControlBytes", "HostGradBytes"} {
+			if gv, wv := reflect.ValueOf(g).FieldByName(f).Int(), reflect.ValueOf(w).FieldByName(f).Int(); gv != wv {
+				t.Fatalf("%s: step %d: %s %d, without parameter offload %d", what, st, f, gv, wv)
+			}
+		}
+	}
+}
+
+// statsDiffBut lists the fields of two Stats that differ, leaving out the
+// byte counts and the times.
+func statsDiffBut(got, want Stats) string {
+	var out strings.Builder
+	gv, wv := reflect.ValueOf(got), reflect.ValueOf(want)
+	for i := range gv.NumField() {
+		f := gv.Type().Field(i)
+		if strings.HasSuffix(f.Name, "Bytes") || f.Name == "DeviceBytesSaved" || f.Type == reflect.TypeOf(time.Duration(0)) {
+			continue
+		}
+		same := reflect.DeepEqual(gv.Field(i).Interface(), wv.Field(i).Interface())
+		if f.Type.Kind() == reflect.Float64 { // a NaN norm equals itself here
+			same = math.Float64bits(gv.Field(i).Float()) == math.Float64bits(wv.Field(i).Float())
+		}
+		if !same {
+			fmt.Fprintf(&out, "\n\t%s %v, without parameter offload %v", f.Name, gv.Field(i).Interface(), wv.Field(i).Interface())
+		}
+	}
+	return out.String()
+}
+
+// holdStream makes s (one of the engine's) wait until the returned
+// function is called.
+func holdStream(t *testing.T, s Stream) (open func()) {
+	t.Helper()
+	gated, open := gateStream()
+	t.Cleanup(func() { open(); gated.Close() })
+	ev, err := gated.Record()
+	if err == nil {
+		err = s.Wait(ev)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return open
+}
+
+// TestParamOffloadGatherOnItsStream: with the parameter shard on the host,
+// a gather copies the shard's part into the gather buffer on the gather
+// stream itself, ahead of its all-gather: with every other stream of the
+// engine held (the reductions' and the step's, the copies', the offload's
+// host stream), a Gather's view still lands, holding the bucket's values.
+// A copy enqueued on another stream would leave the buffer's old contents
+// in the view, or make the gather wait for a held stream.
+func TestParamOffloadGatherOnItsStream(t *testing.T) {
+	for _, offload := range []bool{false, true} {
+		e, _ := stage3Engine(t, 3, Config{Offload: OffloadPolicy{Params: true, Optimizer: offload},
+			Optimizer: OptimizerPolicy{Groups: []Optimizer{NewSGD(0.5)}}, Params: ParamPolicy{PrefetchBytes: -1}})
+		defer e.Close()
+		held := []Stream{e.reduceStream, e.copyStream}
+		if offload {
+			held = append(held, e.off.hostStream())
+		}
+		var opens []func()
+		for _, s := range held {
+			opens = append(opens, holdStream(t, s))
+		}
+		a := NewHostStream()
+		for p := range 3 {
+			views, err := e.Gather(a, p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			seen := readView(a, views[0])
+			synced := make(chan error, 1)
+			go func() { synced <- a.Sync() }()
+			select {
+			case err := <-synced:
+				if err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatalf("offload=%v: the gather of parameter %d waits for a stream other than the gather stream", offload, p)
+			}
+			if err := allEqual(seen, float32(p+1)); err != nil {
+				t.Fatalf("offload=%v: parameter %d's view: %v", offload, p, err)
+			}
+			if err := e.Release(a, p); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, open := range opens {
+			open()
+		}
+		if err := a.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestParamOffloadPrefetchWaitsForTheUser: a bucket the prefetch gathers
+// into a pooled buffer whose last user's stream has not yet read it copies
+// the host shard's part in only after that user: the user reads its own
+// bucket's values.
+func TestParamOffloadPrefetchWaitsForTheUser(t *testing.T) {
+	e, ps := stage3Engine(t, 3, Config{Offload: OffloadPolicy{Params: true}, Params: ParamPolicy{PrefetchBytes: 1024}})
+	defer e.Close()
+	s := NewHostStream()
+	defer s.Close()
+	// a first window gives the prefetch its order: 0, 1, 2
+	for p := range ps {
+		if _, err := e.Gather(s, p); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Release(s, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := backward(e, s, constGrads(ps, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Step(); err != nil {
+		t.Fatal(err)
+	}
+	a, open := gateStream()
+	defer a.Close()
+	defer open()
+	views, err := e.Gather(a, 0) // prefetched at Step; it prefetches parameter 1's bucket
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := readView(a, views[0])
+	if err := e.Release(a, 0); err != nil { // its buffer goes back to the pool, free once a has read it
+		t.Fatal(err)
+	}
+	if _, err := e.Gather(s, 1); err != nil { // prefetches parameter 2's bucket into that buffer
+		t.Fatal(err)
+	}
+	if m := e.ParamMemory(); m.GatheredBuckets != 2 || m.Buffers != 2 {
+		t.Fatalf("%d buckets gathered in %d buffers; want parameters 1 and 2, the prefetch reusing parameter 0's buffer", m.GatheredBuckets, m.Buffers)
+	}
+	settleBehind(t, e.gatherStream.(*HostStream), a)
+	open()
+	if err := a.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if err := allEqual(seen, 1); err != nil {
+		t.Fatalf("parameter 0's view, read after the prefetch of parameter 2 into its buffer: %v", err)
+	}
+	if err := e.Release(s, 1); err != nil {
+		t.Fatal(err)
+	}
+	if st := e.Stats(); st.HostParamBytes == 0 {
+		t.Fatal("no parameter shard on the host")
+	}
+}
+
+// deviceOnlyComm is a communicator whose collectives refuse buffers in
+// page-locked host memory, as NCCL's kernels need device memory: it holds
+// an engine on the CPU to what it must do on a GPU.
+type deviceOnlyComm struct {
+	Comm
+	dev *countingDevice
+}
+
+func (c deviceOnlyComm) check(op string, ts ...Tensor) error {
+	for _, t := range ts {
+		if t.count > 0 && c.dev.pinned(t) {
+			return fmt.Errorf("%s of a buffer in page-locked host memory: a GPU collective needs device memory", op)
+		}
+	}
+	return nil
+}
+
+func (c deviceOnlyComm) AllReduce(s Stream, buf Tensor, op ReduceOp) error {
+	return errors.Join(c.check("AllReduce", buf), c.Comm.AllReduce(s, buf, op))
+}
+
+func (c deviceOnlyComm) ReduceScatter(s Stream, send, recv Tensor, op ReduceOp) error {
+	if err := c.check("ReduceScatter", send, recv); err != nil {
+		return err
+	}
+	return c.Comm.ReduceScatter(s, send, recv, op)
+}
+
+func (c deviceOnlyComm) AllGather(s Stream, send, recv Tensor) error {
+	if err := c.check("AllGather", send, recv); err != nil {
+		return err
+	}
+	return c.Comm.AllGather(s, send, recv)
+}
+
+func (c deviceOnlyComm) Broadcast(s Stream, buf Tensor, root int) error {
+	if err := c.check("Broadcast", buf); err != nil {
+		return err
+	}
+	return c.Comm.Broadcast(s, buf, root)
+}
+
+// TestParamOffloadCollectivesReadDeviceMemory: with the parameter shard
+// (and the optimizer's state) in page-locked host memory, every collective
+// the engine issues reads and writes device memory only, as NCCL needs:
+// New's load, each gather and prefetch (the shard's part copied into the
+// gather buffer first), the step, FullParams, FullGrads. Two ranks, three
+// steps of two backwards.
+func TestParamOffloadCollectivesReadDeviceMemory(t *testing.T) {
+	sizes := []int{300, 77, 1000, 129}
+	for _, offload := range []bool{false, true} {
+		comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
+		errs := eachRank(2, func(rank int) error {
+			dev := newCountingDevice()
+			defer dev.release()
+			ps := make([]Param, len(sizes))
+			for p, n := range sizes {
+				x := make([]float32, n)
+				for i := range x {
+					x[i] = float32(p) + float32(i)/1000
+				}
+				ps[p] = Param{Name: fmt.Sprint("p", p), Count: n, DType: FP32, Data: Float32s(x)}
+			}
+			cfg := Config{Stage: 3, BucketBytes: 1024, Overlap: true, Offload: OffloadPolicy{Params: true, Optimizer: offload},
+				Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.01)}}}
+			e, err := New(cfg, deviceOnlyComm{onDevice{comms[rank], dev}, dev}, ps)
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			s := NewHostStream()
+			defer s.Close()
+			for range 3 {
+				for range 2 {
+					if err := backward(e, s, constGrads(ps, float32(rank+1))); err != nil {
+						return err
+					}
+				}
+				if err := e.Step(); err != nil {
+					return err
+				}
+			}
+			if _, err := e.FullParams(); err != nil {
+				return err
+			}
+			if _, err := e.FullGrads(); err != nil {
+				return err
+			}
+			if st := e.Stats(); st.PrefetchHits == 0 {
+				return fmt.Errorf("no prefetch hit: the prefetch's gathers went unchecked")
+			}
+			return nil
+		})
+		for rank, err := range errs {
+			if err != nil {
+				t.Fatalf("optimizer offloaded %v: rank %d: %v", offload, rank, err)
+			}
 		}
 	}
 }

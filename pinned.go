@@ -69,7 +69,9 @@ func FreePinned(dev Device, t Tensor) error {
 }
 
 // hostMemory allocates an offloading engine's host memory, page-locked
-// where it can, and counts the bytes it holds and how many are locked.
+// where it can, and counts the bytes it holds and how many are locked. One
+// serves every component that offloads (the optimizer's offload, stage 3's
+// parameter shard), so Stats.HostBytes is one count.
 type hostMemory struct {
 	dev    pinnedAllocator
 	bytes  int64           // held
@@ -96,6 +98,13 @@ func (m *hostMemory) Alloc(count int, d DType) (Tensor, error) {
 		m.locked += int64(t.Bytes())
 	}
 	return t, nil
+}
+
+// report fills the step's host figures: every byte held, and the part
+// of it that is page-locked.
+func (m *hostMemory) report(st *Stats) error {
+	st.HostBytes, st.HostPinnedBytes = m.bytes, m.locked
+	return nil
 }
 
 func (m *hostMemory) Free(t Tensor) error {

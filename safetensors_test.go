@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -112,6 +113,12 @@ func stParams(dt DType, values [][]float32) []Param {
 // state after it.
 func stTrain(t *testing.T, c stCase, seed uint64, steps int, params func(rank int) ([]Param, error), fn func(e *Engine, rank int) error) []ckptState {
 	t.Helper()
+	return stTrainWith(t, c, c.config(), seed, steps, params, fn)
+}
+
+// stTrainWith is stTrain with the engines built from cfg.
+func stTrainWith(t *testing.T, c stCase, cfg Config, seed uint64, steps int, params func(rank int) ([]Param, error), fn func(e *Engine, rank int) error) []ckptState {
+	t.Helper()
 	comms, err := NewLocalGroup(c.world)
 	if err != nil {
 		t.Fatal(err)
@@ -123,7 +130,7 @@ func stTrain(t *testing.T, c stCase, seed uint64, steps int, params func(rank in
 		if err != nil {
 			return err
 		}
-		e, err := New(c.config(), comms[rank], ps)
+		e, err := New(cfg, comms[rank], ps)
 		if err != nil {
 			return err
 		}
@@ -640,6 +647,78 @@ func TestSafetensorsImport(t *testing.T) {
 			}
 			if !bytes.Equal(f.bytesOf(m.name), le32(want[p])) {
 				t.Fatalf("%s: the export of %q differs from the imported values", name, m.name)
+			}
+		}
+	}
+}
+
+// TestSafetensorsParamOffload: at stage 3 with the parameter shard in
+// page-locked host memory, ExportSafetensors writes the tensors of the same
+// run without it byte for byte (the master, the optimizer's state), and
+// ImportSafetensors then New gives every rank the state of the same import
+// without it, bit for bit (parameters through FullParams, master, the
+// model-dtype shard), with the optimizer on the device and offloaded, in
+// fp32 and bf16.
+func TestSafetensorsParamOffload(t *testing.T) {
+	seed := seedFromEnv(t)
+	for _, dt := range []DType{FP32, BF16} {
+		for _, offload := range []bool{false, true} {
+			c := stCase{2, 3, dt, offload, "amsgrad"}
+			dir := t.TempDir()
+			values := stValues(seed, dt)
+			src := filepath.Join(dir, "in.safetensors")
+			stFileFor(t, src, values, dt)
+			var exports [2]stParsed
+			var imported [2][]ckptState
+			for i, onHost := range []bool{false, true} {
+				cfg := c.config()
+				cfg.Offload.Params = onHost
+				file := filepath.Join(dir, fmt.Sprintf("out-%v.safetensors", onHost))
+				stTrainWith(t, c, cfg, seed, 2, func(int) ([]Param, error) { return stParams(dt, values), nil }, func(e *Engine, rank int) error {
+					if st := e.Stats(); (st.HostParamBytes > 0) != onHost {
+						return fmt.Errorf("parameter shard on the host %v: %d host bytes of it", onHost, st.HostParamBytes)
+					}
+					return e.ExportSafetensors(file, ExportOptions{Optimizer: true})
+				})
+				b, err := os.ReadFile(file)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if exports[i], err = parseSafetensors(b); err != nil {
+					t.Fatal(err)
+				}
+				imported[i] = stTrainWith(t, c, cfg, seed, 0, func(int) ([]Param, error) {
+					ps := stParams(dt, nil)
+					for p := range ps {
+						if ps[p].Frozen {
+							ps[p].Data = toDType(make([]float32, ps[p].Count), dt)
+						}
+					}
+					return ps, ImportSafetensors(src, cfg, CPU(), ps, ImportOptions{})
+				}, nil)
+			}
+			name := fmt.Sprintf("%v offload=%v", dt, offload)
+			if len(exports[0].tensors) < len(stModel) || !reflect.DeepEqual(exports[0].tensors, exports[1].tensors) ||
+				!bytes.Equal(exports[0].data, exports[1].data) || !reflect.DeepEqual(exports[0].meta, exports[1].meta) {
+				t.Fatalf("%s: the export with the parameter shard on the host differs from the one without", name)
+			}
+			for rank := range imported[0] {
+				a, b := imported[0][rank], imported[1][rank]
+				for sec, x := range a.state {
+					if !bytes.Equal(x, b.state[sec]) {
+						t.Fatalf("%s rank %d: the import with the parameter shard on the host differs from the one without in %s", name, rank, sec)
+					}
+				}
+				for p := range a.params {
+					if !slices.EqualFunc(a.params[p], b.params[p], func(x, y float32) bool { return math.Float32bits(x) == math.Float32bits(y) }) {
+						t.Fatalf("%s rank %d: parameter %d reads differently with the parameter shard on the host", name, rank, p)
+					}
+				}
+				for p, m := range stModel {
+					if !m.frozen && !slices.Equal(imported[1][rank].params[p], values[p]) {
+						t.Fatalf("%s rank %d: parameter %q reads other values than the file's", name, rank, m.name)
+					}
+				}
 			}
 		}
 	}

@@ -26,7 +26,7 @@ func collectStats(st *Stats, reporters []statsReporter) error {
 // Memory: every buffer the engine holds is counted in exactly one of
 // PeakGradBytes (and its resident and pooled figures), OptimizerBytes,
 // ControlBytes and PeakParamBytes on the device, and HostBytes on the host
-// (HostGradBytes being a part of it). Estimation.Stats gives the same
+// (HostGradBytes and HostParamBytes being parts of it). Estimation.Stats gives the same
 // fields before the engine exists. Temporaries of New, Load, Save and the
 // reads (GradShard, FullGrads, FullParams) are freed before the call
 // returns and count in none.
@@ -121,9 +121,10 @@ type Stats struct {
 	OptimizerTime   time.Duration
 	ParamGatherTime time.Duration // see OptimizerTime
 
-	// Stage 3 with parameter shards: the parameter memory (the shard, and
-	// the peak of shard plus gather buffers over the window; ParamMemory
-	// tells it at any moment), the gather buffers allocated, and the
+	// Stage 3 with parameter shards: the parameter memory on the device
+	// (the shard, none with Offload.Params, and the peak of shard plus
+	// gather buffers over the window; ParamMemory tells it at any moment),
+	// the gather buffers allocated, and the
 	// window's buckets asked for that a prefetch had gathered (hits), that
 	// were gathered on demand while a last order existed (misses), and that
 	// were prefetched but never asked for (wasted).
@@ -134,20 +135,24 @@ type Stats struct {
 	PrefetchMisses  int   // see ParamShardBytes
 	PrefetchWasted  int   // see ParamShardBytes
 
-	// With Offload: HostBytes is the engine's host memory (the gradient
-	// shard, the master weights, the optimizer state, the fp32 scratch a
-	// 16-bit shard is widened through, the model-dtype copy of the new
-	// parameters, the buffers reduced shards land in, the overflow flag and
-	// the norm's chunk sums), HostPinnedBytes the part of it that is
+	// With Offload: HostBytes is the engine's host memory (with
+	// Offload.Optimizer the gradient shard, the master weights, the
+	// optimizer state, the fp32 scratch a 16-bit shard is widened through,
+	// the model-dtype copy of the new parameters (not with Offload.Params,
+	// whose shard the step writes), the buffers reduced shards land in, the
+	// overflow flag and the norm's chunk sums; with Offload.Params stage
+	// 3's parameter shard), HostPinnedBytes the part of it that is
 	// page-locked (all of it on a GPU; on the CPU device, what mlock
 	// accepted), HostGradBytes the part that holds gradients (the shard and
 	// the landing buffers, whatever the number of backwards),
+	// HostParamBytes the part that holds the parameter shard,
 	// DeviceBytesSaved the device memory the same engine holds without
 	// Offload and this one does not (the gradient shard, the master weights
-	// and the optimizer state).
+	// and the optimizer state; the parameter shard).
 	HostBytes        int64
 	HostPinnedBytes  int64 // see HostBytes
 	HostGradBytes    int64 // see HostBytes
+	HostParamBytes   int64 // see HostBytes
 	DeviceBytesSaved int64 // see HostBytes
 	// With Offload: GradCopyTime is the copy stream's time for the window's
 	// reduced shards to the host, GradCopyExposed the part of it that ran

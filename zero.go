@@ -33,6 +33,7 @@ type Engine struct {
 	opt       *optState   // nil without Optimizer.Groups: Step only reduces
 	off       *offload    // nil without Offload.Optimizer
 	ps        *paramState // stage 3 with parameter memory: the parameter shards
+	host      *hostMemory // the page-locked memory of offload and of an offloaded parameter shard; nil without offload
 	reporters []statsReporter
 
 	events eventPool    // the window's producer events, untimed
@@ -122,10 +123,19 @@ func (e *Engine) init() error {
 	// The sink keeps the sums of squares of its shard for the optimizer's
 	// norm.
 	withNorm := len(e.cfg.Optimizer.Groups) > 0
+	stage3 := e.cfg.Stage == 3 && hasParamMemory(e.params)
+	paramsOnHost := stage3 && e.cfg.Offload.Params
+	if e.cfg.Offload.Optimizer || paramsOnHost {
+		if e.host, err = newHostMemory(e.dev); err != nil {
+			return err
+		}
+		e.reporters = append(e.reporters, e.host)
+	}
 	var sk sink
 	var home optimizerHome
 	if e.cfg.Offload.Optimizer {
-		off, err := newOffload(e.dev, e.plan, e.copyStream, e.cfg.Precision.CommDType, e.cfg.Precision.ShardDType, e.cfg.StagingBuffers, withNorm, e.ends)
+		off, err := newOffload(offloadSpec{dev: e.dev, mem: e.host, plan: e.plan, copy: e.copyStream, commDType: e.cfg.Precision.CommDType,
+			shardDType: e.cfg.Precision.ShardDType, keep: e.cfg.StagingBuffers, withNorm: withNorm, modelOnHost: paramsOnHost, ends: e.ends})
 		if err != nil {
 			if off != nil { // no pipeline owns its shard yet
 				err = errors.Join(err, off.close(), off.shutdown())
@@ -166,15 +176,18 @@ func (e *Engine) init() error {
 	}
 	e.win = newWindow(e.pl, e.plan, e.cfg.Window)
 	e.usedWindow = make([]bool, len(e.params))
-	stage3 := e.cfg.Stage == 3 && hasParamMemory(e.params)
 	if e.check, err = newStepCheck(e.dev, e.comm, e.reduceStream, len(e.params), stage3, len(e.cfg.Optimizer.Groups) > 0); err != nil {
 		return err
 	}
-	e.reporters = []statsReporter{e.check, e.pl, &e.win}
+	e.reporters = append(e.reporters, e.check, e.pl, &e.win)
 	ld := loadSpec{dev: e.dev, comm: e.comm, s: e.reduceStream, plan: e.plan, params: e.params, broadcast: !e.cfg.Params.NoBroadcast}
 	var shared *Tensor
 	if stage3 {
-		if e.ps, err = newParamState(ld, e.cfg.Params, e.gatherStream); err != nil {
+		var host *hostMemory // the shard in page-locked memory
+		if paramsOnHost {
+			host = e.host
+		}
+		if e.ps, err = newParamState(ld, e.cfg.Params, e.gatherStream, host); err != nil {
 			return err
 		}
 		shared = e.ps.sharedShard()

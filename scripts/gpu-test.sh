@@ -29,6 +29,11 @@
 #   offload     the engine's page-locked copies against plain ones and the
 #               host link, and the offloaded step (BenchmarkCUDAOffloadCopy,
 #               BenchmarkCUDAOffloadStep)
+#   params      parameter offload: a gather's host-to-device copy against a
+#               plain cuMemcpyAsync of the same size from page-locked memory,
+#               and the stage-3 step at seed 000's shape with and without the
+#               parameter shard on the host (BenchmarkCUDAParamOffloadCopy,
+#               BenchmarkCUDAParamOffloadStep)
 #   checkpoint  Save/Load and the safetensors export/import from device
 #               memory (BenchmarkCUDACheckpoint, BenchmarkCUDASafetensors)
 #   torch       the same pipeline in PyTorch eager ops (torch_pipeline.py)
@@ -67,6 +72,7 @@ STEPS=(
 	exposed
 	norm
 	offload
+	params
 	checkpoint
 	torch
 	memcheck
@@ -219,6 +225,7 @@ step_pipeline() { bench pipeline 90 '^BenchmarkCUDAPipeline$'; }
 step_exposed() { bench exposed 60 '^BenchmarkCUDAExposedReduce$'; }
 step_norm() { bench norm 45 '^BenchmarkCUDANormInLanding$'; }
 step_offload() { bench offload 60 '^BenchmarkCUDAOffload(Copy|Step)$'; }
+step_params() { bench params 60 '^BenchmarkCUDAParamOffload(Copy|Step)$'; }
 # 256 MiB of state (16M fp32 elements: parameters, master, m, v) and a
 # 256 MiB safetensors file, on the host's temporary disk (host.txt says
 # which), 5 iterations unless BENCHTIME says otherwise: a slow disk's fsyncs

@@ -1,12 +1,14 @@
 // Command estimate prints what one rank of a zero engine holds and moves
 // for a model size and a list of world sizes (zero.Estimate: the engine's
 // own plan, nothing allocated), stage by stage, with and without offload
-// and a coalesced window, beside DeepSpeed's published formulas: the ZeRO
-// paper's 2Ψ + 2Ψ + KΨ/N family (K = 12 for mixed-precision Adam) and
-// DeepSpeed's estimate_zero2_model_states_mem_needs and
-// estimate_zero3_model_states_mem_needs. Each difference from DeepSpeed's
-// figure is broken down by kind and named. -deepspeed FILE estimates a model
-// under a DeepSpeed config (zero.ReadDeepSpeedFile), with its notices.
+// (of the optimizer, and at stage 3 of the parameters) and a coalesced
+// window, beside DeepSpeed's published formulas: the ZeRO paper's 2Ψ + 2Ψ
+// + KΨ/N family (K = 12 for mixed-precision Adam) and DeepSpeed's
+// estimate_zero2_model_states_mem_needs and
+// estimate_zero3_model_states_mem_needs (with offload_param where the
+// parameters are offloaded). Each difference from DeepSpeed's figure is
+// broken down by kind and named. -deepspeed FILE estimates a model under a
+// DeepSpeed config (zero.ReadDeepSpeedFile), with its notices.
 package main
 
 import (
@@ -40,6 +42,7 @@ type options struct {
 	worlds      []int
 	stages      []int
 	offloads    []bool
+	params      []bool // Offload.Params, at stage 3 only
 	windows     []bool
 	dtype       zero.DType
 	cfg         zero.Config // bucket, dtypes, budgets, optimizer
@@ -82,6 +85,7 @@ type Device struct {
 
 // Host is an offloading rank's page-locked host bytes by kind.
 type Host struct {
+	ParamShard     int64 `json:"param_shard"`
 	GradShard      int64 `json:"grad_shard"`
 	GradScratch    int64 `json:"grad_scratch"`
 	Landing        int64 `json:"landing"`
@@ -112,17 +116,19 @@ type Wire struct {
 // Row is one line of the table and one JSON object: one rank of one
 // configuration.
 type Row struct {
-	Model     string `json:"model"`
-	Params    int64  `json:"params"`
-	Largest   int64  `json:"largest_layer_params"`
-	World     int    `json:"world"`
-	Stage     int    `json:"stage"`
-	Offload   bool   `json:"offload"`
-	Window    bool   `json:"window"`
-	Backwards int    `json:"backwards"`
-	Buckets   int    `json:"buckets"`
-	Device    Device `json:"device_bytes"`
-	Host      Host   `json:"host_bytes"`
+	Model   string `json:"model"`
+	Params  int64  `json:"params"`
+	Largest int64  `json:"largest_layer_params"`
+	World   int    `json:"world"`
+	Stage   int    `json:"stage"`
+	Offload bool   `json:"offload"`
+	// OffloadParams is Offload.Params: stage 3's parameter shard on the host
+	OffloadParams bool   `json:"offload_params"`
+	Window        bool   `json:"window"`
+	Backwards     int    `json:"backwards"`
+	Buckets       int    `json:"buckets"`
+	Device        Device `json:"device_bytes"`
+	Host          Host   `json:"host_bytes"`
 	// ModelStates is what is compared with DeepSpeed: parameters (at stage
 	// 3 with the gather buffers, as DeepSpeed's 4 × largest layer),
 	// gradients, a window's sums and optimizer state.
@@ -176,6 +182,7 @@ func run(args []string, w io.Writer) error {
 	worlds := fs.String("world", "8,16,32,64,128,256,512,1024", "world sizes W")
 	stages := fs.String("stages", "1,2,3", "ZeRO stages")
 	offload := fs.String("offload", "off,on", "Offload.Optimizer: off, on or both (off,on)")
+	offloadParams := fs.String("offload-params", "off", "Offload.Params (stage 3 rows only): off, on or both (off,on)")
 	window := fs.String("window", "off,on", "every step's backwards in a Coalesce window: off, on or both")
 	dtype := fs.String("dtype", "bf16", "model dtype: bf16, fp16 or fp32")
 	bucket := fs.String("bucket", "32MiB", "BucketBytes (B, KiB, MiB, GiB)")
@@ -221,6 +228,7 @@ func run(args []string, w io.Writer) error {
 	o.worlds, err = ints("world", *worlds, err)
 	o.stages, err = ints("stages", *stages, err)
 	o.offloads, err = onOff("offload", *offload, err)
+	o.params, err = onOff("offload-params", *offloadParams, err)
 	o.windows, err = onOff("window", *window, err)
 	o.dtype, err = dtypeFlag("dtype", *dtype, err)
 	o.cfg.Precision.ShardDType, err = dtypeFlag("shard-dtype", *shard, err)
@@ -373,14 +381,19 @@ func table(o options, m model) ([]Row, error) {
 		}
 		for _, stage := range o.stages {
 			for _, off := range o.offloads {
-				for _, win := range o.windows {
-					cfg := base
-					cfg.Stage, cfg.Offload.Optimizer = stage, off
-					est, err := zero.Estimate(m.params, cfg, world, zero.Run{Backwards: o.backwards, Window: win, Gathers: m.sets})
-					if err != nil {
-						return nil, fmt.Errorf("%s W=%d stage %d: %w", m.name, world, stage, err)
+				for _, params := range o.params {
+					if params && stage != 3 {
+						continue // only stage 3 keeps a parameter shard
 					}
-					rows = append(rows, row(o, m, cfg, world, win, est))
+					for _, win := range o.windows {
+						cfg := base
+						cfg.Stage, cfg.Offload.Optimizer, cfg.Offload.Params = stage, off, params
+						est, err := zero.Estimate(m.params, cfg, world, zero.Run{Backwards: o.backwards, Window: win, Gathers: m.sets})
+						if err != nil {
+							return nil, fmt.Errorf("%s W=%d stage %d: %w", m.name, world, stage, err)
+						}
+						rows = append(rows, row(o, m, cfg, world, win, est))
+					}
 				}
 			}
 		}
@@ -391,7 +404,7 @@ func table(o options, m model) ([]Row, error) {
 func row(o options, m model, cfg zero.Config, world int, window bool, est zero.Estimation) Row {
 	d, h := est.Device, est.Host
 	r := Row{Model: m.name, Params: m.total, Largest: m.largest, World: world, Stage: cfg.Stage, Offload: cfg.Offload.Optimizer,
-		Window: window, Backwards: o.backwards, Buckets: len(est.Plan.Buckets),
+		OffloadParams: cfg.Offload.Params, Window: window, Backwards: o.backwards, Buckets: len(est.Plan.Buckets),
 		Device: Device(d), Host: Host(h),
 		DeviceTotal: d.Total(), HostTotal: h.Total(), HostPerNode: h.Total() * int64(min(o.gpusPerNode, world))}
 	r.ModelStates = d.ModelStates() + d.Gathered
@@ -399,7 +412,7 @@ func row(o options, m model, cfg zero.Config, world int, window bool, est zero.E
 
 	ds := deepspeed(m, cfg, world, o.gpusPerNode)
 	r.DeepSpeed, r.DeepSpeedFormula, r.DeepSpeedCPU = ds.gpu, ds.formula, ds.cpu
-	r.Paper, r.PaperFormula = paper(m.total, cfg.Stage, world, cfg.Offload.Optimizer)
+	r.Paper, r.PaperFormula = paper(m.total, cfg.Stage, world, cfg.Offload.Optimizer, cfg.Offload.Params)
 	r.Diff = r.ModelStates - r.DeepSpeed
 
 	zeroParts := map[string]int64{
@@ -468,8 +481,10 @@ type dsFigure struct {
 
 // deepspeed is DeepSpeed's estimate of a rank's GPU bytes (and a node's
 // CPU bytes): estimate_zero2_model_states_mem_needs and
-// estimate_zero3_model_states_mem_needs (zero_init, parameters on the GPU:
-// zero offloads no parameters), additional_buffer_factor 1.5; at stage 1,
+// estimate_zero3_model_states_mem_needs (zero_init; cpu_offload_params
+// where the parameters are offloaded, which it honours only with
+// cpu_offload, the optimizer offloaded: its estimator has no row of
+// offload_param alone), additional_buffer_factor 1.5; at stage 1,
 // where DeepSpeed has no estimator, the ZeRO paper's Pos. The parts split
 // its terms by kind: the 2Ψ of 16-bit parameters, and its 18Ψ/N as 2
 // (16-bit gradients at stage 2, parameters at stage 3) + 4 (fp32
@@ -482,7 +497,7 @@ func deepspeed(m model, cfg zero.Config, world, gpusPerNode int) dsFigure {
 	f := dsFigure{parts: map[string]int64{}}
 	switch cfg.Stage {
 	case 1:
-		f.gpu, f.formula = paper(psi, 1, world, off)
+		f.gpu, f.formula = paper(psi, 1, world, off, false)
 		f.parts["params"], f.parts["grads"] = 2*psi, 2*psi
 		f.parts["optimizer"] = f.gpu - 4*psi
 	case 2:
@@ -497,12 +512,19 @@ func deepspeed(m model, cfg zero.Config, world, gpusPerNode int) dsFigure {
 			f.parts["optimizer"] = f.gpu - f.parts["params"] - f.parts["grads"]
 		}
 	case 3:
-		if off {
+		if off && cfg.Offload.Params { // the largest layer's gathered copy, and nothing else
+			f.gpu, f.formula = 4*ll, "4·LL"
+			f.cpu = int64(float64(psi) * 18 / float64(nodes) * 1.5)
+			f.parts["params"] = f.gpu
+		} else if off {
 			f.gpu, f.formula = 4*ll+int64(2*float64(psi)/float64(n)), "4·LL + 2Ψ/N"
 			f.cpu = int64(float64(psi) * 16 / float64(nodes) * 1.5)
 			f.parts["params"] = f.gpu
 		} else {
 			f.gpu, f.formula = 4*ll+int64(18*float64(psi)/float64(n)), "4·LL + 18Ψ/N"
+			if cfg.Offload.Params {
+				f.formula += " (offload_param alone: its estimator ignores it)"
+			}
 			f.cpu = int64(float64(ll) * 4 * float64(gpn) * 1.5)
 			f.parts["params"], f.parts["grads"] = 4*ll+2*psi/n, 4*psi/n
 			f.parts["optimizer"] = f.gpu - f.parts["params"] - f.parts["grads"]
@@ -514,13 +536,17 @@ func deepspeed(m model, cfg zero.Config, world, gpusPerNode int) dsFigure {
 // paper is the ZeRO paper's per-GPU model states for mixed-precision Adam
 // (K = 12): Pos 2Ψ + 2Ψ + KΨ/N, Pos+g 2Ψ + (2 + K)Ψ/N, Pos+g+p
 // (2 + 2 + K)Ψ/N; with the optimizer offloaded (ZeRO-Offload) the K term
-// leaves the GPU.
-func paper(psi int64, stage, world int, offload bool) (int64, string) {
+// leaves the GPU, and with the parameters offloaded (stage 3, as
+// ZeRO-Infinity) their 2Ψ/N.
+func paper(psi int64, stage, world int, offload, params bool) (int64, string) {
 	k, ks := 12.0, "12Ψ"
 	if offload {
 		k, ks = 0, "0"
 	}
 	p, n := float64(psi), float64(world)
+	if stage == 3 && params {
+		return int64((2 + k) * p / n), "(0 + 2Ψ + " + ks + ")/N"
+	}
 	switch stage {
 	case 1:
 		return int64(4*p + k*p/n), "2Ψ + 2Ψ + " + ks + "/N"
@@ -545,11 +571,16 @@ func paperWire(psi, size int64, stage, world, g int) int64 {
 
 func printLong(w io.Writer, o options, m model, rows []Row) {
 	header(w, o, m)
-	fmt.Fprintln(w, "| W | stage | offload | window | zero model states | DeepSpeed | formula | zero − DeepSpeed | named | paper | buffers | device total | host/rank | DeepSpeed CPU/node | wire/step | paper wire/step |")
-	fmt.Fprintln(w, "|--:|--:|---|---|--:|--:|---|--:|---|--:|--:|--:|--:|--:|--:|--:|")
+	// the parameters' offload gets a column where some row has it
+	pcol, phead, prule := func(Row) string { return "" }, "", ""
+	if slices.Contains(o.params, true) {
+		pcol, phead, prule = func(r Row) string { return " " + yes(r.OffloadParams) + " |" }, " params |", "---|"
+	}
+	fmt.Fprintln(w, "| W | stage | offload | window |"+phead+" zero model states | DeepSpeed | formula | zero − DeepSpeed | named | paper | buffers | device total | host/rank | DeepSpeed CPU/node | wire/step | paper wire/step |")
+	fmt.Fprintln(w, "|--:|--:|---|---|"+prule+"--:|--:|---|--:|---|--:|--:|--:|--:|--:|--:|--:|")
 	for _, r := range rows {
-		fmt.Fprintf(w, "| %d | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
-			r.World, r.Stage, yes(r.Offload), yes(r.Window), gib(r.ModelStates), gib(r.DeepSpeed), r.DeepSpeedFormula,
+		fmt.Fprintf(w, "| %d | %d | %s | %s |%s %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
+			r.World, r.Stage, yes(r.Offload), yes(r.Window), pcol(r), gib(r.ModelStates), gib(r.DeepSpeed), r.DeepSpeedFormula,
 			signed(r.Diff), codes(r), gib(r.Paper), gib(r.Buffers), gib(r.DeviceTotal), gib(r.HostTotal), cpu(r), gib(r.Wire.Total), gib(r.PaperWire))
 	}
 	legend(w, rows)
@@ -558,33 +589,48 @@ func printLong(w io.Writer, o options, m model, rows []Row) {
 func printWide(w io.Writer, o options, m model, rows []Row) {
 	header(w, o, m)
 	fmt.Fprintf(w, "zero's model states / DeepSpeed's, GiB per rank; a code names each kind zero holds more of\n\n")
+	withParams := slices.Contains(o.params, true)
 	fmt.Fprint(w, "| stage | offload | window |")
+	if withParams {
+		fmt.Fprint(w, " params |")
+	}
 	for _, n := range o.worlds {
 		fmt.Fprintf(w, " W=%d |", n)
 	}
 	fmt.Fprint(w, "\n|--:|---|---|")
+	if withParams {
+		fmt.Fprint(w, "---|")
+	}
 	for range o.worlds {
 		fmt.Fprint(w, "--:|")
 	}
 	fmt.Fprintln(w)
 	for _, stage := range o.stages {
 		for _, off := range o.offloads {
-			for _, win := range o.windows {
-				fmt.Fprintf(w, "| %d | %s | %s |", stage, yes(off), yes(win))
-				for _, n := range o.worlds {
-					for _, r := range rows {
-						if r.World == n && r.Stage == stage && r.Offload == off && r.Window == win {
-							c := codes(r)
-							if c == "≤" {
-								c = ""
-							} else {
-								c = " " + c
+			for _, params := range o.params {
+				if params && stage != 3 {
+					continue
+				}
+				for _, win := range o.windows {
+					fmt.Fprintf(w, "| %d | %s | %s |", stage, yes(off), yes(win))
+					if withParams {
+						fmt.Fprintf(w, " %s |", yes(params))
+					}
+					for _, n := range o.worlds {
+						for _, r := range rows {
+							if r.World == n && r.Stage == stage && r.Offload == off && r.OffloadParams == params && r.Window == win {
+								c := codes(r)
+								if c == "≤" {
+									c = ""
+								} else {
+									c = " " + c
+								}
+								fmt.Fprintf(w, " %s / %s%s |", gib(r.ModelStates), gib(r.DeepSpeed), c)
 							}
-							fmt.Fprintf(w, " %s / %s%s |", gib(r.ModelStates), gib(r.DeepSpeed), c)
 						}
 					}
+					fmt.Fprintln(w)
 				}
-				fmt.Fprintln(w)
 			}
 		}
 	}
@@ -843,7 +889,7 @@ func withDeepSpeed(o options, path string, given map[string]bool, first model) (
 	}
 	walk(doc, "")
 	_, hasOptimizer := doc["optimizer"]
-	decided := map[string]bool{"stages": true, "offload": true, "bucket": true, "shard-dtype": true, "comm-dtype": true, "prefetch": true, "live": true,
+	decided := map[string]bool{"stages": true, "offload": true, "offload-params": true, "bucket": true, "shard-dtype": true, "comm-dtype": true, "prefetch": true, "live": true,
 		"dtype":     !auto["fp16.enabled"] && !auto["bf16.enabled"] && !auto["bfloat16.enabled"],
 		"backwards": !auto["gradient_accumulation_steps"], "optimizer": hasOptimizer}
 	for _, name := range slices.Sorted(maps.Keys(decided)) {
@@ -900,6 +946,7 @@ func withDeepSpeed(o options, path string, given map[string]bool, first model) (
 		return o, nil, err
 	}
 	o.stages, o.offloads, o.dtype = []int{ds.Config.Stage}, []bool{ds.Config.Offload.Optimizer}, ds.DType
+	o.params = []bool{ds.Config.Offload.Params}
 	o.backwards = max(1, ds.Config.Grads.AccumSteps)
 	o.cfg.Precision, o.cfg.BucketBytes, o.cfg.Params = ds.Config.Precision, ds.Config.BucketBytes, ds.Config.Params
 	if len(ds.Config.Optimizer.Groups) > 0 {

@@ -15,8 +15,9 @@ import (
 // TestDeepSpeedFormulas: DeepSpeed's estimators and the paper's formulas
 // at Ψ = 10⁹, a largest layer of 10⁸, 8 GPUs a node, worked by hand from
 // estimate_zero2_model_states_mem_needs and
-// estimate_zero3_model_states_mem_needs (zero_init, parameters not
-// offloaded, additional_buffer_factor 1.5).
+// estimate_zero3_model_states_mem_needs (zero_init, additional_buffer_factor
+// 1.5; cpu_offload_params with the optimizer offloaded, and ignored without
+// it, as its source has it).
 func TestDeepSpeedFormulas(t *testing.T) {
 	params, err := zero.CountParams(1e9, 1e8, zero.BF16)
 	if err != nil {
@@ -24,22 +25,25 @@ func TestDeepSpeedFormulas(t *testing.T) {
 	}
 	m := model{params: params, total: 1e9, largest: 1e8}
 	for _, c := range []struct {
-		stage, world int
-		offload      bool
-		gpu, cpu     int64
+		stage, world    int
+		offload, params bool
+		gpu, cpu        int64
 	}{
-		{1, 8, false, 4e9 + 1.5e9, 0},      // 2Ψ + 2Ψ + 12Ψ/N
-		{1, 8, true, 4e9, 0},               // the K term on the host
-		{2, 8, false, 2e9 + 2.25e9, 48e9},  // 2Ψ + 18Ψ/N; Ψ·4·8·1.5
-		{2, 8, true, 2e9, 48e9},            // 2Ψ; Ψ·max(4·8, 16)·1.5
-		{2, 16, true, 2e9, 96e9},           // Ψ·max(4·16, 16)·1.5 per node
-		{2, 2, true, 2e9, 24e9},            // Ψ·max(4·2, 16)·1.5
-		{3, 8, false, 4e8 + 2.25e9, 4.8e9}, // 4·LL + 18Ψ/N; LL·4·8·1.5
-		{3, 8, true, 4e8 + 2.5e8, 24e9},    // 4·LL + 2Ψ/N; 16Ψ/nodes·1.5
-		{3, 16, true, 4e8 + 1.25e8, 12e9},  // two nodes
+		{1, 8, false, false, 4e9 + 1.5e9, 0},      // 2Ψ + 2Ψ + 12Ψ/N
+		{1, 8, true, false, 4e9, 0},               // the K term on the host
+		{2, 8, false, false, 2e9 + 2.25e9, 48e9},  // 2Ψ + 18Ψ/N; Ψ·4·8·1.5
+		{2, 8, true, false, 2e9, 48e9},            // 2Ψ; Ψ·max(4·8, 16)·1.5
+		{2, 16, true, false, 2e9, 96e9},           // Ψ·max(4·16, 16)·1.5 per node
+		{2, 2, true, false, 2e9, 24e9},            // Ψ·max(4·2, 16)·1.5
+		{3, 8, false, false, 4e8 + 2.25e9, 4.8e9}, // 4·LL + 18Ψ/N; LL·4·8·1.5
+		{3, 8, true, false, 4e8 + 2.5e8, 24e9},    // 4·LL + 2Ψ/N; 16Ψ/nodes·1.5
+		{3, 16, true, false, 4e8 + 1.25e8, 12e9},  // two nodes
+		{3, 8, true, true, 4e8, 27e9},             // offload_param: 4·LL; 18Ψ/nodes·1.5
+		{3, 64, true, true, 4e8, 27e8 * 10 / 8},   // eight nodes: 18Ψ/8·1.5
+		{3, 8, false, true, 4e8 + 2.25e9, 4.8e9},  // offload_param alone: as without it
 	} {
 		cfg := zero.Config{Stage: c.stage}
-		cfg.Offload.Optimizer = c.offload
+		cfg.Offload.Optimizer, cfg.Offload.Params = c.offload, c.params
 		f := deepspeed(m, cfg, c.world, 8)
 		if f.gpu != c.gpu || f.cpu != c.cpu {
 			t.Errorf("stage %d W=%d offload %v: DeepSpeed GPU %d CPU %d, want %d and %d", c.stage, c.world, c.offload, f.gpu, f.cpu, c.gpu, c.cpu)
@@ -53,12 +57,12 @@ func TestDeepSpeedFormulas(t *testing.T) {
 		}
 	}
 	for _, c := range []struct {
-		stage   int
-		offload bool
-		want    int64
-	}{{1, false, 5.5e9}, {2, false, 2e9 + 1.75e9}, {3, false, 2e9}, {3, true, 0.5e9}} {
-		if got, _ := paper(1e9, c.stage, 8, c.offload); got != c.want {
-			t.Errorf("paper stage %d offload %v: %d, want %d", c.stage, c.offload, got, c.want)
+		stage           int
+		offload, params bool
+		want            int64
+	}{{1, false, false, 5.5e9}, {2, false, false, 2e9 + 1.75e9}, {3, false, false, 2e9}, {3, true, false, 0.5e9}, {3, true, true, 0.25e9}, {3, false, true, 1.75e9}} {
+		if got, _ := paper(1e9, c.stage, 8, c.offload, c.params); got != c.want {
+			t.Errorf("paper stage %d offload %v params %v: %d, want %d", c.stage, c.offload, c.params, got, c.want)
 		}
 	}
 	// the paper's volumes: 2Ψ, (g+1)Ψ, 3gΨ elements of 2 bytes, (W−1)/W
@@ -233,11 +237,18 @@ func TestDeepSpeedConfig(t *testing.T) {
 			t.Errorf("no %q in the output:\n%s", s, out.String())
 		}
 	}
+	// offload_param {device: cpu} at stage 3: the rows offload the parameters
+	for _, r := range jsonRows(t, "-deepspeed", "../../testdata/deepspeed/hf_docs_zero3.json", "-model", "7b", "-world", "8") {
+		if r.Stage != 3 || !r.Offload || !r.OffloadParams {
+			t.Errorf("hf_docs_zero3.json: stage %d, offload %v, parameter offload %v; want 3, both offloaded", r.Stage, r.Offload, r.OffloadParams)
+		}
+	}
 	for _, c := range []struct {
 		args []string
 		want string
 	}{
-		{[]string{"-deepspeed", "../../testdata/deepspeed/hf_docs_zero3.json", "-model", "7b"}, "zero_optimization.offload_param"},
+		{[]string{"-deepspeed", "../../testdata/deepspeed/hf_docs_zero3_nvme.json", "-model", "7b"}, "zero_optimization.offload_param.device"},
+		{[]string{"-deepspeed", file, "-model", "7b", "-offload-params", "on"}, "-offload-params with -deepspeed"},
 		{[]string{"-deepspeed", file, "-model", "7b", "-stages", "2"}, "-stages with -deepspeed"},
 		{[]string{"-deepspeed", file, "-params", "7e9", "-largest", "1.31e8"}, "give -hidden"},
 		{[]string{"-hidden", "4096"}, "give it with -deepspeed"},
@@ -246,6 +257,52 @@ func TestDeepSpeedConfig(t *testing.T) {
 		var out bytes.Buffer
 		if err := run(c.args, &out); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%q: %v, want an error with %q", c.args, err, c.want)
+		}
+	}
+}
+
+// TestTableParamOffload: the stage-3 rows with the parameters offloaded
+// (7B and 70B at W = 8 and 64, the optimizer on the device and offloaded)
+// stand beside DeepSpeed's estimate with offload_param, hold its target,
+// and keep the closed forms: the device keeps no parameter shard, so its
+// model states are the row without parameter offload less 2Ψ/W, the
+// host's bytes more by as much (with the optimizer offloaded the host's
+// copy of the new parameters goes, the shard taking its place).
+func TestTableParamOffload(t *testing.T) {
+	rows := jsonRows(t, "-stages", "3", "-world", "8,64", "-offload-params", "off,on", "-window", "off")
+	if len(rows) != 2*2*2*2 {
+		t.Fatalf("%d rows, want 2 models × 2 W × optimizer offload × parameter offload", len(rows))
+	}
+	for _, r := range rows {
+		if !r.OffloadParams {
+			continue
+		}
+		b, _ := json.Marshal(r)
+		var base *Row
+		for i := range rows {
+			if q := &rows[i]; q.Model == r.Model && q.World == r.World && q.Offload == r.Offload && !q.OffloadParams {
+				base = q
+			}
+		}
+		if base == nil || !r.Named {
+			t.Fatalf("no row without parameter offload, or a difference unnamed: %s", b)
+		}
+		shard := base.Device.ParamShard
+		if shard < 2*r.Params/int64(r.World) || r.Device.ParamShard != 0 || r.Host.ParamShard != shard ||
+			r.ModelStates != base.ModelStates-shard {
+			t.Errorf("parameter shard %d bytes on the device, %d on the host, model states %d; without: %d, %d: %s",
+				r.Device.ParamShard, r.Host.ParamShard, r.ModelStates, shard, base.ModelStates, b)
+		}
+		wantHost := base.HostTotal + shard
+		if r.Offload {
+			wantHost = base.HostTotal // the host's copy of the new parameters goes
+		}
+		if r.HostTotal != wantHost {
+			t.Errorf("host bytes %d, want %d: %s", r.HostTotal, wantHost, b)
+		}
+		want := map[bool]string{true: "4·LL", false: "4·LL + 18Ψ/N (offload_param alone: its estimator ignores it)"}[r.Offload]
+		if r.DeepSpeedFormula != want || r.Offload && r.DeepSpeed != 4*r.Largest {
+			t.Errorf("DeepSpeed's figure %d (%s), want %s: %s", r.DeepSpeed, r.DeepSpeedFormula, want, b)
 		}
 	}
 }

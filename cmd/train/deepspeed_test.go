@@ -7,6 +7,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -118,15 +119,16 @@ func TestDeepSpeedFP16(t *testing.T) {
 }
 
 // TestDeepSpeedRefused: a config with keys zero cannot honour fails before
-// training, naming every one: the Trainer's ZeRO-3 test config offloads the
-// parameters (its tuning keys are taken with notices).
+// training, naming every one: the Trainer docs' ZeRO-Infinity config
+// offloads to NVMe (its tuning keys are taken with notices).
 func TestDeepSpeedRefused(t *testing.T) {
 	c := defaultConfig()
-	c.deepspeed = filepath.Join("..", "..", "testdata", "deepspeed", "hf_ds_config_zero3.json")
+	c.deepspeed = filepath.Join("..", "..", "testdata", "deepspeed", "hf_docs_zero3_nvme.json")
 	_, err := run(nil, c)
 	var ds *zero.DeepSpeedError
-	if !errors.As(err, &ds) || len(ds.Problems) != 1 || ds.Problems[0].Path != "zero_optimization.offload_param" {
-		t.Fatalf("%v, want zero_optimization.offload_param refused alone", err)
+	want := []string{"zero_optimization.aio", "zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device"}
+	if !errors.As(err, &ds) || !slices.Equal(ds.Paths(), want) {
+		t.Fatalf("%v, want %q refused", err, want)
 	}
 }
 

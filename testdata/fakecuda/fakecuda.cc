@@ -26,9 +26,21 @@
  * untimed event last recorded on one waits, then returns
  * CUDA_ERROR_LAUNCH_FAILED, and nothing else fails,
  * as when the work before the event failed and only its wait can tell.
+ *
+ * The enqueue trace: FAKECUDA_TRACE names a file (read once, at the first
+ * traced call); while that file exists, every copy, kernel launch, event
+ * record, stream wait and host sync appends one line to it as it is
+ * enqueued (or, for a sync, as it returns), in the order of the calls:
+ *   copy S DST SRC BYTES | launch S KIND OUT | record S E GEN |
+ *   wait S E GEN | waitvalue S ADDR | sync S | esync E GEN
+ * (S a stream, 0 the legacy one; E an event; OUT what the kernel writes, 0
+ * where it writes through descriptors). A test starts a trace by creating
+ * the file and stops it by renaming the file away: a rename is atomic, and
+ * the fake never creates the file itself.
  */
 #include <chrono>
 #include <condition_variable>
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -87,6 +99,25 @@ static bool device(uintptr_t p, size_t n) {
 	if (it == allocs.begin()) return false;
 	--it;
 	return p >= it->first && p + n <= it->first + it->second && !pinned[it->first];
+}
+
+/* ---- the enqueue trace -------------------------------------------------------------- */
+
+static std::mutex trace_mu;
+
+static void trace(const char* fmt, ...) {
+	static const char* path = getenv("FAKECUDA_TRACE"); /* read once: no getenv beside a setenv */
+	if (!path || !*path) return;
+	std::lock_guard<std::mutex> g(trace_mu);
+	FILE* f = fopen(path, "r+"); /* never creates it: no file, no trace */
+	if (!f) return;
+	fseek(f, 0, SEEK_END);
+	va_list ap;
+	va_start(ap, fmt);
+	vfprintf(f, fmt, ap);
+	va_end(ap);
+	fputc('\n', f);
+	fclose(f);
 }
 
 /* ---- contexts ------------------------------------------------------------------ */
@@ -389,6 +420,7 @@ CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream s) {
 
 CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
 	NEED_CTX();
+	trace("copy %p 0x%llx 0x%llx %zu", (void*)s, (unsigned long long)dst, (unsigned long long)src, n);
 	if (ours((uintptr_t)dst, n) && ours((uintptr_t)src, n)) {
 		S(s)->push([=] { memmove((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, n); });
 		return CUDA_SUCCESS;
@@ -435,6 +467,7 @@ CUresult cuStreamDestroy_v2(CUstream s) {
 CUresult cuStreamSynchronize(CUstream s) {
 	NEED_CTX();
 	S(s)->drain();
+	trace("sync %p", (void*)s);
 	return CUDA_SUCCESS;
 }
 
@@ -446,6 +479,7 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
 		g = e->recorded;
 	}
 	e->use();
+	trace("wait %p %p %llu", (void*)s, (void*)e, (unsigned long long)g);
 	S(s)->push([=] {
 		e->wait_for(g);
 		CUevent_st::done(e, false);
@@ -456,6 +490,7 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
 CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, uint32_t value, unsigned int) {
 	NEED_CTX();
 	if (!ours((uintptr_t)addr, 4)) return CUDA_ERROR_INVALID_VALUE;
+	trace("waitvalue %p 0x%llx", (void*)s, (unsigned long long)addr);
 	S(s)->push([=] {
 		while (__atomic_load_n((const uint32_t*)(uintptr_t)addr, __ATOMIC_ACQUIRE) < value)
 			std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -479,6 +514,7 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
 		e->users++;
 		e->stream = s;
 	}
+	trace("record %p %p %llu", (void*)s, (void*)e, (unsigned long long)g);
 	S(s)->push([=] {
 		{
 			std::lock_guard<std::mutex> l(e->mu);
@@ -505,6 +541,7 @@ CUresult cuEventSynchronize(CUevent e) {
 		}
 	}
 	e->wait_for(g);
+	trace("esync %p %llu", (void*)e, (unsigned long long)g);
 	return fail ? CUDA_ERROR_LAUNCH_FAILED : CUDA_SUCCESS;
 }
 
@@ -576,6 +613,17 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned, unsign
                         CUstream s, void** p, void**) {
 	NEED_CTX();
 	if (gx == 0 || gy == 0) return CUDA_ERROR_INVALID_VALUE;
+	{
+		uintptr_t out = 0; /* what the kernel writes, where one pointer says it */
+		switch (f->k) {
+		case K_FLATTEN:
+		case K_ACC: out = arg<uintptr_t>(p, 0); break;
+		case K_ADAMW: out = arg<uintptr_t>(p, 5); break;
+		case K_SGD: out = arg<uintptr_t>(p, 3); break;
+		default: break;
+		}
+		trace("launch %p %d 0x%llx", (void*)s, (int)f->k, (unsigned long long)out);
+	}
 	switch (f->k) {
 	case K_FLATTEN: {
 		if (bx != ZC_THREADS) return CUDA_ERROR_INVALID_VALUE;
