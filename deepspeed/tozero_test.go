@@ -243,5 +243,3 @@ func TestWriteZeroRefusals(t *testing.T) {
 		})
 	}
 }
-
-
