@@ -7,6 +7,8 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -239,6 +241,67 @@ func TestWriteZeroRefusals(t *testing.T) {
 			}
 			if _, serr := os.Stat(dir); serr == nil {
 				t.Errorf("%v, and %s was made", err, dir)
+			}
+		})
+	}
+}
+
+// TestLoadRefusesAnotherModel: a converted checkpoint loaded into an
+// engine whose model lacks one of its parameters, has one it lacks, or has
+// one with another shape is refused on every rank (zero.ErrCheckpoint,
+// naming the parameter), and the engine is as it was: its export before
+// and after the refused load are the same.
+func TestLoadRefusesAnotherModel(t *testing.T) {
+	dir, s := converted(t, "z2-fp16", "ckpt")
+	for _, c := range []struct {
+		name string
+		edit func(ps []Param) []Param
+		say  string
+	}{
+		{"the engine lacks one", func(ps []Param) []Param {
+			return slices.DeleteFunc(ps, func(p Param) bool { return p.Name == "gain" })
+		}, `the checkpoint's parameter 4 ("gain", [7] 7 fp16) is not one of the engine's`},
+		{"the checkpoint lacks one", func(ps []Param) []Param {
+			return append(ps, Param{Name: "extra", Shape: []int{3}, Group: 1})
+		}, `the engine's parameter 6 ("extra") is not in the checkpoint`},
+		{"another shape", func(ps []Param) []Param {
+			for i := range ps {
+				if ps[i].Name == "fc1.weight" {
+					ps[i].Shape = []int{8, 24}
+				}
+			}
+			return ps
+		}, `("fc1.weight") is [24 8] 192 fp16 (group 0, frozen false) in the checkpoint, the engine's is [8 24] 192`},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			m := *s
+			m.Params = c.edit(slices.Clone(s.Params))
+			file := filepath.Join(t.TempDir(), "state.safetensors")
+			err := zero.RunLocal(2, func(comm zero.Comm) error {
+				e, params, err := engineFor(&m, comm, shape{2, 2, 0, 1})
+				if err != nil {
+					return err
+				}
+				defer e.Close()
+				before, err := snapshot(t, e, params, file)
+				if err != nil {
+					return err
+				}
+				_, lerr := loadInto(e, dir)
+				if !errors.Is(lerr, zero.ErrCheckpoint) || errors.Is(lerr, zero.ErrCollective) || !strings.Contains(fmt.Sprint(lerr), c.say) {
+					return fmt.Errorf("rank %d: %v; want ErrCheckpoint saying %q", comm.Rank(), lerr, c.say)
+				}
+				after, err := snapshot(t, e, params, file)
+				if err != nil {
+					return err
+				}
+				if comm.Rank() == 0 && !reflect.DeepEqual(before, after) {
+					return errors.New("the refused load changed the engine")
+				}
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
 			}
 		})
 	}
