@@ -2696,3 +2696,35 @@ func TestWriteCheckpointCrash(t *testing.T) {
 	}
 	t.Logf("%d crash points of a WriteCheckpoint: the previous checkpoint loads after %d, the new one after %d", total, total-kept, kept)
 }
+
+// TestLoadFindsParametersByName: a checkpoint whose parameters are in
+// another order than the engine's, each with a step count of its own,
+// loads as the one in the engine's order: every parameter's state and
+// step count go to the engine's parameter of its name.
+func TestLoadFindsParametersByName(t *testing.T) {
+	c := ckptCase{stage: 3, dtype: BF16}
+	_, st, _ := savedState(t, c)
+	for p := range st.Values {
+		st.Values[p].Steps = 2 + p
+	}
+	inOrder, reversed := t.TempDir(), t.TempDir()
+	if err := WriteCheckpoint(inOrder, st, SaveOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	st.Params, st.Values = slices.Clone(st.Params), slices.Clone(st.Values)
+	slices.Reverse(st.Params)
+	slices.Reverse(st.Values)
+	if err := WriteCheckpoint(reversed, st, SaveOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	want := ckptRun{c: c, from: -1, to: 0, load: inOrder}.run(t)
+	got := ckptRun{c: c, from: -1, to: 0, load: reversed}.run(t)
+	for rank := range want {
+		if !slices.Equal(want[rank].steps, []int{3, 4, 5, 6, 7}) {
+			t.Fatalf("steps %v after a step from 2 to 6: the test does not tell the parameters apart", want[rank].steps)
+		}
+		if d := want[rank].diff(got[rank]); d != "" {
+			t.Fatalf("rank %d: the checkpoint in another order loads otherwise: %s", rank, d)
+		}
+	}
+}

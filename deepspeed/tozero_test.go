@@ -131,6 +131,24 @@ func TestWriteZeroGolden(t *testing.T) {
 			t.Run(run+"/"+filepath.Base(src), func(t *testing.T) {
 				g := readGolden(t, run)
 				dir, s := converted(t, run, src)
+				st, err := ZeroState(s)
+				if err != nil {
+					t.Fatal(err)
+				}
+				c := g.Checkpoint
+				wantScaler := zero.LossScaleState{Scale: c.LossScale, LastOverflow: -1}
+				if c.CurIter != nil {
+					wantScaler = zero.LossScaleState{Scale: c.LossScale, CurHysteresis: *c.CurHysteresis, Iter: *c.CurIter, LastOverflow: *c.LastOverflow}
+				}
+				if st.Step != c.GlobalSteps || st.Scheduled != c.LastBatch+1 || st.Stage != g.Stage || st.LossScale != wantScaler {
+					t.Errorf("step %d, scheduled %d, stage %d, scaler %+v; want %d, %d, %d, %+v", st.Step, st.Scheduled, st.Stage, st.LossScale, c.GlobalSteps, c.LastBatch+1, g.Stage, wantScaler)
+				}
+				for i, grp := range st.Groups {
+					// the config's base rate, from which the schedule goes on
+					if a := grp.(zero.AdamW); a.LR != 0.01 || a.WeightDecay != []float64{0.01, 0}[i] {
+						t.Errorf("group %d: %+v; want the config's rate 0.01 and the group's decay", i, a)
+					}
+				}
 				want := readST(t, filepath.Join(golden, run, "state_step3.safetensors"))
 				got, client := loadedState(t, s, dir, shape{2, g.Stage, 0, 1})
 				compareLoaded(t, s, g, want, got)
