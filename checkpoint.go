@@ -550,23 +550,97 @@ func compareCkptNames(a, b string) int {
 
 // ---- load --------------------------------------------------------------------
 
-// checkModel refuses a checkpoint of another model, or with settings that
-// must match and differ. The optimizer's settings are state (restored, or
-// the engine's own with WeightsOnly) and may differ; so may the layout
-// (world size, stage, buckets): state is found by parameter.
-func (ce *ckptEngine) checkModel(at string, m ckptManifestData) error {
+// checkModel pairs the engine's parameters with the checkpoint's, by name
+// (by position where either side has a parameter without one), and
+// refuses a checkpoint of another model, naming the first parameter that
+// differs: one the engine lacks, one the checkpoint lacks, or one of
+// another count, shape, dtype, group or frozen flag; or a checkpoint with
+// settings that must match and differ. The optimizer's settings are state
+// (restored, or the engine's own with WeightsOnly) and may differ; so may
+// the layout (world size, stage, buckets): state is found by parameter.
+// It returns, for each engine parameter, its index in the checkpoint, and
+// the engine's parameters in the checkpoint's order.
+func (ce *ckptEngine) checkModel(at string, m ckptManifestData) ([]int, []Param, error) {
 	where := filepath.Join(at, ckptManifest)
-	if len(m.Params) != len(ce.params) {
-		return errorf(ErrCheckpoint, "%s: a model of %d parameters, the engine has %d; load a checkpoint of this model", where, len(m.Params), len(ce.params))
+	src, err := matchParams(where, m.Params, ce.params)
+	if err != nil {
+		return nil, nil, err
 	}
 	for i, q := range ce.params {
-		p := m.Params[i]
-		if p.Name != q.Name || p.Count != q.Count || p.DType != q.DType.String() || p.Group != q.Group || p.Frozen != q.Frozen ||
+		p := m.Params[src[i]]
+		if p.Count != q.Count || p.DType != q.DType.String() || p.Frozen != q.Frozen || (!q.Frozen && p.Group != q.Group) ||
 			(len(p.Shape) > 0 && len(q.Shape) > 0 && !slices.Equal(p.Shape, q.Shape)) {
-			return errorf(ErrCheckpoint, "%s: parameter %d is %q %v %d %s (group %d, frozen %v), the engine's is %q %v %d %v (group %d, frozen %v); load a checkpoint of this model",
-				where, i, p.Name, p.Shape, p.Count, p.DType, p.Group, p.Frozen, q.Name, q.Shape, q.Count, q.DType, q.Group, q.Frozen)
+			return nil, nil, errorf(ErrCheckpoint, "%s: parameter %d (%q) is %v %d %s (group %d, frozen %v) in the checkpoint, the engine's is %v %d %v (group %d, frozen %v); load a checkpoint of this model",
+				where, i, q.Name, p.Shape, p.Count, p.DType, p.Group, p.Frozen, q.Shape, q.Count, q.DType, q.Group, q.Frozen)
 		}
 	}
+	saved := make([]Param, len(ce.params))
+	for i, j := range src {
+		saved[j] = ce.params[i]
+	}
+	if err := ce.checkSettings(where, m); err != nil {
+		return nil, nil, err
+	}
+	return src, saved, nil
+}
+
+// matchParams finds each of params among a checkpoint's (saved): by name
+// where every parameter on both sides has a name of its own, by position
+// otherwise; a parameter on one side only is refused, named.
+func matchParams(where string, saved []ckptParam, params []Param) ([]int, error) {
+	byName := map[string]int{}
+	named := true
+	for i, p := range saved {
+		byName[p.Name] = i
+		named = named && p.Name != ""
+	}
+	named = named && len(byName) == len(saved)
+	for _, q := range params {
+		named = named && q.Name != ""
+	}
+	src := make([]int, len(params))
+	if !named {
+		if len(saved) != len(params) {
+			return nil, errorf(ErrCheckpoint, "%s: a model of %d parameters, the engine has %d; load a checkpoint of this model", where, len(saved), len(params))
+		}
+		for i := range src {
+			src[i] = i
+		}
+		return src, nil
+	}
+	for i, q := range params {
+		j, ok := byName[q.Name]
+		if !ok {
+			return nil, errorf(ErrCheckpoint, "%s: the engine's parameter %d (%q) is not in the checkpoint, whose parameters are %s; load a checkpoint of this model, or register only the checkpoint's parameters", where, i, q.Name, paramNames(saved))
+		}
+		src[i] = j
+		delete(byName, q.Name)
+	}
+	for j, p := range saved {
+		if _, left := byName[p.Name]; left {
+			return nil, errorf(ErrCheckpoint, "%s: the checkpoint's parameter %d (%q, %v %d %s) is not one of the engine's; register it (frozen, if it does not train), or load a checkpoint of this model", where, j, p.Name, p.Shape, p.Count, p.DType)
+		}
+	}
+	return src, nil
+}
+
+// paramNames lists the first names of a checkpoint's parameters, for a
+// message.
+func paramNames(ps []ckptParam) string {
+	var names []string
+	for i, p := range ps {
+		if i == 8 {
+			names = append(names, fmt.Sprintf("… (%d in all)", len(ps)))
+			break
+		}
+		names = append(names, strconv.Quote(p.Name))
+	}
+	return strings.Join(names, ", ")
+}
+
+// checkSettings refuses a checkpoint saved with settings that must match
+// and differ from the engine's.
+func (ce *ckptEngine) checkSettings(where string, m ckptManifestData) error {
 	saved := map[string]ckptSetting{}
 	for _, s := range m.Settings {
 		saved[s.Path] = s
@@ -611,6 +685,7 @@ type loader struct {
 	at       string
 	m        ckptManifestData
 	x        *ckptIndex
+	src      []int // per parameter of ce, its index in the checkpoint
 	readers  map[int]*rankReader
 	sections []string // the first verified file's, which every file must have
 	buf      []byte   // one chunk (ckptChunk bytes)
@@ -618,7 +693,25 @@ type loader struct {
 }
 
 func newLoader(ce *ckptEngine, at string, m ckptManifestData, x *ckptIndex) *loader {
-	return &loader{ce: ce, at: at, m: m, x: x, readers: map[int]*rankReader{}}
+	src := make([]int, len(ce.params))
+	for p := range src {
+		src[p] = p
+	}
+	return &loader{ce: ce, at: at, m: m, x: x, src: src, readers: map[int]*rankReader{}}
+}
+
+// byEngine is c with its step counts in the engine's order of parameters
+// (src: each one's index in the checkpoint).
+func byEngine(c optCheckpoint, src []int) optCheckpoint {
+	if len(c.Steps) != len(src) {
+		return c // refused by restorable, or unused (WeightsOnly)
+	}
+	steps := make([]int, len(src))
+	for p, j := range src {
+		steps[p] = c.Steps[j]
+	}
+	c.Steps = steps
+	return c
 }
 
 // need lists the ranks whose files hold part of this rank's shard, and the
@@ -633,7 +726,7 @@ func (ld *loader) need() []int {
 		if r.Count == 0 {
 			continue
 		}
-		ld.x.each(p, r.ParamOffset, r.Count, func(rank, _, _, _ int) error {
+		ld.x.each(ld.src[p], r.ParamOffset, r.Count, func(rank, _, _, _ int) error {
 			set[rank] = true
 			return nil
 		})
@@ -822,7 +915,7 @@ func (ld *loader) fill(st stateTensor, zero bool) error {
 			}
 			clear(b[(at-off)*size : (lo-off)*size])
 			// param elements [lo−so+po, hi−so+po) go to b at lo−off
-			if err := ld.readParam(st, sg.p, lo-sg.so+sg.po, hi-lo, b[(lo-off)*size:(hi-off)*size]); err != nil {
+			if err := ld.readParam(st, ld.src[sg.p], lo-sg.so+sg.po, hi-lo, b[(lo-off)*size:(hi-off)*size]); err != nil {
 				return err
 			}
 			at = hi
@@ -876,8 +969,9 @@ func (ld *loader) fill(st stateTensor, zero bool) error {
 	return nil
 }
 
-// readParam reads count elements of parameter p from element from, of
-// section st.name, into dst, from whichever ranks' files hold them.
+// readParam reads count elements of the checkpoint's parameter p from
+// element from, of section st.name, into dst, from whichever ranks' files
+// hold them.
 func (ld *loader) readParam(st stateTensor, p, from, count int, dst []byte) error {
 	size := st.t.dtype.Size()
 	return ld.x.each(p, from, count, func(rank, po, n, so int) error {
@@ -927,11 +1021,13 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (clien
 	var x *ckptIndex
 	var ld *loader
 	var groups []Optimizer
+	var src []int
+	var saved []Param
 	if err == nil {
-		err = ce.checkModel(at, m)
+		src, saved, err = ce.checkModel(at, m)
 	}
 	if err == nil {
-		x, err = checkLayout(at, m, ce.params)
+		x, err = checkLayout(at, m, saved)
 	}
 	if err == nil && !opt.WeightsOnly {
 		if err = checkScalars(at, m.Optimizer); err == nil {
@@ -940,6 +1036,7 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (clien
 	}
 	if err == nil {
 		ld = newLoader(ce, at, m, x)
+		ld.src = src
 		defer ld.close()
 		err = ld.verify()
 	}
@@ -967,7 +1064,7 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (clien
 		client, err = ld.client()
 	}
 	if err == nil {
-		err = ce.opt.restore(m.Optimizer, groups, opt.WeightsOnly, fresh, scalerOrigin{m.Version, savedAccumSteps(m)})
+		err = ce.opt.restore(byEngine(m.Optimizer, src), groups, opt.WeightsOnly, fresh, scalerOrigin{m.Version, savedAccumSteps(m)})
 	}
 	failed, _, cerr = ce.agree(err != nil)
 	if cerr != nil {

@@ -45,8 +45,9 @@ var floors = map[string]int{
 	// their exports to safetensors; and the estimator, which plans as the
 	// hub builds
 	"checkpoint.go": 9, "estimate.go": 9,
-	// 10: the hub
-	"zero.go": 10,
+	// 10: the hub; and a checkpoint written without an engine, which
+	// commits as a save does
+	"zero.go": 10, "ckptwrite.go": 10,
 }
 
 // componentFloor is the first floor whose files are components: their

@@ -1031,11 +1031,13 @@ func (e *Engine) Save(dir string, opt SaveOptions) error {
 // checkpoint directory, or one whose latest names one) and returns this
 // rank's Client bytes (nil on a rank the saving run did not have: a
 // checkpoint of W ranks loaded into more). It is a load into an engine New
-// has built, with the same parameters (names, shapes, dtypes, groups),
-// because New is where the settings are checked across ranks and the
-// memory is laid out: the checkpoint fills that memory, whatever world
-// size, stage, bucket size, alignment or offload wrote it (state is found
-// by parameter and element range). Set Params.NoBroadcast in the
+// has built, with the same parameters (names, shapes, dtypes, groups; in
+// any order, as they are found by name), because New is where the
+// settings are checked across ranks and the memory is laid out: the
+// checkpoint fills that memory, whatever world size, stage, bucket size,
+// alignment or offload wrote it (state is found by parameter and element
+// range). A parameter one side has and the other lacks, or has otherwise,
+// is refused, naming it. Set Params.NoBroadcast in the
 // Config when you will load: the broadcast of the initial values is then
 // wasted. The optimizer's groups are restored (SetGroup after Load
 // overrides them), as is the step count; Optimizer.Clip and Schedule come

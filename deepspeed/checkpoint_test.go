@@ -277,3 +277,82 @@ func TestLayoutAlignmentPaddings(t *testing.T) {
 		t.Errorf("a partition one short: %v", err)
 	}
 }
+
+// withConfigKey is a pickle with zero_optimization.key = n (a small int)
+// added to the ds_config it holds.
+func withConfigKey(t *testing.T, key string, n byte) func([]byte) []byte {
+	return func(p []byte) []byte {
+		i := bytes.Index(p, []byte("X\x11\x00\x00\x00zero_optimization"))
+		if i < 0 {
+			t.Fatal("no zero_optimization in the pickle")
+		}
+		j := i + bytes.IndexByte(p[i:], '}') + 1
+		if p[j] == 'q' { // BINPUT
+			j += 2
+		}
+		out := append([]byte(nil), p[:j]...)
+		out = append(out, 'X', byte(len(key)), 0, 0, 0)
+		out = append(out, key...)
+		out = append(out, 'K', n, 's')
+		return append(out, p[j:]...)
+	}
+}
+
+// TestReadRefusesLayouts: a ZeRO-3 run with ZeRO++'s hierarchical
+// partitioning or MiCS's shard groups is refused (ErrUnsupported, naming
+// it), from its checkpoint (MiCS: TestReadRefusals) and from the universal
+// layout ds_to_universal made of it (which reads such a run as a plain
+// one, wrongly); a value that keeps the plain layout is read.
+func TestReadRefusesLayouts(t *testing.T) {
+	for _, c := range []struct {
+		name, sub, file, key string
+		n                    byte
+		say                  string
+	}{
+		{"hpZ", "global_step3", "bf16_" + optim0, "zero_hpz_partition_size", 2, "ZeRO++ hierarchical partitioning"},
+		{"hpZ, universal", "global_step3_universal", "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_hpz_partition_size", 4, "ZeRO++"},
+		{"MiCS, universal", "global_step3_universal", "zero_pp_rank_0_mp_rank_00_model_states.pt", "mics_shard_size", 1, "zero_optimization.mics_shard_size 1: MiCS"},
+		{"hpZ of 1", "global_step3", "bf16_" + optim0, "zero_hpz_partition_size", 1, ""},
+		{"MiCS off, universal", "global_step3_universal", "zero_pp_rank_0_mp_rank_00_model_states.pt", "mics_shard_size", 0, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir := copyTreeOf(t, filepath.Join(golden, "z3-bf16", "ckpt", c.sub))
+			rewritePickle(t, filepath.Join(dir, c.file), withConfigKey(t, c.key, c.n))
+			s, err := Read(dir)
+			if c.say == "" {
+				if err != nil {
+					t.Fatalf("%s %d keeps the plain layout: %v", c.key, c.n, err)
+				}
+				return
+			}
+			var e *Error
+			if s != nil || !errors.Is(err, ErrUnsupported) || !errors.As(err, &e) || !strings.Contains(err.Error(), c.say) {
+				t.Errorf("got %v (state %v); want ErrUnsupported saying %q", err, s != nil, c.say)
+			}
+		})
+	}
+}
+
+// copyTreeOf copies the directory src into a temporary one.
+func copyTreeOf(t *testing.T, src string) string {
+	t.Helper()
+	dst := filepath.Join(t.TempDir(), filepath.Base(src))
+	err := filepath.WalkDir(src, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(src, path)
+		if d.IsDir() {
+			return os.MkdirAll(filepath.Join(dst, rel), 0o755)
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(filepath.Join(dst, rel), b, 0o644)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dst
+}

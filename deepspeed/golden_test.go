@@ -132,7 +132,7 @@ func readST(t *testing.T, path string) map[string]Tensor {
 	return out
 }
 
-var goldenRuns = []string{"z1-fp32", "z1-bf16", "z1-fp16", "z2-fp32", "z2-bf16", "z2-fp16", "z3-fp32", "z3-bf16", "z3-fp16"}
+var goldenRuns = []string{"z1-fp32", "z1-bf16", "z1-fp16", "z2-fp32", "z2-bf16", "z2-fp16", "z3-fp32", "z3-bf16", "z3-fp16", "mlp-z2-fp16"}
 
 // TestReadGolden reads each golden checkpoint (ZeRO-1, 2 and 3) and holds
 // every tensor to DeepSpeed's own, bit for bit: the fp32 master, exp_avg

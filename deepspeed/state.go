@@ -12,7 +12,7 @@ import "zero"
 type State struct {
 	Dir        string // the checkpoint's tag directory (global_stepN)
 	DSVersion  string // the DeepSpeed version that wrote it
-	Stage      int    // ZeRO stage: 1 or 2
+	Stage      int    // ZeRO stage: 1, 2 or 3
 	World      int    // data-parallel world size it was saved at
 	ModelDType DType  // the parameters' dtype in the model (float32, bfloat16, float16)
 

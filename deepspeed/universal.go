@@ -55,6 +55,11 @@ func (r *reader) universal(files *checkpointFiles) (*State, error) {
 	s.Stage = stage.value
 	// the optimizer's settings are the model file's config and this file's groups
 	config, _ := field(models[0].root, "ds_config")
+	if r.stage3 {
+		if err := r.plainLayout3(config); err != nil { // ds_to_universal reads such a run as a plain one: wrongly
+			return nil, err
+		}
+	}
 	o := &optimFile{config: config, state: of.root}
 	if c, _ := field(of.root, "clip_grad"); c != nil {
 		if o.clip, ok = number(c); !ok {

@@ -20,17 +20,8 @@ func (r *reader) assemble3(s *State, ranks []*optimFile, models []*torchFile) er
 	if err := r.common(s, first); err != nil {
 		return err
 	}
-	for _, c := range []struct {
-		key, what string
-		most      float64 // the largest value that keeps the plain layout
-	}{
-		{"zero_hpz_partition_size", "ZeRO++ hierarchical partitioning", 1},
-		{"mics_shard_size", "MiCS", 0},
-	} {
-		v, _ := configValue(first.config, "zero_optimization", c.key)
-		if n, ok := number(v); ok && n > c.most {
-			return errorf(ErrUnsupported, r.dir, "zero_optimization.%s %v: %s partitions the state in a layout zero does not read", c.key, n, c.what)
-		}
+	if err := r.plainLayout3(first.config); err != nil {
+		return err
 	}
 	s.ModelDType = modelDType(first.config)
 	w := len(ranks)
@@ -96,6 +87,25 @@ func (r *reader) assemble3(s *State, ranks []*optimFile, models []*torchFile) er
 		return err
 	}
 	return r.scaler(s, ranks)
+}
+
+// plainLayout3 refuses a ZeRO-3 run whose config partitions the state in
+// a layout of its own: ZeRO++'s hierarchical partitioning (hpZ) or MiCS's
+// shard groups.
+func (r *reader) plainLayout3(config any) error {
+	for _, c := range []struct {
+		key, what string
+		most      float64 // the largest value that keeps the plain layout
+	}{
+		{"zero_hpz_partition_size", "ZeRO++ hierarchical partitioning", 1},
+		{"mics_shard_size", "MiCS", 0},
+	} {
+		v, _ := configValue(config, "zero_optimization", c.key)
+		if n, ok := number(v); ok && n > c.most {
+			return errorf(ErrUnsupported, r.dir, "zero_optimization.%s %v: %s partitions the state in a layout zero does not read", c.key, n, c.what)
+		}
+	}
+	return nil
 }
 
 // extras3 reads a ZeRO-3 checkpoint's buffers (rank 0's model file) and

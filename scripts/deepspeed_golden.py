@@ -22,6 +22,10 @@ fp16, with two ranks on the CPU over gloo, and writes for each run:
   golden.json                            the config, names, shapes and the scalars
                                          (steps, loss scale, lr, norms, losses)
 
+and, for cmd/train's model (mlp-z2-fp16: its MLP of -in 4 -hidden 16, W1, b1,
+W2, b2, the weights decayed), the same and its DeepSpeed config as
+ds_config.json, which cmd/train -deepspeed takes to continue the run.
+
 Usage (the venv as deepspeed/testdata/golden/README.md says):
   DS_ACCELERATOR=cpu /work/venv-ds/bin/python scripts/deepspeed_golden.py deepspeed/testdata/golden
 """
@@ -92,20 +96,49 @@ def build_model(torch):
     return Net()
 
 
+MLP_IN, MLP_HIDDEN = 4, 16
+
+
+def build_mlp(torch):
+    nn = torch.nn
+
+    class MLP(nn.Module):
+        """cmd/train's model: y = W2 . sigmoid(W1 . x + b1) + b2, its tensors named as cmd/train names
+        them, W1 (hidden x in), b1, W2 (1 x hidden) and b2, in that order."""
+
+        def __init__(self):
+            super().__init__()
+            self.W1 = nn.Parameter(torch.randn(MLP_HIDDEN, MLP_IN) * 0.5)
+            self.b1 = nn.Parameter(torch.zeros(MLP_HIDDEN))
+            self.W2 = nn.Parameter(torch.rand(1, MLP_HIDDEN) * 0.5)
+            self.b2 = nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            return torch.sigmoid(x @ self.W1.t() + self.b1) @ self.W2.t() + self.b2
+
+    return MLP()
+
+
+MODELS = {"net": build_model, "mlp": build_mlp}
+
+
 def param_groups(model):
+    if hasattr(model, "W1"):
+        return [{"params": [model.W1, model.W2], "weight_decay": 0.01}, {"params": [model.b1, model.b2], "weight_decay": 0.0}]
     decay = [model.fc1.weight, model.fc2.weight]
     no_decay = [model.fc1.bias, model.fc2.bias, model.gain]
     return [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def batch(torch, step, rank, dtype):
+def batch(torch, step, rank, dtype, kind="net"):
     g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(MICRO_BATCH, 8, generator=g)
-    y = torch.randn(MICRO_BATCH, 7, generator=g)
+    inputs, outputs = (8, 7) if kind == "net" else (MLP_IN, 1)
+    x = torch.randn(MICRO_BATCH, inputs, generator=g)
+    y = torch.randn(MICRO_BATCH, outputs, generator=g)
     return x.to(dtype), y.to(dtype)
 
 
-def worker(stage, dtype, out):
+def worker(stage, dtype, out, kind="net"):
     import torch
     torch.set_num_threads(1)
     import deepspeed
@@ -122,7 +155,7 @@ def worker(stage, dtype, out):
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(1234)
-    model = build_model(torch)
+    model = MODELS[kind](torch)
     names = {p: n for n, p in model.named_parameters()}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
                                            config=ds_config(stage, dtype))
@@ -185,7 +218,7 @@ def worker(stage, dtype, out):
 
     def train_step(step):
         grads.clear()
-        x, y = batch(torch, step, rank, mdtype)
+        x, y = batch(torch, step, rank, mdtype, kind)
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         loss = loss.detach()
@@ -234,13 +267,17 @@ def worker(stage, dtype, out):
             "params": [{"name": n, "shape": list(getattr(p, "ds_shape", p.shape)), "trainable": p.requires_grad}
                        for n, p in model.named_parameters()],
             "param_groups": [[names[p] for p in g["params"]] for g in param_groups(model)],
-            "batch": "torch.Generator().manual_seed(1000*step + rank): x = randn(4, 8), y = randn(4, 7); "
-                     "loss = mse_loss(model(x), y)",
+            "batch": "torch.Generator().manual_seed(1000*step + rank): x = randn(4, %d), y = randn(4, %d); "
+                     "loss = mse_loss(model(x), y)" % ((8, 7) if kind == "net" else (MLP_IN, 1)),
             **log,
         }
         with open(os.path.join(out, "golden.json"), "w") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
             f.write("\n")
+        if kind == "mlp":
+            with open(os.path.join(out, "ds_config.json"), "w") as f:
+                json.dump(ds_config(stage, dtype), f, indent=1, sort_keys=True)
+                f.write("\n")
     torch.distributed.barrier()
 
 
@@ -250,8 +287,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run(stage, dtype, root):
-    out = os.path.join(root, "z%d-%s" % (stage, dtype))
+def run(stage, dtype, root, kind="net"):
+    out = os.path.join(root, ("z%d-%s" if kind == "net" else "mlp-z%d-%s") % (stage, dtype))
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     port = str(free_port())
@@ -260,7 +297,7 @@ def run(stage, dtype, root):
         env = dict(os.environ, DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                    LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
         log = open(os.path.join(root, ".log-z%d-%s-rank%d" % (stage, dtype, rank)), "w")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(stage), dtype, out], env=env,
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(stage), dtype, out, kind], env=env,
                                       stdout=log, stderr=subprocess.STDOUT))
     codes = [p.wait(timeout=900) for p in procs]
     if any(codes):
@@ -301,21 +338,21 @@ def digest(root):
 
 
 def main():
-    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    if len(sys.argv) == 6 and sys.argv[1] == "--worker":
+        worker(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
         return
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     root = sys.argv[1]
     only = sys.argv[2:]  # optional run names, e.g. z2-bf16
     os.makedirs(root, exist_ok=True)
-    for stage in STAGES:
-        for dtype in DTYPES:
-            name = "z%d-%s" % (stage, dtype)
-            if only and name not in only:
-                continue
-            print(name, flush=True)
-            run(stage, dtype, root)
+    runs = [(stage, dtype, "net") for stage in STAGES for dtype in DTYPES] + [(2, "fp16", "mlp")]
+    for stage, dtype, kind in runs:
+        name = ("z%d-%s" if kind == "net" else "mlp-z%d-%s") % (stage, dtype)
+        if only and name not in only:
+            continue
+        print(name, flush=True)
+        run(stage, dtype, root, kind)
     pins = subprocess.run([sys.executable, "-m", "pip", "freeze"], check=True, capture_output=True, text=True).stdout
     with open(os.path.join(root, "PINS"), "w") as f:
         f.write("# python %s\n" % sys.version.split()[0])

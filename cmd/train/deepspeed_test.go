@@ -2,11 +2,14 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -198,6 +201,113 @@ func TestDeepSpeedMalformedBatch(t *testing.T) {
 		var ds *zero.DeepSpeedError
 		if !errors.As(err, &ds) || len(ds.Problems) != 1 || ds.Problems[0].Path != "train_micro_batch_size_per_gpu" {
 			t.Errorf("micro-batch %s: %v, want train_micro_batch_size_per_gpu alone", micro, err)
+		}
+	}
+}
+
+// goldenMLP is DeepSpeed's run of this command's model (its MLP of -in 4
+// -hidden 16, fp16, ZeRO-2 at W=2, 3 steps), made by
+// scripts/deepspeed_golden.py, with its config file.
+var goldenMLP = filepath.Join("..", "..", "deepspeed", "testdata", "golden", "mlp-z2-fp16")
+
+// convertGolden converts a golden DeepSpeed run's checkpoint into a zero
+// checkpoint with deepspeed/cmd/convert -zero, as the README says; the
+// deepspeed module is a module of its own, so the go tool runs it there.
+func convertGolden(t *testing.T, run string) string {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), "zero")
+	cmd := exec.Command(filepath.Join(runtime.GOROOT(), "bin", "go"), "run", "./cmd/convert", filepath.Join("testdata", "golden", run, "ckpt"), "-zero", out)
+	cmd.Dir = filepath.Join("..", "..", "deepspeed")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("%v: %v\n%s", cmd.Args, err, b)
+	}
+	return out
+}
+
+// TestResumeDeepSpeed: a DeepSpeed run of this command's model, converted,
+// continues with its own config file (-deepspeed CONFIG -resume OUT, the
+// two commands the README shows): with no step left (-steps 3) the fp32
+// parameters exported are DeepSpeed's master weights bit for bit
+// (zero_to_fp32's file), and steps 4 and 5 run at DeepSpeed's loss scale
+// (512, its window of 2 then doubling it) and its warmup's rates at the
+// schedule's t (index 2, then 3: the warmup's end).
+func TestResumeDeepSpeed(t *testing.T) {
+	zdir := convertGolden(t, "mlp-z2-fp16")
+	config := filepath.Join(goldenMLP, "ds_config.json")
+	dir := t.TempDir()
+	export := filepath.Join(dir, "model.safetensors")
+	var so, se bytes.Buffer
+	if code := mainArgs([]string{"-deepspeed", config, "-resume", zdir, "-steps", "3", "-export", export}, &so, &se); code != 0 {
+		t.Fatalf("exit %d: %s", code, se.String())
+	}
+	_, got, _ := readExport(t, export)
+	_, want, _ := readExport(t, filepath.Join(goldenMLP, "zero_to_fp32", "model.safetensors"))
+	if len(got) != 4 || len(want) != 4 {
+		t.Fatalf("exported %d tensors, zero_to_fp32 wrote %d", len(got), len(want))
+	}
+	for name, w := range want {
+		g := got[name]
+		if len(g) != len(w) {
+			t.Fatalf("%s: %d values exported, DeepSpeed's %d", name, len(g), len(w))
+		}
+		for i := range w {
+			if math.Float32bits(g[i]) != math.Float32bits(w[i]) {
+				t.Fatalf("%s[%d]: %v exported, DeepSpeed's master %v", name, i, g[i], w[i])
+			}
+		}
+	}
+	metrics := filepath.Join(dir, "metrics.jsonl")
+	so.Reset()
+	if code := mainArgs([]string{"-deepspeed", config, "-resume", zdir, "-steps", "5", "-metrics", metrics}, &so, &se); code != 0 {
+		t.Fatalf("exit %d: %s", code, se.String())
+	}
+	if !strings.Contains(so.String(), "resumed from "+zdir+" after step 3") {
+		t.Errorf("the output does not say where it resumed:\n%s", so.String())
+	}
+	b, err := os.ReadFile(metrics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	if len(lines) != 2 {
+		t.Fatalf("%d steps in the metrics, want steps 4 and 5:\n%s", len(lines), b)
+	}
+	for k, want := range []stepMetrics{{Step: 4, LR: 0.01 * math.Log(3) / math.Log(4), LossScale: 512}, {Step: 5, LR: 0.01, LossScale: 512}} {
+		var m stepMetrics
+		if err := json.Unmarshal([]byte(lines[k]), &m); err != nil {
+			t.Fatal(err)
+		}
+		if m.Step != want.Step || m.LossScale != want.LossScale || m.Skipped || math.Abs(m.LR-want.LR) > 1e-15 || m.Loss == nil {
+			t.Errorf("step %d: %s; want step %d at rate %v, loss scale %v, not skipped", 4+k, lines[k], want.Step, want.LR, want.LossScale)
+		}
+	}
+}
+
+// TestResumeDeepSpeedRefusals: a converted DeepSpeed run of another model
+// (the golden Net: fc1, fc2, gain and a frozen tensor) is refused, naming
+// the parameter and this command's model; one resumed with another global
+// batch than its samples per step is refused, naming both.
+func TestResumeDeepSpeedRefusals(t *testing.T) {
+	config := filepath.Join(goldenMLP, "ds_config.json")
+	for _, c := range []struct {
+		run  string
+		args []string
+		say  []string
+	}{
+		{"z2-fp16", nil, []string{`the engine's parameter 0 ("W1") is not in the checkpoint, whose parameters are "fc1.weight"`,
+			"cmd/train's model is the MLP of -in 4 -hidden 16: W1 [16 4] (group 0), b1 [16] (group 1), W2 [1 16] (group 0), b2 [1] (group 1)"}},
+		{"mlp-z2-fp16", []string{"-world", "4"}, []string{"DeepSpeed 0.19.8's run after 3 steps and 24 samples, not 16 a step as this run's global batch 16"}},
+	} {
+		zdir := convertGolden(t, c.run)
+		var so, se bytes.Buffer
+		args := append([]string{"-deepspeed", config, "-resume", zdir, "-steps", "5"}, c.args...)
+		if code := mainArgs(args, &so, &se); code != 1 {
+			t.Errorf("%s %v: exit %d, want 1: %s", c.run, c.args, code, se.String())
+		}
+		for _, say := range c.say {
+			if !strings.Contains(se.String(), say) {
+				t.Errorf("%s %v: %q does not say %q", c.run, c.args, se.String(), say)
+			}
 		}
 	}
 }

@@ -19,6 +19,7 @@ import (
 	"math/rand"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -245,6 +246,15 @@ func (m mlp) sizes() []int { return []int{m.hidden * m.in, m.hidden, m.hidden, 1
 // shapes are the tensors' shapes (rows × columns for the weights), as an
 // export records them.
 func (m mlp) shapes() [][]int { return [][]int{{m.hidden, m.in}, {m.hidden}, {1, m.hidden}, {1}} }
+
+// describe lists the tensors as a checkpoint must hold them.
+func (m mlp) describe() string {
+	var parts []string
+	for p, shape := range m.shapes() {
+		parts = append(parts, fmt.Sprintf("%s %v (group %d)", tensorNames[p], shape, tensorGroups[p]))
+	}
+	return strings.Join(parts, ", ")
+}
 
 // names and groups of the tensors: the weights decay (group 0), the biases
 // do not (group 1), the usual split.
@@ -667,6 +677,9 @@ func trainRank(c config, comm zero.Comm, data *batches, rec *result) error {
 		// the flags' -lr and -wd hold for the rest of the run; the
 		// moments, step counts and loss scale come back
 		client, err := e.Load(c.resume, zero.LoadOptions{KeepConfigGroups: true})
+		if errors.Is(err, zero.ErrCheckpoint) {
+			return fmt.Errorf("%w (cmd/train's model is the MLP of -in %d -hidden %d: %s; a checkpoint it resumes, a converted DeepSpeed run's too, holds those)", err, c.in, c.hidden, m.describe())
+		}
 		if err != nil {
 			return err
 		}
@@ -888,14 +901,32 @@ type trainState struct {
 	In    int   `json:"in"`
 }
 
+// convertedDeepSpeed is the client bytes of a DeepSpeed run converted by
+// deepspeed/cmd/convert -zero (its deepspeed.ClientState): DeepSpeed's
+// counters. Its data was its own, so the run goes on with this command's
+// data from the batch of its step count, the global batch held to its
+// samples per step.
+type convertedDeepSpeed struct {
+	Version       string `json:"deepspeed"`
+	GlobalSteps   int    `json:"global_steps"`
+	GlobalSamples int    `json:"global_samples"`
+}
+
 // resumePosition is the step a resumed run starts from, agreed by every
 // rank (a rank the saving run did not have gets no client bytes and takes
 // the others' position).
 func resumePosition(c config, comm zero.Comm, client []byte) (int, error) {
 	var own error
 	var ts trainState
+	var ds convertedDeepSpeed
 	have := client != nil
-	if have {
+	if have && json.Unmarshal(client, &ds) == nil && ds.Version != "" {
+		ts.Step = ds.GlobalSteps
+		if ds.GlobalSteps < 0 || ds.GlobalSamples != ds.GlobalSteps*c.batch {
+			own = fmt.Errorf("%s is DeepSpeed %s's run after %d steps and %d samples, not %d a step as this run's global batch %d; resume with its DeepSpeed config (-deepspeed), whose batch sizes give its global batch",
+				c.resume, ds.Version, ds.GlobalSteps, ds.GlobalSamples, c.batch, c.batch)
+		}
+	} else if have {
 		if err := json.Unmarshal(client, &ts); err != nil {
 			own = fmt.Errorf("%s: the trainer's state in the checkpoint is unreadable (%v); was it written by cmd/train?", c.resume, err)
 		} else if ts.Seed != c.seed || ts.Batch != c.batch || ts.In != c.in {

@@ -10,6 +10,16 @@
 // -optimizer adds Adam's state as torch and zero's own export name it
 // (NAME.exp_avg, NAME.exp_avg_sq, NAME.step), and each group's
 // hyperparameters and step as the file's "deepspeed_optimizer" metadata.
+//
+//	go run ./cmd/convert DIR -zero OUT
+//
+// writes the checkpoint as a zero checkpoint into OUT (OUT/step-N and
+// OUT/latest), which Engine.Load and cmd/train -resume take at any world
+// size, stage and bucket size: the master weights, moments and step
+// counts, the groups' settings, the loss scaler, the schedule's step, and
+// DeepSpeed's step and sample counters as rank 0's client bytes. Frozen
+// parameters and buffers are the model's, not the optimizer's: a zero
+// checkpoint holds none, so load them with the model (-o writes them).
 package main
 
 import (
@@ -28,9 +38,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	out := fs.String("o", "", "write the fp32 weights to this safetensors `file`")
 	opt := fs.Bool("optimizer", false, "add Adam's state (NAME.exp_avg, NAME.exp_avg_sq, NAME.step) and the groups' settings")
-	zeroOut := fs.String("zero", "", "write a zero checkpoint to this `dir` (not available yet)")
+	zeroOut := fs.String("zero", "", "write a zero checkpoint into this `dir`, for Engine.Load and cmd/train -resume")
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: convert DIR -o FILE [-optimizer]")
+		fmt.Fprintln(stderr, "usage: convert DIR -o FILE [-optimizer]\n       convert DIR -zero OUT")
 		fs.PrintDefaults()
 	}
 	// flags may come before or after DIR
@@ -49,11 +59,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		fs.Usage()
 		return 2
 	}
-	if *zeroOut != "" {
-		fmt.Fprintln(stderr, "convert: -zero is not available yet: writing a zero checkpoint needs zero's checkpoint writer, which this version of zero does not export; use -o for safetensors")
-		return 2
-	}
-	if *out == "" {
+	if *out == "" && *zeroOut == "" {
 		fs.Usage()
 		return 2
 	}
@@ -61,6 +67,27 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		fmt.Fprintln(stderr, "convert:", err)
 		return 1
+	}
+	if *zeroOut != "" {
+		if err := deepspeed.WriteZero(s, *zeroOut); err != nil {
+			fmt.Fprintln(stderr, "convert:", err)
+			return 1
+		}
+		trained, frozen := 0, []string{}
+		for _, p := range s.Params {
+			if p.Frozen {
+				frozen = append(frozen, p.Name)
+			} else {
+				trained++
+			}
+		}
+		fmt.Fprintf(stdout, "%s: ZeRO-%d, %d ranks, %d trained parameters after %d steps (DeepSpeed %s) -> zero checkpoint %s\n", s.Dir, s.Stage, s.World, trained, s.GlobalSteps, s.DSVersion, *zeroOut)
+		if len(frozen) > 0 || len(s.Buffers) > 0 {
+			fmt.Fprintf(stdout, "not in it, as in any zero checkpoint: frozen parameters %v and %d buffer(s), which the model holds (-o writes them)\n", frozen, len(s.Buffers))
+		}
+		if *out == "" {
+			return 0
+		}
 	}
 	ts := deepspeed.FP32Tensors(s)
 	meta := map[string]string{"format": "pt"}
