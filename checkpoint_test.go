@@ -115,7 +115,8 @@ func (a ckptState) diff(b ckptState) string {
 // set), steps [from, to), a save into save (if set). A run that does not
 // load halves the rate before step 2. initial, if set, gives each
 // parameter's values. savedWorld, if set, is the world size of the
-// checkpoint loaded: ranks beyond it get no client bytes.
+// checkpoint loaded: ranks beyond it get loadOpt.NewRankClient's client
+// bytes.
 type ckptRun struct {
 	c          ckptCase
 	world      int
@@ -126,6 +127,8 @@ type ckptRun struct {
 	config     func(*Config)
 	edit       func(*Engine) error
 	initial    [][]float32
+	// report, if set, checks each rank's LoadReport.
+	report func(rank int, r LoadReport) error
 }
 
 func ckptTrain(t *testing.T, c ckptCase, from, to int, load, save string) []ckptState {
@@ -167,16 +170,25 @@ func (cr ckptRun) run(t *testing.T) []ckptState {
 		s := NewHostStream()
 		defer s.Close()
 		if load != "" {
-			client, err := e.Load(load, cr.loadOpt)
+			rep, err := e.Load(load, cr.loadOpt)
 			if err != nil {
 				return err
 			}
-			want := []byte(fmt.Sprintf("rank %d at step %d", rank, from))
+			src := rank
 			if cr.savedWorld > 0 && rank >= cr.savedWorld {
-				want = nil // a rank the saving run did not have
+				src = cr.loadOpt.NewRankClient // a rank the saving run did not have
 			}
-			if from >= 0 && (!bytes.Equal(client, want) || want == nil && client != nil) { // from < 0: any
-				return fmt.Errorf("client bytes %q, want %q", client, want)
+			want := []byte(fmt.Sprintf("rank %d at step %d", src, from))
+			if src == NoClient {
+				want = nil
+			}
+			if from >= 0 && (!bytes.Equal(rep.Client, want) || want == nil && rep.Client != nil || rep.ClientRank != src) { // from < 0: any
+				return fmt.Errorf("client bytes %q of saved rank %d, want %q of %d", rep.Client, rep.ClientRank, want, src)
+			}
+			if cr.report != nil {
+				if err := cr.report(rank, rep); err != nil {
+					return err
+				}
 			}
 		}
 		if cr.edit != nil {
@@ -2046,11 +2058,11 @@ func TestCheckpointClientAcrossChunks(t *testing.T) {
 		if err := e.Save(dir, SaveOptions{Client: clients[rank]}); err != nil {
 			return err
 		}
-		back, err := e.Load(dir, LoadOptions{})
+		rep, err := e.Load(dir, LoadOptions{})
 		if err != nil {
 			return err
 		}
-		if !bytes.Equal(back, clients[rank]) {
+		if back := rep.Client; !bytes.Equal(back, clients[rank]) {
 			return fmt.Errorf("rank %d: %d client bytes back, first difference at %d", rank, len(back), firstByteDiff(back, clients[rank]))
 		}
 		return nil
