@@ -106,8 +106,8 @@ type Reshard struct {
 	World   bool // another world size: a rank the saving run did not have gets LoadReport.ClientRank's Client bytes
 	Stage   bool // another stage
 	Buckets bool // the parameters are grouped into buckets otherwise (another bucket size)
-	// Params names the parameters whose elements lie elsewhere than saved
-	// (in other ranks' shards, or at other places in them), in
+	// Params names the parameters some of whose elements lie elsewhere
+	// than saved (in another rank's shard, or at another place in it), in
 	// registration order: their state was read from other saved ranks'
 	// files or places.
 	Params []string
@@ -1106,15 +1106,25 @@ func (ce *ckptEngine) reshard(m ckptManifestData, x *ckptIndex) Reshard {
 		}
 	}
 	for p, q := range ce.params {
-		mb, b := x.members[p], ce.plan.ParamBucket[p]
-		if mb.shard == 0 || b < 0 {
+		b := ce.plan.ParamBucket[p]
+		if x.members[p].shard == 0 || b < 0 {
 			continue // frozen or empty: no state
 		}
 		bp, offset := ce.plan.Buckets[b], ce.plan.ParamOffset[p]
-		if savedBucket[p] != b || mb.offset != offset {
+		if savedBucket[p] != b || x.members[p].offset != offset {
 			r.Buckets = true
 		}
-		if r.World || mb.shard != bp.Shard || mb.offset != offset || mb.shardOffset != bp.ShardOffset {
+		// each saved piece (one rank's, contiguous) must be one piece of
+		// the same rank at the same place now: its ends say so
+		moved := false
+		x.each(p, 0, q.Count, func(rank, from, n, at int) error {
+			first, last := offset+from, offset+from+n-1 // in the bucket
+			if r0 := first / bp.Shard; r0 != rank || last/bp.Shard != rank || bp.ShardOffset+first-r0*bp.Shard != at {
+				moved = true
+			}
+			return nil
+		})
+		if moved {
 			r.Params = append(r.Params, q.Name)
 		}
 	}
