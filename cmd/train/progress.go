@@ -91,7 +91,7 @@ func reshardLine(r *zero.LoadReport) string {
 		parts = append(parts, "buckets regrouped")
 	}
 	if n := len(r.Reshard.Params); n > 0 {
-		parts = append(parts, fmt.Sprintf("%d parameters' shards placed anew", n))
+		parts = append(parts, fmt.Sprintf("%d parameters placed anew", n))
 	}
 	if len(parts) == 0 {
 		return ""
