@@ -397,8 +397,8 @@ func (e reshardEnd) run(t *testing.T, r ckptRun) []ckptState {
 // pair of stages; other buckets and alignments; offload switched; some
 // at once) with the state, assembled parameter by parameter, bit for bit
 // the saved one: parameters, master, moments, amsgrad's maximum, the
-// model-dtype shard, step counts, loss scaler, step; client bytes for
-// the ranks the saving run had, nil beyond. Two more steps then give the
+// model-dtype shard, step counts, loss scaler, step; client bytes of
+// the ranks the saving run had, rank 0's beyond. Two more steps then give the
 // bits of the unresharded run at the same world size (the same
 // arithmetic: windows make the stages' sums alike), and at another world
 // size stay within a bound derived from the float64 reference.
@@ -2426,7 +2426,7 @@ func ulpsApart(a, b float32) int64 {
 // (AccumSteps 4), the same global batch of the same per-sample gradients
 // split otherwise, and a run of W=1×4 resumes at W=2×2; at every stage,
 // in fp32, with gradients of one sign per element (seeded). Against the
-// run that never stopped:
+// run that never stopped (also with offload at stage 2):
 //   - each step's reduced gradient (FullGrads) within 2 ulp: the four
 //     terms lie in [0.5, 1), so the sum lies in [2, 4); summed in pairs and
 //     then together (W=2×2: the wire's sum of two ranks' terms, or of two
@@ -2450,22 +2450,22 @@ func TestResumeAtAnotherBatchSplit(t *testing.T) {
 	const at, steps = 3, 6
 	w2, w1 := splitEnd{world: 2, accum: 2}, splitEnd{world: 1, accum: 4}
 	type split struct {
-		stage    int
-		dtype    DType
-		window   bool
-		from, to splitEnd
+		stage           int
+		dtype           DType
+		window, offload bool
+		from, to        splitEnd
 	}
 	var cases []split
 	for stage := 1; stage <= 3; stage++ {
-		cases = append(cases, split{stage, FP32, false, w2, w1}, split{stage, FP32, false, w1, w2})
+		cases = append(cases, split{stage, FP32, false, false, w2, w1}, split{stage, FP32, false, false, w1, w2})
 	}
-	cases = append(cases,
-		split{1, BF16, false, w2, splitEnd{world: 1, accum: 4, windowDType: BF16}},
-		split{2, BF16, true, splitEnd{world: 2, accum: 2, windowDType: BF16}, w2})
+	cases = append(cases, split{2, FP32, false, true, w2, w1},
+		split{1, BF16, false, false, w2, splitEnd{world: 1, accum: 4, windowDType: BF16}},
+		split{2, BF16, true, false, splitEnd{world: 2, accum: 2, windowDType: BF16}, w2})
 	worstULP, worstParam, worstGrad := int64(0), 0.0, 0.0
 	ulpCount := map[int64]int{}
 	for _, sp := range cases {
-		c := ckptCase{stage: sp.stage, dtype: sp.dtype, window: sp.window, oneSign: true, seed: seed}
+		c := ckptCase{stage: sp.stage, dtype: sp.dtype, window: sp.window, offload: sp.offload, oneSign: true, seed: seed}
 		name := fmt.Sprintf("%v %v→%v", c, sp.from, sp.to)
 		dir := t.TempDir()
 		wholeGrads, resumedGrads := make([][][]float32, steps), make([][][]float32, steps)
