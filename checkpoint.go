@@ -56,6 +56,75 @@ type LoadOptions struct {
 	// decay), with the moments, step counts and loss scale it saved.
 	// SetGroup after Load changes a single group the same way.
 	KeepConfigGroups bool
+	// NewRankClient is the saved rank whose Client bytes a rank gets that
+	// the checkpoint does not have (a load into more ranks than saved):
+	// rank 0's by default, so a position every rank shares (a data
+	// loader's) reaches the new ranks; NoClient gives them none.
+	NewRankClient int
+}
+
+// NoClient, as LoadOptions.NewRankClient, gives the ranks a reshard adds
+// no Client bytes.
+const NoClient = -1
+
+// LoadReport is what a Load did: this rank's Client bytes, the checkpoint
+// it loaded, what of its layout was resharded, and where the settings the
+// engine runs with came from.
+type LoadReport struct {
+	// Client is this rank's bytes from SaveOptions.Client: its own where
+	// the saving run had this rank, otherwise saved rank ClientRank's.
+	Client []byte
+	// ClientRank is the saved rank whose bytes Client holds: this rank,
+	// or for a rank the saving run did not have LoadOptions.NewRankClient
+	// (-1 and nil Client with NoClient).
+	ClientRank int
+	// Dir is the checkpoint loaded: dir, or the checkpoint its latest
+	// names.
+	Dir string
+	// Step, World and Stage are the checkpoint's: the steps taken when it
+	// was saved (the engine's step count after Load, 0 with WeightsOnly),
+	// its world size and its stage.
+	Step, World, Stage int
+	// Reshard is what differs between the checkpoint's layout and the
+	// engine's (zero where nothing does).
+	Reshard Reshard
+	// FromCheckpoint names the settings Load set from the checkpoint: the
+	// optimizer groups' ("Optimizer.Groups[0].LR", …), unless
+	// KeepConfigGroups or WeightsOnly. Every other setting is the
+	// engine's Config's.
+	FromCheckpoint []string
+	// Changed lists the settings whose saved value differs from the
+	// engine's, with both values, in the settings record's order: the
+	// world size, the stage, the layout, the batch split, the optimizer's
+	// settings, rank-local ones. Load refuses a difference in any other.
+	Changed []SettingChange
+}
+
+// Reshard is what differs between a checkpoint's layout and the engine
+// that loads it; state is found by parameter and element range either way.
+type Reshard struct {
+	World   bool // another world size: a rank the saving run did not have gets LoadReport.ClientRank's Client bytes
+	Stage   bool // another stage
+	Buckets bool // the parameters are grouped into buckets otherwise (another bucket size)
+	// Params names the parameters some of whose elements lie elsewhere
+	// than saved (in another rank's shard, or at another place in it), in
+	// registration order: their state was read from other saved ranks'
+	// files or places.
+	Params []string
+}
+
+// Any reports whether anything was resharded.
+func (r Reshard) Any() bool { return r.World || r.Stage || r.Buckets || len(r.Params) > 0 }
+
+// SettingChange is a setting whose value in a checkpoint differs from the
+// engine's that loads it.
+type SettingChange struct {
+	Path   string // as in Engine.Settings
+	Saved  string // the checkpoint's value ("none": its record has no such setting)
+	Engine string // the engine's before the load ("none": its record has none)
+	// FromCheckpoint says the engine runs with Saved from now on (an
+	// optimizer group's setting restored); otherwise it keeps Engine.
+	FromCheckpoint bool
 }
 
 const (
@@ -557,9 +626,10 @@ func compareCkptNames(a, b string) int {
 // another count, shape, dtype, group or frozen flag; or a checkpoint with
 // settings that must match and differ. The optimizer's settings are state
 // (restored, or the engine's own with WeightsOnly) and may differ; so may
-// the layout (world size, stage, buckets): state is found by parameter.
-// It returns, for each engine parameter, its index in the checkpoint, and
-// the engine's parameters in the checkpoint's order.
+// the layout (world size, stage, buckets: state is found by parameter) and
+// the batch split (the saved loss scale is the step's mean loss's, at any
+// G). It returns, for each engine parameter, its index in the checkpoint,
+// and the engine's parameters in the checkpoint's order.
 func (ce *ckptEngine) checkModel(at string, m ckptManifestData) ([]int, []Param, error) {
 	where := filepath.Join(at, ckptManifest)
 	src, err := matchParams(where, m.Params, ce.params)
@@ -987,12 +1057,26 @@ func (ld *loader) readParam(st stateTensor, p, from, count int, dst []byte) erro
 	})
 }
 
-// client returns this rank's bytes (nil where the checkpoint had fewer
-// ranks).
-func (ld *loader) client() ([]byte, error) {
-	rr, ok := ld.readers[ld.ce.rank]
-	if !ok {
+// client returns saved rank from's client bytes (nil where from is -1).
+// Where this rank reads no state from that rank's file, only the file's
+// footer is checked here, and the bytes' chunks as they are read: the
+// engine rank of that number checks the file whole (a rank the saving
+// run did not have takes a rank's that it had).
+func (ld *loader) client(from int) ([]byte, error) {
+	if from < 0 {
 		return nil, nil
+	}
+	rr, ok := ld.readers[from]
+	if !ok {
+		fi := ld.m.Files[from]
+		var err error
+		if rr, err = openRankFile(ld.ce.fs, filepath.Join(ld.at, fi.Name), fi.Bytes, ld.ce.stop); err != nil {
+			return nil, err
+		}
+		defer rr.close()
+		if err := ld.checkFooter(rr, from); err != nil {
+			return nil, err
+		}
 	}
 	sec, ok := rr.footer.section("client")
 	if !ok {
@@ -1016,18 +1100,23 @@ func (ld *loader) has(name string) bool { return slices.Contains(ld.sections, na
 // it. Nothing changes until every rank has found and checked every file it
 // needs; a failure after that (an I/O error while filling) is fatal for
 // the engine, the caller's error says so.
-func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (client []byte, step int, fatal bool, err error) {
+func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (rep LoadReport, step int, fatal bool, err error) {
 	at, m, err := findCheckpoint(ce.fs, dir)
 	var x *ckptIndex
 	var ld *loader
 	var groups []Optimizer
 	var src []int
 	var saved []Param
+	var client []byte
+	from := NoClient
 	if err == nil {
 		src, saved, err = ce.checkModel(at, m)
 	}
 	if err == nil {
 		x, err = checkLayout(at, m, saved)
+	}
+	if err == nil {
+		from, err = ce.clientSource(at, x.world, opt)
 	}
 	if err == nil && !opt.WeightsOnly {
 		if err = checkScalars(at, m.Optimizer); err == nil {
@@ -1038,19 +1127,24 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (clien
 		ld = newLoader(ce, at, m, x)
 		ld.src = src
 		defer ld.close()
-		err = ld.verify()
+		if err = ld.verify(); err == nil {
+			client, err = ld.client(from)
+		}
 	}
 	failed, _, cerr := ce.agree(err != nil)
 	if cerr != nil {
-		return nil, 0, true, cerr
+		return rep, 0, true, cerr
 	}
 	if failed {
-		return nil, 0, false, ckptPeerError(err, "a rank could not read its part of the checkpoint; nothing was loaded")
+		return rep, 0, false, ckptPeerError(err, "a rank could not read its part of the checkpoint; nothing was loaded")
 	}
 	// Committed: fill the state.
-	if opt.WeightsOnly || opt.KeepConfigGroups {
+	restored := !opt.WeightsOnly && !opt.KeepConfigGroups
+	if !restored {
 		groups = ce.opt.currentGroups()
 	}
+	rep = LoadReport{Client: client, ClientRank: from, Dir: at, Step: m.Step, World: x.world, Stage: m.Stage, Reshard: ce.reshard(m, x, src)}
+	rep.FromCheckpoint, rep.Changed = ce.settingsOrigin(m, groups, restored)
 	states, err := ce.opt.prepareLoad(groups)
 	if err == nil && ce.ps != nil {
 		err = ce.ps.dropGathered()
@@ -1061,31 +1155,117 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (clien
 		err = ld.fill(st, skip || !ld.has(st.name))
 	}
 	if err == nil {
-		client, err = ld.client()
-	}
-	if err == nil {
 		err = ce.opt.restore(byEngine(m.Optimizer, src), groups, opt.WeightsOnly, fresh, scalerOrigin{m.Version, savedAccumSteps(m)})
 	}
 	failed, _, cerr = ce.agree(err != nil)
 	if cerr != nil {
-		return nil, 0, true, cerr
+		return LoadReport{}, 0, true, cerr
 	}
 	if failed {
-		return nil, 0, true, ckptPeerError(err, "a rank failed while filling its state from the checkpoint")
+		return LoadReport{}, 0, true, ckptPeerError(err, "a rank failed while filling its state from the checkpoint")
 	}
 	if err := ce.opt.publish(); err != nil {
-		return nil, 0, true, err
+		return LoadReport{}, 0, true, err
 	}
 	if ce.ps != nil {
 		if err := ce.ps.afterStep(); err != nil {
-			return nil, 0, true, err
+			return LoadReport{}, 0, true, err
 		}
 	}
 	step = m.Step
 	if opt.WeightsOnly {
 		step = 0
 	}
-	return client, step, false, nil
+	return rep, step, false, nil
+}
+
+// clientSource is the saved rank whose client bytes this rank gets: its
+// own, or on a rank the checkpoint (of world ranks) does not have,
+// opt.NewRankClient's (NoClient: none).
+func (ce *ckptEngine) clientSource(at string, world int, opt LoadOptions) (int, error) {
+	if n := opt.NewRankClient; n < NoClient || n >= world {
+		return NoClient, errorf(ErrConfig, "LoadOptions.NewRankClient %d, and %s holds ranks 0 to %d: give one of them, or NoClient (-1) for none", n, at, world-1)
+	}
+	if ce.rank < world {
+		return ce.rank, nil
+	}
+	return opt.NewRankClient, nil
+}
+
+// reshard is what differs between the checkpoint's layout (m, checked
+// into x) and the engine's plan; src maps the engine's parameters to the
+// checkpoint's (checkModel).
+func (ce *ckptEngine) reshard(m ckptManifestData, x *ckptIndex, src []int) Reshard {
+	r := Reshard{World: x.world != ce.world, Stage: m.Stage != ce.stage, Buckets: len(m.Layout.Buckets) != len(ce.plan.Buckets)}
+	savedBucket := make([]int, len(ce.params))
+	for b, bk := range m.Layout.Buckets {
+		for _, mb := range bk.Members {
+			savedBucket[mb[0]] = b // checkLayout: a trained parameter of the model, in one bucket
+		}
+	}
+	for p, q := range ce.params {
+		b, j := ce.plan.ParamBucket[p], src[p] // j: the checkpoint's index of engine parameter p
+		if x.members[j].shard == 0 || b < 0 {
+			continue // frozen or empty: no state
+		}
+		bp, offset := ce.plan.Buckets[b], ce.plan.ParamOffset[p]
+		if savedBucket[j] != b || x.members[j].offset != offset {
+			r.Buckets = true
+		}
+		// each saved piece (one rank's, contiguous) must be one piece of
+		// the same rank at the same place now: its ends say so
+		moved := false
+		x.each(j, 0, q.Count, func(rank, from, n, at int) error {
+			first, last := offset+from, offset+from+n-1 // in the bucket
+			if r0 := first / bp.Shard; r0 != rank || last/bp.Shard != rank || bp.ShardOffset+first-r0*bp.Shard != at {
+				moved = true
+			}
+			return nil
+		})
+		if moved {
+			r.Params = append(r.Params, q.Name)
+		}
+	}
+	return r
+}
+
+// settingsOrigin lists the settings a load takes from the checkpoint (the
+// optimizer groups' where restored), and every setting whose saved value
+// differs from the engine's, in the engine's record's order, then those
+// only the checkpoint's record has. The model's entries are checkModel's.
+func (ce *ckptEngine) settingsOrigin(m ckptManifestData, groups []Optimizer, restored bool) ([]string, []SettingChange) {
+	var from []string
+	if restored {
+		for _, s := range groupsRecord(groups) {
+			from = append(from, s.Path)
+		}
+	}
+	taken := func(path string) bool { return restored && strings.HasPrefix(path, "Optimizer.Groups[") }
+	saved := map[string]string{}
+	for _, s := range m.Settings {
+		saved[s.Path] = s.Value
+	}
+	mine := map[string]bool{}
+	var changed []SettingChange
+	for _, s := range ce.settings {
+		if strings.HasPrefix(s.Path, "Model[") {
+			continue
+		}
+		mine[s.Path] = true
+		v, ok := saved[s.Path]
+		if !ok {
+			v = "none"
+		}
+		if v != s.Value {
+			changed = append(changed, SettingChange{Path: s.Path, Saved: v, Engine: s.Value, FromCheckpoint: taken(s.Path)})
+		}
+	}
+	for _, s := range m.Settings {
+		if !mine[s.Path] && !strings.HasPrefix(s.Path, "Model[") {
+			changed = append(changed, SettingChange{Path: s.Path, Saved: s.Value, Engine: "none", FromCheckpoint: taken(s.Path)})
+		}
+	}
+	return from, changed
 }
 
 // ---- safetensors export -------------------------------------------------------

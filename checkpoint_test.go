@@ -31,8 +31,10 @@ type ckptCase struct {
 	stage   int
 	offload bool
 	dtype   DType
-	window  bool // every step a coalesced window of 2 backwards
-	sgd     bool // SGD with momentum instead of AdamW (with amsgrad)
+	window  bool   // every step a coalesced window of 2 backwards
+	sgd     bool   // SGD with momentum instead of AdamW (with amsgrad)
+	oneSign bool   // gradients of one sign per element and step, magnitudes in [0.5, 1): no sum cancels
+	seed    uint64 // mixed into ckptGrad's hash (0: the data of the tests before seeds)
 }
 
 func (c ckptCase) String() string {
@@ -40,7 +42,11 @@ func (c ckptCase) String() string {
 	if c.sgd {
 		opt = "sgd"
 	}
-	return fmt.Sprintf("z%d/%v/offload=%v/window=%v/%s", c.stage, c.dtype, c.offload, c.window, opt)
+	sign := ""
+	if c.oneSign {
+		sign = "/one-sign"
+	}
+	return fmt.Sprintf("z%d/%v/offload=%v/window=%v/%s%s", c.stage, c.dtype, c.offload, c.window, opt, sign)
 }
 
 var ckptSizes = []int{300, 7, 1000, 129, 64}
@@ -61,13 +67,26 @@ func (c ckptCase) config() Config {
 }
 
 // ckptGrad is the gradient of parameter p, element i, at step st,
-// backward k on rank: hashed values in [−1, 1), times the loss scale; at
-// the overflow step rank 1 puts an inf in parameter 2.
+// backward k on rank: hashed values in [−1, 1) (with c.oneSign, of a sign
+// hashed from st, p and i alone and a magnitude in [0.5, 1), 23 bits of
+// it hashed), times the loss scale; at the overflow step rank 1 puts an
+// inf in parameter 2.
 func ckptGrad(c ckptCase, st, k, rank, p, n int, scale float64) Tensor {
 	x := make([]float32, n)
+	salt := uint64(0)
+	if c.seed != 0 {
+		salt = mix64(c.seed)
+	}
 	for i := range x {
-		h := mix64(uint64(st)<<48 | uint64(k)<<40 | uint64(rank)<<32 | uint64(p)<<24 | uint64(i))
+		h := mix64(salt ^ (uint64(st)<<48 | uint64(k)<<40 | uint64(rank)<<32 | uint64(p)<<24 | uint64(i)))
 		x[i] = float32(float64(int32(h>>32))*0x1p-31) * float32(scale)
+		if c.oneSign {
+			v := 0.5 + float64(h>>41)*0x1p-24 // exact in fp32
+			if mix64(salt^(1<<63|uint64(st)<<48|uint64(p)<<24|uint64(i)))&1 != 0 {
+				v = -v
+			}
+			x[i] = float32(v) * float32(scale)
+		}
 	}
 	if st == ckptOverflowStep && rank == 1 && p == 2 {
 		x[3] = float32(math.Inf(1))
@@ -115,7 +134,8 @@ func (a ckptState) diff(b ckptState) string {
 // set), steps [from, to), a save into save (if set). A run that does not
 // load halves the rate before step 2. initial, if set, gives each
 // parameter's values. savedWorld, if set, is the world size of the
-// checkpoint loaded: ranks beyond it get no client bytes.
+// checkpoint loaded: ranks beyond it get loadOpt.NewRankClient's client
+// bytes.
 type ckptRun struct {
 	c          ckptCase
 	world      int
@@ -126,6 +146,14 @@ type ckptRun struct {
 	config     func(*Config)
 	edit       func(*Engine) error
 	initial    [][]float32
+	// report, if set, checks each rank's LoadReport.
+	report func(rank int, r LoadReport) error
+	// accum is the backwards each rank takes a step (0: 2): rank r's
+	// backward k is micro-batch r·accum+k of the step's global batch, whose
+	// micro-batch j is ckptGrad's backward j%2 of rank j/2.
+	accum int
+	// afterStep, if set, runs on every rank after each Step.
+	afterStep func(e *Engine, rank, st int) error
 }
 
 func ckptTrain(t *testing.T, c ckptCase, from, to int, load, save string) []ckptState {
@@ -136,7 +164,7 @@ func ckptTrain(t *testing.T, c ckptCase, from, to int, load, save string) []ckpt
 func (cr ckptRun) run(t *testing.T) []ckptState {
 	t.Helper()
 	c, from, to, load, save := cr.c, cr.from, cr.to, cr.load, cr.save
-	world := cmp.Or(cr.world, 2)
+	world, accum := cmp.Or(cr.world, 2), cmp.Or(cr.accum, 2)
 	comms, err := NewLocalGroup(world)
 	if err != nil {
 		t.Fatal(err)
@@ -167,16 +195,25 @@ func (cr ckptRun) run(t *testing.T) []ckptState {
 		s := NewHostStream()
 		defer s.Close()
 		if load != "" {
-			client, err := e.Load(load, cr.loadOpt)
+			rep, err := e.Load(load, cr.loadOpt)
 			if err != nil {
 				return err
 			}
-			want := []byte(fmt.Sprintf("rank %d at step %d", rank, from))
+			src := rank
 			if cr.savedWorld > 0 && rank >= cr.savedWorld {
-				want = nil // a rank the saving run did not have
+				src = cr.loadOpt.NewRankClient // a rank the saving run did not have
 			}
-			if from >= 0 && (!bytes.Equal(client, want) || want == nil && client != nil) { // from < 0: any
-				return fmt.Errorf("client bytes %q, want %q", client, want)
+			want := []byte(fmt.Sprintf("rank %d at step %d", src, from))
+			if src == NoClient {
+				want = nil
+			}
+			if from >= 0 && (!bytes.Equal(rep.Client, want) || want == nil && rep.Client != nil || rep.ClientRank != src) { // from < 0: any
+				return fmt.Errorf("client bytes %q of saved rank %d, want %q of %d", rep.Client, rep.ClientRank, want, src)
+			}
+			if cr.report != nil {
+				if err := cr.report(rank, rep); err != nil {
+					return err
+				}
 			}
 		}
 		if cr.edit != nil {
@@ -200,12 +237,13 @@ func (cr ckptRun) run(t *testing.T) []ckptState {
 				}
 			}
 			backwards := func() error {
-				for k := range 2 {
+				for k := range accum {
 					if err := forward(e, s); err != nil {
 						return err
 					}
+					j := rank*accum + k // the global batch's micro-batch
 					for p := len(ps) - 1; p >= 0; p-- {
-						if _, err := e.GradReady(p, ckptGrad(c, st, k, rank, p, ps[p].Count, e.LossScale()), s); err != nil {
+						if _, err := e.GradReady(p, ckptGrad(c, st, j%2, j/2, p, ps[p].Count, e.LossScale()), s); err != nil {
 							return err
 						}
 					}
@@ -226,8 +264,13 @@ func (cr ckptRun) run(t *testing.T) []ckptState {
 			if err != nil {
 				return fmt.Errorf("step %d: %w", st, err)
 			}
-			if skipped := e.Stats().Skipped; skipped != (st == ckptOverflowStep && world > 1) { // rank 1 overflows
+			if skipped := e.Stats().Skipped; skipped != (st == ckptOverflowStep && world*accum > 2) { // micro-batches 2 and 3 overflow
 				return fmt.Errorf("step %d skipped %v", st, skipped)
+			}
+			if cr.afterStep != nil {
+				if err := cr.afterStep(e, rank, st); err != nil {
+					return fmt.Errorf("after step %d: %w", st, err)
+				}
 			}
 		}
 		if save != "" {
@@ -414,8 +457,8 @@ func (e reshardEnd) run(t *testing.T, r ckptRun) []ckptState {
 // pair of stages; other buckets and alignments; offload switched; some
 // at once) with the state, assembled parameter by parameter, bit for bit
 // the saved one: parameters, master, moments, amsgrad's maximum, the
-// model-dtype shard, step counts, loss scaler, step; client bytes for
-// the ranks the saving run had, nil beyond. Two more steps then give the
+// model-dtype shard, step counts, loss scaler, step; client bytes of
+// the ranks the saving run had, rank 0's beyond. Two more steps then give the
 // bits of the unresharded run at the same world size (the same
 // arithmetic: windows make the stages' sums alike), and at another world
 // size stay within a bound derived from the float64 reference.
@@ -491,16 +534,10 @@ func TestCheckpointReshard(t *testing.T) {
 
 // checkReshardTraining compares the master of resumed (steps [from, to)
 // on world ranks after the load) with a float64 reference run from the
-// loaded state: the mean of every rank's two backwards' gradients,
-// clipped, then AdamW (amsgrad, decoupled decay) or SGD (momentum) as
-// torch defines them at the saved rate. The bound follows the engine's
-// roundings to first order, with a factor 2: the wire dtype's unit
-// roundoff per rank added and per accumulation, relative to the mean of
-// the gradients' magnitudes; the clip factor's error from the norm's
-// (triangle inequality); fp32's roundoff in each update. It returns the
-// largest distance over its bound.
+// loaded state (ckptReferenceRun), within twice the reference's bound. It
+// returns the largest distance over its bound.
 func checkReshardTraining(c ckptCase, world, from, to int, loaded, resumed []ckptState) (float64, error) {
-	st, err := consolidate(loaded)
+	ref, err := ckptReferenceRun(c, world, from, to, loaded)
 	if err != nil {
 		return 0, err
 	}
@@ -508,13 +545,56 @@ func checkReshardTraining(c ckptCase, world, from, to int, loaded, resumed []ckp
 	if err != nil {
 		return 0, err
 	}
-	f32 := func(b []byte) []float64 {
-		x := make([]float64, len(b)/4)
-		for i := range x {
-			x[i] = float64(math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:])))
+	worst := 0.0
+	for q := range ref.p {
+		got := ckptF32s(end["master"][q])
+		for i := range got {
+			bound := 2 * ref.dp[q][i]
+			if d := math.Abs(got[i] - ref.p[q][i]); d > bound {
+				return 0, fmt.Errorf("parameter %d element %d: the master is %.9g, the float64 reference %.9g, %.3g apart, beyond the bound %.3g", q, i, got[i], ref.p[q][i], d, bound)
+			} else if bound > 0 {
+				worst = max(worst, d/bound)
+			}
 		}
-		return x
 	}
+	return worst, nil
+}
+
+// ckptF32s are little-endian fp32 bytes as float64s.
+func ckptF32s(b []byte) []float64 {
+	x := make([]float64, len(b)/4)
+	for i := range x {
+		x[i] = float64(math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:])))
+	}
+	return x
+}
+
+// ckptReference is a float64 run of ckptRun's steps from a loaded state:
+// each step's mean gradient g[s] and the bound dg[s] on an engine's
+// distance from it, and the master p after the last step with dp, the
+// bound on an engine's distance from it to first order (checked with a
+// factor 2).
+type ckptReference struct {
+	g, dg [][][]float64 // by step from the first: by parameter, by element
+	p, dp [][]float64
+}
+
+// ckptReferenceRun runs steps [from, to) of the global batch of world
+// ranks' two backwards (ckptGrad's) from the loaded state in float64: the
+// mean of the batch's gradients, clipped, then AdamW (amsgrad, decoupled
+// decay) or SGD (momentum) as torch defines them at the saved rate. The
+// bounds follow the engine's roundings to first order, with a factor 2:
+// the wire dtype's unit roundoff per rank added and per accumulation,
+// relative to the mean of the gradients' magnitudes; the clip factor's
+// error from the norm's (triangle inequality); fp32's roundoff in each
+// update.
+func ckptReferenceRun(c ckptCase, world, from, to int, loaded []ckptState) (ckptReference, error) {
+	var ref ckptReference
+	st, err := consolidate(loaded)
+	if err != nil {
+		return ref, err
+	}
+	f32 := ckptF32s
 	np := len(ckptSizes)
 	p, m, v, vmax := make([][]float64, np), make([][]float64, np), make([][]float64, np), make([][]float64, np)
 	dp, dm, dv, dvmax := make([][]float64, np), make([][]float64, np), make([][]float64, np), make([][]float64, np)
@@ -553,6 +633,7 @@ func checkReshardTraining(c ckptCase, world, from, to int, loaded, resumed []ckp
 				dnorm2 += dg[q][i] * dg[q][i]
 			}
 		}
+		ref.g, ref.dg = append(ref.g, g), append(ref.dg, dg)
 		norm := math.Sqrt(norm2)
 		coef, rho := 1.0, 0.0
 		if norm > cfg.Optimizer.Clip {
@@ -601,19 +682,8 @@ func checkReshardTraining(c ckptCase, world, from, to int, loaded, resumed []ckp
 			}
 		}
 	}
-	worst := 0.0
-	for q := range np {
-		got := f32(end["master"][q])
-		for i := range got {
-			bound := 2 * dp[q][i]
-			if d := math.Abs(got[i] - p[q][i]); d > bound {
-				return 0, fmt.Errorf("parameter %d element %d: the master is %.9g, the float64 reference %.9g, %.3g apart, beyond the bound %.3g", q, i, got[i], p[q][i], d, bound)
-			} else if bound > 0 {
-				worst = max(worst, d/bound)
-			}
-		}
-	}
-	return worst, nil
+	ref.p, ref.dp = p, dp
+	return ref, nil
 }
 
 // tensorBits is element i of a host tensor as raw bits.
@@ -757,6 +827,13 @@ func TestCheckpointRefusals(t *testing.T) {
 // the state after it is returned: the bits of a run that never tried.
 func refusedLoad(t *testing.T, c ckptCase, world int, from string, fsys func(rank int) ckptFS) ([]error, []ckptState) {
 	t.Helper()
+	return refusedLoadAs(t, c, world, from, fsys, LoadOptions{}, ErrCheckpoint)
+}
+
+// refusedLoadAs is refusedLoad with the load's options, for a refusal of
+// kind (ErrCheckpoint, ErrConfig).
+func refusedLoadAs(t *testing.T, c ckptCase, world int, from string, fsys func(rank int) ckptFS, opt LoadOptions, kind error) ([]error, []ckptState) {
+	t.Helper()
 	comms, _ := NewLocalGroupTimeout(world, 20*time.Second)
 	var errs []error
 	var refused sync.WaitGroup
@@ -789,8 +866,8 @@ func refusedLoad(t *testing.T, c ckptCase, world int, from string, fsys func(ran
 				refused.Done()
 				return err
 			}
-			_, lerr := e.Load(from, LoadOptions{})
-			if !errors.Is(lerr, ErrCheckpoint) || errors.Is(lerr, ErrCollective) {
+			_, lerr := e.Load(from, opt)
+			if !errors.Is(lerr, kind) || errors.Is(lerr, ErrCollective) {
 				stepped.Store(false) // fatal, or loaded: no step
 			}
 			refused.Done()
@@ -2106,11 +2183,11 @@ func TestCheckpointClientAcrossChunks(t *testing.T) {
 		if err := e.Save(dir, SaveOptions{Client: clients[rank]}); err != nil {
 			return err
 		}
-		back, err := e.Load(dir, LoadOptions{})
+		rep, err := e.Load(dir, LoadOptions{})
 		if err != nil {
 			return err
 		}
-		if !bytes.Equal(back, clients[rank]) {
+		if back := rep.Client; !bytes.Equal(back, clients[rank]) {
 			return fmt.Errorf("rank %d: %d client bytes back, first difference at %d", rank, len(back), firstByteDiff(back, clients[rank]))
 		}
 		return nil
@@ -2281,19 +2358,28 @@ search:
 // a scaler at 2X, so each backward carries X again; the same X in a
 // format-2 manifest loads as the scaler's X, each backward carrying X/2.
 // At AccumSteps 0 (counted) both formats' X is what each backward carries.
+// Loaded at another G', the scaler's S is the same (the saved G converts
+// a format-1 X), and each backward carries S/G' (S where G' is counted).
 func TestLossScaleOfFormat1(t *testing.T) {
 	for _, c := range []struct {
-		accum, version int
-		want           float64 // each backward's scale after the load of X = 96
-	}{{2, 1, 96}, {2, 2, 48}, {0, 1, 96}, {0, 2, 96}} {
+		accum, load, version int
+		want                 float64 // the scaler's S after the load of X = 96
+	}{{2, 2, 1, 192}, {2, 2, 2, 96}, {0, 0, 1, 96}, {0, 0, 2, 96},
+		{2, 4, 1, 192}, {2, 0, 1, 192}, {0, 4, 1, 96}, {4, 2, 1, 384}, {2, 4, 2, 96}, {4, 0, 2, 96}} {
 		dir := t.TempDir()
-		cfg := Config{Stage: 2, BucketBytes: 512, Grads: GradPolicy{AccumSteps: c.accum},
-			Precision: PrecisionPolicy{LossScale: LossScale{Initial: 256, Hysteresis: 1}},
-			Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.01)}}}
+		config := func(accum int) Config {
+			return Config{Stage: 2, BucketBytes: 512, Grads: GradPolicy{AccumSteps: accum},
+				Precision: PrecisionPolicy{LossScale: LossScale{Initial: 256, Hysteresis: 1}},
+				Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.01)}}}
+		}
 		train := func(load bool) []error {
 			comms, _ := NewLocalGroupTimeout(2, 20*time.Second)
 			return eachRank(2, func(rank int) error {
 				ps, _ := smallModel(FP16, 0.5)
+				cfg := config(c.accum)
+				if load {
+					cfg = config(c.load)
+				}
 				e, err := New(cfg, comms[rank], ps)
 				if err != nil {
 					return err
@@ -2303,8 +2389,9 @@ func TestLossScaleOfFormat1(t *testing.T) {
 					if _, err := e.Load(dir, LoadOptions{}); err != nil {
 						return err
 					}
-					if got := e.LossScale(); got != c.want {
-						return fmt.Errorf("AccumSteps %d, format %d: each backward carries %v after the load, want %v", c.accum, c.version, got, c.want)
+					perBackward := c.want / float64(max(1, c.load))
+					if s, got := e.opt.scaler.scale, e.LossScale(); s != c.want || got != perBackward {
+						return fmt.Errorf("saved at AccumSteps %d in format %d, loaded at %d: the scaler's S is %v, each backward carries %v; want %v and %v", c.accum, c.version, c.load, s, got, c.want, perBackward)
 					}
 					return nil
 				}
@@ -2348,7 +2435,449 @@ func TestLossScaleOfFormat1(t *testing.T) {
 				f.Save = ""
 			}
 		})
-		everyRankIs(t, fmt.Sprintf("AccumSteps %d, format %d, loaded", c.accum, c.version), train(true), nil)
+		everyRankIs(t, fmt.Sprintf("AccumSteps %d, format %d, loaded at %d", c.accum, c.version, c.load), train(true), nil)
+	}
+}
+
+// splitEnd is one side of a resume at another batch split: W ranks of G
+// backwards a step (Grads.AccumSteps G), the window's dtype (0: fp32).
+type splitEnd struct {
+	world, accum int
+	windowDType  DType
+}
+
+func (e splitEnd) String() string {
+	return fmt.Sprintf("W%d×%d/window-dtype=%v", e.world, e.accum, cmp.Or(e.windowDType, FP32))
+}
+
+// run is ckptRun r on this end's engines; grads, if set, gets rank 0's
+// reduced gradient (FullGrads) after each step st at grads[st].
+func (e splitEnd) run(t *testing.T, r ckptRun, grads [][][]float32) []ckptState {
+	t.Helper()
+	r.world, r.accum = e.world, e.accum
+	r.config = func(cfg *Config) { cfg.Grads.AccumSteps, cfg.Window.DType = e.accum, e.windowDType }
+	if grads != nil {
+		r.afterStep = func(e *Engine, rank, st int) error {
+			full, err := e.FullGrads() // a collective: every rank
+			if rank == 0 {
+				grads[st] = full
+			}
+			return err
+		}
+	}
+	return r.run(t)
+}
+
+// ulpsApart is how many steps of fp32 lie between a and b (0: equal).
+func ulpsApart(a, b float32) int64 {
+	key := func(x float32) int64 {
+		u := int64(math.Float32bits(x))
+		if u>>31 != 0 {
+			return -(u & (1<<31 - 1))
+		}
+		return u
+	}
+	d := key(a) - key(b)
+	return max(d, -d)
+}
+
+// TestResumeAtAnotherBatchSplit: a run of W=2 ranks with 2 backwards a
+// step (Grads.AccumSteps 2), saved after 3 steps, resumes at W=1 with 4
+// (AccumSteps 4), the same global batch of the same per-sample gradients
+// split otherwise, and a run of W=1×4 resumes at W=2×2; at every stage,
+// in fp32, with gradients of one sign per element (seeded). Against the
+// run that never stopped (also with offload at stage 2):
+//   - each step's reduced gradient (FullGrads) within 2 ulp: the four
+//     terms lie in [0.5, 1), so the sum lies in [2, 4); summed in pairs and
+//     then together (W=2×2: the wire's sum of two ranks' terms, or of two
+//     local sums) it is off by at most 2^-24 + 2^-24 + 2^-23 = 1 ulp of the
+//     sum, one term at a time (W=1×4) by at most 2^-24 + 2^-23 + 2^-23 =
+//     1.25 ulp; both are multiples of an ulp, so at most 2 apart, and the
+//     mean's 1/4 and 1/W are exact;
+//   - each gradient within the float64 reference's bound, and the master
+//     after 3 more steps within twice each run's bound from the float64
+//     reference (ckptReferenceRun; the triangle inequality).
+//
+// Two more resumes change Window.DType (fp32 → bf16 at stage 1, whose own
+// local sums follow it, with W=2×2 → W=1×4; bf16 → fp32 in a stage-2
+// coalesced window at W=2×2), in bf16, where the bound on the gradients is
+// the reference's. The report names the world size, the accumulation and
+// the window dtype among the changed settings with both values, the
+// checkpoint's step, world and stage, and the ranks the reshard added get
+// rank 0's client bytes (ckptRun checks them).
+func TestResumeAtAnotherBatchSplit(t *testing.T) {
+	seed := uint64(testSeed(t))
+	const at, steps = 3, 6
+	w2, w1 := splitEnd{world: 2, accum: 2}, splitEnd{world: 1, accum: 4}
+	type split struct {
+		stage           int
+		dtype           DType
+		window, offload bool
+		from, to        splitEnd
+	}
+	var cases []split
+	for stage := 1; stage <= 3; stage++ {
+		cases = append(cases, split{stage, FP32, false, false, w2, w1}, split{stage, FP32, false, false, w1, w2})
+	}
+	cases = append(cases, split{2, FP32, false, true, w2, w1},
+		split{1, BF16, false, false, w2, splitEnd{world: 1, accum: 4, windowDType: BF16}},
+		split{2, BF16, true, false, splitEnd{world: 2, accum: 2, windowDType: BF16}, w2})
+	worstULP, worstParam, worstGrad := int64(0), 0.0, 0.0
+	ulpCount := map[int64]int{}
+	for _, sp := range cases {
+		c := ckptCase{stage: sp.stage, dtype: sp.dtype, window: sp.window, offload: sp.offload, oneSign: true, seed: seed}
+		name := fmt.Sprintf("%v %v→%v", c, sp.from, sp.to)
+		dir := t.TempDir()
+		wholeGrads, resumedGrads := make([][][]float32, steps), make([][][]float32, steps)
+		whole := sp.from.run(t, ckptRun{c: c, from: 0, to: steps}, wholeGrads)
+		saved := sp.from.run(t, ckptRun{c: c, from: 0, to: at, save: dir}, nil)
+		report := func(rank int, r LoadReport) error {
+			want := map[string][2]string{}
+			for path, v := range map[string][2]string{"World": {fmt.Sprint(sp.from.world), fmt.Sprint(sp.to.world)},
+				"Grads.AccumSteps": {fmt.Sprint(sp.from.accum), fmt.Sprint(sp.to.accum)},
+				"Window.DType":     {cmp.Or(sp.from.windowDType, FP32).String(), cmp.Or(sp.to.windowDType, FP32).String()}} {
+				if v[0] != v[1] {
+					want[path] = v
+				}
+			}
+			got := map[string][2]string{}
+			for _, ch := range r.Changed {
+				if ch.FromCheckpoint != strings.HasPrefix(ch.Path, "Optimizer.Groups[") {
+					return fmt.Errorf("the report takes %s from the checkpoint: %v", ch.Path, ch.FromCheckpoint)
+				}
+				if !strings.HasPrefix(ch.Path, "Optimizer.") {
+					got[ch.Path] = [2]string{ch.Saved, ch.Engine}
+				}
+			}
+			if !maps.Equal(got, want) || r.Step != at || r.World != sp.from.world || r.Stage != sp.stage || r.Reshard.World != (sp.from.world != sp.to.world) {
+				return fmt.Errorf("the report says step %d, world %d, stage %d, %+v, changed %v; want step %d, world %d, stage %d, changed %v",
+					r.Step, r.World, r.Stage, r.Reshard, got, at, sp.from.world, sp.stage, want)
+			}
+			return nil
+		}
+		resumed := sp.to.run(t, ckptRun{c: c, from: at, to: steps, load: dir, savedWorld: sp.from.world, report: report}, resumedGrads)
+		ref, err := ckptReferenceRun(c, 2, at, steps, saved)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for st := at; st < steps; st++ {
+			for q := range ckptSizes {
+				for i, g := range ref.g[st-at][q] {
+					a, b, dg := wholeGrads[st][q][i], resumedGrads[st][q][i], ref.dg[st-at][q][i]
+					for _, x := range []float32{a, b} {
+						if d := math.Abs(float64(x) - g); d > dg {
+							t.Fatalf("%s: step %d, parameter %d, element %d: the reduced gradients are %.9g (uninterrupted) and %.9g (resumed), the float64 reference %.9g: %.3g apart, beyond the bound %.3g", name, st, q, i, a, b, g, d, dg)
+						} else if dg > 0 {
+							worstGrad = max(worstGrad, d/dg)
+						}
+					}
+					if c.dtype != FP32 {
+						continue
+					}
+					n := ulpsApart(a, b)
+					ulpCount[n]++
+					worstULP = max(worstULP, n)
+					if n > 2 {
+						t.Fatalf("%s: step %d, parameter %d, element %d: the reduced gradient is %.9g uninterrupted, %.9g resumed: %d ulp apart, beyond 2", name, st, q, i, a, b, n)
+					}
+				}
+			}
+		}
+		cw, err := consolidate(whole)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cr, err := consolidate(resumed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for q := range ckptSizes {
+			a, b := ckptF32s(cw["master"][q]), ckptF32s(cr["master"][q])
+			for i := range a {
+				bound := 2 * (2 * ref.dp[q][i]) // each run within twice its bound of the reference
+				if d := math.Abs(a[i] - b[i]); d > bound {
+					t.Fatalf("%s: after step %d, parameter %d element %d: the master is %.9g uninterrupted, %.9g resumed: %.3g apart, beyond the bound %.3g", name, steps, q, i, a[i], b[i], d, bound)
+				} else if bound > 0 {
+					worstParam = max(worstParam, d/bound)
+				}
+			}
+		}
+		for _, run := range [][]ckptState{whole, resumed} {
+			if _, err := checkReshardTraining(c, 2, at, steps, saved, run); err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+		}
+	}
+	t.Logf("fp32 reduced gradients, resumed against uninterrupted, by ulps apart: %v (at most %d; the bound is 2)", ulpCount, worstULP)
+	t.Logf("the largest distance from the float64 reference: %.3g of the bound for a gradient; masters %.3g of the bound apart", worstGrad, worstParam)
+}
+
+// TestResumeLossScaleAtAnotherSplit: fp16 with a dynamic scale (256,
+// window 2, hysteresis 2) at stage 2, W=2×2 (Grads.AccumSteps 2) saved
+// after 3 steps, the overflow of step 1 having spent one hysteresis,
+// resumes at W=1×4 (AccumSteps 4), and W=1×4 resumes at W=2×2. A saved
+// scale S is the step's mean loss's (format 2, DeepSpeed's convention),
+// so it needs no rescale at the new G: every step's S (Stats.LossScale)
+// is DeepSpeed's (dsScaler fed the same overflows) and the uninterrupted
+// run's, doubling after steps 4 and 6; each backward carries S/G of the
+// engine's own G (Engine.LossScale), from the first backward after the
+// load on; the scaler's state at the end is the uninterrupted run's; and
+// every reduced gradient, unscaled, is within the float64 reference's
+// bound of the mean of the batch (seeded data), as is the master.
+func TestResumeLossScaleAtAnotherSplit(t *testing.T) {
+	seed := uint64(testSeed(t))
+	const at, steps = 3, 8
+	w2, w1 := splitEnd{world: 2, accum: 2}, splitEnd{world: 1, accum: 4}
+	c := ckptCase{stage: 2, dtype: FP16, seed: seed}
+	ls := c.config().Precision.LossScale
+	// DeepSpeed's S before each step, and after the last
+	ds := newDSScaler(ls.Initial, ls.Window, ls.Hysteresis, ls.Min)
+	want := make([]float64, steps+1)
+	for st := range want {
+		want[st] = ds.curScale
+		ds.updateScale(st == ckptOverflowStep)
+	}
+	if want[at] != want[at+2]/2 || want[at+2] != want[at+4]/2 {
+		t.Fatalf("DeepSpeed's scales %v do not double after steps %d and %d: the test does not cover it", want, at+2, at+4)
+	}
+	for _, sp := range [][2]splitEnd{{w2, w1}, {w1, w2}} {
+		name := fmt.Sprintf("%v→%v", sp[0], sp[1])
+		// scales records rank 0's S of each step and the scale each
+		// backward carries in the next
+		scales := func(s, next []float64) func(*Engine, int, int) error {
+			return func(e *Engine, rank, st int) error {
+				if rank == 0 {
+					s[st], next[st] = e.Stats().LossScale, e.LossScale()
+				}
+				return nil
+			}
+		}
+		var wholeS, wholeNext, resS, resNext [steps]float64
+		wholeGrads, resGrads := make([][][]float32, steps), make([][][]float32, steps)
+		withScales := func(r ckptRun, s, next []float64, grads [][][]float32) ckptRun {
+			record := scales(s, next)
+			r.afterStep = func(e *Engine, rank, st int) error {
+				full, err := e.FullGrads()
+				if rank == 0 {
+					grads[st] = full
+				}
+				if err != nil {
+					return err
+				}
+				return record(e, rank, st)
+			}
+			return r
+		}
+		run := func(end splitEnd, r ckptRun) []ckptState {
+			r.world, r.accum = end.world, end.accum
+			r.config = func(cfg *Config) { cfg.Grads.AccumSteps = end.accum }
+			return r.run(t)
+		}
+		whole := run(sp[0], withScales(ckptRun{c: c, from: 0, to: steps}, wholeS[:], wholeNext[:], wholeGrads))
+		dir := t.TempDir()
+		saved := run(sp[0], ckptRun{c: c, from: 0, to: at, save: dir})
+		resumedRun := withScales(ckptRun{c: c, from: at, to: steps, load: dir, savedWorld: sp[0].world}, resS[:], resNext[:], resGrads)
+		resumedRun.edit = func(e *Engine) error {
+			if got, g := e.LossScale(), float64(sp[1].accum); got != want[at]/g {
+				return fmt.Errorf("the first backward after the load carries %v, want DeepSpeed's S/G = %v/%v", got, want[at], g)
+			}
+			return nil
+		}
+		resumed := run(sp[1], resumedRun)
+		for st := 0; st < steps; st++ {
+			if wholeS[st] != want[st] || wholeNext[st] != want[st+1]/float64(sp[0].accum) {
+				t.Fatalf("%s: the uninterrupted run's step %d at scale %v, the next backwards carrying %v; DeepSpeed's: %v and %v/%d", name, st, wholeS[st], wholeNext[st], want[st], want[st+1], sp[0].accum)
+			}
+			if st >= at && (resS[st] != want[st] || resNext[st] != want[st+1]/float64(sp[1].accum)) {
+				t.Fatalf("%s: the resumed run's step %d at scale %v, the next backwards carrying %v; DeepSpeed's: %v and %v/%d", name, st, resS[st], resNext[st], want[st], want[st+1], sp[1].accum)
+			}
+		}
+		if a, b := whole[0].scaler, resumed[0].scaler; a != b {
+			t.Fatalf("%s: the scaler ends as %+v resumed, %+v uninterrupted", name, b, a)
+		}
+		ref, err := ckptReferenceRun(c, 2, at, steps, saved)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for st := at; st < steps; st++ {
+			for q := range ckptSizes {
+				for i, g := range ref.g[st-at][q] {
+					for _, x := range []float64{float64(wholeGrads[st][q][i]) / (want[st] / float64(sp[0].accum)), float64(resGrads[st][q][i]) / (want[st] / float64(sp[1].accum))} {
+						if d := math.Abs(x - g); d > ref.dg[st-at][q][i] {
+							t.Fatalf("%s: step %d, parameter %d, element %d: the reduced gradient unscaled is %.9g, the float64 reference %.9g: %.3g apart, beyond the bound %.3g", name, st, q, i, x, g, d, ref.dg[st-at][q][i])
+						}
+					}
+				}
+			}
+		}
+		for _, r := range [][]ckptState{whole, resumed} {
+			if _, err := checkReshardTraining(c, 2, at, steps, saved, r); err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+		}
+		t.Logf("%s: the scales of steps %d to %d: %v, as DeepSpeed's", name, at+1, steps, resS[at:])
+	}
+}
+
+// TestLoadReport: Load says what it did. Into the layout it was saved
+// from, nothing is resharded; the optimizer groups' settings come from the
+// checkpoint (the saved run halved its rate), listed with both values,
+// unless KeepConfigGroups keeps the engine's. Another stage, bucket size,
+// alignment or world size is named, and the parameters the report says
+// were placed anew are those some element of which now lies on another
+// rank or at another place of its shard, found element by element from
+// the two plans. A settings record of another version lists a setting
+// either side lacks with "none" for its value there.
+func TestLoadReport(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	from := reshardEnd{2, 2, 1024, 0, false}
+	dir := t.TempDir()
+	from.run(t, ckptRun{c: c, from: 0, to: 3, save: dir})
+	ps := make([]Param, len(ckptSizes))
+	for p, n := range ckptSizes {
+		ps[p] = Param{Name: fmt.Sprint("w", p), Count: n, DType: c.dtype}
+	}
+	// moved lists the parameters of which some element lies elsewhere in
+	// plan b than in plan a
+	moved := func(a, b *Plan) []string {
+		place := func(pl *Plan, p, i int) [2]int {
+			bp := pl.Buckets[pl.ParamBucket[p]]
+			g := pl.ParamOffset[p] + i
+			return [2]int{g / bp.Shard, bp.ShardOffset + g%bp.Shard}
+		}
+		var out []string
+		for p, n := range ckptSizes {
+			for i := range n {
+				if place(a, p, i) != place(b, p, i) {
+					out = append(out, ps[p].Name)
+					break
+				}
+			}
+		}
+		return out
+	}
+	saved := newPlan(ps, from.bucket, from.world, 64)
+	lr := c.config().Optimizer.Groups[0].(AdamW).LR
+	for _, tc := range []struct {
+		to      reshardEnd
+		keep    bool // KeepConfigGroups
+		reshard Reshard
+	}{
+		{from, false, Reshard{}},
+		{from, true, Reshard{}},
+		{reshardEnd{2, 3, 1024, 0, false}, false, Reshard{Stage: true}},
+		{reshardEnd{2, 2, 300, 0, false}, false, Reshard{Buckets: true}},
+		{reshardEnd{2, 2, 1024, 16, false}, false, Reshard{}},
+		{reshardEnd{3, 2, 1024, 0, true}, false, Reshard{World: true}},
+	} {
+		name := fmt.Sprintf("%v→%v keep=%v", from, tc.to, tc.keep)
+		want := tc.reshard
+		want.Params = moved(saved, newPlan(ps, tc.to.bucket, tc.to.world, cmp.Or(tc.to.align, 64)))
+		if sameLayout := tc.to.world == from.world && tc.to.bucket == from.bucket && tc.to.align == from.align; sameLayout != (len(want.Params) == 0) {
+			t.Fatalf("%s: the plans place %v anew: the case does not cover what it should", name, want.Params)
+		}
+		check := func(rank int, r LoadReport) error {
+			if r.Dir != filepath.Join(dir, ckptName(3, 0)) || r.Step != 3 || r.World != 2 || r.Stage != 2 {
+				return fmt.Errorf("the report names %s, step %d, world %d, stage %d; want %s, 3, 2, 2", r.Dir, r.Step, r.World, r.Stage, filepath.Join(dir, ckptName(3, 0)))
+			}
+			if !reflect.DeepEqual(r.Reshard, want) {
+				return fmt.Errorf("the report's reshard is %+v, want %+v", r.Reshard, want)
+			}
+			var groups []string
+			for _, s := range groupsRecord(c.config().Optimizer.Groups) {
+				groups = append(groups, s.Path)
+			}
+			if tc.keep {
+				groups = nil
+			}
+			if !slices.Equal(r.FromCheckpoint, groups) {
+				return fmt.Errorf("the report takes %v from the checkpoint, want %v", r.FromCheckpoint, groups)
+			}
+			wantChanged := []SettingChange{{Path: "Optimizer.Groups[0].LR", Saved: fmt.Sprint(lr / 2), Engine: fmt.Sprint(lr), FromCheckpoint: !tc.keep}}
+			for _, s := range []struct {
+				path   string
+				a, b   any
+				differ bool
+			}{{"World", from.world, tc.to.world, tc.to.world != from.world}, {"Stage", from.stage, tc.to.stage, tc.to.stage != from.stage},
+				{"BucketBytes", from.bucket, tc.to.bucket, tc.to.bucket != from.bucket}, {"Align", 64, cmp.Or(tc.to.align, 64), tc.to.align != from.align},
+				{"Params.PrefetchBytes", from.bucket, tc.to.bucket, tc.to.bucket != from.bucket}, // its default is BucketBytes
+				{"Offload.Optimizer", from.offload, tc.to.offload, tc.to.offload != from.offload}} {
+				if s.differ {
+					wantChanged = append(wantChanged, SettingChange{Path: s.path, Saved: fmt.Sprint(s.a), Engine: fmt.Sprint(s.b)})
+				}
+			}
+			sortChanges := func(x []SettingChange) []SettingChange {
+				x = slices.Clone(x)
+				slices.SortFunc(x, func(a, b SettingChange) int { return strings.Compare(a.Path, b.Path) })
+				return x
+			}
+			if got, want := sortChanges(r.Changed), sortChanges(wantChanged); !slices.Equal(got, want) {
+				return fmt.Errorf("the report's changed settings are %+v, want %+v", got, want)
+			}
+			return nil
+		}
+		tc.to.run(t, ckptRun{c: c, from: 3, to: 3, load: dir, savedWorld: from.world, loadOpt: LoadOptions{KeepConfigGroups: tc.keep}, report: func(rank int, r LoadReport) error {
+			if err := check(rank, r); err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			return nil
+		}})
+	}
+	// a record of another version: a setting it lacks, one this one lacks
+	other := copyTree(t, filepath.Join(dir, ckptName(3, 0)))
+	b, err := os.ReadFile(filepath.Join(other, ckptManifest))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m ckptManifestData
+	if err := json.Unmarshal(b, &m); err != nil {
+		t.Fatal(err)
+	}
+	m.Settings = slices.DeleteFunc(m.Settings, func(s ckptSetting) bool { return s.Path == "Params.LiveParamBytes" })
+	m.Settings = append(m.Settings, ckptSetting{Path: "Params.Retired", Value: "7", Class: "reshard"})
+	if b, err = sealManifest(&m); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(other, ckptManifest), b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	from.run(t, ckptRun{c: c, from: 3, to: 3, load: other, report: func(rank int, r LoadReport) error {
+		for _, want := range []SettingChange{{Path: "Params.LiveParamBytes", Saved: "none", Engine: "0"}, {Path: "Params.Retired", Saved: "7", Engine: "none"}} {
+			if !slices.Contains(r.Changed, want) {
+				return fmt.Errorf("the report's changed settings %+v lack %+v", r.Changed, want)
+			}
+		}
+		return nil
+	}})
+}
+
+// TestClientOfNewRanks: a checkpoint of 2 ranks loaded into 4 gives the
+// ranks it adds saved rank 0's client bytes by default, rank 1's with
+// LoadOptions.NewRankClient 1, none with NoClient (each checked by
+// ckptRun, with the report's ClientRank); the saved ranks get their own
+// whatever the option. A NewRankClient the checkpoint has no rank of is
+// refused with ErrConfig on every rank before anything changes, and one
+// more step gives the bits of a run that never tried.
+func TestClientOfNewRanks(t *testing.T) {
+	c := ckptCase{stage: 2, dtype: BF16}
+	dir := t.TempDir()
+	reshardEnd{2, 2, 1024, 0, false}.run(t, ckptRun{c: c, from: 0, to: 2, save: dir})
+	to := reshardEnd{4, 2, 1024, 0, false}
+	for _, n := range []int{0, 1, NoClient} {
+		to.run(t, ckptRun{c: c, from: 2, to: 2, load: dir, savedWorld: 2, loadOpt: LoadOptions{NewRankClient: n}})
+	}
+	untouched := to.run(t, ckptRun{c: c, from: 0, to: 1})
+	for _, n := range []int{2, -2} {
+		errs, states := refusedLoadAs(t, c, 4, dir, nil, LoadOptions{NewRankClient: n}, ErrConfig)
+		for rank, err := range errs {
+			if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "NewRankClient") {
+				t.Fatalf("NewRankClient %d: rank %d: %v, want ErrConfig naming LoadOptions.NewRankClient", n, rank, err)
+			}
+		}
+		if d := sameConsolidated(untouched, states); states == nil || d != "" {
+			t.Fatalf("NewRankClient %d: the step after the refused load differs from a run that never tried: %s", n, d)
+		}
+		t.Logf("NewRankClient %d: %v", n, errs[0])
 	}
 }
 
@@ -2434,7 +2963,7 @@ func readCheckpointState(t *testing.T, dir string) (CheckpointState, []byte) {
 			v.Model = Halfs(h, q.DType)
 		}
 	}
-	client, err := ld.client()
+	client, err := ld.client(0) // the world of one's rank 0
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -19,7 +19,7 @@ import (
 // Each leaf field carries its class (the zero tag): "match" must be the
 // same on every rank and when a checkpoint is reloaded; "reshard" must be
 // the same on every rank but may change on reload (world size, stage,
-// layout, budgets); "local" may differ between ranks, because it changes
+// layout, budgets, the batch split); "local" may differ between ranks, because it changes
 // neither the collectives nor the bits (the reason is in the tag). New
 // compares every non-local setting across ranks by name.
 type Config struct {
@@ -71,8 +71,10 @@ type GradPolicy struct {
 	PredivideFactor float64 `zero:"match"`
 	// AccumSteps fixes the number of backwards G between Steps; a Step
 	// after any other number is an error. 0 (default) takes G from the
-	// backwards actually taken.
-	AccumSteps int `zero:"match"`
+	// backwards actually taken. It is no state: a checkpoint of W ranks
+	// and G backwards resumes at W' and G' (the same global batch, split
+	// otherwise).
+	AccumSteps int `zero:"reshard"`
 }
 
 // OptimizerPolicy is the partitioned optimizer.
@@ -124,8 +126,9 @@ type WindowPolicy struct {
 	// each backward's sum rounded to it as a framework's .grad is
 	// (DeepSpeed's choice). Where it is also the comm dtype and the
 	// ShardDType, the shard's own memory hosts some of them until their
-	// flush (README, "Memory").
-	DType DType `zero:"match"`
+	// flush (README, "Memory"). The sums live within a step, so a
+	// checkpoint resumes under another DType.
+	DType DType `zero:"reshard"`
 }
 
 // ParamPolicy is how the parameters are loaded and, at stage 3, gathered.
@@ -641,8 +644,8 @@ const (
 	// is reloaded.
 	MustMatch SettingClass = iota
 	// MatchRanks settings are the same on every rank but may change when a
-	// checkpoint is reloaded: the world size, the stage, the layout and the
-	// budgets.
+	// checkpoint is reloaded: the world size, the stage, the layout, the
+	// budgets and the batch split (Grads.AccumSteps, Window.DType).
 	MatchRanks
 	// RankLocal settings may differ between ranks: they change neither the
 	// collectives nor the bits.

@@ -647,12 +647,12 @@ func mpiTrainRank(comm Comm, sp mpiTrainSpec, seed int64, out string) ([][]float
 	save := strings.ReplaceAll(sp.save, "%d", strconv.Itoa(rank))
 	start := 0
 	if sp.resume != "" {
-		client, err := e.Load(sp.resume, LoadOptions{})
+		rep, err := e.Load(sp.resume, LoadOptions{})
 		if err != nil {
 			return nil, err
 		}
-		if start, err = strconv.Atoi(string(client)); err != nil {
-			return nil, fmt.Errorf("%s: client state %q: %v", sp.resume, client, err)
+		if start, err = strconv.Atoi(string(rep.Client)); err != nil {
+			return nil, fmt.Errorf("%s: client state %q: %v", sp.resume, rep.Client, err)
 		}
 	}
 	s := NewHostStream()

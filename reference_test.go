@@ -425,3 +425,41 @@ func neumaier(xs []float64) float64 {
 	}
 	return sum + c
 }
+
+// ---- the loss scaler ----------------------------------------------------------
+
+// dsScaler is DeepSpeed 0.19.8's DynamicLossScaler (deepspeed/runtime/fp16/
+// loss_scaler.py at edaa7221, consecutive_hysteresis false), transcribed
+// from its update_scale apart from zero's scaler: the reference the fp16
+// tests hold the engine to. (At its minimum with the hysteresis spent,
+// DeepSpeed raises instead of halving; no sequence here gets there.)
+type dsScaler struct {
+	curScale                  float64
+	scaleWindow, delayedShift int
+	curHysteresis             int
+	minScale                  float64
+	curIter, lastOverflowIter int
+}
+
+func newDSScaler(initScale float64, window, delayedShift int, minScale float64) *dsScaler {
+	return &dsScaler{curScale: initScale, scaleWindow: window, delayedShift: delayedShift, curHysteresis: delayedShift,
+		minScale: minScale, lastOverflowIter: -1}
+}
+
+func (s *dsScaler) updateScale(overflow bool) {
+	if overflow {
+		if s.delayedShift == 1 || s.curHysteresis == 1 {
+			s.curScale = math.Max(s.curScale/2, s.minScale)
+		} else {
+			s.curHysteresis--
+		}
+		s.lastOverflowIter = s.curIter
+	} else {
+		stableInterval := s.curIter - s.lastOverflowIter - 1
+		if stableInterval > 0 && stableInterval%s.scaleWindow == 0 {
+			s.curHysteresis = s.delayedShift
+			s.curScale *= 2
+		}
+	}
+	s.curIter++
+}

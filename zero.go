@@ -1028,16 +1028,19 @@ func (e *Engine) Save(dir string, opt SaveOptions) error {
 }
 
 // Load replaces the engine's state with the checkpoint in dir (a
-// checkpoint directory, or one whose latest names one) and returns this
-// rank's Client bytes (nil on a rank the saving run did not have: a
-// checkpoint of W ranks loaded into more). It is a load into an engine New
-// has built, with the same parameters (names, shapes, dtypes, groups; in
-// any order, as they are found by name), because New is where the
-// settings are checked across ranks and the memory is laid out: the
-// checkpoint fills that memory, whatever world size, stage, bucket size,
-// alignment or offload wrote it (state is found by parameter and element
-// range). A parameter one side has and the other lacks, or has otherwise,
-// is refused, naming it. Set Params.NoBroadcast in the
+// checkpoint directory, or one whose latest names one) and reports what it
+// did: this rank's Client bytes (on a rank the saving run did not have, a
+// checkpoint of W ranks loaded into more, saved rank
+// opt.NewRankClient's: rank 0's by default), the checkpoint's step, world
+// size and stage, what was resharded, and where the settings came from.
+// It is a load into an engine New has built, with the same parameters
+// (names, shapes, dtypes, groups; in any order, as they are found by
+// name), because New is where the settings are checked across ranks and
+// the memory is laid out: the checkpoint fills that memory, whatever world
+// size, stage, bucket size, alignment, offload or batch split
+// (Grads.AccumSteps, Window.DType) wrote it (state is found by parameter
+// and element range). A parameter one side has and the other lacks, or has
+// otherwise, is refused, naming it. Set Params.NoBroadcast in the
 // Config when you will load: the broadcast of the initial values is then
 // wasted. The optimizer's groups are restored (SetGroup after Load
 // overrides them), as is the step count; Optimizer.Clip and Schedule come
@@ -1045,20 +1048,20 @@ func (e *Engine) Save(dir string, opt SaveOptions) error {
 // incomplete or foreign checkpoint is refused (ErrCheckpoint, naming the
 // file) before anything changes; an I/O error after every file was
 // checked is fatal.
-func (e *Engine) Load(dir string, opt LoadOptions) ([]byte, error) {
+func (e *Engine) Load(dir string, opt LoadOptions) (LoadReport, error) {
 	ce, err := e.checkpointable("Load")
 	if err != nil {
-		return nil, err
+		return LoadReport{}, err
 	}
-	client, step, fatal, err := ce.load(dir, opt, newLossScaler(e.cfg.Precision.LossScale))
+	rep, step, fatal, err := ce.load(dir, opt, newLossScaler(e.cfg.Precision.LossScale))
 	if err != nil {
 		if fatal {
-			return nil, e.fail(err)
+			return LoadReport{}, e.fail(err)
 		}
-		return nil, err
+		return LoadReport{}, err
 	}
 	e.stepIndex = step
-	return client, nil
+	return rep, nil
 }
 
 // ExportSafetensors writes the model into file, one safetensors file: each

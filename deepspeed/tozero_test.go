@@ -74,7 +74,8 @@ func engineFor(s *State, comm zero.Comm, sh shape) (*zero.Engine, []zero.Param, 
 
 // loadInto is every Load of a converted checkpoint in these tests.
 func loadInto(e *zero.Engine, dir string) ([]byte, error) {
-	return e.Load(dir, zero.LoadOptions{})
+	r, err := e.Load(dir, zero.LoadOptions{})
+	return r.Client, err
 }
 
 // converted writes run's golden checkpoint (src: "ckpt" or the universal

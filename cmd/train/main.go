@@ -462,6 +462,8 @@ type result struct {
 	waited []time.Duration
 	// settings is rank 0's engine's settings record
 	settings []zero.Setting
+	// loaded is rank 0's report of the checkpoint a resumed run loaded
+	loaded *zero.LoadReport
 	// log reports each step as it ends
 	log *progress
 }
@@ -676,15 +678,18 @@ func trainRank(c config, comm zero.Comm, data *batches, rec *result) error {
 	if c.resume != "" {
 		// the flags' -lr and -wd hold for the rest of the run; the
 		// moments, step counts and loss scale come back
-		client, err := e.Load(c.resume, zero.LoadOptions{KeepConfigGroups: true})
+		loaded, err := e.Load(c.resume, zero.LoadOptions{KeepConfigGroups: true})
 		if errors.Is(err, zero.ErrCheckpoint) {
 			return fmt.Errorf("%w (cmd/train's model is the MLP of -in %d -hidden %d: %s; a checkpoint it resumes, a converted DeepSpeed run's too, holds those)", err, c.in, c.hidden, m.describe())
 		}
 		if err != nil {
 			return err
 		}
-		if start, err = resumePosition(c, comm, client); err != nil {
+		if start, err = resumePosition(c, comm, loaded.Client); err != nil {
 			return err
+		}
+		if rec != nil {
+			rec.loaded = &loaded
 		}
 	}
 	if c.stage == 3 {
@@ -743,7 +748,7 @@ func trainRank(c config, comm zero.Comm, data *batches, rec *result) error {
 		if c.trace {
 			record()
 		}
-		rec.log.begin(c, start, rec.settings)
+		rec.log.begin(c, start, rec.settings, rec.loaded)
 	}
 	g64 := make([][]float64, 4)
 	for p, n := range m.sizes() {
@@ -913,8 +918,7 @@ type convertedDeepSpeed struct {
 }
 
 // resumePosition is the step a resumed run starts from, agreed by every
-// rank (a rank the saving run did not have gets no client bytes and takes
-// the others' position).
+// rank (a rank the saving run did not have gets rank 0's client bytes).
 func resumePosition(c config, comm zero.Comm, client []byte) (int, error) {
 	var own error
 	var ts trainState

@@ -515,6 +515,67 @@ func TestSaveEvery(t *testing.T) {
 	sameParams(t, "resumed from the latest", done, result{params: straight.params[8:]})
 }
 
+// TestResumeAtAnotherSplit: a run of 2 ranks with 2 backwards a step,
+// saved halfway, resumes on 1 rank with 4 (-world 1 -accum 4: the same
+// global batch, split otherwise), and a run of 1×4 on 2×2 (the new rank
+// gets rank 0's data position). The resume prints in one line what the
+// load resharded (the world size, how many parameters were placed anew: a
+// parameter that stays on rank 0 at its place is not), and trains
+// on the uninterrupted run's data: its parameters after every step within
+// 1e-6 of that run's (summed in another order; a step on other data moves
+// them by about the rate, 0.01). A resume at the same split prints no such
+// line.
+func TestResumeAtAnotherSplit(t *testing.T) {
+	seed := testSeed(t)
+	for _, sp := range [][2][2]int{{{2, 2}, {1, 4}}, {{1, 4}, {2, 2}}, {{2, 2}, {2, 2}}} {
+		c := traced()
+		c.seed, c.steps, c.world, c.accum = seed, 8, sp[0][0], sp[0][1]
+		name := fmt.Sprintf("W%d×%d → W%d×%d", sp[0][0], sp[0][1], sp[1][0], sp[1][1])
+		straight, err := run(nil, c)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		dir := t.TempDir()
+		first := c
+		first.steps, first.save = 4, dir
+		if _, err := run(nil, first); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		second := c
+		second.resume, second.world, second.accum = dir, sp[1][0], sp[1][1]
+		var out bytes.Buffer
+		resumed, err := run(&out, second)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		var lines []string
+		for l := range strings.Lines(out.String()) {
+			if strings.HasPrefix(l, "resharded") {
+				lines = append(lines, l)
+			}
+		}
+		want := regexp.MustCompile(fmt.Sprintf(`^resharded the checkpoint of step 4: World %d → %d, [1-4] parameters placed anew\n$`, sp[0][0], sp[1][0]))
+		got := strings.Join(lines, "")
+		if sp[0] == sp[1] && got != "" || sp[0] != sp[1] && !want.MatchString(got) {
+			t.Fatalf("%s: the resume printed %q, want a line as %v", name, got, want)
+		}
+		worst := 0.0
+		for st := range resumed.params {
+			for p := range resumed.params[st] {
+				for i, y := range resumed.params[st][p] {
+					x := straight.params[4+st][p][i]
+					if d := math.Abs(x - y); d > 1e-6 {
+						t.Fatalf("%s: step %d: %s[%d] = %v resumed, %v uninterrupted", name, 4+st, tensorNames[p], i, y, x)
+					} else {
+						worst = max(worst, d)
+					}
+				}
+			}
+		}
+		t.Logf("%s: %q; the parameters at most %.3g from the uninterrupted run's", name, strings.TrimSpace(got), worst)
+	}
+}
+
 // TestResumeRefusals: a resume on other data (another seed or batch) or
 // past -steps is refused, naming what to change.
 func TestResumeRefusals(t *testing.T) {

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"strconv"
+	"strings"
 	"time"
 
 	"zero"
@@ -55,8 +57,9 @@ func metricsOf(st int, loss float64, s zero.Stats, wall time.Duration, batch int
 }
 
 // begin reports where the run starts: the engine's settings when they
-// come from a DeepSpeed config, the checkpoint a resumed run continues.
-func (p *progress) begin(c config, first int, settings []zero.Setting) {
+// come from a DeepSpeed config, the checkpoint a resumed run continues
+// (loaded) and, in one line, what its load resharded.
+func (p *progress) begin(c config, first int, settings []zero.Setting, loaded *zero.LoadReport) {
 	if p == nil || p.out == nil {
 		return
 	}
@@ -66,6 +69,34 @@ func (p *progress) begin(c config, first int, settings []zero.Setting) {
 	if c.resume != "" {
 		fmt.Fprintf(p.out, "resumed from %s after step %d\n", c.resume, first)
 	}
+	if line := reshardLine(loaded); line != "" {
+		fmt.Fprintln(p.out, line)
+	}
+}
+
+// reshardLine is what a load changed of the checkpoint's layout and batch
+// split, in one line ("" where it changed nothing).
+func reshardLine(r *zero.LoadReport) string {
+	if r == nil {
+		return ""
+	}
+	var parts []string
+	for _, ch := range r.Changed {
+		switch ch.Path {
+		case "World", "Stage", "BucketBytes", "Align", "Grads.AccumSteps", "Window.DType":
+			parts = append(parts, fmt.Sprintf("%s %s → %s", ch.Path, ch.Saved, ch.Engine))
+		}
+	}
+	if r.Reshard.Buckets {
+		parts = append(parts, "buckets regrouped")
+	}
+	if n := len(r.Reshard.Params); n > 0 {
+		parts = append(parts, fmt.Sprintf("%d parameters placed anew", n))
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return "resharded the checkpoint of step " + strconv.Itoa(r.Step) + ": " + strings.Join(parts, ", ")
 }
 
 // stepEnded reports step st (from 0).

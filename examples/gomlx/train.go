@@ -286,8 +286,8 @@ func (r *rank) resume(dir string, st int) (*rank, error) {
 		return r, err // closed: closing again does nothing
 	}
 	t2 := time.Now()
-	client, err := nr.e.Load(dir, r.spec.load)
-	if err == nil && (len(client) != 8 || binary.LittleEndian.Uint64(client) != uint64(st)) {
+	loaded, err := nr.e.Load(dir, r.spec.load)
+	if client := loaded.Client; err == nil && (len(client) != 8 || binary.LittleEndian.Uint64(client) != uint64(st)) {
 		err = fmt.Errorf("Load returned %d bytes of this rank's own state (%x), saved: the next step, %d", len(client), client, st)
 	}
 	nr.rec = rec
