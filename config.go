@@ -855,7 +855,8 @@ func allGatherWords(dev Device, comm Comm, s Stream, mine []uint32) ([][]uint32,
 	if err != nil {
 		return nil, err
 	}
-	defer freeAfter(dev, buf, s)
+	synced := false
+	defer func() { freeSynced(dev, buf, synced, s) }()
 	part := buf.slice(comm.Rank()*n, n)
 	if err := dev.copy(s, part, Float32s(words[comm.Rank()*n:(comm.Rank()+1)*n])); err != nil {
 		return nil, err
@@ -869,6 +870,7 @@ func allGatherWords(dev Device, comm Comm, s Stream, mine []uint32) ([][]uint32,
 	if err := s.Sync(); err != nil {
 		return nil, err
 	}
+	synced = true
 	out := make([][]uint32, world)
 	for r := range out {
 		out[r] = make([]uint32, n)

@@ -858,10 +858,11 @@ func (d *cudaDevice) copyScaled(s Stream, dst, src Tensor, scale float32) error 
 			err = d.cast(s, dst, tmp, scale)
 		}
 	}
-	if serr := s.Sync(); err == nil {
+	serr := s.Sync()
+	if err == nil {
 		err = serr
 	}
-	freeAfter(d, tmp, s)
+	freeSynced(d, tmp, err == nil, s)
 	return err
 }
 

@@ -443,6 +443,19 @@ func freeAfter(dev Device, t Tensor, streams ...Stream) {
 	quarantine.add(t)
 }
 
+// freeSynced frees t at once where the caller's Sync of the streams that
+// used it succeeded after its last use (nothing queued can still touch
+// it), and in stream order (freeAfter) otherwise: on CUDA a free in stream
+// order waits for an event recorded after the Sync, and scratch held that
+// long would count in the next allocation's high-water mark.
+func freeSynced(dev Device, t Tensor, synced bool, streams ...Stream) {
+	if synced {
+		dev.Free(t)
+		return
+	}
+	freeAfter(dev, t, streams...)
+}
+
 // drained waits for s's work and reports whether none of it can still run:
 // a host stream's Sync returns only then; a closed stream was drained by
 // its Close; another stream whose Sync failed may still hold work.

@@ -324,7 +324,8 @@ func AllReduceScalars(comm Comm, op ReduceOp, values ...float64) ([]float64, err
 	if err != nil {
 		return nil, err
 	}
-	defer freeAfter(dev, buf, s)
+	synced := false
+	defer func() { freeSynced(dev, buf, synced, s) }()
 	mine := make([]float32, words*n)
 	for i, v := range values {
 		m, exp := math.Frexp(v)
@@ -346,6 +347,7 @@ func AllReduceScalars(comm Comm, op ReduceOp, values ...float64) ([]float64, err
 	if err != nil {
 		return nil, err
 	}
+	synced = true
 	out := make([]float64, n)
 	for i := range out {
 		for r := range world {

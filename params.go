@@ -222,7 +222,7 @@ func (ps *paramState) uploadCast(s Stream, dst Tensor, host []float32) error {
 	if err == nil {
 		err = s.Sync()
 	}
-	freeAfter(ps.dev, tmp, s)
+	freeSynced(ps.dev, tmp, err == nil, s)
 	return err
 }
 

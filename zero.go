@@ -668,7 +668,7 @@ func (e *Engine) copyScaled(d Device, s Stream, dst, src Tensor, scale float32) 
 				err = d.copyScaled(s, dst, tmp, scale)
 			}
 			err = errors.Join(err, s.Sync())
-			freeAfter(d, tmp, s)
+			freeSynced(d, tmp, err == nil, s)
 		}
 	case dst.dtype != FP32: // the host into d's 16-bit memory
 		var tmp Tensor
@@ -678,7 +678,7 @@ func (e *Engine) copyScaled(d Device, s Stream, dst, src Tensor, scale float32) 
 				err = d.cast(s, dst, tmp, 1)
 			}
 			err = errors.Join(err, s.Sync())
-			freeAfter(d, tmp, s)
+			freeSynced(d, tmp, err == nil, s)
 		}
 	default:
 		if err = d.copyScaled(s, dst, src, scale); err == nil {
