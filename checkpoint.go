@@ -2,7 +2,6 @@ package zero
 
 import (
 	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -14,7 +13,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"unsafe"
 )
 
 // Checkpoints. A checkpoint is a directory, dir/step-N, holding one file
@@ -58,92 +56,9 @@ type LoadOptions struct {
 	KeepConfigGroups bool
 }
 
-const (
-	ckptFormat   = "zero-checkpoint"
-	ckptManifest = "manifest.json"
-	ckptLatest   = "latest"
-	ckptPartial  = ".partial-"
-)
-
-// ckptParam is a parameter as the manifest records it.
-type ckptParam struct {
-	Name   string `json:"name"`
-	Shape  []int  `json:"shape,omitempty"`
-	Count  int    `json:"count"`
-	DType  string `json:"dtype"`
-	Group  int    `json:"group"`
-	Frozen bool   `json:"frozen,omitempty"`
-}
-
-// ckptBucket is a bucket of the layout: Members are (parameter, offset in
-// the bucket); rank r holds elements [r·Shard, (r+1)·Shard) of it at
-// ShardOffset of its shard.
-type ckptBucket struct {
-	Shard       int      `json:"shard"`
-	ShardOffset int      `json:"shard_offset"`
-	Members     [][2]int `json:"members"`
-}
-
-type ckptLayout struct {
-	World      int          `json:"world"`
-	ShardElems int          `json:"shard_elems"`
-	Buckets    []ckptBucket `json:"buckets"`
-}
-
-type ckptSetting struct {
-	Path  string `json:"path"`
-	Value string `json:"value"`
-	Class string `json:"class"`
-}
-
-type ckptFileInfo struct {
-	Name  string `json:"name"`
-	Rank  int    `json:"rank"`
-	Bytes int64  `json:"bytes"`
-	CRC   uint32 `json:"crc32c"`
-}
-
-// ckptManifestData is manifest.json.
-type ckptManifestData struct {
-	Format  string `json:"format"`
-	Version int    `json:"version"`
-	// Save is the save's identity (version 2 on): 48 random bits that rank
-	// 0 draws and every rank writes into its file's footer, so a load
-	// refuses a rank file of another save; it also names the save's lock.
-	Save      string         `json:"save,omitempty"`
-	Step      int            `json:"step"` // steps the engine had taken
-	Stage     int            `json:"stage"`
-	Params    []ckptParam    `json:"params"`
-	Layout    ckptLayout     `json:"layout"`
-	Settings  []ckptSetting  `json:"settings"`
-	Optimizer optCheckpoint  `json:"optimizer"`
-	Files     []ckptFileInfo `json:"files"`
-	// Checksum is the CRC32C of the manifest as written with Checksum 0: a
-	// damaged value is found before it places state anywhere.
-	Checksum uint32 `json:"crc32c"`
-}
-
-// sealManifest writes m's checksum into it and returns its bytes.
-func sealManifest(m *ckptManifestData) ([]byte, error) {
-	m.Checksum = 0
-	data, err := json.MarshalIndent(m, "", " ")
-	if err != nil {
-		return nil, err
-	}
-	m.Checksum = crc32.Checksum(data, castagnoli)
-	return json.MarshalIndent(m, "", " ")
-}
-
-// sealed reports whether m's values are those its checksum was taken of.
-func sealed(m ckptManifestData) bool {
-	want := m.Checksum
-	m.Checksum = 0
-	data, err := json.MarshalIndent(&m, "", " ")
-	return err == nil && crc32.Checksum(data, castagnoli) == want
-}
-
-// ckptEngine is what a checkpoint needs of the engine.
-type ckptEngine struct {
+// ckptSnapshot is what a checkpoint needs of the engine: a plain record
+// the hub fills when a save, load or export starts.
+type ckptSnapshot struct {
 	fs          ckptFS
 	comm        Comm
 	rank, world int
@@ -159,7 +74,10 @@ type ckptEngine struct {
 	stop func() error
 }
 
-func rankFileName(r int) string { return fmt.Sprintf("rank-%05d.bin", r) }
+// ckptEngine runs a save, load or export over a snapshot.
+type ckptEngine struct{ ckptSnapshot }
+
+func newCkptEngine(snap ckptSnapshot) *ckptEngine { return &ckptEngine{snap} }
 
 // agree runs one collective of the ranks' outcomes: every rank learns
 // whether any failed; vals (the same length on every rank) are summed.
@@ -293,19 +211,6 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 	return nil
 }
 
-// formatSaveID writes a save's identity as it is stored.
-func formatSaveID(id uint64) string { return fmt.Sprintf("%012x", id) }
-
-// validSaveID reports whether s is a save's identity as formatSaveID
-// writes it.
-func validSaveID(s string) bool {
-	if len(s) != 12 {
-		return false
-	}
-	_, err := strconv.ParseUint(s, 16, 48)
-	return err == nil && strings.ToLower(s) == s
-}
-
 func ckptName(step, k int) string {
 	name := fmt.Sprintf("step-%08d", step)
 	if k > 0 {
@@ -436,14 +341,6 @@ func writeState(w *rankWriter, st stateTensor, buf []byte) error {
 		}
 	}
 	return nil
-}
-
-// hostTensor views b as a host tensor of dtype dt.
-func hostTensor(b []byte, dt DType) Tensor {
-	if len(b) == 0 {
-		return Tensor{dtype: dt}
-	}
-	return Tensor{ptr: uintptr(unsafe.Pointer(&b[0])), count: len(b) / dt.Size(), dtype: dt, keep: b}
 }
 
 // commit moves a checkpoint whose rank files are all written into place:
@@ -625,7 +522,7 @@ func newLoader(ce *ckptEngine, at string, m ckptManifestData, x *ckptIndex) *loa
 // client bytes (this rank's own file, where the checkpoint had this rank).
 func (ld *loader) need() []int {
 	set := map[int]bool{}
-	if ld.ce.rank < ld.x.world {
+	if world, _ := ld.x.shape(); ld.ce.rank < world {
 		set[ld.ce.rank] = true
 	}
 	for p := range ld.ce.params {
@@ -687,8 +584,9 @@ func (ld *loader) checkFooter(rr *rankReader, r int) error {
 		return rr.corrupt("format version %d, the manifest's is %d", f.Version, ld.m.Version)
 	case f.Save != ld.m.Save:
 		return rr.corrupt("written by another save (%q; the manifest's is %q): a file of another checkpoint", f.Save, ld.m.Save)
-	case f.Rank != r || f.World != ld.x.world || f.ShardElems != int64(ld.x.shardElems):
-		return rr.corrupt("rank %d of %d with a shard of %d elements; the manifest lists it as rank %d of %d with %d", f.Rank, f.World, f.ShardElems, r, ld.x.world, ld.x.shardElems)
+	}
+	if world, shardElems := ld.x.shape(); f.Rank != r || f.World != world || f.ShardElems != int64(shardElems) {
+		return rr.corrupt("rank %d of %d with a shard of %d elements; the manifest lists it as rank %d of %d with %d", f.Rank, f.World, f.ShardElems, r, world, shardElems)
 	}
 	want := ld.x.segments(r)
 	if !slices.Equal(f.Segments, want) {
@@ -1345,7 +1243,7 @@ func checkpointToSafetensors(fsys ckptFS, dir, file string, opt ExportOptions) e
 	if err != nil {
 		return err
 	}
-	ld := newLoader(&ckptEngine{fs: fsys, params: params}, at, m, x)
+	ld := newLoader(newCkptEngine(ckptSnapshot{fs: fsys, params: params}), at, m, x)
 	defer ld.close()
 	ranks := make([]int, m.Layout.World)
 	for r := range ranks {

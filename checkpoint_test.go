@@ -1725,7 +1725,7 @@ func TestCheckpointLoadBoundsAllocation(t *testing.T) {
 		before = heapAllocs()
 		_, err = checkLayout(dir, m, ps)
 		if err == nil {
-			ld := newLoader(&ckptEngine{fs: osFS{}, params: ps, plan: newPlan(ps, 1<<20, 1, 64)}, dir, m, nil)
+			ld := newLoader(newCkptEngine(ckptSnapshot{fs: osFS{}, params: ps, plan: newPlan(ps, 1<<20, 1, 64)}), dir, m, nil)
 			ld.x, _ = checkLayout(dir, m, ps)
 			err = ld.verify()
 			ld.close()

@@ -28,17 +28,23 @@ func newWindow(pl *pipeline, plan *Plan, cfg WindowPolicy) window {
 // SetBoundary wait for its end.
 func (w *window) open() bool { return w.active || w.noSync }
 
-// localInWindow picks the buckets a window makes local: from the last
-// produced (the highest index) down, while their sums (localSum: in the
-// window's dtype, ZeRO-1's own fp32 ones unpadded) fit the budget (0: every
-// bucket). The plan is the same on every rank, so the choice is too.
+// localInWindow picks the buckets a window makes local (windowLocal).
 func (w *window) localInWindow() []bool {
-	inWindow := make([]bool, len(w.plan.Buckets))
+	return windowLocal(w.plan, w.budget, w.pl.localSumOf)
+}
+
+// windowLocal picks the buckets a window makes local: from the last
+// produced (the highest index) down, while their sums (sum: localSum, in
+// the window's dtype, ZeRO-1's own fp32 ones unpadded) fit the budget (0:
+// every bucket). The plan is the same on every rank, so the choice is too.
+// The estimator asks it before a pipeline exists.
+func windowLocal(plan *Plan, budget int64, sum func(b int) (int, DType)) []bool {
+	inWindow := make([]bool, len(plan.Buckets))
 	used := int64(0)
 	for b := len(inWindow) - 1; b >= 0; b-- {
-		n, dt := w.pl.localSumOf(b)
+		n, dt := sum(b)
 		size := int64(n * dt.Size())
-		if w.budget > 0 && used+size > w.budget {
+		if budget > 0 && used+size > budget {
 			break
 		}
 		used += size

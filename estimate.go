@@ -202,8 +202,7 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 	inForce := modes // the modes of the step's backwards
 	var inWindow []bool
 	if run.Window {
-		win := newWindow(&pipeline{spec: spec, plan: plan}, plan, cfg.Window)
-		inWindow = win.localInWindow()
+		inWindow = windowLocal(plan, int64(cfg.Window.BudgetBytes), func(b int) (int, DType) { return localSum(plan, spec, b) })
 		inForce = slices.Clone(modes)
 		for b, in := range inWindow {
 			if in {

@@ -163,3 +163,97 @@ type Stats struct {
 	GradCopyExposed time.Duration // see GradCopyTime
 	ParamCopyTime   time.Duration // see GradCopyTime
 }
+
+// backwardEnd marks, on the device's clock, when a window's last backward
+// had produced its last gradient: a stream of its own waits for the last
+// event of every stream that produced in the backward, then records a timed
+// event. The reductions and offload's copies measure from it the part of
+// their time that backward did not hide. The engine owns it; the
+// components read it through exposure.
+type backwardEnd struct {
+	marks     Stream
+	producers map[Stream]Event
+	clock     stopwatch
+	at        Event // the window's last backward's end; nil before one ended
+}
+
+func newBackwardEnd(dev Device) (*backwardEnd, error) {
+	s, err := dev.NewStream()
+	return &backwardEnd{marks: s, producers: map[Stream]Event{}}, err
+}
+
+// stream is the marks' own stream, which the engine syncs with its others.
+func (b *backwardEnd) stream() Stream { return b.marks }
+
+// produced notes ev as stream s's latest gradient of the backward.
+func (b *backwardEnd) produced(s Stream, ev Event) { b.producers[s] = ev }
+
+// mark ends a backward: the mark follows its producers' last events and
+// replaces the previous backward's.
+func (b *backwardEnd) mark() error {
+	for _, ev := range b.producers {
+		if err := b.marks.Wait(ev); err != nil {
+			return err
+		}
+	}
+	clear(b.producers)
+	b.clock.release(b.at)
+	var err error
+	b.at, err = b.clock.mark(b.marks)
+	return err
+}
+
+// restart forgets the window's marks (at Step after the reports, and for
+// a dropped backward): the next window marks its own.
+func (b *backwardEnd) restart() {
+	clear(b.producers)
+	b.clock.release(b.at)
+	b.at = nil
+}
+
+// exposure measures spans (a stopwatch's, not yet taken) against the
+// mark: the sum of their parts after it; how long after it the last span
+// ended (0 when every span ended before it, or no backward ended); and the
+// last span's own length, the least exposure overlap can reach (the last
+// bucket is produced when backward ends).
+func (b *backwardEnd) exposure(w *stopwatch) (after, tail, last time.Duration, err error) {
+	var lastEnd Event
+	for _, sp := range w.spans {
+		if lastEnd != nil {
+			d, err := Elapsed(lastEnd, sp[1])
+			if err != nil {
+				return 0, 0, 0, err
+			}
+			if d < 0 {
+				continue
+			}
+		}
+		lastEnd = sp[1]
+		if last, err = Elapsed(sp[0], sp[1]); err != nil {
+			return 0, 0, 0, err
+		}
+	}
+	if b.at == nil {
+		return 0, 0, last, nil
+	}
+	for _, sp := range w.spans {
+		from, err := Elapsed(b.at, sp[0])
+		if err != nil {
+			return 0, 0, 0, err
+		}
+		to, err := Elapsed(b.at, sp[1])
+		if err != nil {
+			return 0, 0, 0, err
+		}
+		after += max(0, to-max(0, from))
+		tail = max(tail, to)
+	}
+	return after, tail, last, nil
+}
+
+func (b *backwardEnd) close() error {
+	if b.marks == nil {
+		return nil
+	}
+	return b.marks.Close()
+}

@@ -72,10 +72,6 @@ type Engine struct {
 	callerStreams map[Stream]struct{}
 }
 
-// stageModes is how each stage reduces its buckets: ZeRO-1 sums locally
-// and reduces once per window; ZeRO-2 and ZeRO-3 stream every backward.
-var stageModes = [...]bucketMode{1: local, 2: streamed, 3: streamed}
-
 // New builds the partition plan and the engine for comm's rank. Every rank
 // calls it with the same config and parameters. Every check runs before
 // any collective or allocation; then ranks compare their settings (all but
@@ -113,7 +109,7 @@ func (e *Engine) init() error {
 	if e.ends, err = newBackwardEnd(e.dev); err != nil {
 		return err
 	}
-	e.streams = append(e.streams, e.ends.marks)
+	e.streams = append(e.streams, e.ends.stream())
 	if err := checkSettings(e.dev, e.comm, e.reduceStream, settingsRecord(e.cfg, e.params, e.world)); err != nil {
 		return err
 	}
@@ -779,10 +775,10 @@ func (e *Engine) GradView(param int) (View, error) {
 		d, s := e.pl.shardSide(e.copyStream)
 		return e.copyScaled(d, s, dst, src, scale)
 	}
-	return View{Param: param, ShardRange: rg, rank: e.rank,
-		read:  func(dst []float32) error { return copyScaled("View.Read", Float32s(dst), part, false) },
-		write: func(src []float32) error { return copyScaled("View.Write", part, Float32s(src), true) },
-	}, nil
+	return newView(param, rg, e.rank,
+		func(dst []float32) error { return copyScaled("View.Read", Float32s(dst), part, false) },
+		func(src []float32) error { return copyScaled("View.Write", part, Float32s(src), true) },
+	), nil
 }
 
 // TrimPools frees the pooled buffers that are idle: staging buffers beyond
@@ -1106,8 +1102,8 @@ func (e *Engine) checkpointable(op string) (*ckptEngine, error) {
 		}
 		return nil
 	}
-	return &ckptEngine{fs: e.ckptFS(), comm: e.comm, rank: e.rank, world: e.world, stage: e.cfg.Stage, plan: e.plan,
-		params: e.params, settings: e.Settings(), opt: e.opt, ps: e.ps, step: e.stepIndex, stop: stop}, nil
+	return newCkptEngine(ckptSnapshot{fs: e.ckptFS(), comm: e.comm, rank: e.rank, world: e.world, stage: e.cfg.Stage, plan: e.plan,
+		params: e.params, settings: e.Settings(), opt: e.opt, ps: e.ps, step: e.stepIndex, stop: stop}), nil
 }
 
 // ckptFS is the file layer checkpoints use (a test's, where one is set).

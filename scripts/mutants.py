@@ -952,6 +952,22 @@ MUTANTS = [
      "\tif (to_host) ZC_LEAVE(cu.cuMemcpyDtoHAsync(",
      "\tif (!to_host) ZC_LEAVE(cu.cuMemcpyDtoHAsync(",
      "TestCUDADirectedCopies", FAKE_CUDA),
+    # The floors (ownership_test.go): a stream, floor 2, naming the plan
+    # (floor 6) points up; config.go naming the safetensors import on its own
+    # floor is allowed, but closes a loop (safetensors.go reads Config); a
+    # client of the API (dsconfig.go) using a private helper.
+    ("floor-upward-use", "stream.go",
+     "\t\"time\"\n)\n",
+     "\t\"time\"\n)\n\nvar _ = newPlan\n",
+     "TestOwnership"),
+    ("floor-file-loop", "config.go",
+     "// Config sets up an Engine. DefaultConfig gives working values.",
+     "var _ = ImportSafetensors\n\n// Config sets up an Engine. DefaultConfig gives working values.",
+     "TestFileLoops"),
+    ("floor-client-private", "dsconfig.go",
+     "// ReadDeepSpeed reads a DeepSpeed JSON config (ds_config.json) into a zero",
+     "var _ = finite\n\n// ReadDeepSpeed reads a DeepSpeed JSON config (ds_config.json) into a zero",
+     "TestOwnership"),
 ]
 
 
