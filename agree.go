@@ -41,17 +41,32 @@ func (c checkFailed) Is(target error) bool { return target == errCheckFailed }
 func (c checkFailed) Unwrap() error        { return c.error }
 
 func newStepCheck(dev Device, comm Comm, s Stream, params int, refs, optimizer bool) (*stepCheck, error) {
-	c := &stepCheck{dev: dev, comm: comm, s: s, refs: -1, dig: -1, used: -1}
-	at := 2
+	c := &stepCheck{dev: dev, comm: comm, s: s}
+	var words int
+	c.refs, c.dig, c.used, words = stepCheckLayout(params, refs, optimizer)
+	var err error
+	c.buf, err = dev.Alloc(words, FP32)
+	return c, err
+}
+
+// stepCheckLayout places the check's words: (G, −G) first, then (refs)
+// the gathered references, then (optimizer) the groups' digest and its
+// negation and a word per parameter; -1 for a part it does not have. words is the fp32 words of its one all-reduce.
+func stepCheckLayout(params int, refs, optimizer bool) (refsAt, digestAt, usedAt, words int) {
+	refsAt, digestAt, usedAt, words = -1, -1, -1, 2
 	if refs {
-		c.refs, at = at, at+1
+		refsAt, words = words, words+1
 	}
 	if optimizer {
-		c.dig, c.used, at = at, at+2*digestWords, at+2*digestWords+params
+		digestAt, usedAt, words = words, words+2*digestWords, words+2*digestWords+params
 	}
-	var err error
-	c.buf, err = dev.Alloc(at, FP32)
-	return c, err
+	return refsAt, digestAt, usedAt, words
+}
+
+// stepCheckSize is what newStepCheck allocates.
+func stepCheckSize(params int, refs, optimizer bool) DeviceBytes {
+	_, _, _, words := stepCheckLayout(params, refs, optimizer)
+	return DeviceBytes{Control: int64(words) * 4}
 }
 
 // windowClaims is what this rank claims about the window.

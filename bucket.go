@@ -25,6 +25,38 @@ const (
 // and reduces once per window; ZeRO-2 and ZeRO-3 stream every backward.
 var stageModes = [...]bucketMode{1: local, 2: streamed, 3: streamed}
 
+// stageBucketModes is every bucket's mode at stage.
+func stageBucketModes(stage, buckets int) []bucketMode {
+	modes := make([]bucketMode, buckets)
+	for b := range modes {
+		modes[b] = stageModes[stage]
+	}
+	return modes
+}
+
+// pipelineSize is what the pipeline's pools hold at their peak when the
+// step's backwards run in the modes inForce: the staging buffers (one
+// largest bucket each, in the comm dtype) and the local sums the shard's
+// memory does not host (canLend: the sink lends it, see hostedSums),
+// ZeRO-1's own in LocalSums and a window's in WindowSums. 16-bit sums are
+// added into in their dtype.
+func pipelineSize(plan *Plan, spec pipelineSpec, inForce []bucketMode, canLend bool) DeviceBytes {
+	d := DeviceBytes{Staging: int64(spec.staging) * int64(plan.MaxBucket()) * int64(spec.commDType.Size())}
+	hosted := hostedSums(plan, spec, inForce, canLend)
+	for b := range plan.Buckets {
+		if inForce[b] != local || hosted[b] {
+			continue
+		}
+		n, dt := localSum(plan, spec, b)
+		if spec.modes[b] == local {
+			d.LocalSums += int64(n * dt.Size())
+		} else {
+			d.WindowSums += int64(n * dt.Size())
+		}
+	}
+	return d
+}
+
 // pipelineSpec is what the pipeline needs to know of the engine's settings.
 type pipelineSpec struct {
 	rank, world int
@@ -235,6 +267,16 @@ type deviceSink struct {
 
 // newDeviceSink allocates the shard in dtype dt, and its sums of squares
 // where withNorm (an optimizer takes the norm).
+// deviceSinkSize is what newDeviceSink allocates: the shard in dt, the
+// overflow flag and (withNorm) the norm's chunk sums.
+func deviceSinkSize(plan *Plan, dt DType, withNorm bool) DeviceBytes {
+	d := DeviceBytes{GradShard: int64(plan.ShardElems * dt.Size()), Control: 4}
+	if withNorm {
+		d.Control += normSumsBytes(plan)
+	}
+	return d
+}
+
 func newDeviceSink(dev Device, plan *Plan, dt DType, withNorm bool) (*deviceSink, error) {
 	d := &deviceSink{dev: dev}
 	var err error

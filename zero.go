@@ -148,10 +148,7 @@ func (e *Engine) init() error {
 		}
 		sk = ds
 	}
-	modes := make([]bucketMode, len(e.plan.Buckets))
-	for b := range modes {
-		modes[b] = stageModes[e.cfg.Stage]
-	}
+	modes := stageBucketModes(e.cfg.Stage, len(e.plan.Buckets))
 	// The 1/W of the mean goes into the reduction (ncclAvg) where dividing by
 	// W is exact, a power of two: the same bits as a sum scaled afterwards,
 	// and no overflow of a half-precision sum on the wire. Elsewhere it goes
