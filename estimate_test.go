@@ -2,6 +2,10 @@ package zero
 
 import (
 	"errors"
+	"fmt"
+	"math/rand"
+	"reflect"
+	"strings"
 	"testing"
 	"time"
 )
@@ -310,4 +314,284 @@ func TestEstimateFrameworkParams(t *testing.T) {
 			}
 		}
 	}
+}
+
+// ---- the estimator against the allocations ------------------------------------
+
+// estimateModel is a small model of dtype dt: tiny buckets split it into
+// many, some parameters larger than a bucket, one empty and one frozen;
+// gathered (at stage 3) in sets of two, as a framework gathers a layer.
+func estimateModel(dt DType) ([]Param, [][]int) {
+	sizes := []int{300, 7, 1000, 0, 129, 64, 513, 1, 50}
+	params := make([]Param, len(sizes))
+	for i, n := range sizes {
+		params[i] = Param{Name: fmt.Sprintf("p%d", i), Count: n, DType: dt, Data: newTBuf(dt, n).t()}
+	}
+	params[8].Frozen = true
+	return params, [][]int{{0, 1}, {2, 3}, {4, 5}, {6, 7}}
+}
+
+// paramBudgets are stage 3's gather budgets at the test's bucket sizes: the
+// default prefetch (a bucket's bytes ahead), none, and a prefetch of two
+// largest buckets capped by LiveParamBytes at three.
+var paramBudgets = []ParamPolicy{{}, {PrefetchBytes: -1}, {PrefetchBytes: 4096, LiveParamBytes: 3 * 2048}}
+
+// estimateCase is one configuration of the estimator's tests and how it is
+// driven.
+type estimateCase struct {
+	cfg   Config
+	world int
+	run   Run
+}
+
+func (c estimateCase) String() string {
+	p, pp := c.cfg.Precision, c.cfg.Params
+	return fmt.Sprintf("stage %d W=%d offload %+v window %v budget %d window %v shard %v comm %v backwards %d prefetch %d live %d opt %T",
+		c.cfg.Stage, c.world, c.cfg.Offload, c.run.Window, c.cfg.Window.BudgetBytes, c.cfg.Window.DType, p.ShardDType, p.CommDType,
+		c.run.Backwards, pp.PrefetchBytes, pp.LiveParamBytes, c.cfg.Optimizer.Groups)
+}
+
+// measured is what one rank's engine really held and moved.
+type measured struct {
+	device, host int          // high-water marks of the counting device
+	live, allocs int          // device bytes and allocations live after the last Step
+	before, at   []GPUMemory  // the device's own figures (NVML) before New and after the last Step
+	wire         CommCounters // the last step's
+	stats        Stats
+	params       ParamMemory // stage 3's after the last Step
+}
+
+// measureEngine drives c on every rank of env's group, each rank's engine
+// on the counting device newDev gives it, with its own copy of the
+// parameters' values and its gradients placed by env: three steps of
+// c.run.Backwards backwards (in a Coalesce window where c.run.Window), each
+// backward handing over the gradients of c.run.Gathers' sets in reverse
+// (nil: every parameter alone), at stage 3 each set gathered for the
+// forward and again for the backward.
+func measureEngine(t *testing.T, env trainEnv, newDev func(rank int) *countingDevice, c estimateCase, params []Param, seed int64) []measured {
+	t.Helper()
+	comms, err := env.group(c.world)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := make([]measured, c.world)
+	errs := eachRank(c.world, func(rank int) (err error) {
+		defer comms[rank].Close()
+		dev := newDev(rank)
+		defer dev.release()
+		s, err := env.stream()
+		if err != nil {
+			return err
+		}
+		defer s.Close()
+		rng := rand.New(rand.NewSource(seed + int64(rank)))
+		var frees []func()
+		defer func() {
+			if serr := s.Sync(); err == nil {
+				err = serr
+			}
+			for _, f := range frees {
+				f()
+			}
+		}()
+		place := func(dt DType, n int, scale float64) (Tensor, error) {
+			b := newTBuf(dt, n)
+			for i := range b.len() {
+				b.set(i, float32(scale*rng.NormFloat64()))
+			}
+			x, free, err := env.place(s, b)
+			if err == nil {
+				frees = append(frees, free)
+			}
+			return x, err
+		}
+		mine := append([]Param(nil), params...)
+		grads := make([]Tensor, len(params))
+		for p, q := range params {
+			if q.Data.ptr != 0 {
+				if mine[p].Data, err = place(q.DType, q.Count, 1); err != nil {
+					return err
+				}
+			}
+			if grads[p], err = place(q.DType, q.Count, 1); err != nil {
+				return err
+			}
+		}
+		if err := s.Sync(); err != nil {
+			return err
+		}
+		out[rank].before = dev.memoryStats()
+		e, err := New(c.cfg, onDevice{comms[rank], dev}, mine)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		stage3 := c.cfg.Stage == 3
+		sets := c.run.Gathers
+		if sets == nil { // one parameter at a time, as Run says
+			for p, q := range params {
+				if !q.Frozen {
+					sets = append(sets, []int{p})
+				}
+			}
+		}
+		backward := func() error {
+			for _, set := range sets {
+				if stage3 {
+					if _, err := e.Gather(s, set...); err != nil {
+						return err
+					}
+					if err := e.Release(s, set...); err != nil {
+						return err
+					}
+				}
+			}
+			for i := len(sets) - 1; i >= 0; i-- {
+				if stage3 {
+					if _, err := e.Gather(s, sets[i]...); err != nil {
+						return err
+					}
+				}
+				for j := len(sets[i]) - 1; j >= 0; j-- {
+					p := sets[i][j]
+					if _, err := e.GradReady(p, grads[p], s); err != nil {
+						return err
+					}
+				}
+				if stage3 {
+					if err := e.Release(s, sets[i]...); err != nil {
+						return err
+					}
+				}
+			}
+			return e.EndBackward()
+		}
+		for range 3 {
+			steps := func() error {
+				for range max(c.run.Backwards, 1) {
+					if err := backward(); err != nil {
+						return err
+					}
+				}
+				return nil
+			}
+			if c.run.Window {
+				err = e.Coalesce(steps)
+			} else {
+				err = steps()
+			}
+			if err == nil {
+				err = e.Step()
+			}
+			if err != nil {
+				return err
+			}
+		}
+		if err := s.Sync(); err != nil {
+			return err
+		}
+		m := &out[rank]
+		m.at = e.DeviceMemory()
+		m.live, m.allocs = dev.liveBytes(), dev.liveCount()
+		m.params = e.ParamMemory()
+		st := e.Stats()
+		if err := e.Close(); err != nil {
+			return err
+		}
+		m.device, m.host = dev.peaks()
+		m.wire, m.stats = st.Collectives, st
+		return nil
+	})
+	for rank, err := range errs {
+		if err != nil {
+			t.Fatalf("%v: rank %d: %v", c, rank, err)
+		}
+	}
+	return out
+}
+
+// checkEstimateOn compares c's estimate with what measureEngine saw on
+// every rank: device and host bytes to the byte, the engine's own Stats
+// field by field (estimatedStats), the parameter shard's bytes on each
+// side (ParamMemory), the collectives to the byte but for
+// stage 3's gathers, where a prefetch that keeps a bucket from one ask to
+// the next saves a gather the estimate counts. It returns the estimate and
+// the measurements.
+func checkEstimateOn(t *testing.T, env trainEnv, newDev func(rank int) *countingDevice, c estimateCase, params []Param, seed int64) (Estimation, []measured) {
+	t.Helper()
+	est, err := Estimate(params, c.cfg, c.world, c.run)
+	if err != nil {
+		t.Fatalf("%v: %v", c, err)
+	}
+	ms := measureEngine(t, env, newDev, c, params, seed)
+	for rank, m := range ms {
+		what := fmt.Sprintf("%v rank %d", c, rank)
+		if got, want := int64(m.device), est.Device.Engine(); got != want {
+			t.Errorf("%s: device high-water %d bytes, estimate %d (%+v)", what, got, want, est.Device)
+		}
+		if got, want := int64(m.host), est.Host.Total(); got != want {
+			t.Errorf("%s: host high-water %d bytes, estimate %d (%+v)", what, got, want, est.Host)
+		}
+		if d := statsDiff(est.Stats(), m.stats); d != "" {
+			t.Errorf("%s: the engine's Stats against the estimate's:%s\n(estimate %+v, %+v)", what, d, est.Device, est.Host)
+		}
+		// the parameter shard on the side the estimate puts it (with
+		// Offload.Params the host's, the device holding none of it)
+		if m.params.ShardBytes != est.Device.ParamShard || m.params.HostShardBytes != est.Host.ParamShard {
+			t.Errorf("%s: parameter shard %d device bytes and %d host bytes; the estimate %d and %d", what,
+				m.params.ShardBytes, m.params.HostShardBytes, est.Device.ParamShard, est.Host.ParamShard)
+		}
+		for k := range numKinds {
+			got, want := m.wire[k], est.Wire[k]
+			if k == KindAllGather && c.cfg.Stage == 3 && c.cfg.Params.PrefetchBytes >= 0 {
+				// The prefetch keeps buckets gathered from one ask to the
+				// next, saving gathers the estimate counts; it still
+				// gathers every bucket a window asks for at least once.
+				var floor CommCounters
+				if len(c.cfg.Optimizer.Groups) > 0 {
+					floor.add(KindAllGather, normWords*c.world*4, c.world) // the norm's
+				}
+				seen := map[int]bool{}
+				for _, b := range setBuckets(est.Plan, params, c.run.Gathers) {
+					if !seen[b] {
+						seen[b] = true
+						floor.add(KindAllGather, est.Plan.Buckets[b].Padded*est.Plan.modelDType().Size(), c.world)
+					}
+				}
+				if got.Calls >= floor[k].Calls && got.Calls <= want.Calls && got.PayloadBytes >= floor[k].PayloadBytes && got.PayloadBytes <= want.PayloadBytes {
+					continue
+				}
+			}
+			if got != want {
+				t.Errorf("%s: %v: %+v, estimate %+v", what, k, got, want)
+			}
+		}
+	}
+	return est, ms
+}
+
+// notEstimated are the memory fields of Stats that Estimation.Stats leaves
+// out, with the reason.
+var notEstimated = map[string]string{
+	"HostPinnedBytes":      "what mlock accepts on the CPU device",
+	"PeakGradBytesInUse":   "how many staging buffers are in use at once depends on the streams' timing",
+	"WindowGradBytesInUse": "as PeakGradBytesInUse",
+	"NormReadBytes":        "bytes read, not held",
+}
+
+// statsDiff lists every memory field of Stats (an int64 named ...Bytes)
+// where got differs from est, the estimate's; empty when none does.
+func statsDiff(est, got Stats) string {
+	var out strings.Builder
+	ev, gv := reflect.ValueOf(est), reflect.ValueOf(got)
+	for i := range ev.NumField() {
+		f := ev.Type().Field(i)
+		if f.Type.Kind() != reflect.Int64 || !strings.HasSuffix(f.Name, "Bytes") || notEstimated[f.Name] != "" {
+			continue
+		}
+		if e, g := ev.Field(i).Int(), gv.Field(i).Int(); e != g {
+			fmt.Fprintf(&out, "\n\t%s %d, estimate %d (%+d)", f.Name, g, e, g-e)
+		}
+	}
+	return out.String()
 }

@@ -292,3 +292,8 @@ func TestNormAddsBucketsInOrder(t *testing.T) {
 		everyRankIs(t, fmt.Sprintf("offload %v", offload), errs, nil)
 	}
 }
+
+func runNormWay(t *testing.T, d normData, stage int, offload bool, shardDType DType, way normWay, fused bool) normRun {
+	t.Helper()
+	return runNormWayIn(t, d, stage, offload, shardDType, FP32, way, fused)
+}
