@@ -131,7 +131,7 @@ func (c *stepCheck) agree(w windowClaims) (int, []bool, error) {
 	case c.refs >= 0 && buf[c.refs] > 0:
 		return 0, nil, errorf(ErrProtocol, "Step with parameters still gathered (%d references on some rank, %d here); Release what Gather returned first", int(buf[c.refs]), w.gathered)
 	case most != least:
-		return 0, nil, errorf(ErrMismatch, "Step: ranks took between %d and %d backwards since the last Step (this rank %d); every rank must take the same number", least, most, w.backwards)
+		return 0, nil, errorf(ErrCollectiveMismatch, "Step: ranks took between %d and %d backwards since the last Step (this rank %d); every rank must take the same number", least, most, w.backwards)
 	case most == 0:
 		return 0, nil, errorf(ErrProtocol, "Step with no backward since the last Step; report gradients and call EndBackward first")
 	case w.accumSteps > 0 && most != w.accumSteps:
@@ -148,7 +148,7 @@ func (c *stepCheck) agree(w windowClaims) (int, []bool, error) {
 // of collective, or no peer, on an engine's communicator (op failed with
 // err after this rank's backwards since the last Step).
 func divergence(op string, backwards int, err error) error {
-	if !errors.Is(err, ErrMismatch) && !errors.Is(err, ErrTimeout) {
+	if !errors.Is(err, ErrCollectiveMismatch) && !errors.Is(err, ErrTimeout) {
 		return err
 	}
 	// What was seen comes first (which rank did not come, or what each

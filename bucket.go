@@ -16,14 +16,14 @@ const (
 	// every backward, into the shard (copy on the first reduction of a
 	// window, add after).
 	streamed bucketMode = iota
-	// local buckets sum their gradients into a local fp32 accumulator and
-	// are reduced once, at a flush.
-	local
+	// deferred buckets sum their gradients into an fp32 accumulator of
+	// their own (the local sums) and are reduced once, at a flush.
+	deferred
 )
 
 // stageModes is how each stage reduces its buckets: ZeRO-1 sums locally
 // and reduces once per window; ZeRO-2 and ZeRO-3 stream every backward.
-var stageModes = [...]bucketMode{1: local, 2: streamed, 3: streamed}
+var stageModes = [...]bucketMode{1: deferred, 2: streamed, 3: streamed}
 
 // stageBucketModes is every bucket's mode at stage.
 func stageBucketModes(stage, buckets int) []bucketMode {
@@ -44,11 +44,11 @@ func pipelineSize(plan *Plan, spec pipelineSpec, inForce []bucketMode, canLend b
 	d := DeviceBytes{Staging: int64(spec.staging) * int64(plan.MaxBucket()) * int64(spec.commDType.Size())}
 	hosted := hostedSums(plan, spec, inForce, canLend)
 	for b := range plan.Buckets {
-		if inForce[b] != local || hosted[b] {
+		if inForce[b] != deferred || hosted[b] {
 			continue
 		}
 		n, dt := localSum(plan, spec, b)
-		if spec.modes[b] == local {
+		if spec.modes[b] == deferred {
 			d.LocalSums += int64(n * dt.Size())
 		} else {
 			d.WindowSums += int64(n * dt.Size())
@@ -77,7 +77,7 @@ type pipelineSpec struct {
 // padded, so that sums in the comm dtype are reduced where they are.
 func localSum(plan *Plan, spec pipelineSpec, b int) (int, DType) {
 	bp := plan.Buckets[b]
-	if spec.modes[b] == local && spec.windowDType == FP32 {
+	if spec.modes[b] == deferred && spec.windowDType == FP32 {
 		return bp.Elems, FP32
 	}
 	return bp.Padded, spec.windowDType
@@ -87,7 +87,7 @@ func localSum(plan *Plan, spec pipelineSpec, b int) (int, DType) {
 // shard's own memory while the modes hold, where canLend (the sink lends
 // its shard to sums of the comm dtype, reduced in place) is true: bucket b's
 // sums [ShardOffset, +Padded) lie inside the shard, every bucket whose part
-// of the shard they cover is local (so it lands only at the flush, after
+// of the shard they cover is deferred (so it lands only at the flush, after
 // b's, and waits for b's reduction: coveredBy), and they do not overlap the
 // sums of an earlier bucket hosted so. The first Shard
 // elements are b's own part, where this rank's reduced part already lies:
@@ -101,12 +101,12 @@ func hostedSums(plan *Plan, spec pipelineSpec, modes []bucketMode, canLend bool)
 	for b, bp := range plan.Buckets {
 		n, dt := localSum(plan, pipelineSpec{modes: modes, windowDType: spec.windowDType}, b)
 		end := bp.ShardOffset + n
-		if modes[b] != local || dt != spec.commDType || n != bp.Padded || bp.ShardOffset < free || end > plan.ShardElems {
+		if modes[b] != deferred || dt != spec.commDType || n != bp.Padded || bp.ShardOffset < free || end > plan.ShardElems {
 			continue
 		}
 		ok := true
 		for c := b + 1; c < len(plan.Buckets) && plan.Buckets[c].ShardOffset < end; c++ {
-			ok = ok && modes[c] == local
+			ok = ok && modes[c] == deferred
 		}
 		if ok {
 			hosted[b], free = true, end
@@ -132,7 +132,7 @@ type pipeline struct {
 	localPool   *bufferPool // ZeRO-1's own sums, one bucket's (localSum) each
 	windowPool  *bufferPool // windowDType, a bucket's padded elements each: a window's local sums
 	buckets     []bucketState
-	stageLocal  int // buckets local in the stage's own mode (ZeRO-1's), whose sums are kept
+	stageLocal  int // buckets deferred in the stage's own mode (ZeRO-1's), whose sums are kept
 	// hosted is hostedSums for the modes in force; nil when they changed
 	hosted []bool
 	// coveredBy is, per bucket, the bucket whose sums the shard hosts over
@@ -148,7 +148,7 @@ type pipeline struct {
 	dirty     []bool        // per parameter: in its local accumulator since the last flush
 	writer    []streamEvent // per parameter: the last write of its local sum
 	nextIssue int           // reductions are issued in bucket order on every rank
-	unflushed bool          // a backward ended with local buckets since the last flush
+	unflushed bool          // a backward ended with deferred buckets since the last flush
 
 	reducing map[Stream]Event // the last reduction issued on each stream since the last sync
 	sent     CommCounters     // the collectives issued since the last takeStats
@@ -167,7 +167,7 @@ type bucketState struct {
 	mode      bucketMode
 	reported  int              // members reported in this backward
 	stage     *buffer          // streamed: the staging buffer being filled
-	local     *buffer          // local: the accumulator since the last flush
+	local     *buffer          // deferred: the accumulator since the last flush
 	producers map[Stream]Event // the last event of every stream that wrote into the bucket
 	last      Event            // the latest of them
 	copyFirst bool             // the next accumulate into the shard copies instead of adding
@@ -198,7 +198,7 @@ func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream St
 	pl.buckets = make([]bucketState, len(plan.Buckets))
 	for i := range pl.buckets {
 		pl.buckets[i] = bucketState{mode: spec.modes[i], producers: map[Stream]Event{}, copyFirst: true}
-		if spec.modes[i] == local {
+		if spec.modes[i] == deferred {
 			pl.stageLocal++
 		}
 	}
@@ -327,13 +327,13 @@ func (d *deviceSink) close() error {
 // rs, summing the squares of what it stored where last and norm is kept,
 // and records which it did.
 func landInto(dev Device, rs Stream, shard, mine Tensor, b, offset int, first bool, scale float32, flag Tensor, norm *shardNorm, last bool) error {
-	seg := Segment{Src: mine, Offset: offset}
+	seg := flatPiece{Src: mine, Offset: offset}
 	summed := last && norm != nil
 	var err error
 	if summed {
 		err = dev.accumulateSquares(rs, shard, seg, first, scale, flag, norm.partsOf(b))
 	} else {
-		err = dev.accumulate(rs, shard, []Segment{seg}, first, scale, flag)
+		err = dev.accumulate(rs, shard, []flatPiece{seg}, first, scale, flag)
 	}
 	norm.landed(b, summed && err == nil)
 	return err
@@ -385,7 +385,7 @@ func (pl *pipeline) producedBatch(params []int, stream Stream, ev Event) {
 // (ev is recorded after take, so it covers the reads).
 func (pl *pipeline) take(b int, idx []int, params []int, grads []Tensor, stream Stream) error {
 	bs := &pl.buckets[b]
-	if bs.mode == local {
+	if bs.mode == deferred {
 		return pl.addLocal(b, idx, params, grads, stream)
 	}
 	if bs.stage == nil {
@@ -402,9 +402,9 @@ func (pl *pipeline) take(b int, idx []int, params []int, grads []Tensor, stream 
 			return err
 		}
 	}
-	segs := make([]Segment, len(idx))
+	segs := make([]flatPiece, len(idx))
 	for k, i := range idx {
-		segs[k] = Segment{Src: grads[i], Offset: pl.plan.ParamOffset[params[i]]}
+		segs[k] = flatPiece{Src: grads[i], Offset: pl.plan.ParamOffset[params[i]]}
 	}
 	return pl.dev.flatten(stream, bs.stage.t, segs, pl.spec.prescale)
 }
@@ -425,7 +425,7 @@ func (pl *pipeline) addLocal(b int, idx []int, params []int, grads []Tensor, str
 			return err
 		}
 	}
-	var first, add []Segment
+	var first, add []flatPiece
 	for _, i := range idx {
 		p := params[i]
 		// An earlier backward may have written this sum on another stream.
@@ -434,7 +434,7 @@ func (pl *pipeline) addLocal(b int, idx []int, params []int, grads []Tensor, str
 				return err
 			}
 		}
-		sg := Segment{Src: grads[i], Offset: pl.plan.ParamOffset[p]}
+		sg := flatPiece{Src: grads[i], Offset: pl.plan.ParamOffset[p]}
 		if pl.dirty[p] {
 			add = append(add, sg)
 		} else {
@@ -476,7 +476,7 @@ func (pl *pipeline) takeLocal(b int) (*buffer, error) {
 			return &buffer{t: t, free: fence(pl.stream)}, nil
 		}
 	}
-	if pl.spec.modes[b] != local {
+	if pl.spec.modes[b] != deferred {
 		return pl.windowPool.get(n)
 	}
 	return pl.localPool.get(n)
@@ -497,7 +497,7 @@ func (pl *pipeline) untouched(b, n int) bool {
 // addLocal16 sums into a 16-bit local accumulator as a framework's .grad
 // does: each backward's sum rounded to the model dtype. The first
 // gradients are cast in; the others summed in fp32 and rounded once.
-func (pl *pipeline) addLocal16(b int, first, add []Segment, stream Stream) error {
+func (pl *pipeline) addLocal16(b int, first, add []flatPiece, stream Stream) error {
 	acc := pl.buckets[b].local.t
 	if err := pl.dev.flatten(stream, acc, first, 1); err != nil {
 		return err
@@ -512,7 +512,7 @@ func (pl *pipeline) produced(b int, idx []int, params []int, stream Stream, ev E
 	bs.producers[stream] = ev
 	bs.last = ev
 	bs.reported += len(idx)
-	if bs.mode == local {
+	if bs.mode == deferred {
 		for _, i := range idx {
 			pl.writer[params[i]] = streamEvent{stream, ev}
 		}
@@ -521,7 +521,7 @@ func (pl *pipeline) produced(b int, idx []int, params []int, stream Stream, ev E
 
 // issueReady issues, in bucket order, the reductions that are due: streamed
 // buckets whose members have all reported (every remaining one when all is
-// set), and local buckets too when flush is set. The order is the same on
+// set), and deferred buckets too when flush is set. The order is the same on
 // every rank whatever the arrival order, so the collectives match across
 // ranks. caller is the stream reductions run on without overlap. last says
 // the backward is the step's last (its landings sum the norm's squares).
@@ -540,7 +540,7 @@ func (pl *pipeline) issueReady(caller Stream, all, flush, last bool) error {
 	for pl.nextIssue < len(pl.buckets) {
 		b := pl.nextIssue
 		bs := &pl.buckets[b]
-		if bs.mode == local && !flush {
+		if bs.mode == deferred && !flush {
 			pl.nextIssue++
 			continue
 		}
@@ -563,7 +563,7 @@ func (pl *pipeline) issueReady(caller Stream, all, flush, last bool) error {
 	return nil
 }
 
-// flushLocal reduces every local bucket, in bucket order, between
+// flushLocal reduces every deferred bucket, in bucket order, between
 // backwards (at Step, at the end of a coalesced window); the streamed ones
 // were reduced by their backwards. Its landings are the step's last.
 func (pl *pipeline) flushLocal(caller Stream) error {
@@ -572,7 +572,7 @@ func (pl *pipeline) flushLocal(caller Stream) error {
 		rs = pl.stream
 	}
 	for b := range pl.buckets {
-		if pl.buckets[b].mode != local {
+		if pl.buckets[b].mode != deferred {
 			continue
 		}
 		if err := pl.reduce(b, rs, true); err != nil {
@@ -583,13 +583,13 @@ func (pl *pipeline) flushLocal(caller Stream) error {
 	return nil
 }
 
-// owesFlush notes, as a backward ends, that its local buckets must be
+// owesFlush notes, as a backward ends, that its deferred buckets must be
 // reduced at the next flush. It depends on the modes only, never on what
 // this rank wrote, so every rank issues the same collectives: a rank that
 // had no gradient still takes part in the reductions.
 func (pl *pipeline) owesFlush() {
 	for i := range pl.buckets {
-		if pl.buckets[i].mode == local {
+		if pl.buckets[i].mode == deferred {
 			pl.unflushed = true
 			return
 		}
@@ -612,7 +612,7 @@ func (pl *pipeline) endBackward() {
 func (pl *pipeline) reduce(b int, rs Stream, last bool) (err error) {
 	bp, bs := &pl.plan.Buckets[b], &pl.buckets[b]
 	st := bs.stage
-	if bs.mode == local && pl.reducesInPlace(bs.local) {
+	if bs.mode == deferred && pl.reducesInPlace(bs.local) {
 		// The window's sums are already in the comm dtype: they are the
 		// reduce-scatter's buffer, and no staging buffer is taken.
 		st, bs.local = bs.local, nil
@@ -669,7 +669,7 @@ func (pl *pipeline) reduce(b int, rs Stream, last bool) (err error) {
 		if err != nil {
 			return err
 		}
-	} else if bs.mode == local {
+	} else if bs.mode == deferred {
 		if err := pl.flattenLocal(b, rs, buf); err != nil {
 			return err
 		}
@@ -725,11 +725,11 @@ func (pl *pipeline) reducesInPlace(sum *buffer) bool {
 // are zero.
 func (pl *pipeline) flattenLocal(b int, rs Stream, buf Tensor) error {
 	bp, bs := &pl.plan.Buckets[b], &pl.buckets[b]
-	segs := make([]Segment, 0, len(bp.Params))
+	segs := make([]flatPiece, 0, len(bp.Params))
 	for _, p := range bp.Params {
 		if pl.dirty[p] {
 			off := pl.plan.ParamOffset[p]
-			segs = append(segs, Segment{Src: bs.local.t.slice(off, pl.plan.elems(p)), Offset: off})
+			segs = append(segs, flatPiece{Src: bs.local.t.slice(off, pl.plan.elems(p)), Offset: off})
 		}
 	}
 	if err := pl.zeroGaps(b, rs, buf, pl.dirty); err != nil {

@@ -81,7 +81,7 @@ func newCkptEngine(snap ckptSnapshot) *ckptEngine { return &ckptEngine{snap} }
 
 // agree runs one collective of the ranks' outcomes: every rank learns
 // whether any failed; vals (the same length on every rank) are summed.
-func (ce *ckptEngine) agree(failed bool, vals ...float64) (bool, []float64, error) {
+func (ce *ckptEngine) shareOutcome(failed bool, vals ...float64) (bool, []float64, error) {
 	f := 0.0
 	if failed {
 		f = 1
@@ -144,7 +144,7 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 			suffix = float64(k)
 		}
 	}
-	failed, vals, err := ce.agree(err0 != nil, suffix, id)
+	failed, vals, err := ce.shareOutcome(err0 != nil, suffix, id)
 	if err != nil {
 		return err
 	}
@@ -167,7 +167,7 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 	if errw == nil {
 		report[2*ce.rank], report[2*ce.rank+1] = float64(size), float64(crc)
 	}
-	failed, vals, err = ce.agree(errw != nil, report...)
+	failed, vals, err = ce.shareOutcome(errw != nil, report...)
 	if err != nil {
 		return err
 	}
@@ -199,7 +199,7 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 			errc = errorf(ErrCheckpoint, "%s is saved and %s names it, but giving back the lock failed: %v; the next save breaks it", filepath.Join(dir, name), ckptLatest, rerr)
 		}
 	}
-	failed, vals, err = ce.agree(errc != nil, committed)
+	failed, vals, err = ce.shareOutcome(errc != nil, committed)
 	switch {
 	case err != nil:
 		return err
@@ -841,7 +841,7 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (clien
 		defer ld.close()
 		err = ld.verify()
 	}
-	failed, _, cerr := ce.agree(err != nil)
+	failed, _, cerr := ce.shareOutcome(err != nil)
 	if cerr != nil {
 		return nil, 0, true, cerr
 	}
@@ -867,7 +867,7 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (clien
 	if err == nil {
 		err = ce.opt.restore(m.Optimizer, groups, opt.WeightsOnly, fresh, scalerOrigin{m.Version, savedAccumSteps(m)})
 	}
-	failed, _, cerr = ce.agree(err != nil)
+	failed, _, cerr = ce.shareOutcome(err != nil)
 	if cerr != nil {
 		return nil, 0, true, cerr
 	}
@@ -999,7 +999,7 @@ func (ce *ckptEngine) export(file string, opt ExportOptions) error {
 		nonce = float64(n)
 		err0 = ce.createExport(exportPartial(file, n), head, h.Size(), items)
 	}
-	failed, vals, err := ce.agree(err0 != nil, nonce)
+	failed, vals, err := ce.shareOutcome(err0 != nil, nonce)
 	if err != nil {
 		return err
 	}
@@ -1008,7 +1008,7 @@ func (ce *ckptEngine) export(file string, opt ExportOptions) error {
 	}
 	partial := exportPartial(file, uint32(vals[0]))
 	errw := ce.writeExport(partial, h, items)
-	failed, _, err = ce.agree(errw != nil)
+	failed, _, err = ce.shareOutcome(errw != nil)
 	if err != nil {
 		return err
 	}
@@ -1027,7 +1027,7 @@ func (ce *ckptEngine) export(file string, opt ExportOptions) error {
 			errc = fmt.Errorf("%w: moving the export into place as %s: %w", ErrCheckpoint, file, errc)
 		}
 	}
-	failed, _, err = ce.agree(errc != nil)
+	failed, _, err = ce.shareOutcome(errc != nil)
 	if err != nil {
 		return err
 	}

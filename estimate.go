@@ -8,13 +8,13 @@ import (
 // The estimator: what one rank of an engine will hold and move, from the
 // parameters, the Config and the world size, before any memory exists. It
 // builds the engine's own plan (newPlan) and the window's own choice of
-// local buckets, and applies the allocation rules of the components to
+// deferred buckets, and applies the allocation rules of the components to
 // them; estimate_test.go holds it to the bytes a counting device really
 // sees. Nothing is allocated: a 70B model estimates in half a millisecond.
 
-// Run is how the engine will be driven, where memory or traffic depend on
-// it.
-type Run struct {
+// Workload is how the engine will be driven, where memory or traffic
+// depend on it: the estimator's input beside the parameters and the Config.
+type Workload struct {
 	// Backwards is the number of backwards per Step (0: 1).
 	Backwards int
 	// Window: every step's backwards run in a Coalesce window (or NoSync),
@@ -26,6 +26,11 @@ type Run struct {
 	Gathers [][]int
 }
 
+// Run is the old name of Workload.
+//
+// Deprecated: use Workload; Run goes at the next release.
+type Run = Workload
+
 // Estimation is one rank's memory at its peak and one step's collectives.
 // Its memory categories add up to the fields Stats reports (Stats gives
 // them in those words).
@@ -34,7 +39,7 @@ type Estimation struct {
 	Device DeviceBytes // device memory by kind
 	Host   HostBytes   // page-locked host memory (Offload.Optimizer, Offload.Params)
 	// Wire is one step's collectives as Stats.Collectives counts them
-	// (ring model). At stage 3 each set of Run.Gathers gathers its buckets
+	// (ring model). At stage 3 each set of Workload.Gathers gathers its buckets
 	// for the forward and again for the backward of each backward: exact
 	// without prefetch; with it an upper bound, since a bucket the prefetch
 	// keeps gathered from one ask to the next is not gathered again.
@@ -46,7 +51,7 @@ type Estimation struct {
 // Stats is the estimate in the words of the Stats a Step of the run
 // reports on this rank: the memory fields PeakGradBytes,
 // ResidentGradBytes, PooledGradBytes, GradBytesInUse, WindowResidentBytes
-// (with Run.Window), OptimizerBytes, ControlBytes, ParamShardBytes,
+// (with Workload.Window), OptimizerBytes, ControlBytes, ParamShardBytes,
 // PeakParamBytes, HostBytes, HostGradBytes, HostParamBytes and
 // DeviceBytesSaved, each
 // equal to the engine's once its pools hold what the run needs (from its
@@ -79,12 +84,12 @@ func (e Estimation) Stats() Stats {
 // Init): with an optimizer the estimate assumes they have it, as New
 // requires. The engine's pools can grow past it where buckets complete out
 // of order (more staging buffers, Stats.StagingBuffers shows it).
-func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error) {
+func Estimate(params []Param, cfg Config, world int, run Workload) (Estimation, error) {
 	if world < 1 {
 		return Estimation{}, errorf(ErrConfig, "Estimate: world size %d; a group needs at least one rank", world)
 	}
 	if run.Backwards < 0 {
-		return Estimation{}, errorf(ErrConfig, "Estimate: Run.Backwards %d; give 1 or more, or 0 for 1", run.Backwards)
+		return Estimation{}, errorf(ErrConfig, "Estimate: Workload.Backwards %d; give 1 or more, or 0 for 1", run.Backwards)
 	}
 	model, err := resolveForEstimate(&cfg, params)
 	if err != nil {
@@ -93,7 +98,7 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 	for i, set := range run.Gathers {
 		for _, p := range set {
 			if p < 0 || p >= len(params) {
-				return Estimation{}, errorf(ErrParam, "Estimate: Run.Gathers[%d] names parameter %d; registered parameters are 0..%d", i, p, len(params)-1)
+				return Estimation{}, errorf(ErrParam, "Estimate: Workload.Gathers[%d] names parameter %d; registered parameters are 0..%d", i, p, len(params)-1)
 			}
 		}
 	}
@@ -128,7 +133,7 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 		inForce = slices.Clone(modes)
 		for b, in := range inWindow {
 			if in {
-				inForce[b] = local
+				inForce[b] = deferred
 			}
 		}
 	}
@@ -149,7 +154,7 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 	g := max(run.Backwards, 1)
 	for b, bp := range plan.Buckets {
 		n := g
-		if modes[b] == local || inWindow != nil && inWindow[b] {
+		if modes[b] == deferred || inWindow != nil && inWindow[b] {
 			n = 1
 		}
 		for range n {
@@ -216,13 +221,14 @@ func resolveForEstimate(cfg *Config, params []Param) (DType, error) {
 	return model, nil
 }
 
-// Transformer is the shape of a Llama-like decoder: an embedding, Layers
+// TransformerShape is the shape of a Llama-like decoder (a shape, not a
+// model: it lists the parameters Estimate needs): an embedding, Layers
 // blocks of attention (q, k, v, o, with KVHeads key and value heads of
 // Hidden/Heads each) and a gated MLP (gate, up, down of FFN), an RMSNorm
 // before each, a final norm and an output head (unless TiedEmbeddings).
 // Llama-2 7B is {Hidden: 4096, Layers: 32, Vocab: 32000, FFN: 11008, Heads:
 // 32}: 6.74B parameters; 70B {8192, 80, 32000, 28672, 64, 8}: 68.98B.
-type Transformer struct {
+type TransformerShape struct {
 	Hidden         int  // the model width
 	Layers         int  // decoder blocks
 	Vocab          int  // tokens of the embedding and the head
@@ -232,21 +238,26 @@ type Transformer struct {
 	TiedEmbeddings bool // the output head is the embedding
 }
 
+// Transformer is the old name of TransformerShape.
+//
+// Deprecated: use TransformerShape; Transformer goes at the next release.
+type Transformer = TransformerShape
+
 // Params lists the decoder's parameters in registration order (the
 // forward's: embedding, blocks, final norm, head), named as Hugging Face
 // names Llama's, each of dtype dt.
-func (t Transformer) Params(dt DType) ([]Param, error) {
+func (t TransformerShape) Params(dt DType) ([]Param, error) {
 	kv := t.KVHeads
 	if kv == 0 {
 		kv = t.Heads
 	}
 	switch {
 	case t.Hidden < 1 || t.Layers < 0 || t.Vocab < 1 || t.FFN < 1 || t.Heads < 1:
-		return nil, errorf(ErrParam, "Transformer %+v: give Hidden, Vocab, FFN and Heads ≥ 1 and Layers ≥ 0", t)
+		return nil, errorf(ErrParam, "TransformerShape %+v: give Hidden, Vocab, FFN and Heads ≥ 1 and Layers ≥ 0", t)
 	case t.Hidden%t.Heads != 0 || kv < 1 || t.Heads%kv != 0:
-		return nil, errorf(ErrParam, "Transformer %+v: Heads must divide Hidden, and KVHeads Heads", t)
+		return nil, errorf(ErrParam, "TransformerShape %+v: Heads must divide Hidden, and KVHeads Heads", t)
 	case !dt.valid():
-		return nil, errorf(ErrDType, "Transformer.Params(%v); use FP32, BF16 or FP16", dt)
+		return nil, errorf(ErrDType, "TransformerShape.Params(%v); use FP32, BF16 or FP16", dt)
 	}
 	kvDim := t.Hidden / t.Heads * kv
 	var out []Param

@@ -58,7 +58,7 @@ func TestEstimateMatchesAllocations(t *testing.T) {
 												cfg.Window.BudgetBytes += wdt.Size() * plan.Buckets[b].Padded
 											}
 										}
-										c := estimateCase{cfg: cfg, world: world, run: Run{Backwards: 2, Window: window, Gathers: sets}}
+										c := estimateCase{cfg: cfg, world: world, run: Workload{Backwards: 2, Window: window, Gathers: sets}}
 										checkEstimate(t, c, params, seed)
 										runs++
 									}
@@ -104,7 +104,7 @@ func TestEstimateOptimizersAndDTypes(t *testing.T) {
 					cfg.Optimizer.Groups = groups
 					cfg.Offload.Optimizer = offload
 					cfg.Offload.Params = stage == 3 && comm == BF16
-					checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 1, Window: true, Gathers: sets}}, params, seed)
+					checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Workload{Backwards: 1, Window: true, Gathers: sets}}, params, seed)
 				}
 			}
 		}
@@ -119,7 +119,7 @@ func TestEstimateOptimizersAndDTypes(t *testing.T) {
 					cfg.Offload.Params = stage == 3 && staging == 3
 					cfg.Precision.ShardDType, cfg.Window.DType = dt, dt
 					cfg.Optimizer.Groups = []Optimizer{NewAdamW(1e-3)}
-					checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 3, Window: true, Gathers: sets}}, params, seed)
+					checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Workload{Backwards: 3, Window: true, Gathers: sets}}, params, seed)
 				}
 			}
 		}
@@ -143,7 +143,7 @@ func TestEstimateOptimizersAndDTypes(t *testing.T) {
 				cfg := Config{Stage: 3, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: groups}}
 				cfg.Params.NoBroadcast = noBroadcast
 				cfg.Offload.Params = onHost
-				checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 2, Gathers: sets}}, built, seed)
+				checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Workload{Backwards: 2, Gathers: sets}}, built, seed)
 			}
 		}
 	}
@@ -152,7 +152,7 @@ func TestEstimateOptimizersAndDTypes(t *testing.T) {
 			for _, onHost := range []bool{false, true} {
 				cfg := Config{Stage: 3, BucketBytes: 512, Params: pp, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}
 				cfg.Offload.Params = onHost
-				checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 2, Gathers: gathers}}, params, seed)
+				checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Workload{Backwards: 2, Gathers: gathers}}, params, seed)
 			}
 		}
 	}
@@ -169,20 +169,20 @@ func TestEstimateRefuses(t *testing.T) {
 		params []Param
 		cfg    Config
 		world  int
-		run    Run
+		run    Workload
 		want   error
 	}{
-		{"world 0", params, good, 0, Run{}, ErrConfig},
-		{"stage 4", params, with(good, func(c *Config) { c.Stage = 4 }), 2, Run{}, ErrConfig},
-		{"no bucket", params, with(good, func(c *Config) { c.BucketBytes = 0 }), 2, Run{}, ErrConfig},
-		{"window dtype", params, with(good, func(c *Config) { c.Window.DType = FP16 }), 2, Run{}, ErrConfig},
-		{"parameter offload at stage 2", params, with(good, func(c *Config) { c.Offload.Params = true }), 2, Run{}, ErrConfig},
-		{"AdamW literal", params, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{AdamW{}} }), 2, Run{}, ErrConfig},
-		{"group out of range", []Param{{Count: 4, DType: BF16, Group: 1}}, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{NewSGD(1)} }), 2, Run{}, ErrParam},
-		{"mixed dtypes", []Param{{Count: 4, DType: BF16}, {Count: 4, DType: FP32}}, good, 2, Run{}, ErrDType},
-		{"no parameters", nil, good, 2, Run{}, ErrParam},
-		{"backwards", params, good, 2, Run{Backwards: -1}, ErrConfig},
-		{"gather set", params, good, 2, Run{Gathers: [][]int{{0, 99}}}, ErrParam},
+		{"world 0", params, good, 0, Workload{}, ErrConfig},
+		{"stage 4", params, with(good, func(c *Config) { c.Stage = 4 }), 2, Workload{}, ErrConfig},
+		{"no bucket", params, with(good, func(c *Config) { c.BucketBytes = 0 }), 2, Workload{}, ErrConfig},
+		{"window dtype", params, with(good, func(c *Config) { c.Window.DType = FP16 }), 2, Workload{}, ErrConfig},
+		{"parameter offload at stage 2", params, with(good, func(c *Config) { c.Offload.Params = true }), 2, Workload{}, ErrConfig},
+		{"AdamW literal", params, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{AdamW{}} }), 2, Workload{}, ErrConfig},
+		{"group out of range", []Param{{Count: 4, DType: BF16, Group: 1}}, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{NewSGD(1)} }), 2, Workload{}, ErrParam},
+		{"mixed dtypes", []Param{{Count: 4, DType: BF16}, {Count: 4, DType: FP32}}, good, 2, Workload{}, ErrDType},
+		{"no parameters", nil, good, 2, Workload{}, ErrParam},
+		{"backwards", params, good, 2, Workload{Backwards: -1}, ErrConfig},
+		{"gather set", params, good, 2, Workload{Gathers: [][]int{{0, 99}}}, ErrParam},
 	} {
 		if _, err := Estimate(c.params, c.cfg, c.world, c.run); !errors.Is(err, c.want) {
 			t.Errorf("%s: %v, want %v", c.what, err, c.want)
@@ -191,11 +191,11 @@ func TestEstimateRefuses(t *testing.T) {
 	// parameters without memory are estimated as if they had it, even with
 	// an optimizer, which New would refuse for want of it
 	bare := []Param{{Count: 1000, DType: BF16}}
-	if _, err := Estimate(bare, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{NewAdamW(1)} }), 2, Run{}); err != nil {
+	if _, err := Estimate(bare, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{NewAdamW(1)} }), 2, Workload{}); err != nil {
 		t.Errorf("parameters without memory: %v", err)
 	}
-	if _, err := (Transformer{Hidden: 10, Layers: 1, Vocab: 5, FFN: 4, Heads: 3}).Params(BF16); !errors.Is(err, ErrParam) {
-		t.Errorf("Transformer with 3 heads of hidden 10: %v, want ErrParam", err)
+	if _, err := (TransformerShape{Hidden: 10, Layers: 1, Vocab: 5, FFN: 4, Heads: 3}).Params(BF16); !errors.Is(err, ErrParam) {
+		t.Errorf("TransformerShape with 3 heads of hidden 10: %v, want ErrParam", err)
 	}
 	for _, c := range []struct{ total, largest int }{{0, 1}, {10, 0}, {10, 11}} {
 		if _, err := CountParams(c.total, c.largest, BF16); !errors.Is(err, ErrParam) {
@@ -237,7 +237,7 @@ func TestCountParams(t *testing.T) {
 	seed := testSeed(t)
 	for _, stage := range []int{1, 2, 3} {
 		cfg := Config{Stage: stage, BucketBytes: 1024, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}
-		checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 2}}, params, seed)
+		checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Workload{Backwards: 2}}, params, seed)
 	}
 }
 
@@ -245,11 +245,11 @@ func TestCountParams(t *testing.T) {
 // a 70B estimate that plans without allocating, in well under a second.
 func TestTransformerParams(t *testing.T) {
 	for _, c := range []struct {
-		shape Transformer
+		shape TransformerShape
 		want  int
 	}{
-		{Transformer{Hidden: 4096, Layers: 32, Vocab: 32000, FFN: 11008, Heads: 32}, 6_738_415_616},
-		{Transformer{Hidden: 8192, Layers: 80, Vocab: 32000, FFN: 28672, Heads: 64, KVHeads: 8}, 68_976_648_192},
+		{TransformerShape{Hidden: 4096, Layers: 32, Vocab: 32000, FFN: 11008, Heads: 32}, 6_738_415_616},
+		{TransformerShape{Hidden: 8192, Layers: 80, Vocab: 32000, FFN: 28672, Heads: 64, KVHeads: 8}, 68_976_648_192},
 	} {
 		params, err := c.shape.Params(BF16)
 		if err != nil {
@@ -264,7 +264,7 @@ func TestTransformerParams(t *testing.T) {
 		}
 		start := time.Now()
 		cfg := Config{Stage: 3, BucketBytes: 32 << 20, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-4)}}}
-		est, err := Estimate(params, cfg, 1024, Run{})
+		est, err := Estimate(params, cfg, 1024, Workload{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -299,7 +299,7 @@ func TestEstimateFrameworkParams(t *testing.T) {
 			for _, offload := range []bool{false, true} {
 				cfg := Config{Stage: stage, BucketBytes: 512, Offload: OffloadPolicy{Optimizer: offload},
 					Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}
-				est, err := Estimate(params, cfg, 2, Run{})
+				est, err := Estimate(params, cfg, 2, Workload{})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -341,7 +341,7 @@ var paramBudgets = []ParamPolicy{{}, {PrefetchBytes: -1}, {PrefetchBytes: 4096, 
 type estimateCase struct {
 	cfg   Config
 	world int
-	run   Run
+	run   Workload
 }
 
 func (c estimateCase) String() string {

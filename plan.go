@@ -126,13 +126,13 @@ func newPlan(params []Param, bucketBytes, world, align int) *Plan {
 // bucketSegments lays out the members of bucket b that have memory, and
 // that are used where used is given, as segments of the bucket's flat
 // layout.
-func bucketSegments(p *Plan, params []Param, b int, used []bool) []Segment {
-	var segs []Segment
+func bucketSegments(p *Plan, params []Param, b int, used []bool) []flatPiece {
+	var segs []flatPiece
 	for _, m := range p.Buckets[b].Params {
 		if params[m].Data.count == 0 || (used != nil && !used[m]) {
 			continue
 		}
-		segs = append(segs, Segment{Src: params[m].Data, Offset: p.ParamOffset[m]})
+		segs = append(segs, flatPiece{Src: params[m].Data, Offset: p.ParamOffset[m]})
 	}
 	return segs
 }

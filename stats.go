@@ -275,7 +275,7 @@ type DeviceBytes struct {
 	GradScratch     int64 // fp32, the largest bucket shard: the optimizer reads a 16-bit shard widened through it
 	Staging         int64 // staging buffers, comm dtype, one largest bucket each
 	LocalSums       int64 // ZeRO-1's local sums: fp32, every bucket's elements, or padded in a 16-bit Window.DType
-	WindowSums      int64 // a window's sums in Window.DType, the buckets it makes local
+	WindowSums      int64 // a window's sums in Window.DType, the buckets it defers
 	Master          int64 // fp32 master weights
 	OptimizerState  int64 // AdamW's m and v (and amsgrad's maximum), SGD's momentum
 	NewParams       int64 // stages 1-2: the model-dtype shard of the new parameters

@@ -302,14 +302,14 @@ func (e *Engine) drain() {
 }
 
 // SetBoundary(true) before the last backward of a step lets its deferred
-// reductions (ZeRO-1's local buckets) overlap with that backward. It lasts
+// reductions (ZeRO-1's deferred buckets) overlap with that backward. It lasts
 // until EndBackward. Gradients still sum over every backward since the last
 // Step: a boundary never drops earlier backwards.
 //
 // Call it between backwards, at the same point on every rank: whether the
-// local buckets are reduced during a backward must be the same on every
+// deferred buckets are reduced during a backward must be the same on every
 // rank. Inside a backward (after this rank's first gradient of it) it has
-// no effect on that backward, whose local buckets the next flush (Step)
+// no effect on that backward, whose deferred buckets the next flush (Step)
 // reduces; inside a coalesced window or NoSync it has none either: the
 // window's end is its boundary.
 func (e *Engine) SetBoundary(b bool) {
@@ -435,7 +435,7 @@ func (e *Engine) lastBackward() bool {
 }
 
 // EndBackward closes a backward. Members that did not report count as
-// zero. Streamed buckets are all reduced now; local buckets only when the
+// zero. Streamed buckets are all reduced now; deferred buckets only when the
 // backward was flagged as the boundary, and otherwise at Step.
 func (e *Engine) EndBackward() error {
 	if err := e.usable("EndBackward"); err != nil {
@@ -895,7 +895,7 @@ func (e *Engine) checkGather(op string, s Stream, ps []int) error {
 
 // BeginCoalesce opens a coalesced window: the backwards until EndCoalesce
 // sum their gradients locally, and EndCoalesce reduces each bucket once.
-// It works at every stage; at stage 1, whose buckets are local anyway, it
+// It works at every stage; at stage 1, whose buckets are deferred anyway, it
 // only makes the reduction happen at EndCoalesce.
 func (e *Engine) BeginCoalesce() error { return e.beginWindow("BeginCoalesce", false) }
 
@@ -918,7 +918,7 @@ func (e *Engine) beginWindow(op string, noSync bool) error {
 	return nil
 }
 
-// EndCoalesce closes the window: each local bucket is reduced exactly once
+// EndCoalesce closes the window: each deferred bucket is reduced exactly once
 // into the shard, on the engine's stream, and the modes return to the
 // stage's. It acts as a boundary: Step may follow at once.
 func (e *Engine) EndCoalesce() error {
