@@ -32,14 +32,14 @@ var floors = map[string]int{
 	// the bootstrap of a group, and the default build's word that CUDA is
 	// not in it; the step's figures and the backward-end mark they are
 	// measured from; the checkpoint's file layer, its rank files and the
-	// lock of its directory
+	// lock of its directory; the safetensors format
 	"pool.go": 4, "pinned.go": 4, "nccl.go": 4, "bootstrap.go": 4, "cuda_stub.go": 4, "stats.go": 4,
-	"ckptfs.go": 4, "ckptfile.go": 4, "ckptlock.go": 4,
+	"ckptfs.go": 4, "ckptfile.go": 4, "ckptlock.go": 4, "safetensors.go": 4,
 	// 5: the communicators
 	"group_local.go": 5, "group_cuda.go": 5, "nccl_cuda.go": 5, "mpi.go": 5,
 	// 6: the caller's words, the partition plan and what the engine reports
-	// back; the safetensors format and the import of a model from it
-	"config.go": 6, "plan.go": 6, "view.go": 6, "schedule.go": 6, "dsconfig.go": 6, "safetensors.go": 6,
+	// back; the import of a model from a safetensors file
+	"config.go": 6, "plan.go": 6, "view.go": 6, "schedule.go": 6, "dsconfig.go": 6, "safetensors_io.go": 6,
 	// (the shard's sums of squares, which the sinks keep)
 	"norm.go": 6,
 	// 7: the pipeline
