@@ -12,7 +12,7 @@ SHELL := bash
 # it, run in full without it (SWEEPS; TestMakeTestSweeps keeps it complete).
 # The timeouts fit a 2-core machine under a load of 10 and more (README:
 # "How long the commands take"); go test's default, 10 minutes, did not.
-SWEEPS := ^(TestConvert|TestFlatten|TestAccumulate|TestCast|TestSumSq|TestReduce|TestAllReduceFused|TestOptimizerKernels|TestKernel|TestNormChunkSums|TestOwnership|TestTestRooms|TestDifferentialMatrix)
+SWEEPS := ^(TestConvert|TestFlatten|TestAccumulate|TestCast|TestSumSq|TestReduce|TestAllReduceFused|TestOptimizerKernels|TestKernel|TestNormChunkSums|TestOwnership|TestFileLoops|TestTestRooms|TestDifferentialMatrix)
 FILTER := grep -v -E '^=== (PAUSE|CONT|NAME)'
 test:
 	$(GO) vet ./...

@@ -41,17 +41,32 @@ func (c checkFailed) Is(target error) bool { return target == errCheckFailed }
 func (c checkFailed) Unwrap() error        { return c.error }
 
 func newStepCheck(dev Device, comm Comm, s Stream, params int, refs, optimizer bool) (*stepCheck, error) {
-	c := &stepCheck{dev: dev, comm: comm, s: s, refs: -1, dig: -1, used: -1}
-	at := 2
+	c := &stepCheck{dev: dev, comm: comm, s: s}
+	var words int
+	c.refs, c.dig, c.used, words = stepCheckLayout(params, refs, optimizer)
+	var err error
+	c.buf, err = dev.Alloc(words, FP32)
+	return c, err
+}
+
+// stepCheckLayout places the check's words: (G, −G) first, then (refs)
+// the gathered references, then (optimizer) the groups' digest and its
+// negation and a word per parameter; -1 for a part it does not have. words is the fp32 words of its one all-reduce.
+func stepCheckLayout(params int, refs, optimizer bool) (refsAt, digestAt, usedAt, words int) {
+	refsAt, digestAt, usedAt, words = -1, -1, -1, 2
 	if refs {
-		c.refs, at = at, at+1
+		refsAt, words = words, words+1
 	}
 	if optimizer {
-		c.dig, c.used, at = at, at+2*digestWords, at+2*digestWords+params
+		digestAt, usedAt, words = words, words+2*digestWords, words+2*digestWords+params
 	}
-	var err error
-	c.buf, err = dev.Alloc(at, FP32)
-	return c, err
+	return refsAt, digestAt, usedAt, words
+}
+
+// stepCheckSize is what newStepCheck allocates.
+func stepCheckSize(params int, refs, optimizer bool) DeviceBytes {
+	_, _, _, words := stepCheckLayout(params, refs, optimizer)
+	return DeviceBytes{Control: int64(words) * 4}
 }
 
 // windowClaims is what this rank claims about the window.
@@ -116,7 +131,7 @@ func (c *stepCheck) agree(w windowClaims) (int, []bool, error) {
 	case c.refs >= 0 && buf[c.refs] > 0:
 		return 0, nil, errorf(ErrProtocol, "Step with parameters still gathered (%d references on some rank, %d here); Release what Gather returned first", int(buf[c.refs]), w.gathered)
 	case most != least:
-		return 0, nil, errorf(ErrMismatch, "Step: ranks took between %d and %d backwards since the last Step (this rank %d); every rank must take the same number", least, most, w.backwards)
+		return 0, nil, errorf(ErrCollectiveMismatch, "Step: ranks took between %d and %d backwards since the last Step (this rank %d); every rank must take the same number", least, most, w.backwards)
 	case most == 0:
 		return 0, nil, errorf(ErrProtocol, "Step with no backward since the last Step; report gradients and call EndBackward first")
 	case w.accumSteps > 0 && most != w.accumSteps:
@@ -133,7 +148,7 @@ func (c *stepCheck) agree(w windowClaims) (int, []bool, error) {
 // of collective, or no peer, on an engine's communicator (op failed with
 // err after this rank's backwards since the last Step).
 func divergence(op string, backwards int, err error) error {
-	if !errors.Is(err, ErrMismatch) && !errors.Is(err, ErrTimeout) {
+	if !errors.Is(err, ErrCollectiveMismatch) && !errors.Is(err, ErrTimeout) {
 		return err
 	}
 	// What was seen comes first (which rank did not come, or what each

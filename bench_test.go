@@ -446,7 +446,7 @@ func BenchmarkParamOffloadStep(b *testing.B) {
 // at a time (as DeepSpeed fetches a module's), with the parameter shard on
 // the device and on the host, the optimizer on the device and offloaded.
 func BenchmarkParamOffloadEstimate(b *testing.B) {
-	params, err := (Transformer{Hidden: 4096, Layers: 32, Vocab: 32000, FFN: 11008, Heads: 32}).Params(BF16)
+	params, err := (TransformerShape{Hidden: 4096, Layers: 32, Vocab: 32000, FFN: 11008, Heads: 32}).Params(BF16)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -458,7 +458,7 @@ func BenchmarkParamOffloadEstimate(b *testing.B) {
 					Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-4)}}}
 				var st Stats
 				for range b.N {
-					est, err := Estimate(params, cfg, world, Run{Backwards: 4})
+					est, err := Estimate(params, cfg, world, Workload{Backwards: 4})
 					if err != nil {
 						b.Fatal(err)
 					}

@@ -3,10 +3,13 @@ package zero
 import (
 	"errors"
 	"fmt"
+	"golang.org/x/sys/unix"
 	"io"
+	"math"
 	"math/rand"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"sort"
 	"strconv"
@@ -14,8 +17,7 @@ import (
 	"sync"
 	"testing"
 	"time"
-
-	"golang.org/x/sys/unix"
+	"unsafe"
 )
 
 // The bodies of the benchmarks that run on either device: the host's
@@ -691,4 +693,338 @@ func safetensorsRun(b *testing.B, env trainEnv, dev Device) {
 		b.ReportMetric(float64(heap)/float64(b.N)/world/(1<<20), "extra-MiB/rank")
 		b.ReportMetric(float64(sizes[0])*4/(1<<20), "param-MiB")
 	})
+}
+
+// ---- the offload benchmarks ----------------------------------------------------
+
+// offloadBench is a model and a backward for benchOffloadStep: layers ×
+// (hidden² + hidden) bf16 parameters on world ranks of group; param makes a
+// parameter's memory, backward enqueues on s the compute that writes layer
+// gradient p's n elements and returns them; setup (optional) runs for every
+// rank and parameter before the ranks start.
+type offloadBench struct {
+	world, layers, hidden, backwards int
+	group                            func(n int) ([]Comm, error)
+	stream                           func() (Stream, error)
+	param                            func(n int) (Tensor, error)
+	backward                         func(s Stream, rank, k, p, n int) (Tensor, error)
+	setup                            func(rank, p, n int)
+}
+
+// benchOffloadStep times ZeRO-2 AdamW steps of m without and with offload
+// and reports the metrics that BenchmarkOffloadStep (bench_test.go) lists.
+func benchOffloadStep(b *testing.B, m offloadBench) {
+	var params []Param
+	for range m.layers {
+		params = append(params, Param{Count: m.hidden * m.hidden, DType: BF16}, Param{Count: m.hidden, DType: BF16})
+	}
+	for _, offload := range []bool{false, true} {
+		b.Run(fmt.Sprintf("offload=%v", offload), func(b *testing.B) {
+			comms, err := m.group(m.world)
+			if err != nil {
+				b.Fatal(err)
+			}
+			engines := make([]*Engine, m.world)
+			streams := make([]Stream, m.world)
+			cfgs := make([][]Param, m.world)
+			for r := range m.world {
+				cfgs[r] = append([]Param(nil), params...)
+				for p := range cfgs[r] {
+					if cfgs[r][p].Data, err = m.param(params[p].Count); err != nil {
+						b.Fatal(err)
+					}
+					if m.setup != nil {
+						m.setup(r, p, params[p].Count)
+					}
+				}
+			}
+			var wg sync.WaitGroup
+			for r := range m.world {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					var err error
+					// a layer (weight and bias) a bucket
+					engines[r], err = New(Config{Stage: 2, BucketBytes: (m.hidden*m.hidden + m.hidden) * 2, Overlap: true, Optimizer: OptimizerPolicy{Groups: []Optimizer{with(NewAdamW(1e-4), func(o *AdamW) { o.WeightDecay = 0.01 })}}, Offload: OffloadPolicy{Optimizer: offload}}, comms[r], cfgs[r])
+					if err == nil {
+						streams[r], err = m.stream()
+					}
+					if err != nil {
+						b.Error(err)
+					}
+				}()
+			}
+			wg.Wait()
+			defer func() {
+				for r := range m.world {
+					if engines[r] != nil {
+						engines[r].Close()
+					}
+					if streams[r] != nil {
+						streams[r].Close()
+					}
+					comms[r].Close()
+				}
+			}()
+			if b.Failed() {
+				return
+			}
+			step := func() {
+				for r := range m.world {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						e, s := engines[r], streams[r]
+						for k := range m.backwards {
+							for p := len(params) - 1; p >= 0; p-- {
+								g, err := m.backward(s, r, k, p, params[p].Count)
+								if err == nil {
+									_, err = e.GradReady(p, g, s)
+								}
+								if err != nil {
+									b.Error(err)
+									return
+								}
+							}
+							if err := e.EndBackward(); err != nil {
+								b.Error(err)
+								return
+							}
+						}
+						if err := e.Step(); err != nil {
+							b.Error(err)
+						}
+					}()
+				}
+				wg.Wait()
+			}
+			step() // the first step allocates the moments
+			var opt, gradCopy, exposed, paramCopy time.Duration
+			b.ResetTimer()
+			start := time.Now()
+			for range b.N {
+				step()
+				st := engines[0].Stats()
+				opt += st.OptimizerTime
+				gradCopy += st.GradCopyTime
+				exposed += st.GradCopyExposed
+				paramCopy += st.ParamCopyTime
+			}
+			elapsed := time.Since(start)
+			b.StopTimer()
+			if b.Failed() {
+				return
+			}
+			n := float64(b.N)
+			shard := engines[0].Plan().ShardElems
+			b.ReportMetric(elapsed.Seconds()*1e3/n, "step_ms")
+			b.ReportMetric(opt.Seconds()*1e3/n, "optimizer_ms")
+			b.ReportMetric(30*float64(shard)*n/opt.Seconds()/1e9, "adamw-GB/s")
+			if offload || engines[0].dev == CPU() {
+				b.ReportMetric(30*float64(shard)/yardOptSeconds(shard, m.world)/1e9, "yard-GB/s")
+			}
+			if offload {
+				st := engines[0].Stats()
+				b.ReportMetric(gradCopy.Seconds()*1e3/n, "grad_copy_ms")
+				b.ReportMetric(1-float64(exposed)/float64(gradCopy), "copy_hidden")
+				b.ReportMetric(paramCopy.Seconds()*1e3/n, "param_copy_ms")
+				// the copies' speed: every backward lands each bucket's
+				// reduced part (the shard, in the bf16 wire dtype); the step
+				// sends the shard's new bf16 parameters back (its padding,
+				// under 64 elements a bucket, counted too)
+				wire := float64(m.backwards*shard*BF16.Size()) * n
+				b.ReportMetric(wire/gradCopy.Seconds()/1e9, "grad_copy-GB/s")
+				b.ReportMetric(float64(shard*BF16.Size())*n/paramCopy.Seconds()/1e9, "param_copy-GB/s")
+				b.ReportMetric(float64(st.HostBytes)/(1<<20), "host_MiB")
+				b.ReportMetric(float64(st.HostPinnedBytes)/float64(st.HostBytes), "pinned_share")
+				b.ReportMetric(float64(st.DeviceBytesSaved)/(1<<20), "saved_MiB")
+				b.ReportMetric(float64(len(engines[0].Plan().Buckets)), "buckets")
+			}
+		})
+	}
+}
+
+// yardOptSeconds times yardOptPass over fresh fp32 buffers of n elements
+// (p, g, m, v, staggered by 4 KiB + 64 B) and a bf16 out, on both cores,
+// for ranks ranks at once as the engines' passes run: the best of 3.
+func yardOptSeconds(n, ranks int) float64 {
+	const stagger = 1040
+	all := make([][]float32, ranks)
+	out := make([][]uint16, ranks)
+	for r := range ranks {
+		all[r], out[r] = make([]float32, 4*(n+stagger)), make([]uint16, n)
+	}
+	best := math.Inf(1)
+	for range 3 {
+		t0 := time.Now()
+		var wg sync.WaitGroup
+		for r := range ranks {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				at := func(k int) uintptr { return uintptr(unsafe.Pointer(&all[r][k*(n+stagger)])) }
+				parallelRange(n, func(lo, hi int) {
+					yardstick(yardOptPass, uintptr(unsafe.Pointer(&out[r][0])), at(0), at(1), at(2), at(3), lo, hi)
+				})
+			}()
+		}
+		wg.Wait()
+		best = min(best, time.Since(t0).Seconds())
+	}
+	runtime.KeepAlive(all)
+	runtime.KeepAlive(out)
+	return best
+}
+
+// ---- the parameter offload benchmarks ---------------------------------------------
+
+// layerParams is a model of layers bf16 weights of hidden² each: seed
+// 000's at 8 × 4096 (134M parameters, a layer a 32 MiB bucket).
+func layerParams(layers, hidden int) []Param {
+	ps := make([]Param, layers)
+	for i := range ps {
+		ps[i] = Param{Name: fmt.Sprintf("layer%d.weight", i), Count: hidden * hidden, DType: BF16}
+	}
+	return ps
+}
+
+// benchParamOffloadStep times stage-3 AdamW steps of params on world ranks
+// of env, with the parameter shard on the device and in page-locked host
+// memory (Offload.Params), the optimizer on the device: each step takes
+// backwards backwards, each layer gathered for its forward and released,
+// then gathered again in backward (in reverse) while its gradient is
+// handed over, and released. It reports per step the wall ms, the gathers'
+// time (Stats.ParamGatherTime, copies included), and from rank 0's Stats
+// the device bytes the engine holds (PeakParamBytes, PeakGradBytes,
+// OptimizerBytes, ControlBytes), the parameter shard's on the device and
+// on the host, and the host's page-locked bytes.
+func benchParamOffloadStep(b *testing.B, env trainEnv, params []Param, world, backwards int) {
+	for _, onHost := range []bool{false, true} {
+		b.Run(fmt.Sprintf("offload-params=%v", onHost), func(b *testing.B) {
+			comms, err := env.group(world)
+			if err != nil {
+				b.Fatal(err)
+			}
+			cfg := Config{Stage: 3, BucketBytes: 32 << 20, Overlap: true, Offload: OffloadPolicy{Params: onHost},
+				Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-4)}}}
+			ready, start, done := make(chan error, world), make(chan struct{}), make(chan error, world)
+			stats := make([]Stats, world)
+			var wg sync.WaitGroup
+			for rank := range world {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					defer comms[rank].Close()
+					fail := func(err error) { ready <- err }
+					s, err := env.stream()
+					if err != nil {
+						fail(err)
+						return
+					}
+					defer s.Close()
+					ps := append([]Param(nil), params...)
+					grads := make([]Tensor, len(ps))
+					for p, q := range ps {
+						w, g := newTBuf(q.DType, q.Count), newTBuf(q.DType, q.Count)
+						for i := range g.len() {
+							w.set(i, float32(i%251)/251-0.5)
+							g.set(i, float32(i%7)/64-0.05)
+						}
+						var freeW, freeG func()
+						if ps[p].Data, freeW, err = env.place(s, w); err == nil {
+							defer freeW()
+							grads[p], freeG, err = env.place(s, g)
+						}
+						if err != nil {
+							fail(err)
+							return
+						}
+						defer freeG()
+					}
+					if err := s.Sync(); err != nil {
+						fail(err)
+						return
+					}
+					e, err := New(cfg, comms[rank], ps)
+					if err != nil {
+						fail(err)
+						return
+					}
+					defer e.Close()
+					gather := func(p int) error {
+						if _, err := e.Gather(s, p); err != nil {
+							return err
+						}
+						return e.Release(s, p)
+					}
+					step := func() error {
+						for range backwards {
+							for p := range ps {
+								if err := gather(p); err != nil {
+									return err
+								}
+							}
+							for p := len(ps) - 1; p >= 0; p-- {
+								if _, err := e.Gather(s, p); err != nil {
+									return err
+								}
+								if _, err := e.GradReady(p, grads[p], s); err != nil {
+									return err
+								}
+								if err := e.Release(s, p); err != nil {
+									return err
+								}
+							}
+							if err := e.EndBackward(); err != nil {
+								return err
+							}
+						}
+						return e.Step()
+					}
+					if err := step(); err != nil { // the first step allocates the moments and learns the order
+						fail(err)
+						return
+					}
+					ready <- s.Sync()
+					<-start
+					var gathers time.Duration
+					for range b.N {
+						if err := step(); err != nil {
+							done <- err
+							return
+						}
+						gathers += e.Stats().ParamGatherTime
+					}
+					stats[rank] = e.Stats()
+					stats[rank].ParamGatherTime = gathers / time.Duration(b.N)
+					done <- s.Sync()
+				}()
+			}
+			for range world {
+				if err := <-ready; err != nil {
+					close(start)
+					wg.Wait()
+					b.Fatal(err)
+				}
+			}
+			b.ResetTimer()
+			t0 := time.Now()
+			close(start)
+			for range world {
+				if err := <-done; err != nil {
+					b.Fatal(err)
+				}
+			}
+			el := time.Since(t0)
+			b.StopTimer()
+			wg.Wait()
+			st, mib := stats[0], func(x int64) float64 { return float64(x) / (1 << 20) }
+			b.ReportMetric(float64(el.Microseconds())/1000/float64(b.N), "ms/step")
+			b.ReportMetric(float64(st.ParamGatherTime.Microseconds())/1000, "gather-ms")
+			b.ReportMetric(mib(st.PeakParamBytes+st.PeakGradBytes+st.OptimizerBytes+st.ControlBytes), "device-MiB")
+			b.ReportMetric(mib(st.ParamShardBytes), "device-shard-MiB")
+			b.ReportMetric(mib(st.HostParamBytes), "host-shard-MiB")
+			b.ReportMetric(mib(st.HostBytes), "host-MiB")
+		})
+	}
 }

@@ -6,175 +6,6 @@ import (
 	"slices"
 )
 
-// Plan is the partition plan: which bucket holds each parameter, where, and
-// which elements each rank owns. It is the same on every rank.
-type Plan struct {
-	World   int          // ranks the buckets are split across
-	Align   int          // shard sizes are multiples of Align elements
-	Buckets []BucketPlan // in backward order: bucket 0 fills first
-
-	// ParamBucket and ParamOffset place parameter p at ParamOffset[p] in
-	// bucket ParamBucket[p] (−1 for a parameter of zero elements or a
-	// frozen one).
-	ParamBucket []int
-	ParamOffset []int // see ParamBucket
-	ShardElems  int   // elements of one rank's shard over all buckets
-	FullElems   int   // elements of all buckets, padding included
-	counts      []int
-	dtype       DType // of the gradients
-}
-
-// ShardRange is the part of one parameter that one rank's shard holds:
-// elements [ParamOffset, ParamOffset+Count) of the parameter sit at
-// [ShardOffset, ShardOffset+Count) of the shard. A parameter is contiguous
-// in its bucket and a rank owns one contiguous slice of every bucket, so
-// the part is a single range; Count is 0 where the rank holds none of it.
-type ShardRange struct {
-	ParamOffset int // first element of the parameter in the range
-	ShardOffset int // where that element sits in the rank's shard
-	Count       int // elements in the range
-}
-
-// ShardRange returns where rank's shard holds parameter param.
-func (p *Plan) ShardRange(param, rank int) (ShardRange, error) {
-	if param < 0 || param >= len(p.counts) {
-		return ShardRange{}, errorf(ErrParam, "ShardRange: parameter %d; registered parameters are 0..%d", param, len(p.counts)-1)
-	}
-	if rank < 0 || rank >= p.World {
-		return ShardRange{}, errorf(ErrConfig, "ShardRange: rank %d; ranks are 0..%d", rank, p.World-1)
-	}
-	return p.shardRange(param, rank), nil
-}
-
-func (p *Plan) shardRange(param, rank int) ShardRange {
-	b := p.ParamBucket[param]
-	if b < 0 {
-		return ShardRange{}
-	}
-	bp := &p.Buckets[b]
-	first, owned := p.ParamOffset[param], rank*bp.Shard
-	lo, hi := max(first, owned), min(first+p.counts[param], owned+bp.Shard)
-	if hi <= lo {
-		return ShardRange{}
-	}
-	return ShardRange{ParamOffset: lo - first, ShardOffset: bp.ShardOffset + lo - owned, Count: hi - lo}
-}
-
-// BucketPlan is one bucket: members in backward order (the reverse of
-// registration), each starting on a 16-byte boundary so every gradient can
-// take the kernels' vector path, padded so that it splits evenly into World
-// shards.
-type BucketPlan struct {
-	Params      []int // member parameters, in the order they sit in the bucket
-	Elems       int   // the end of the last member: counts plus alignment gaps
-	Padded      int   // Elems rounded up to a multiple of World·Align
-	Shard       int   // Padded / World: the elements each rank owns
-	ShardOffset int   // where this bucket's shard sits in a rank's shard buffer
-	FlatOffset  int   // where this bucket sits in the full flat layout
-}
-
-// memberAlign is the alignment of members in a bucket, in elements of d:
-// 16 bytes, the width of the kernels' vector loads.
-func memberAlign(d DType) int { return 16 / d.Size() }
-
-// newPlan cuts buckets of at most bucketBytes of model-dtype gradient from
-// the parameters in reverse registration order. A parameter larger than a
-// bucket gets a bucket of its own.
-func newPlan(params []Param, bucketBytes, world, align int) *Plan {
-	p := &Plan{World: world, Align: align, ParamBucket: make([]int, len(params)), ParamOffset: make([]int, len(params)), counts: make([]int, len(params))}
-	for i, q := range params {
-		p.counts[i] = q.Count
-		p.dtype = q.DType
-		if q.Frozen {
-			p.counts[i] = 0 // no gradient, no elements in any bucket
-		}
-	}
-	var cur BucketPlan
-	closeBucket := func() {
-		if len(cur.Params) == 0 {
-			return
-		}
-		unit := world * align
-		cur.Padded = (cur.Elems + unit - 1) / unit * unit
-		cur.Shard = cur.Padded / world
-		cur.ShardOffset = p.ShardElems
-		cur.FlatOffset = p.FullElems
-		p.ShardElems += cur.Shard
-		p.FullElems += cur.Padded
-		p.Buckets = append(p.Buckets, cur)
-		cur = BucketPlan{}
-	}
-	for i := len(params) - 1; i >= 0; i-- {
-		n, size := params[i].Count, params[i].DType.Size()
-		if n == 0 || params[i].Frozen {
-			p.ParamBucket[i], p.ParamOffset[i] = -1, 0
-			continue
-		}
-		a := memberAlign(params[i].DType)
-		at := (cur.Elems + a - 1) / a * a
-		if len(cur.Params) > 0 && (at+n)*size > bucketBytes {
-			closeBucket()
-			at = 0
-		}
-		p.ParamBucket[i], p.ParamOffset[i] = len(p.Buckets), at
-		cur.Params = append(cur.Params, i)
-		cur.Elems = at + n
-		if cur.Elems*size >= bucketBytes {
-			closeBucket()
-		}
-	}
-	closeBucket()
-	return p
-}
-
-// bucketSegments lays out the members of bucket b that have memory, and
-// that are used where used is given, as segments of the bucket's flat
-// layout.
-func bucketSegments(p *Plan, params []Param, b int, used []bool) []Segment {
-	var segs []Segment
-	for _, m := range p.Buckets[b].Params {
-		if params[m].Data.count == 0 || (used != nil && !used[m]) {
-			continue
-		}
-		segs = append(segs, Segment{Src: params[m].Data, Offset: p.ParamOffset[m]})
-	}
-	return segs
-}
-
-// modelDType is the gradients' dtype.
-func (p *Plan) modelDType() DType { return p.dtype }
-
-// MaxBucket returns the padded size of the largest bucket.
-func (p *Plan) MaxBucket() int {
-	m := 0
-	for _, b := range p.Buckets {
-		m = max(m, b.Padded)
-	}
-	return m
-}
-
-// Fingerprint identifies the flat layout: which parameters (count and
-// dtype) sit in which bucket at which offset. It does not depend on the
-// world size or Align, which only pad and split the buckets, so a
-// checkpoint written with one world size can be told apart from one of
-// another layout when it is read with another.
-func (p *Plan) Fingerprint() uint64 {
-	h := newHasher()
-	h.put(int64(p.dtype))
-	h.put(int64(len(p.counts)))
-	for _, n := range p.counts {
-		h.put(int64(n))
-	}
-	for _, b := range p.Buckets {
-		h.put(int64(len(b.Params)))
-		for _, m := range b.Params {
-			h.put(int64(m))
-			h.put(int64(p.ParamOffset[m]))
-		}
-	}
-	return h.sum()
-}
-
 // ---- the bucket pipeline -----------------------------------------------------
 
 // bucketMode says when a bucket is reduced.
@@ -185,10 +16,46 @@ const (
 	// every backward, into the shard (copy on the first reduction of a
 	// window, add after).
 	streamed bucketMode = iota
-	// local buckets sum their gradients into a local fp32 accumulator and
-	// are reduced once, at a flush.
-	local
+	// deferred buckets sum their gradients into an fp32 accumulator of
+	// their own (the local sums) and are reduced once, at a flush.
+	deferred
 )
+
+// stageModes is how each stage reduces its buckets: ZeRO-1 sums locally
+// and reduces once per window; ZeRO-2 and ZeRO-3 stream every backward.
+var stageModes = [...]bucketMode{1: deferred, 2: streamed, 3: streamed}
+
+// stageBucketModes is every bucket's mode at stage.
+func stageBucketModes(stage, buckets int) []bucketMode {
+	modes := make([]bucketMode, buckets)
+	for b := range modes {
+		modes[b] = stageModes[stage]
+	}
+	return modes
+}
+
+// pipelineSize is what the pipeline's pools hold at their peak when the
+// step's backwards run in the modes inForce: the staging buffers (one
+// largest bucket each, in the comm dtype) and the local sums the shard's
+// memory does not host (canLend: the sink lends it, see hostedSums),
+// ZeRO-1's own in LocalSums and a window's in WindowSums. 16-bit sums are
+// added into in their dtype.
+func pipelineSize(plan *Plan, spec pipelineSpec, inForce []bucketMode, canLend bool) DeviceBytes {
+	d := DeviceBytes{Staging: int64(spec.staging) * int64(plan.MaxBucket()) * int64(spec.commDType.Size())}
+	hosted := hostedSums(plan, spec, inForce, canLend)
+	for b := range plan.Buckets {
+		if inForce[b] != deferred || hosted[b] {
+			continue
+		}
+		n, dt := localSum(plan, spec, b)
+		if spec.modes[b] == deferred {
+			d.LocalSums += int64(n * dt.Size())
+		} else {
+			d.WindowSums += int64(n * dt.Size())
+		}
+	}
+	return d
+}
 
 // pipelineSpec is what the pipeline needs to know of the engine's settings.
 type pipelineSpec struct {
@@ -210,7 +77,7 @@ type pipelineSpec struct {
 // padded, so that sums in the comm dtype are reduced where they are.
 func localSum(plan *Plan, spec pipelineSpec, b int) (int, DType) {
 	bp := plan.Buckets[b]
-	if spec.modes[b] == local && spec.windowDType == FP32 {
+	if spec.modes[b] == deferred && spec.windowDType == FP32 {
 		return bp.Elems, FP32
 	}
 	return bp.Padded, spec.windowDType
@@ -220,7 +87,7 @@ func localSum(plan *Plan, spec pipelineSpec, b int) (int, DType) {
 // shard's own memory while the modes hold, where canLend (the sink lends
 // its shard to sums of the comm dtype, reduced in place) is true: bucket b's
 // sums [ShardOffset, +Padded) lie inside the shard, every bucket whose part
-// of the shard they cover is local (so it lands only at the flush, after
+// of the shard they cover is deferred (so it lands only at the flush, after
 // b's, and waits for b's reduction: coveredBy), and they do not overlap the
 // sums of an earlier bucket hosted so. The first Shard
 // elements are b's own part, where this rank's reduced part already lies:
@@ -234,12 +101,12 @@ func hostedSums(plan *Plan, spec pipelineSpec, modes []bucketMode, canLend bool)
 	for b, bp := range plan.Buckets {
 		n, dt := localSum(plan, pipelineSpec{modes: modes, windowDType: spec.windowDType}, b)
 		end := bp.ShardOffset + n
-		if modes[b] != local || dt != spec.commDType || n != bp.Padded || bp.ShardOffset < free || end > plan.ShardElems {
+		if modes[b] != deferred || dt != spec.commDType || n != bp.Padded || bp.ShardOffset < free || end > plan.ShardElems {
 			continue
 		}
 		ok := true
 		for c := b + 1; c < len(plan.Buckets) && plan.Buckets[c].ShardOffset < end; c++ {
-			ok = ok && modes[c] == local
+			ok = ok && modes[c] == deferred
 		}
 		if ok {
 			hosted[b], free = true, end
@@ -265,7 +132,7 @@ type pipeline struct {
 	localPool   *bufferPool // ZeRO-1's own sums, one bucket's (localSum) each
 	windowPool  *bufferPool // windowDType, a bucket's padded elements each: a window's local sums
 	buckets     []bucketState
-	stageLocal  int // buckets local in the stage's own mode (ZeRO-1's), whose sums are kept
+	stageLocal  int // buckets deferred in the stage's own mode (ZeRO-1's), whose sums are kept
 	// hosted is hostedSums for the modes in force; nil when they changed
 	hosted []bool
 	// coveredBy is, per bucket, the bucket whose sums the shard hosts over
@@ -281,7 +148,7 @@ type pipeline struct {
 	dirty     []bool        // per parameter: in its local accumulator since the last flush
 	writer    []streamEvent // per parameter: the last write of its local sum
 	nextIssue int           // reductions are issued in bucket order on every rank
-	unflushed bool          // a backward ended with local buckets since the last flush
+	unflushed bool          // a backward ended with deferred buckets since the last flush
 
 	reducing map[Stream]Event // the last reduction issued on each stream since the last sync
 	sent     CommCounters     // the collectives issued since the last takeStats
@@ -300,7 +167,7 @@ type bucketState struct {
 	mode      bucketMode
 	reported  int              // members reported in this backward
 	stage     *buffer          // streamed: the staging buffer being filled
-	local     *buffer          // local: the accumulator since the last flush
+	local     *buffer          // deferred: the accumulator since the last flush
 	producers map[Stream]Event // the last event of every stream that wrote into the bucket
 	last      Event            // the latest of them
 	copyFirst bool             // the next accumulate into the shard copies instead of adding
@@ -331,11 +198,11 @@ func newPipeline(spec pipelineSpec, plan *Plan, dev Device, comm Comm, stream St
 	pl.buckets = make([]bucketState, len(plan.Buckets))
 	for i := range pl.buckets {
 		pl.buckets[i] = bucketState{mode: spec.modes[i], producers: map[Stream]Event{}, copyFirst: true}
-		if spec.modes[i] == local {
+		if spec.modes[i] == deferred {
 			pl.stageLocal++
 		}
 	}
-	n := len(plan.counts)
+	n := len(plan.ParamBucket)
 	pl.reported, pl.dirty, pl.writer = make([]bool, n), make([]bool, n), make([]streamEvent, n)
 	pl.coveredBy = slices.Repeat([]int{-1}, len(plan.Buckets))
 	return pl, nil
@@ -400,6 +267,16 @@ type deviceSink struct {
 
 // newDeviceSink allocates the shard in dtype dt, and its sums of squares
 // where withNorm (an optimizer takes the norm).
+// deviceSinkSize is what newDeviceSink allocates: the shard in dt, the
+// overflow flag and (withNorm) the norm's chunk sums.
+func deviceSinkSize(plan *Plan, dt DType, withNorm bool) DeviceBytes {
+	d := DeviceBytes{GradShard: int64(plan.ShardElems * dt.Size()), Control: 4}
+	if withNorm {
+		d.Control += normSumsBytes(plan)
+	}
+	return d
+}
+
 func newDeviceSink(dev Device, plan *Plan, dt DType, withNorm bool) (*deviceSink, error) {
 	d := &deviceSink{dev: dev}
 	var err error
@@ -450,25 +327,16 @@ func (d *deviceSink) close() error {
 // rs, summing the squares of what it stored where last and norm is kept,
 // and records which it did.
 func landInto(dev Device, rs Stream, shard, mine Tensor, b, offset int, first bool, scale float32, flag Tensor, norm *shardNorm, last bool) error {
-	seg := Segment{Src: mine, Offset: offset}
+	seg := flatPiece{Src: mine, Offset: offset}
 	summed := last && norm != nil
 	var err error
 	if summed {
 		err = dev.accumulateSquares(rs, shard, seg, first, scale, flag, norm.partsOf(b))
 	} else {
-		err = dev.accumulate(rs, shard, []Segment{seg}, first, scale, flag)
+		err = dev.accumulate(rs, shard, []flatPiece{seg}, first, scale, flag)
 	}
 	norm.landed(b, summed && err == nil)
 	return err
-}
-
-// maxShardElems is the largest bucket shard of the plan.
-func maxShardElems(p *Plan) int {
-	n := 0
-	for _, b := range p.Buckets {
-		n = max(n, b.Shard)
-	}
-	return n
 }
 
 // takeBatch enqueues on stream the reads of a batch of gradients (grads[i]
@@ -517,7 +385,7 @@ func (pl *pipeline) producedBatch(params []int, stream Stream, ev Event) {
 // (ev is recorded after take, so it covers the reads).
 func (pl *pipeline) take(b int, idx []int, params []int, grads []Tensor, stream Stream) error {
 	bs := &pl.buckets[b]
-	if bs.mode == local {
+	if bs.mode == deferred {
 		return pl.addLocal(b, idx, params, grads, stream)
 	}
 	if bs.stage == nil {
@@ -534,9 +402,9 @@ func (pl *pipeline) take(b int, idx []int, params []int, grads []Tensor, stream 
 			return err
 		}
 	}
-	segs := make([]Segment, len(idx))
+	segs := make([]flatPiece, len(idx))
 	for k, i := range idx {
-		segs[k] = Segment{Src: grads[i], Offset: pl.plan.ParamOffset[params[i]]}
+		segs[k] = flatPiece{Src: grads[i], Offset: pl.plan.ParamOffset[params[i]]}
 	}
 	return pl.dev.flatten(stream, bs.stage.t, segs, pl.spec.prescale)
 }
@@ -557,7 +425,7 @@ func (pl *pipeline) addLocal(b int, idx []int, params []int, grads []Tensor, str
 			return err
 		}
 	}
-	var first, add []Segment
+	var first, add []flatPiece
 	for _, i := range idx {
 		p := params[i]
 		// An earlier backward may have written this sum on another stream.
@@ -566,7 +434,7 @@ func (pl *pipeline) addLocal(b int, idx []int, params []int, grads []Tensor, str
 				return err
 			}
 		}
-		sg := Segment{Src: grads[i], Offset: pl.plan.ParamOffset[p]}
+		sg := flatPiece{Src: grads[i], Offset: pl.plan.ParamOffset[p]}
 		if pl.dirty[p] {
 			add = append(add, sg)
 		} else {
@@ -608,7 +476,7 @@ func (pl *pipeline) takeLocal(b int) (*buffer, error) {
 			return &buffer{t: t, free: fence(pl.stream)}, nil
 		}
 	}
-	if pl.spec.modes[b] != local {
+	if pl.spec.modes[b] != deferred {
 		return pl.windowPool.get(n)
 	}
 	return pl.localPool.get(n)
@@ -629,7 +497,7 @@ func (pl *pipeline) untouched(b, n int) bool {
 // addLocal16 sums into a 16-bit local accumulator as a framework's .grad
 // does: each backward's sum rounded to the model dtype. The first
 // gradients are cast in; the others summed in fp32 and rounded once.
-func (pl *pipeline) addLocal16(b int, first, add []Segment, stream Stream) error {
+func (pl *pipeline) addLocal16(b int, first, add []flatPiece, stream Stream) error {
 	acc := pl.buckets[b].local.t
 	if err := pl.dev.flatten(stream, acc, first, 1); err != nil {
 		return err
@@ -644,7 +512,7 @@ func (pl *pipeline) produced(b int, idx []int, params []int, stream Stream, ev E
 	bs.producers[stream] = ev
 	bs.last = ev
 	bs.reported += len(idx)
-	if bs.mode == local {
+	if bs.mode == deferred {
 		for _, i := range idx {
 			pl.writer[params[i]] = streamEvent{stream, ev}
 		}
@@ -653,7 +521,7 @@ func (pl *pipeline) produced(b int, idx []int, params []int, stream Stream, ev E
 
 // issueReady issues, in bucket order, the reductions that are due: streamed
 // buckets whose members have all reported (every remaining one when all is
-// set), and local buckets too when flush is set. The order is the same on
+// set), and deferred buckets too when flush is set. The order is the same on
 // every rank whatever the arrival order, so the collectives match across
 // ranks. caller is the stream reductions run on without overlap. last says
 // the backward is the step's last (its landings sum the norm's squares).
@@ -672,7 +540,7 @@ func (pl *pipeline) issueReady(caller Stream, all, flush, last bool) error {
 	for pl.nextIssue < len(pl.buckets) {
 		b := pl.nextIssue
 		bs := &pl.buckets[b]
-		if bs.mode == local && !flush {
+		if bs.mode == deferred && !flush {
 			pl.nextIssue++
 			continue
 		}
@@ -695,7 +563,7 @@ func (pl *pipeline) issueReady(caller Stream, all, flush, last bool) error {
 	return nil
 }
 
-// flushLocal reduces every local bucket, in bucket order, between
+// flushLocal reduces every deferred bucket, in bucket order, between
 // backwards (at Step, at the end of a coalesced window); the streamed ones
 // were reduced by their backwards. Its landings are the step's last.
 func (pl *pipeline) flushLocal(caller Stream) error {
@@ -704,7 +572,7 @@ func (pl *pipeline) flushLocal(caller Stream) error {
 		rs = pl.stream
 	}
 	for b := range pl.buckets {
-		if pl.buckets[b].mode != local {
+		if pl.buckets[b].mode != deferred {
 			continue
 		}
 		if err := pl.reduce(b, rs, true); err != nil {
@@ -715,13 +583,13 @@ func (pl *pipeline) flushLocal(caller Stream) error {
 	return nil
 }
 
-// owesFlush notes, as a backward ends, that its local buckets must be
+// owesFlush notes, as a backward ends, that its deferred buckets must be
 // reduced at the next flush. It depends on the modes only, never on what
 // this rank wrote, so every rank issues the same collectives: a rank that
 // had no gradient still takes part in the reductions.
 func (pl *pipeline) owesFlush() {
 	for i := range pl.buckets {
-		if pl.buckets[i].mode == local {
+		if pl.buckets[i].mode == deferred {
 			pl.unflushed = true
 			return
 		}
@@ -744,7 +612,7 @@ func (pl *pipeline) endBackward() {
 func (pl *pipeline) reduce(b int, rs Stream, last bool) (err error) {
 	bp, bs := &pl.plan.Buckets[b], &pl.buckets[b]
 	st := bs.stage
-	if bs.mode == local && pl.reducesInPlace(bs.local) {
+	if bs.mode == deferred && pl.reducesInPlace(bs.local) {
 		// The window's sums are already in the comm dtype: they are the
 		// reduce-scatter's buffer, and no staging buffer is taken.
 		st, bs.local = bs.local, nil
@@ -801,7 +669,7 @@ func (pl *pipeline) reduce(b int, rs Stream, last bool) (err error) {
 		if err != nil {
 			return err
 		}
-	} else if bs.mode == local {
+	} else if bs.mode == deferred {
 		if err := pl.flattenLocal(b, rs, buf); err != nil {
 			return err
 		}
@@ -857,11 +725,11 @@ func (pl *pipeline) reducesInPlace(sum *buffer) bool {
 // are zero.
 func (pl *pipeline) flattenLocal(b int, rs Stream, buf Tensor) error {
 	bp, bs := &pl.plan.Buckets[b], &pl.buckets[b]
-	segs := make([]Segment, 0, len(bp.Params))
+	segs := make([]flatPiece, 0, len(bp.Params))
 	for _, p := range bp.Params {
 		if pl.dirty[p] {
 			off := pl.plan.ParamOffset[p]
-			segs = append(segs, Segment{Src: bs.local.t.slice(off, pl.plan.counts[p]), Offset: off})
+			segs = append(segs, flatPiece{Src: bs.local.t.slice(off, pl.plan.elems(p)), Offset: off})
 		}
 	}
 	if err := pl.zeroGaps(b, rs, buf, pl.dirty); err != nil {
@@ -891,7 +759,7 @@ func (pl *pipeline) zeroGaps(b int, rs Stream, buf Tensor, written []bool) error
 				return err
 			}
 		}
-		at = off + pl.plan.counts[p]
+		at = off + pl.plan.elems(p)
 	}
 	if bp.Padded > at {
 		return pl.dev.zero(rs, buf.slice(at, bp.Padded-at))

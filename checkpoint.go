@@ -2,7 +2,6 @@ package zero
 
 import (
 	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -14,7 +13,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"unsafe"
 )
 
 // Checkpoints. A checkpoint is a directory, dir/step-N, holding one file
@@ -127,92 +125,9 @@ type SettingChange struct {
 	FromCheckpoint bool
 }
 
-const (
-	ckptFormat   = "zero-checkpoint"
-	ckptManifest = "manifest.json"
-	ckptLatest   = "latest"
-	ckptPartial  = ".partial-"
-)
-
-// ckptParam is a parameter as the manifest records it.
-type ckptParam struct {
-	Name   string `json:"name"`
-	Shape  []int  `json:"shape,omitempty"`
-	Count  int    `json:"count"`
-	DType  string `json:"dtype"`
-	Group  int    `json:"group"`
-	Frozen bool   `json:"frozen,omitempty"`
-}
-
-// ckptBucket is a bucket of the layout: Members are (parameter, offset in
-// the bucket); rank r holds elements [r·Shard, (r+1)·Shard) of it at
-// ShardOffset of its shard.
-type ckptBucket struct {
-	Shard       int      `json:"shard"`
-	ShardOffset int      `json:"shard_offset"`
-	Members     [][2]int `json:"members"`
-}
-
-type ckptLayout struct {
-	World      int          `json:"world"`
-	ShardElems int          `json:"shard_elems"`
-	Buckets    []ckptBucket `json:"buckets"`
-}
-
-type ckptSetting struct {
-	Path  string `json:"path"`
-	Value string `json:"value"`
-	Class string `json:"class"`
-}
-
-type ckptFileInfo struct {
-	Name  string `json:"name"`
-	Rank  int    `json:"rank"`
-	Bytes int64  `json:"bytes"`
-	CRC   uint32 `json:"crc32c"`
-}
-
-// ckptManifestData is manifest.json.
-type ckptManifestData struct {
-	Format  string `json:"format"`
-	Version int    `json:"version"`
-	// Save is the save's identity (version 2 on): 48 random bits that rank
-	// 0 draws and every rank writes into its file's footer, so a load
-	// refuses a rank file of another save; it also names the save's lock.
-	Save      string         `json:"save,omitempty"`
-	Step      int            `json:"step"` // steps the engine had taken
-	Stage     int            `json:"stage"`
-	Params    []ckptParam    `json:"params"`
-	Layout    ckptLayout     `json:"layout"`
-	Settings  []ckptSetting  `json:"settings"`
-	Optimizer optCheckpoint  `json:"optimizer"`
-	Files     []ckptFileInfo `json:"files"`
-	// Checksum is the CRC32C of the manifest as written with Checksum 0: a
-	// damaged value is found before it places state anywhere.
-	Checksum uint32 `json:"crc32c"`
-}
-
-// sealManifest writes m's checksum into it and returns its bytes.
-func sealManifest(m *ckptManifestData) ([]byte, error) {
-	m.Checksum = 0
-	data, err := json.MarshalIndent(m, "", " ")
-	if err != nil {
-		return nil, err
-	}
-	m.Checksum = crc32.Checksum(data, castagnoli)
-	return json.MarshalIndent(m, "", " ")
-}
-
-// sealed reports whether m's values are those its checksum was taken of.
-func sealed(m ckptManifestData) bool {
-	want := m.Checksum
-	m.Checksum = 0
-	data, err := json.MarshalIndent(&m, "", " ")
-	return err == nil && crc32.Checksum(data, castagnoli) == want
-}
-
-// ckptEngine is what a checkpoint needs of the engine.
-type ckptEngine struct {
+// ckptSnapshot is what a checkpoint needs of the engine: a plain record
+// the hub fills when a save, load or export starts.
+type ckptSnapshot struct {
 	fs          ckptFS
 	comm        Comm
 	rank, world int
@@ -228,11 +143,14 @@ type ckptEngine struct {
 	stop func() error
 }
 
-func rankFileName(r int) string { return fmt.Sprintf("rank-%05d.bin", r) }
+// ckptEngine runs a save, load or export over a snapshot.
+type ckptEngine struct{ ckptSnapshot }
 
-// agree runs one collective of the ranks' outcomes: every rank learns
+func newCkptEngine(snap ckptSnapshot) *ckptEngine { return &ckptEngine{snap} }
+
+// shareOutcome runs one collective of the ranks' outcomes: every rank learns
 // whether any failed; vals (the same length on every rank) are summed.
-func (ce *ckptEngine) agree(failed bool, vals ...float64) (bool, []float64, error) {
+func (ce *ckptEngine) shareOutcome(failed bool, vals ...float64) (bool, []float64, error) {
 	f := 0.0
 	if failed {
 		f = 1
@@ -295,7 +213,7 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 			suffix = float64(k)
 		}
 	}
-	failed, vals, err := ce.agree(err0 != nil, suffix, id)
+	failed, vals, err := ce.shareOutcome(err0 != nil, suffix, id)
 	if err != nil {
 		return err
 	}
@@ -318,7 +236,7 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 	if errw == nil {
 		report[2*ce.rank], report[2*ce.rank+1] = float64(size), float64(crc)
 	}
-	failed, vals, err = ce.agree(errw != nil, report...)
+	failed, vals, err = ce.shareOutcome(errw != nil, report...)
 	if err != nil {
 		return err
 	}
@@ -350,7 +268,7 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 			errc = errorf(ErrCheckpoint, "%s is saved and %s names it, but giving back the lock failed: %v; the next save breaks it", filepath.Join(dir, name), ckptLatest, rerr)
 		}
 	}
-	failed, vals, err = ce.agree(errc != nil, committed)
+	failed, vals, err = ce.shareOutcome(errc != nil, committed)
 	switch {
 	case err != nil:
 		return err
@@ -360,19 +278,6 @@ func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
 		return ckptPeerError(errc, "rank 0 could not commit the checkpoint")
 	}
 	return nil
-}
-
-// formatSaveID writes a save's identity as it is stored.
-func formatSaveID(id uint64) string { return fmt.Sprintf("%012x", id) }
-
-// validSaveID reports whether s is a save's identity as formatSaveID
-// writes it.
-func validSaveID(s string) bool {
-	if len(s) != 12 {
-		return false
-	}
-	_, err := strconv.ParseUint(s, 16, 48)
-	return err == nil && strings.ToLower(s) == s
 }
 
 func ckptName(step, k int) string {
@@ -505,14 +410,6 @@ func writeState(w *rankWriter, st stateTensor, buf []byte) error {
 		}
 	}
 	return nil
-}
-
-// hostTensor views b as a host tensor of dtype dt.
-func hostTensor(b []byte, dt DType) Tensor {
-	if len(b) == 0 {
-		return Tensor{dtype: dt}
-	}
-	return Tensor{ptr: uintptr(unsafe.Pointer(&b[0])), count: len(b) / dt.Size(), dtype: dt, keep: b}
 }
 
 // commit moves a checkpoint whose rank files are all written into place:
@@ -788,7 +685,7 @@ func byEngine(c optCheckpoint, src []int) optCheckpoint {
 // client bytes (this rank's own file, where the checkpoint had this rank).
 func (ld *loader) need() []int {
 	set := map[int]bool{}
-	if ld.ce.rank < ld.x.world {
+	if world, _ := ld.x.shape(); ld.ce.rank < world {
 		set[ld.ce.rank] = true
 	}
 	for p := range ld.ce.params {
@@ -850,8 +747,9 @@ func (ld *loader) checkFooter(rr *rankReader, r int) error {
 		return rr.corrupt("format version %d, the manifest's is %d", f.Version, ld.m.Version)
 	case f.Save != ld.m.Save:
 		return rr.corrupt("written by another save (%q; the manifest's is %q): a file of another checkpoint", f.Save, ld.m.Save)
-	case f.Rank != r || f.World != ld.x.world || f.ShardElems != int64(ld.x.shardElems):
-		return rr.corrupt("rank %d of %d with a shard of %d elements; the manifest lists it as rank %d of %d with %d", f.Rank, f.World, f.ShardElems, r, ld.x.world, ld.x.shardElems)
+	}
+	if world, shardElems := ld.x.shape(); f.Rank != r || f.World != world || f.ShardElems != int64(shardElems) {
+		return rr.corrupt("rank %d of %d with a shard of %d elements; the manifest lists it as rank %d of %d with %d", f.Rank, f.World, f.ShardElems, r, world, shardElems)
 	}
 	want := ld.x.segments(r)
 	if !slices.Equal(f.Segments, want) {
@@ -1116,7 +1014,8 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (rep L
 		x, err = checkLayout(at, m, saved)
 	}
 	if err == nil {
-		from, err = ce.clientSource(at, x.world, opt)
+		world, _ := x.shape()
+		from, err = ce.clientSource(at, world, opt)
 	}
 	if err == nil && !opt.WeightsOnly {
 		if err = checkScalars(at, m.Optimizer); err == nil {
@@ -1131,7 +1030,7 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (rep L
 			client, err = ld.client(from)
 		}
 	}
-	failed, _, cerr := ce.agree(err != nil)
+	failed, _, cerr := ce.shareOutcome(err != nil)
 	if cerr != nil {
 		return rep, 0, true, cerr
 	}
@@ -1143,7 +1042,8 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (rep L
 	if !restored {
 		groups = ce.opt.currentGroups()
 	}
-	rep = LoadReport{Client: client, ClientRank: from, Dir: at, Step: m.Step, World: x.world, Stage: m.Stage, Reshard: ce.reshard(m, x, src)}
+	savedWorld, _ := x.shape()
+	rep = LoadReport{Client: client, ClientRank: from, Dir: at, Step: m.Step, World: savedWorld, Stage: m.Stage, Reshard: ce.reshard(m, x, src)}
 	rep.FromCheckpoint, rep.Changed = ce.settingsOrigin(m, groups, restored)
 	states, err := ce.opt.prepareLoad(groups)
 	if err == nil && ce.ps != nil {
@@ -1157,7 +1057,7 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (rep L
 	if err == nil {
 		err = ce.opt.restore(byEngine(m.Optimizer, src), groups, opt.WeightsOnly, fresh, scalerOrigin{m.Version, savedAccumSteps(m)})
 	}
-	failed, _, cerr = ce.agree(err != nil)
+	failed, _, cerr = ce.shareOutcome(err != nil)
 	if cerr != nil {
 		return LoadReport{}, 0, true, cerr
 	}
@@ -1196,7 +1096,8 @@ func (ce *ckptEngine) clientSource(at string, world int, opt LoadOptions) (int, 
 // into x) and the engine's plan; src maps the engine's parameters to the
 // checkpoint's (checkModel).
 func (ce *ckptEngine) reshard(m ckptManifestData, x *ckptIndex, src []int) Reshard {
-	r := Reshard{World: x.world != ce.world, Stage: m.Stage != ce.stage, Buckets: len(m.Layout.Buckets) != len(ce.plan.Buckets)}
+	savedWorld, _ := x.shape()
+	r := Reshard{World: savedWorld != ce.world, Stage: m.Stage != ce.stage, Buckets: len(m.Layout.Buckets) != len(ce.plan.Buckets)}
 	savedBucket := make([]int, len(ce.params))
 	for b, bk := range m.Layout.Buckets {
 		for _, mb := range bk.Members {
@@ -1205,11 +1106,12 @@ func (ce *ckptEngine) reshard(m ckptManifestData, x *ckptIndex, src []int) Resha
 	}
 	for p, q := range ce.params {
 		b, j := ce.plan.ParamBucket[p], src[p] // j: the checkpoint's index of engine parameter p
-		if x.members[j].shard == 0 || b < 0 {
+		saved, ok := x.placed(j)
+		if !ok || b < 0 {
 			continue // frozen or empty: no state
 		}
 		bp, offset := ce.plan.Buckets[b], ce.plan.ParamOffset[p]
-		if savedBucket[j] != b || x.members[j].offset != offset {
+		if savedBucket[j] != b || saved != offset {
 			r.Buckets = true
 		}
 		// each saved piece (one rank's, contiguous) must be one piece of
@@ -1378,7 +1280,7 @@ func (ce *ckptEngine) export(file string, opt ExportOptions) error {
 		nonce = float64(n)
 		err0 = ce.createExport(exportPartial(file, n), head, h.Size(), items)
 	}
-	failed, vals, err := ce.agree(err0 != nil, nonce)
+	failed, vals, err := ce.shareOutcome(err0 != nil, nonce)
 	if err != nil {
 		return err
 	}
@@ -1387,7 +1289,7 @@ func (ce *ckptEngine) export(file string, opt ExportOptions) error {
 	}
 	partial := exportPartial(file, uint32(vals[0]))
 	errw := ce.writeExport(partial, h, items)
-	failed, _, err = ce.agree(errw != nil)
+	failed, _, err = ce.shareOutcome(errw != nil)
 	if err != nil {
 		return err
 	}
@@ -1406,7 +1308,7 @@ func (ce *ckptEngine) export(file string, opt ExportOptions) error {
 			errc = fmt.Errorf("%w: moving the export into place as %s: %w", ErrCheckpoint, file, errc)
 		}
 	}
-	failed, _, err = ce.agree(errc != nil)
+	failed, _, err = ce.shareOutcome(errc != nil)
 	if err != nil {
 		return err
 	}
@@ -1622,7 +1524,7 @@ func checkpointToSafetensors(fsys ckptFS, dir, file string, opt ExportOptions) e
 	if err != nil {
 		return err
 	}
-	ld := newLoader(&ckptEngine{fs: fsys, params: params}, at, m, x)
+	ld := newLoader(newCkptEngine(ckptSnapshot{fs: fsys, params: params}), at, m, x)
 	defer ld.close()
 	ranks := make([]int, m.Layout.World)
 	for r := range ranks {

@@ -5,10 +5,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"io/fs"
 	"math"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 )
 
@@ -85,6 +87,16 @@ type ckptIndex struct {
 	world, shardElems int
 	model             DType        // the model-dtype shard's ("model" section)
 	members           []ckptMember // by parameter; shard 0: in no bucket
+}
+
+// shape is the saved world and the shard's elements on each rank.
+func (x *ckptIndex) shape() (world, shardElems int) { return x.world, x.shardElems }
+
+// placed says where the checkpoint's parameter p starts in its saved
+// bucket, and whether it has state there (false: frozen or empty).
+func (x *ckptIndex) placed(p int) (offset int, ok bool) {
+	m := x.members[p]
+	return m.offset, m.shard != 0
 }
 
 // ckptMember is a parameter's place: count elements at offset of a bucket
@@ -200,4 +212,103 @@ func (x *ckptIndex) sectionDType(name string) (string, bool) {
 		return "", true
 	}
 	return "", false
+}
+
+const (
+	ckptFormat   = "zero-checkpoint"
+	ckptManifest = "manifest.json"
+	ckptLatest   = "latest"
+	ckptPartial  = ".partial-"
+)
+
+// ckptParam is a parameter as the manifest records it.
+type ckptParam struct {
+	Name   string `json:"name"`
+	Shape  []int  `json:"shape,omitempty"`
+	Count  int    `json:"count"`
+	DType  string `json:"dtype"`
+	Group  int    `json:"group"`
+	Frozen bool   `json:"frozen,omitempty"`
+}
+
+// ckptBucket is a bucket of the layout: Members are (parameter, offset in
+// the bucket); rank r holds elements [r·Shard, (r+1)·Shard) of it at
+// ShardOffset of its shard.
+type ckptBucket struct {
+	Shard       int      `json:"shard"`
+	ShardOffset int      `json:"shard_offset"`
+	Members     [][2]int `json:"members"`
+}
+
+type ckptLayout struct {
+	World      int          `json:"world"`
+	ShardElems int          `json:"shard_elems"`
+	Buckets    []ckptBucket `json:"buckets"`
+}
+
+type ckptSetting struct {
+	Path  string `json:"path"`
+	Value string `json:"value"`
+	Class string `json:"class"`
+}
+
+type ckptFileInfo struct {
+	Name  string `json:"name"`
+	Rank  int    `json:"rank"`
+	Bytes int64  `json:"bytes"`
+	CRC   uint32 `json:"crc32c"`
+}
+
+// ckptManifestData is manifest.json.
+type ckptManifestData struct {
+	Format  string `json:"format"`
+	Version int    `json:"version"`
+	// Save is the save's identity (version 2 on): 48 random bits that rank
+	// 0 draws and every rank writes into its file's footer, so a load
+	// refuses a rank file of another save; it also names the save's lock.
+	Save      string         `json:"save,omitempty"`
+	Step      int            `json:"step"` // steps the engine had taken
+	Stage     int            `json:"stage"`
+	Params    []ckptParam    `json:"params"`
+	Layout    ckptLayout     `json:"layout"`
+	Settings  []ckptSetting  `json:"settings"`
+	Optimizer optCheckpoint  `json:"optimizer"`
+	Files     []ckptFileInfo `json:"files"`
+	// Checksum is the CRC32C of the manifest as written with Checksum 0: a
+	// damaged value is found before it places state anywhere.
+	Checksum uint32 `json:"crc32c"`
+}
+
+// sealManifest writes m's checksum into it and returns its bytes.
+func sealManifest(m *ckptManifestData) ([]byte, error) {
+	m.Checksum = 0
+	data, err := json.MarshalIndent(m, "", " ")
+	if err != nil {
+		return nil, err
+	}
+	m.Checksum = crc32.Checksum(data, castagnoli)
+	return json.MarshalIndent(m, "", " ")
+}
+
+// sealed reports whether m's values are those its checksum was taken of.
+func sealed(m ckptManifestData) bool {
+	want := m.Checksum
+	m.Checksum = 0
+	data, err := json.MarshalIndent(&m, "", " ")
+	return err == nil && crc32.Checksum(data, castagnoli) == want
+}
+
+func rankFileName(r int) string { return fmt.Sprintf("rank-%05d.bin", r) }
+
+// formatSaveID writes a save's identity as it is stored.
+func formatSaveID(id uint64) string { return fmt.Sprintf("%012x", id) }
+
+// validSaveID reports whether s is a save's identity as formatSaveID
+// writes it.
+func validSaveID(s string) bool {
+	if len(s) != 12 {
+		return false
+	}
+	_, err := strconv.ParseUint(s, 16, 48)
+	return err == nil && strings.ToLower(s) == s
 }

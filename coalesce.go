@@ -2,16 +2,16 @@ package zero
 
 // Coalesced windows and NoSync: several backwards, then one reduction per
 // bucket instead of one per backward. Inside a window the buckets run in
-// the pipeline's local mode (sums at full size, as ZeRO-1's), so the
+// the pipeline's deferred mode (sums at full size, as ZeRO-1's), so the
 // arithmetic is ZeRO-1's: a local sum, then one reduction. With
-// Window.BudgetBytes, only the buckets backward produces last are local,
+// Window.BudgetBytes, only the buckets backward produces last are deferred,
 // as many as fit; the others stay streamed.
 
 // window is the window the engine is in.
 type window struct {
 	pl        *pipeline
 	plan      *Plan
-	budget    int64 // Window.BudgetBytes (0: every bucket is local)
+	budget    int64 // Window.BudgetBytes (0: every bucket is deferred)
 	active    bool  // inside BeginCoalesce/EndCoalesce
 	noSync    bool  // inside BeginNoSync/EndNoSync
 	flushNext bool  // NoSync ended: the next backward reduces (DDP's rule)
@@ -28,17 +28,23 @@ func newWindow(pl *pipeline, plan *Plan, cfg WindowPolicy) window {
 // SetBoundary wait for its end.
 func (w *window) open() bool { return w.active || w.noSync }
 
-// localInWindow picks the buckets a window makes local: from the last
-// produced (the highest index) down, while their sums (localSum: in the
-// window's dtype, ZeRO-1's own fp32 ones unpadded) fit the budget (0: every
-// bucket). The plan is the same on every rank, so the choice is too.
+// localInWindow picks the buckets a window defers (windowLocal).
 func (w *window) localInWindow() []bool {
-	inWindow := make([]bool, len(w.plan.Buckets))
+	return windowLocal(w.plan, w.budget, w.pl.localSumOf)
+}
+
+// windowLocal picks the buckets a window defers: from the last
+// produced (the highest index) down, while their sums (sum: localSum, in
+// the window's dtype, ZeRO-1's own fp32 ones unpadded) fit the budget (0:
+// every bucket). The plan is the same on every rank, so the choice is too.
+// The estimator asks it before a pipeline exists.
+func windowLocal(plan *Plan, budget int64, sum func(b int) (int, DType)) []bool {
+	inWindow := make([]bool, len(plan.Buckets))
 	used := int64(0)
 	for b := len(inWindow) - 1; b >= 0; b-- {
-		n, dt := w.pl.localSumOf(b)
+		n, dt := sum(b)
 		size := int64(n * dt.Size())
-		if w.budget > 0 && used+size > w.budget {
+		if budget > 0 && used+size > budget {
 			break
 		}
 		used += size
@@ -47,7 +53,7 @@ func (w *window) localInWindow() []bool {
 	return inWindow
 }
 
-// setModes makes the window's buckets local, or (off) restores every
+// setModes makes the window's buckets deferred, or (off) restores every
 // bucket's own mode.
 func (w *window) setModes(on bool) {
 	var inWindow []bool
@@ -57,7 +63,7 @@ func (w *window) setModes(on bool) {
 	for b := range w.plan.Buckets {
 		mode := w.pl.stageMode(b)
 		if on && inWindow[b] {
-			mode = local
+			mode = deferred
 		}
 		w.pl.setMode(b, mode)
 	}
@@ -109,7 +115,7 @@ func (w *window) begin(noSync bool) {
 	w.active, w.noSync = !noSync, noSync
 }
 
-// endCoalesce reduces each local bucket once, on rs, and restores the
+// endCoalesce reduces each deferred bucket once, on rs, and restores the
 // modes.
 func (w *window) endCoalesce(rs Stream) error {
 	w.resident, w.inUse = w.pl.residentBytes()

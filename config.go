@@ -118,8 +118,9 @@ type scheduleChecker interface {
 // WindowPolicy is the coalesced window and NoSync.
 type WindowPolicy struct {
 	// BudgetBytes caps the local sums of a coalesced window or NoSync (0:
-	// every bucket is local): only the buckets that backward produces last
-	// are local, as many as fit; the others are reduced every backward.
+	// every bucket is deferred): only the buckets that backward produces
+	// last are deferred (summed locally, reduced once), as many as fit; the
+	// others are reduced every backward.
 	BudgetBytes int `zero:"reshard"`
 	// DType is the dtype of the local sums, a window's and ZeRO-1's own:
 	// FP32 (default) or the model dtype, half the memory for bf16 and fp16,

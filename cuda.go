@@ -684,7 +684,7 @@ func (d *cudaDevice) kernels() ([]kernelInfo, error) {
 // it before they return, and a gradient's path allocates nothing.
 var segScratch = sync.Pool{New: func() any { return new([]segment) }}
 
-func (d *cudaDevice) cSegments(op string, segs []Segment, buf *[]segment) ([]segment, DType, error) {
+func (d *cudaDevice) cSegments(op string, segs []flatPiece, buf *[]segment) ([]segment, DType, error) {
 	src := segs[0].Src.dtype
 	if cap(*buf) < len(segs) {
 		*buf = make([]segment, len(segs))
@@ -711,7 +711,7 @@ var (
 	_ [C.sizeof_zc_seg - unsafe.Sizeof(segment{})]byte
 )
 
-func (d *cudaDevice) flatten(s Stream, dst Tensor, segs []Segment, scale float32) error {
+func (d *cudaDevice) flatten(s Stream, dst Tensor, segs []flatPiece, scale float32) error {
 	if len(segs) == 0 {
 		return nil
 	}
@@ -736,7 +736,7 @@ func (d *cudaDevice) flatten(s Stream, dst Tensor, segs []Segment, scale float32
 	return d.err("flatten", code)
 }
 
-func (d *cudaDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool, scale float32, flag Tensor) error {
+func (d *cudaDevice) accumulate(s Stream, acc Tensor, segs []flatPiece, first bool, scale float32, flag Tensor) error {
 	if len(segs) == 0 {
 		return nil
 	}
@@ -802,7 +802,7 @@ func (d *cudaDevice) optimize(s Stream, kind optKind, b optTensors, ranges []opt
 	return d.err("optimize", code)
 }
 
-func (d *cudaDevice) unflatten(s Stream, flat Tensor, segs []Segment) error {
+func (d *cudaDevice) unflatten(s Stream, flat Tensor, segs []flatPiece) error {
 	if len(segs) == 0 {
 		return nil
 	}
@@ -939,7 +939,7 @@ func checkSums(op string, sums Tensor, n int) error {
 // [k·normChunk, (k+1)·normChunk)) into the float64 at parts' words 2k, 2k+1:
 // block k of the launch sums what it stored, read back from L2. The bits are
 // chunkSquares' for the same values.
-func (d *cudaDevice) accumulateSquares(s Stream, acc Tensor, seg Segment, first bool, scale float32, flag, parts Tensor) error {
+func (d *cudaDevice) accumulateSquares(s Stream, acc Tensor, seg flatPiece, first bool, scale float32, flag, parts Tensor) error {
 	const op = "accumulateSquares"
 	cs, err := d.streamOf(s)
 	if err != nil {

@@ -98,11 +98,11 @@ func BenchmarkCUDAKernelBandwidth(b *testing.B) {
 		}
 		return d.copy(s, Float32s(host), outs) // pageable: done when it returns
 	}
-	segs := func(src Tensor, parts int) []Segment {
-		out := make([]Segment, parts)
+	segs := func(src Tensor, parts int) []flatPiece {
+		out := make([]flatPiece, parts)
 		per := src.count / parts
 		for i := range out {
-			out[i] = Segment{Src: src.slice(i*per, per), Offset: i * per}
+			out[i] = flatPiece{Src: src.slice(i*per, per), Offset: i * per}
 		}
 		return out
 	}
@@ -115,24 +115,24 @@ func BenchmarkCUDAKernelBandwidth(b *testing.B) {
 		{"flatten_bf16_to_f32", 6 * n, func() error { return d.flatten(s, f32[0], segs(bf[0], 8), 1) }},
 		{"cast_f32_to_bf16", 6 * n, func() error { return d.cast(s, bf[0], f32[0], 1) }},
 		{"accumulate_bf16_add", 10 * n, func() error {
-			return d.accumulate(s, f32[0], []Segment{{Src: bf[0]}}, false, 0.25, flag)
+			return d.accumulate(s, f32[0], []flatPiece{{Src: bf[0]}}, false, 0.25, flag)
 		}},
 		// the landing of a step's last reduction with its squares: the same
 		// bytes from memory (the squares are read back from L2)
 		{"accumulate_bf16_add_squares", 10 * n, func() error {
-			return d.accumulateSquares(s, f32[0], Segment{Src: bf[0]}, false, 0.25, flag, parts)
+			return d.accumulateSquares(s, f32[0], flatPiece{Src: bf[0]}, false, 0.25, flag, parts)
 		}},
 		{"accumulate_f32_add", 12 * n, func() error {
-			return d.accumulate(s, f32[0], []Segment{{Src: f32[1]}}, false, 0.25, flag)
+			return d.accumulate(s, f32[0], []flatPiece{{Src: f32[1]}}, false, 0.25, flag)
 		}},
 		{"accumulate_f32_add_squares", 12 * n, func() error {
-			return d.accumulateSquares(s, f32[0], Segment{Src: f32[1]}, false, 0.25, flag, parts)
+			return d.accumulateSquares(s, f32[0], flatPiece{Src: f32[1]}, false, 0.25, flag, parts)
 		}},
 		{"accumulate_bf16_into_bf16_add", 6 * n, func() error {
-			return d.accumulate(s, bf[1], []Segment{{Src: bf[0]}}, false, 0.25, flag)
+			return d.accumulate(s, bf[1], []flatPiece{{Src: bf[0]}}, false, 0.25, flag)
 		}},
 		{"accumulate_f32_copy", 8 * n, func() error {
-			return d.accumulate(s, f32[0], []Segment{{Src: f32[1]}}, true, 0.25, flag)
+			return d.accumulate(s, f32[0], []flatPiece{{Src: f32[1]}}, true, 0.25, flag)
 		}},
 		// AdamW reads p, g, m, v and writes p, m, v and the bf16 copy
 		{"adamw_f32_bf16out", 30 * n, func() error {

@@ -115,7 +115,7 @@ func download(t testing.TB, d *cudaDevice, s Stream, x Tensor) *gbuf {
 type gpuLayout struct {
 	host  []*gbuf
 	hsegs []segment
-	dsegs []Segment
+	dsegs []flatPiece
 	total int
 }
 
@@ -139,7 +139,7 @@ func makeGPULayout(t testing.TB, rng *rand.Rand, d *cudaDevice, s Stream, dt DTy
 		dev := upload(t, d, s, b, pad)
 		l.host = append(l.host, b)
 		l.hsegs = append(l.hsegs, segment{ptr: b.t().ptr, count: int64(n), offset: int64(off)})
-		l.dsegs = append(l.dsegs, Segment{Src: dev, Offset: off})
+		l.dsegs = append(l.dsegs, flatPiece{Src: dev, Offset: off})
 		off += n + rng.IntN(2)*rng.IntN(40)
 	}
 	l.total = off + 8
@@ -254,7 +254,7 @@ func TestCUDAKernelsAccumulate16Overflow(t *testing.T) {
 			init.set(n-1, 65504)
 			flag := newGBuf(FP32, 1)
 			dsrc, acc, dflag := upload(t, d, s, src, 0), upload(t, d, s, init, 0), upload(t, d, s, flag, 0)
-			if err := d.accumulate(s, acc, []Segment{{Src: dsrc}}, false, 1, dflag); err != nil {
+			if err := d.accumulate(s, acc, []flatPiece{{Src: dsrc}}, false, 1, dflag); err != nil {
 				t.Fatal(err)
 			}
 			got, gf := download(t, d, s, acc), download(t, d, s, dflag)
@@ -460,7 +460,7 @@ func TestCUDAKernelsAccumulateSquares(t *testing.T) {
 			for _, st := range allDTypes {
 				src := newGBuf(st, n)
 				src.fill(rng, false)
-				seg := Segment{Src: upload(t, d, s, src, pad), Offset: off}
+				seg := flatPiece{Src: upload(t, d, s, src, pad), Offset: off}
 				chunks := chunksOf(n)
 				for _, at := range allDTypes {
 					for _, first := range []bool{true, false} {
@@ -474,7 +474,7 @@ func TestCUDAKernelsAccumulateSquares(t *testing.T) {
 							if err := d.zero(s, flags); err != nil {
 								t.Fatal(err)
 							}
-							if err := d.accumulate(s, plain, []Segment{seg}, first, scale, flags.slice(0, 1)); err != nil {
+							if err := d.accumulate(s, plain, []flatPiece{seg}, first, scale, flags.slice(0, 1)); err != nil {
 								t.Fatal(err)
 							}
 							if err := d.accumulateSquares(s, with, seg, first, scale, flags.slice(1, 1), parts); err != nil {
@@ -661,7 +661,7 @@ func TestCUDAKernelsSquaresRefuseBadInput(t *testing.T) {
 	half := upload(t, d, s, newGBuf(BF16, 8), 0)
 	badX := x
 	badX.dtype = DType(77)
-	seg := Segment{Src: x}
+	seg := flatPiece{Src: x}
 	host := Float32s(make([]float32, 8))
 	for _, c := range []struct {
 		name string
@@ -671,9 +671,9 @@ func TestCUDAKernelsSquaresRefuseBadInput(t *testing.T) {
 		{"accumulateSquares, parts for 2 of 3 chunks", d.accumulateSquares(s, acc, seg, true, 1, Tensor{}, short), ErrGradSize},
 		{"accumulateSquares, parts not 8-byte aligned", d.accumulateSquares(s, acc, seg, true, 1, Tensor{}, odd), ErrGradSize},
 		{"accumulateSquares, bf16 parts", d.accumulateSquares(s, acc, seg, true, 1, Tensor{}, half), ErrGradSize},
-		{"accumulateSquares, a segment past the accumulator", d.accumulateSquares(s, acc, Segment{Src: x, Offset: 1}, true, 1, Tensor{}, parts), ErrGradSize},
+		{"accumulateSquares, a segment past the accumulator", d.accumulateSquares(s, acc, flatPiece{Src: x, Offset: 1}, true, 1, Tensor{}, parts), ErrGradSize},
 		{"accumulateSquares, a bf16 flag", d.accumulateSquares(s, acc, seg, true, 1, half.slice(0, 1), parts), ErrDType},
-		{"accumulateSquares, a dtype out of range", d.accumulateSquares(s, acc, Segment{Src: badX}, true, 1, Tensor{}, parts), ErrDType},
+		{"accumulateSquares, a dtype out of range", d.accumulateSquares(s, acc, flatPiece{Src: badX}, true, 1, Tensor{}, parts), ErrDType},
 		{"accumulateSquares, parts in a Go slice", d.accumulateSquares(s, acc, seg, true, 1, Tensor{}, host), ErrStream},
 		{"chunkSquares, parts for 2 of 3 chunks", d.chunkSquares(s, x, short), ErrGradSize},
 		{"chunkSquares, parts not 8-byte aligned", d.chunkSquares(s, x, odd), ErrGradSize},
@@ -704,10 +704,10 @@ func TestCUDAKernelsRefuseHostSlices(t *testing.T) {
 	x := make([]float32, 16)
 	dev, _ := d.Alloc(16, FP32)
 	defer d.Free(dev)
-	if err := d.flatten(s, dev, []Segment{{Src: Float32s(x)}}, 1); !errors.Is(err, ErrStream) {
+	if err := d.flatten(s, dev, []flatPiece{{Src: Float32s(x)}}, 1); !errors.Is(err, ErrStream) {
 		t.Errorf("flatten from a Go slice: %v", err)
 	}
-	if err := d.accumulate(s, Float32s(x), []Segment{{Src: dev}}, true, 1, Tensor{}); !errors.Is(err, ErrStream) {
+	if err := d.accumulate(s, Float32s(x), []flatPiece{{Src: dev}}, true, 1, Tensor{}); !errors.Is(err, ErrStream) {
 		t.Errorf("accumulate into a Go slice: %v", err)
 	}
 	if err := d.cast(s, Float32s(x), dev, 1); !errors.Is(err, ErrStream) {
@@ -716,7 +716,7 @@ func TestCUDAKernelsRefuseHostSlices(t *testing.T) {
 	if err := d.copy(s, Float32s(x), dev); err != nil {
 		t.Errorf("copy to a Go slice is allowed: %v", err)
 	}
-	if err := d.flatten(NewHostStream(), dev, []Segment{{Src: dev}}, 1); !errors.Is(err, ErrStream) {
+	if err := d.flatten(NewHostStream(), dev, []flatPiece{{Src: dev}}, 1); !errors.Is(err, ErrStream) {
 		t.Errorf("a host stream on the CUDA device: %v", err)
 	}
 	if err := s.Sync(); err != nil {
@@ -1053,7 +1053,7 @@ func TestCUDAGroupPeerFails(t *testing.T) {
 		}
 		return c.AllReduce(s, buf, OpSum)
 	})
-	if !errors.Is(errs[0], ErrMismatch) && !errors.Is(errs[1], ErrMismatch) {
+	if !errors.Is(errs[0], ErrCollectiveMismatch) && !errors.Is(errs[1], ErrCollectiveMismatch) {
 		t.Fatalf("mismatched collectives: %v", errs)
 	}
 }
@@ -1371,7 +1371,7 @@ func gpuSameBits(a, b *gbuf) bool {
 func flattenBatch(t *testing.T, d *cudaDevice, s Stream, nseg int, base float32) func() {
 	t.Helper()
 	up := gpuStream(t, d)
-	segs := make([]Segment, nseg)
+	segs := make([]flatPiece, nseg)
 	want := make([]float32, nseg*8)
 	for k := range nseg {
 		g := newGBuf(FP32, 8)
@@ -1379,7 +1379,7 @@ func flattenBatch(t *testing.T, d *cudaDevice, s Stream, nseg int, base float32)
 			g.f[i] = base + float32(k*8+i)
 			want[k*8+i] = g.f[i]
 		}
-		segs[k] = Segment{Src: upload(t, d, up, g, 0), Offset: k * 8}
+		segs[k] = flatPiece{Src: upload(t, d, up, g, 0), Offset: k * 8}
 	}
 	if err := up.Sync(); err != nil {
 		t.Fatal(err)
@@ -1480,9 +1480,9 @@ func TestCUDARingWrapsBehindAHeldLaunch(t *testing.T) {
 		if err := up.Sync(); err != nil {
 			t.Fatal(err)
 		}
-		segs := make([]Segment, nseg)
+		segs := make([]flatPiece, nseg)
 		for k := range segs { // each segment's 8 elements land reversed in order of segments
-			segs[k] = Segment{Src: dsrc.slice(k*8, 8), Offset: (nseg - 1 - k) * 8}
+			segs[k] = flatPiece{Src: dsrc.slice(k*8, 8), Offset: (nseg - 1 - k) * 8}
 		}
 		dst, err := d.Alloc(nseg*8, FP32)
 		if err != nil {

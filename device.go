@@ -31,8 +31,8 @@ type Device interface {
 	// The kernels below enqueue on s and return at once.
 	zero(s Stream, t Tensor) error
 	copy(s Stream, dst, src Tensor) error
-	flatten(s Stream, dst Tensor, segs []Segment, scale float32) error
-	accumulate(s Stream, acc Tensor, segs []Segment, first bool, scale float32, flag Tensor) error
+	flatten(s Stream, dst Tensor, segs []flatPiece, scale float32) error
+	accumulate(s Stream, acc Tensor, segs []flatPiece, first bool, scale float32, flag Tensor) error
 	cast(s Stream, dst, src Tensor, scale float32) error
 	// copyScaled copies fp32 elements between host memory (a Go slice)
 	// and the device's, times scale; the copy is done when s syncs.
@@ -41,7 +41,7 @@ type Device interface {
 	// writes the sum of squares of the values it stored, per chunk of
 	// normChunk elements from seg.Offset, into parts (see checkParts):
 	// what chunkSquares gives afterwards, bit for bit.
-	accumulateSquares(s Stream, acc Tensor, seg Segment, first bool, scale float32, flag, parts Tensor) error
+	accumulateSquares(s Stream, acc Tensor, seg flatPiece, first bool, scale float32, flag, parts Tensor) error
 	// chunkSquares writes the chunk sums of squares of x (any dtype, its
 	// values widened to fp32) into parts, chunk k from element k·normChunk.
 	chunkSquares(s Stream, x, parts Tensor) error
@@ -54,7 +54,7 @@ type Device interface {
 	optimize(s Stream, kind optKind, b optTensors, ranges []optRange, gscale float32) error
 	// unflatten copies flat buffer elements into the segments' memory:
 	// seg.Src[i] = flat[seg.Offset+i], in flat's dtype.
-	unflatten(s Stream, flat Tensor, segs []Segment) error
+	unflatten(s Stream, flat Tensor, segs []flatPiece) error
 }
 
 // GPUMemory is one GPU's memory as NVML reports it, in bytes (NVML is
@@ -81,11 +81,17 @@ func checkParts(op string, parts Tensor, n int) error {
 	return nil
 }
 
-// Segment places a source tensor at Offset elements into a flat buffer.
-type Segment struct {
+// flatPiece places a source tensor at Offset elements into a flat buffer.
+type flatPiece struct {
 	Src    Tensor // the elements to place
 	Offset int    // where the first one goes, in elements of the buffer
 }
+
+// Segment was a flatPiece, exported though no exported API takes one.
+//
+// Deprecated: nothing outside the package can use it; it goes at the next
+// release.
+type Segment = flatPiece
 
 // CPU returns the host device: buffers in RAM, kernels in host C, streams
 // run by goroutines.
@@ -207,7 +213,7 @@ func (h *hostDevice) copy(s Stream, dst, src Tensor) error {
 }
 
 // segmentsOf lays segs out as the kernels' descriptors.
-func segmentsOf(segs []Segment) []segment {
+func segmentsOf(segs []flatPiece) []segment {
 	out := make([]segment, len(segs))
 	for i, sg := range segs {
 		out[i] = segment{ptr: sg.Src.ptr, count: int64(sg.Src.count), offset: int64(sg.Offset)}
@@ -215,7 +221,7 @@ func segmentsOf(segs []Segment) []segment {
 	return out
 }
 
-func (h *hostDevice) flatten(s Stream, dst Tensor, segs []Segment, scale float32) error {
+func (h *hostDevice) flatten(s Stream, dst Tensor, segs []flatPiece, scale float32) error {
 	if len(segs) == 0 {
 		return nil
 	}
@@ -228,7 +234,7 @@ func (h *hostDevice) flatten(s Stream, dst Tensor, segs []Segment, scale float32
 	})
 }
 
-func (h *hostDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool, scale float32, flag Tensor) error {
+func (h *hostDevice) accumulate(s Stream, acc Tensor, segs []flatPiece, first bool, scale float32, flag Tensor) error {
 	if len(segs) == 0 {
 		return nil
 	}
@@ -263,7 +269,7 @@ func (h *hostDevice) copyScaled(s Stream, dst, src Tensor, scale float32) error 
 	return h.cast(s, dst, src, scale)
 }
 
-func (h *hostDevice) accumulateSquares(s Stream, acc Tensor, seg Segment, first bool, scale float32, flag, parts Tensor) error {
+func (h *hostDevice) accumulateSquares(s Stream, acc Tensor, seg flatPiece, first bool, scale float32, flag, parts Tensor) error {
 	if !acc.dtype.valid() || (flag.ptr != 0 && flag.dtype != FP32) {
 		return errorf(ErrDType, "accumulateSquares into %v with a %v flag; use an fp32, bf16 or fp16 accumulator and an fp32 flag",
 			acc.dtype, flag.dtype)
@@ -274,7 +280,7 @@ func (h *hostDevice) accumulateSquares(s Stream, acc Tensor, seg Segment, first 
 	if err := checkParts("accumulateSquares", parts, chunksOf(seg.Src.count)); err != nil {
 		return err
 	}
-	cs := segmentsOf([]Segment{seg})[0]
+	cs := segmentsOf([]flatPiece{seg})[0]
 	return h.launch(s, func() error {
 		accumulateSquaresHost(acc.ptr, acc.dtype, cs, seg.Src.dtype, first, scale, flag.ptr, parts.ptr)
 		keepAlive(acc, seg.Src, flag, parts)
@@ -349,7 +355,7 @@ func (h *hostDevice) optimize(s Stream, kind optKind, b optTensors, ranges []opt
 	})
 }
 
-func (h *hostDevice) unflatten(s Stream, flat Tensor, segs []Segment) error {
+func (h *hostDevice) unflatten(s Stream, flat Tensor, segs []flatPiece) error {
 	if len(segs) == 0 {
 		return nil
 	}
@@ -375,7 +381,7 @@ func keepAlive(ts ...Tensor) {
 	}
 }
 
-func keepAliveSegments(segs []Segment) {
+func keepAliveSegments(segs []flatPiece) {
 	for _, sg := range segs {
 		runtime.KeepAlive(sg.Src.keep)
 	}

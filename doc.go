@@ -56,7 +56,7 @@
 //
 //   - Estimate says, before anything is allocated, what one rank of such an
 //     engine holds at its peak (device and page-locked host bytes by kind)
-//     and what one step moves, from the engine's own plan; Transformer and
+//     and what one step moves, from the engine's own plan; TransformerShape and
 //     CountParams make the parameter lists of a 7B or 70B model.
 //
 //   - Save and Load checkpoint the training state (master, moments, step
@@ -67,7 +67,7 @@
 //     ImportSafetensors starts a model from one, sharded at stage 3.
 //
 // Each rank's Engine is driven from one goroutine. Errors are typed
-// (errors.Is with ErrProtocol, ErrMismatch, …) and say what to change.
+// (errors.Is with ErrProtocol, ErrCollectiveMismatch, …) and say what to change.
 package zero
 
 // Version is this copy's release, the newest released section of

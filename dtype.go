@@ -180,3 +180,11 @@ func (t Tensor) hostFloats() []float32 {
 	}
 	return unsafe.Slice((*float32)(*(*unsafe.Pointer)(unsafe.Pointer(&t.ptr))), t.count)
 }
+
+// hostTensor views b as a host tensor of dtype dt.
+func hostTensor(b []byte, dt DType) Tensor {
+	if len(b) == 0 {
+		return Tensor{dtype: dt}
+	}
+	return Tensor{ptr: uintptr(unsafe.Pointer(&b[0])), count: len(b) / dt.Size(), dtype: dt, keep: b}
+}

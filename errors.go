@@ -20,13 +20,21 @@ var (
 	ErrStream        = errors.New("zero: unusable stream")
 	// ErrCollective marks a fatal failure: a collective, a device operation
 	// or a peer failed while the engine worked, and the engine cannot go
-	// on. The error also wraps its cause (ErrTimeout, ErrMismatch,
+	// on. The error also wraps its cause (ErrTimeout, ErrCollectiveMismatch,
 	// ErrPeerFailed, ErrCUDA, a caller's own error, …), which errors.Is
 	// finds too.
-	ErrCollective  = errors.New("zero: the engine failed")
-	ErrTimeout     = errors.New("zero: collective timed out")
-	ErrPeerFailed  = errors.New("zero: a peer rank failed or left")
-	ErrMismatch    = errors.New("zero: ranks called different collectives")
+	ErrCollective = errors.New("zero: the engine failed")
+	ErrTimeout    = errors.New("zero: collective timed out")
+	ErrPeerFailed = errors.New("zero: a peer rank failed or left")
+	// ErrCollectiveMismatch: ranks called different collectives, or the
+	// same ones with different sizes, dtypes or counts of backwards.
+	ErrCollectiveMismatch = errors.New("zero: ranks called different collectives")
+	// ErrMismatch is the old name of ErrCollectiveMismatch, the same value.
+	//
+	// Deprecated: use ErrCollectiveMismatch (ErrPlanMismatch is the
+	// other mismatch: plans or settings); ErrMismatch goes at the next
+	// release.
+	ErrMismatch    = ErrCollectiveMismatch
 	ErrClosed      = errors.New("zero: engine or communicator is closed")
 	ErrAborted     = errors.New("zero: aborted")
 	ErrOutOfMemory = errors.New("zero: out of memory")

@@ -130,7 +130,7 @@ var errorTable = []errorRow{
 		})
 		everyRankIs(t, "Clip differs", errs, ErrPlanMismatch)
 	}},
-	{"`ErrMismatch`", func(t *testing.T) {
+	{"`ErrCollectiveMismatch`", func(t *testing.T) {
 		var refused [2]error
 		errs := twoRanks(5*time.Second, Config{Stage: 1, BucketBytes: 1024}, func(e *Engine, s *HostStream) error {
 			for range 2 - e.Rank() {
@@ -146,10 +146,10 @@ var errorTable = []errorRow{
 			}
 			return e.Step()
 		})
-		everyRankIs(t, "stage 1, 2 and 1 backwards", refused[:], ErrMismatch)
+		everyRankIs(t, "stage 1, 2 and 1 backwards", refused[:], ErrCollectiveMismatch)
 		everyRankIs(t, "then 2 and 2", errs, nil)
 	}},
-	{"`ErrCollective` + `ErrMismatch`", func(t *testing.T) {
+	{"`ErrCollective` + `ErrCollectiveMismatch`", func(t *testing.T) {
 		errs := twoRanks(5*time.Second, Config{Stage: 2, BucketBytes: 1024}, func(e *Engine, s *HostStream) error {
 			var err error
 			for range 2 - e.Rank() {
@@ -160,8 +160,8 @@ var errorTable = []errorRow{
 			if err == nil {
 				err = e.Step()
 			}
-			want(t, fmt.Sprintf("rank %d", e.Rank()), err, ErrCollective, ErrMismatch)
-			fatalAfter(t, e, ErrMismatch)
+			want(t, fmt.Sprintf("rank %d", e.Rank()), err, ErrCollective, ErrCollectiveMismatch)
+			fatalAfter(t, e, ErrCollectiveMismatch)
 			return nil
 		})
 		everyRankIs(t, "stage 2, 2 and 1 backwards", errs, nil)

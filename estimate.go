@@ -8,13 +8,13 @@ import (
 // The estimator: what one rank of an engine will hold and move, from the
 // parameters, the Config and the world size, before any memory exists. It
 // builds the engine's own plan (newPlan) and the window's own choice of
-// local buckets, and applies the allocation rules of the components to
+// deferred buckets, and applies the allocation rules of the components to
 // them; estimate_test.go holds it to the bytes a counting device really
 // sees. Nothing is allocated: a 70B model estimates in half a millisecond.
 
-// Run is how the engine will be driven, where memory or traffic depend on
-// it.
-type Run struct {
+// Workload is how the engine will be driven, where memory or traffic
+// depend on it: the estimator's input beside the parameters and the Config.
+type Workload struct {
 	// Backwards is the number of backwards per Step (0: 1).
 	Backwards int
 	// Window: every step's backwards run in a Coalesce window (or NoSync),
@@ -26,6 +26,11 @@ type Run struct {
 	Gathers [][]int
 }
 
+// Run is the old name of Workload.
+//
+// Deprecated: use Workload; Run goes at the next release.
+type Run = Workload
+
 // Estimation is one rank's memory at its peak and one step's collectives.
 // Its memory categories add up to the fields Stats reports (Stats gives
 // them in those words).
@@ -34,7 +39,7 @@ type Estimation struct {
 	Device DeviceBytes // device memory by kind
 	Host   HostBytes   // page-locked host memory (Offload.Optimizer, Offload.Params)
 	// Wire is one step's collectives as Stats.Collectives counts them
-	// (ring model). At stage 3 each set of Run.Gathers gathers its buckets
+	// (ring model). At stage 3 each set of Workload.Gathers gathers its buckets
 	// for the forward and again for the backward of each backward: exact
 	// without prefetch; with it an upper bound, since a bucket the prefetch
 	// keeps gathered from one ask to the next is not gathered again.
@@ -43,73 +48,10 @@ type Estimation struct {
 	window bool
 }
 
-// DeviceBytes is one rank's device memory by kind. FrameworkParams is the
-// framework's own; every other field is memory the engine allocates, and
-// counts in one field of Stats: GradShard, Staging, LocalSums and
-// WindowSums in PeakGradBytes; GradScratch, Master, OptimizerState,
-// NewParams and ParamGather in OptimizerBytes; Control in ControlBytes;
-// ParamShard and Gathered in PeakParamBytes.
-type DeviceBytes struct {
-	// FrameworkParams are the framework's model-dtype parameters: all of
-	// them at stages 1 and 2 (the engine writes into them), the frozen ones
-	// at stage 3 (the others may be freed after New).
-	FrameworkParams int64
-	ParamShard      int64 // stage 3: this rank's shard of the parameters, model dtype (on the host with Offload.Params)
-	Gathered        int64 // stage 3: gather buffers (a set held, and the prefetch within its budgets)
-	GradShard       int64 // the reduced gradient shard, in Precision.ShardDType
-	GradScratch     int64 // fp32, the largest bucket shard: the optimizer reads a 16-bit shard widened through it
-	Staging         int64 // staging buffers, comm dtype, one largest bucket each
-	LocalSums       int64 // ZeRO-1's local sums: fp32, every bucket's elements, or padded in a 16-bit Window.DType
-	WindowSums      int64 // a window's sums in Window.DType, the buckets it makes local
-	Master          int64 // fp32 master weights
-	OptimizerState  int64 // AdamW's m and v (and amsgrad's maximum), SGD's momentum
-	NewParams       int64 // stages 1-2: the model-dtype shard of the new parameters
-	ParamGather     int64 // stages 1-2: the bucket buffer the new parameters are all-gathered in
-	Control         int64 // the overflow flag, Step's check, the norm's chunk sums and its all-gather
-}
-
-// HostBytes is an offloading rank's page-locked host memory by kind: all of
-// it in Stats.HostBytes, GradShard and Landing in Stats.HostGradBytes,
-// ParamShard in Stats.HostParamBytes.
-type HostBytes struct {
-	ParamShard     int64 // Offload.Params: stage 3's shard of the parameters, model dtype
-	GradShard      int64 // the gradient shard, in Precision.ShardDType
-	GradScratch    int64 // fp32, the largest bucket shard: the optimizer reads a 16-bit shard widened through it
-	Landing        int64 // buffers the reduced parts land in, comm dtype
-	Master         int64 // fp32 master weights
-	OptimizerState int64 // as DeviceBytes.OptimizerState
-	NewParams      int64 // the host's model-dtype copy of the new parameters (none with Offload.Params: the step writes ParamShard)
-	Control        int64 // the overflow flag and the norm's chunk sums
-}
-
-// Engine is the device memory the engine allocates: all but the
-// framework's parameters.
-func (d DeviceBytes) Engine() int64 { return d.Total() - d.FrameworkParams }
-
-// Total is the engine's device memory and the framework's parameters.
-func (d DeviceBytes) Total() int64 { return d.ModelStates() + d.Buffers() }
-
-// ModelStates is what the ZeRO paper counts: parameters (the framework's
-// and the stage-3 shard), gradients (the shard and the local sums) and
-// optimizer state (master, moments, the new parameters' shard).
-func (d DeviceBytes) ModelStates() int64 {
-	return d.FrameworkParams + d.ParamShard + d.GradShard + d.LocalSums + d.WindowSums + d.Master + d.OptimizerState + d.NewParams
-}
-
-// Buffers is the rest: the working buffers of one or a few buckets.
-func (d DeviceBytes) Buffers() int64 {
-	return d.Gathered + d.GradScratch + d.Staging + d.ParamGather + d.Control
-}
-
-// Total is the engine's host memory.
-func (h HostBytes) Total() int64 {
-	return h.ParamShard + h.GradShard + h.GradScratch + h.Landing + h.Master + h.OptimizerState + h.NewParams + h.Control
-}
-
 // Stats is the estimate in the words of the Stats a Step of the run
 // reports on this rank: the memory fields PeakGradBytes,
 // ResidentGradBytes, PooledGradBytes, GradBytesInUse, WindowResidentBytes
-// (with Run.Window), OptimizerBytes, ControlBytes, ParamShardBytes,
+// (with Workload.Window), OptimizerBytes, ControlBytes, ParamShardBytes,
 // PeakParamBytes, HostBytes, HostGradBytes, HostParamBytes and
 // DeviceBytesSaved, each
 // equal to the engine's once its pools hold what the run needs (from its
@@ -142,12 +84,12 @@ func (e Estimation) Stats() Stats {
 // Init): with an optimizer the estimate assumes they have it, as New
 // requires. The engine's pools can grow past it where buckets complete out
 // of order (more staging buffers, Stats.StagingBuffers shows it).
-func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error) {
+func Estimate(params []Param, cfg Config, world int, run Workload) (Estimation, error) {
 	if world < 1 {
 		return Estimation{}, errorf(ErrConfig, "Estimate: world size %d; a group needs at least one rank", world)
 	}
 	if run.Backwards < 0 {
-		return Estimation{}, errorf(ErrConfig, "Estimate: Run.Backwards %d; give 1 or more, or 0 for 1", run.Backwards)
+		return Estimation{}, errorf(ErrConfig, "Estimate: Workload.Backwards %d; give 1 or more, or 0 for 1", run.Backwards)
 	}
 	model, err := resolveForEstimate(&cfg, params)
 	if err != nil {
@@ -156,131 +98,55 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 	for i, set := range run.Gathers {
 		for _, p := range set {
 			if p < 0 || p >= len(params) {
-				return Estimation{}, errorf(ErrParam, "Estimate: Run.Gathers[%d] names parameter %d; registered parameters are 0..%d", i, p, len(params)-1)
+				return Estimation{}, errorf(ErrParam, "Estimate: Workload.Gathers[%d] names parameter %d; registered parameters are 0..%d", i, p, len(params)-1)
 			}
 		}
 	}
 	plan := newPlan(params, cfg.BucketBytes, world, cfg.Align)
 	est := Estimation{Plan: plan, window: run.Window}
-	d, h := &est.Device, &est.Host
-
 	msize, comm, sdt := int64(model.Size()), int64(cfg.Precision.CommDType.Size()), cfg.Precision.ShardDType
-	shard, maxB, maxS := int64(plan.ShardElems), int64(plan.MaxBucket()), int64(maxShardElems(plan))
 	optimizer := len(cfg.Optimizer.Groups) > 0
 	stage3 := cfg.Stage == 3 && (optimizer || hasParamMemory(params))
 	offload := cfg.Offload.Optimizer
 	paramsOnHost := stage3 && cfg.Offload.Params
 
+	// Each component says what it allocates, from the same settings New
+	// hands it; the estimate adds them up.
+	d, h := &est.Device, &est.Host
 	for _, p := range params {
 		if !stage3 || p.Frozen {
 			d.FrameworkParams += int64(p.Count) * msize
 		}
 	}
-
-	// The pipeline: the shard and its sink, the staging pool, the local sums.
 	if offload {
-		h.GradShard, h.Control = shard*int64(sdt.Size()), 4
-		h.Landing = int64(cfg.StagingBuffers) * maxS * comm
-		if sdt != FP32 {
-			h.GradScratch = maxS * 4
-		}
+		*h = h.plus(offloadSize(plan, cfg.Precision.CommDType, sdt, cfg.StagingBuffers, optimizer))
 	} else {
-		// a 16-bit shard is summed into in its own dtype; the optimizer
-		// widens it bucket by bucket
-		d.GradShard, d.Control = shard*int64(sdt.Size()), 4
-		if sdt != FP32 && optimizer {
-			d.GradScratch = maxS * 4
-		}
+		*d = d.plus(deviceSinkSize(plan, sdt, optimizer))
 	}
-	d.Staging = int64(cfg.StagingBuffers) * maxB * comm
-	modes := make([]bucketMode, len(plan.Buckets))
-	for b := range modes {
-		modes[b] = stageModes[cfg.Stage]
-	}
-	spec := pipelineSpec{modes: modes, windowDType: cfg.Window.DType, commDType: cfg.Precision.CommDType,
+	modes := stageBucketModes(cfg.Stage, len(plan.Buckets))
+	spec := pipelineSpec{modes: modes, staging: cfg.StagingBuffers, windowDType: cfg.Window.DType, commDType: cfg.Precision.CommDType,
 		prescale: float32(1 / cfg.Grads.PredivideFactor)}
 	inForce := modes // the modes of the step's backwards
 	var inWindow []bool
 	if run.Window {
-		win := newWindow(&pipeline{spec: spec, plan: plan}, plan, cfg.Window)
-		inWindow = win.localInWindow()
+		inWindow = windowLocal(plan, int64(cfg.Window.BudgetBytes), func(b int) (int, DType) { return localSum(plan, spec, b) })
 		inForce = slices.Clone(modes)
 		for b, in := range inWindow {
 			if in {
-				inForce[b] = local
+				inForce[b] = deferred
 			}
 		}
 	}
-	// Local sums take memory of their own, except those the shard's
-	// memory hosts (a device shard in the comm dtype).
-	hosted := hostedSums(plan, spec, inForce, !offload && sdt == cfg.Precision.CommDType)
-	for b := range modes {
-		if inForce[b] != local || hosted[b] {
-			continue
-		}
-		n, dt := localSum(plan, spec, b) // 16-bit sums are added into in their dtype
-		if modes[b] == local {
-			d.LocalSums += int64(n * dt.Size())
-		} else {
-			d.WindowSums += int64(n * dt.Size())
-		}
-	}
-
-	// The optimizer: its state in its home, the new parameters' shard and
-	// the bucket buffer they are gathered in (or, at stage 3, the shard).
+	*d = d.plus(pipelineSize(plan, spec, inForce, !offload && sdt == cfg.Precision.CommDType))
 	if optimizer {
-		state := int64(0)
-		adamW, amsgrad, momentum := false, false, false
-		for _, g := range cfg.Optimizer.Groups {
-			switch o := g.(type) {
-			case AdamW:
-				adamW, amsgrad = true, amsgrad || o.AMSGrad
-			case SGD:
-				momentum = momentum || o.Momentum != 0
-			}
-		}
-		if adamW {
-			state = 2 * shard * 4
-		}
-		if amsgrad || momentum {
-			state += shard * 4
-		}
-		if offload {
-			h.Master, h.OptimizerState = shard*4, state
-			if shard > 0 && !paramsOnHost { // else the pass writes the host's parameter shard
-				h.NewParams = shard * msize
-			}
-		} else {
-			d.Master, d.OptimizerState = shard*4, state
-		}
-		if !stage3 {
-			d.NewParams = shard * msize
-			d.ParamGather = maxB * msize // loading uses it at New; the step's gathers reuse it
-		}
-		d.Control += normWords * int64(world) * 4
-		if offload {
-			h.Control += normSumsBytes(plan)
-		} else {
-			d.Control += normSumsBytes(plan)
-		}
+		od, oh := optimizerSize(plan, cfg.Optimizer.Groups, sdt, world, offload, stage3, paramsOnHost)
+		*d, *h = d.plus(od), h.plus(oh)
 	}
-	check := int64(2)
+	_, _, _, check := stepCheckLayout(len(params), stage3, optimizer)
+	*d = d.plus(stepCheckSize(len(params), stage3, optimizer))
 	if stage3 {
-		check++
-	}
-	if optimizer {
-		check += 2*digestWords + int64(len(params))
-	}
-	d.Control += check * 4
-
-	// Stage 3: the parameter shard and the gathers.
-	if stage3 {
-		if paramsOnHost {
-			h.ParamShard = shard * msize
-		} else {
-			d.ParamShard = shard * msize
-		}
-		d.Gathered = gatherBuffers(plan, params, cfg.Params, run.Gathers, maxB*msize) * maxB * msize
+		pd, ph := paramsSize(plan, params, cfg.Params, run.Gathers, paramsOnHost)
+		*d, *h = d.plus(pd), h.plus(ph)
 	}
 
 	// One step's collectives.
@@ -288,14 +154,14 @@ func Estimate(params []Param, cfg Config, world int, run Run) (Estimation, error
 	g := max(run.Backwards, 1)
 	for b, bp := range plan.Buckets {
 		n := g
-		if modes[b] == local || inWindow != nil && inWindow[b] {
+		if modes[b] == deferred || inWindow != nil && inWindow[b] {
 			n = 1
 		}
 		for range n {
 			w.add(KindReduceScatter, bp.Padded*int(comm), world)
 		}
 	}
-	w.add(KindAllReduce, int(check)*4, world)
+	w.add(KindAllReduce, check*4, world)
 	if optimizer {
 		w.add(KindAllGather, normWords*world*4, world)
 	}
@@ -334,34 +200,6 @@ func setBuckets(plan *Plan, params []Param, sets [][]int) []int {
 	return out
 }
 
-// gatherBuffers is how many gather buffers a stage-3 engine holds at its
-// peak: the most buckets one set of run's gathers spans, plus the buckets
-// the prefetch gathers ahead (PrefetchBytes' worth, at least one), within
-// LiveParamBytes, which caps the prefetch only. size is a buffer's bytes.
-func gatherBuffers(plan *Plan, params []Param, pp ParamPolicy, sets [][]int, size int64) int64 {
-	held := int64(1) // loading the shard at New takes one
-	if sets == nil {
-		sets = [][]int{{}}
-	}
-	for _, set := range sets {
-		seen := map[int]bool{}
-		for _, p := range set {
-			if b := plan.ParamBucket[p]; b >= 0 {
-				seen[b] = true
-			}
-		}
-		held = max(held, int64(len(seen)))
-	}
-	if pp.PrefetchBytes <= 0 || size == 0 {
-		return held
-	}
-	ahead := max(1, int64(pp.PrefetchBytes)/size)
-	if pp.LiveParamBytes > 0 {
-		ahead = max(0, min(ahead, int64(pp.LiveParamBytes)/size-held))
-	}
-	return held + ahead
-}
-
 // resolveForEstimate resolves cfg as New does, without asking for the
 // parameters' memory: the memory check runs on the parameters without it
 // and without the optimizer, and the optimizer's own check on all.
@@ -383,13 +221,14 @@ func resolveForEstimate(cfg *Config, params []Param) (DType, error) {
 	return model, nil
 }
 
-// Transformer is the shape of a Llama-like decoder: an embedding, Layers
+// TransformerShape is the shape of a Llama-like decoder (a shape, not a
+// model: it lists the parameters Estimate needs): an embedding, Layers
 // blocks of attention (q, k, v, o, with KVHeads key and value heads of
 // Hidden/Heads each) and a gated MLP (gate, up, down of FFN), an RMSNorm
 // before each, a final norm and an output head (unless TiedEmbeddings).
 // Llama-2 7B is {Hidden: 4096, Layers: 32, Vocab: 32000, FFN: 11008, Heads:
 // 32}: 6.74B parameters; 70B {8192, 80, 32000, 28672, 64, 8}: 68.98B.
-type Transformer struct {
+type TransformerShape struct {
 	Hidden         int  // the model width
 	Layers         int  // decoder blocks
 	Vocab          int  // tokens of the embedding and the head
@@ -399,21 +238,26 @@ type Transformer struct {
 	TiedEmbeddings bool // the output head is the embedding
 }
 
+// Transformer is the old name of TransformerShape.
+//
+// Deprecated: use TransformerShape; Transformer goes at the next release.
+type Transformer = TransformerShape
+
 // Params lists the decoder's parameters in registration order (the
 // forward's: embedding, blocks, final norm, head), named as Hugging Face
 // names Llama's, each of dtype dt.
-func (t Transformer) Params(dt DType) ([]Param, error) {
+func (t TransformerShape) Params(dt DType) ([]Param, error) {
 	kv := t.KVHeads
 	if kv == 0 {
 		kv = t.Heads
 	}
 	switch {
 	case t.Hidden < 1 || t.Layers < 0 || t.Vocab < 1 || t.FFN < 1 || t.Heads < 1:
-		return nil, errorf(ErrParam, "Transformer %+v: give Hidden, Vocab, FFN and Heads ≥ 1 and Layers ≥ 0", t)
+		return nil, errorf(ErrParam, "TransformerShape %+v: give Hidden, Vocab, FFN and Heads ≥ 1 and Layers ≥ 0", t)
 	case t.Hidden%t.Heads != 0 || kv < 1 || t.Heads%kv != 0:
-		return nil, errorf(ErrParam, "Transformer %+v: Heads must divide Hidden, and KVHeads Heads", t)
+		return nil, errorf(ErrParam, "TransformerShape %+v: Heads must divide Hidden, and KVHeads Heads", t)
 	case !dt.valid():
-		return nil, errorf(ErrDType, "Transformer.Params(%v); use FP32, BF16 or FP16", dt)
+		return nil, errorf(ErrDType, "TransformerShape.Params(%v); use FP32, BF16 or FP16", dt)
 	}
 	kvDim := t.Hidden / t.Heads * kv
 	var out []Param

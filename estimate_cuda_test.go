@@ -37,7 +37,7 @@ func TestCUDAEstimateMatchesAllocations(t *testing.T) {
 								cfg.Window.BudgetBytes += shard.Size() * plan.Buckets[b].Padded
 							}
 						}
-						c := estimateCase{cfg: cfg, world: world, run: Run{Backwards: 2, Window: window != "none", Gathers: sets}}
+						c := estimateCase{cfg: cfg, world: world, run: Workload{Backwards: 2, Window: window != "none", Gathers: sets}}
 						checkEstimateOn(t, env, func(int) *countingDevice { return newCountingDeviceOn(d) }, c, params, seed)
 					}
 				}
@@ -60,7 +60,7 @@ func TestGPUEstimateNVML(t *testing.T) {
 		skipOrFail(t, "no NVML on this GPU host: %v", err)
 	}
 	seed := testSeed(t)
-	params, err := (Transformer{Hidden: 1024, Layers: 4, Vocab: 8192, FFN: 2816, Heads: 8}).Params(BF16)
+	params, err := (TransformerShape{Hidden: 1024, Layers: 4, Vocab: 8192, FFN: 2816, Heads: 8}).Params(BF16)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -77,7 +77,7 @@ func TestGPUEstimateNVML(t *testing.T) {
 	for _, stage := range []int{1, 2, 3} {
 		for _, window := range []bool{false, true} {
 			cfg := Config{Stage: stage, BucketBytes: 32 << 20, Overlap: true, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-4)}}}
-			c := estimateCase{cfg: cfg, world: 1, run: Run{Backwards: 2, Window: window}}
+			c := estimateCase{cfg: cfg, world: 1, run: Workload{Backwards: 2, Window: window}}
 			var est Estimation
 			var ms []measured
 			for range 2 {

@@ -2,6 +2,10 @@ package zero
 
 import (
 	"errors"
+	"fmt"
+	"math/rand"
+	"reflect"
+	"strings"
 	"testing"
 	"time"
 )
@@ -54,7 +58,7 @@ func TestEstimateMatchesAllocations(t *testing.T) {
 												cfg.Window.BudgetBytes += wdt.Size() * plan.Buckets[b].Padded
 											}
 										}
-										c := estimateCase{cfg: cfg, world: world, run: Run{Backwards: 2, Window: window, Gathers: sets}}
+										c := estimateCase{cfg: cfg, world: world, run: Workload{Backwards: 2, Window: window, Gathers: sets}}
 										checkEstimate(t, c, params, seed)
 										runs++
 									}
@@ -100,7 +104,7 @@ func TestEstimateOptimizersAndDTypes(t *testing.T) {
 					cfg.Optimizer.Groups = groups
 					cfg.Offload.Optimizer = offload
 					cfg.Offload.Params = stage == 3 && comm == BF16
-					checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 1, Window: true, Gathers: sets}}, params, seed)
+					checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Workload{Backwards: 1, Window: true, Gathers: sets}}, params, seed)
 				}
 			}
 		}
@@ -115,7 +119,7 @@ func TestEstimateOptimizersAndDTypes(t *testing.T) {
 					cfg.Offload.Params = stage == 3 && staging == 3
 					cfg.Precision.ShardDType, cfg.Window.DType = dt, dt
 					cfg.Optimizer.Groups = []Optimizer{NewAdamW(1e-3)}
-					checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 3, Window: true, Gathers: sets}}, params, seed)
+					checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Workload{Backwards: 3, Window: true, Gathers: sets}}, params, seed)
 				}
 			}
 		}
@@ -139,7 +143,7 @@ func TestEstimateOptimizersAndDTypes(t *testing.T) {
 				cfg := Config{Stage: 3, BucketBytes: 512, Optimizer: OptimizerPolicy{Groups: groups}}
 				cfg.Params.NoBroadcast = noBroadcast
 				cfg.Offload.Params = onHost
-				checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 2, Gathers: sets}}, built, seed)
+				checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Workload{Backwards: 2, Gathers: sets}}, built, seed)
 			}
 		}
 	}
@@ -148,7 +152,7 @@ func TestEstimateOptimizersAndDTypes(t *testing.T) {
 			for _, onHost := range []bool{false, true} {
 				cfg := Config{Stage: 3, BucketBytes: 512, Params: pp, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}
 				cfg.Offload.Params = onHost
-				checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 2, Gathers: gathers}}, params, seed)
+				checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Workload{Backwards: 2, Gathers: gathers}}, params, seed)
 			}
 		}
 	}
@@ -165,20 +169,20 @@ func TestEstimateRefuses(t *testing.T) {
 		params []Param
 		cfg    Config
 		world  int
-		run    Run
+		run    Workload
 		want   error
 	}{
-		{"world 0", params, good, 0, Run{}, ErrConfig},
-		{"stage 4", params, with(good, func(c *Config) { c.Stage = 4 }), 2, Run{}, ErrConfig},
-		{"no bucket", params, with(good, func(c *Config) { c.BucketBytes = 0 }), 2, Run{}, ErrConfig},
-		{"window dtype", params, with(good, func(c *Config) { c.Window.DType = FP16 }), 2, Run{}, ErrConfig},
-		{"parameter offload at stage 2", params, with(good, func(c *Config) { c.Offload.Params = true }), 2, Run{}, ErrConfig},
-		{"AdamW literal", params, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{AdamW{}} }), 2, Run{}, ErrConfig},
-		{"group out of range", []Param{{Count: 4, DType: BF16, Group: 1}}, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{NewSGD(1)} }), 2, Run{}, ErrParam},
-		{"mixed dtypes", []Param{{Count: 4, DType: BF16}, {Count: 4, DType: FP32}}, good, 2, Run{}, ErrDType},
-		{"no parameters", nil, good, 2, Run{}, ErrParam},
-		{"backwards", params, good, 2, Run{Backwards: -1}, ErrConfig},
-		{"gather set", params, good, 2, Run{Gathers: [][]int{{0, 99}}}, ErrParam},
+		{"world 0", params, good, 0, Workload{}, ErrConfig},
+		{"stage 4", params, with(good, func(c *Config) { c.Stage = 4 }), 2, Workload{}, ErrConfig},
+		{"no bucket", params, with(good, func(c *Config) { c.BucketBytes = 0 }), 2, Workload{}, ErrConfig},
+		{"window dtype", params, with(good, func(c *Config) { c.Window.DType = FP16 }), 2, Workload{}, ErrConfig},
+		{"parameter offload at stage 2", params, with(good, func(c *Config) { c.Offload.Params = true }), 2, Workload{}, ErrConfig},
+		{"AdamW literal", params, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{AdamW{}} }), 2, Workload{}, ErrConfig},
+		{"group out of range", []Param{{Count: 4, DType: BF16, Group: 1}}, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{NewSGD(1)} }), 2, Workload{}, ErrParam},
+		{"mixed dtypes", []Param{{Count: 4, DType: BF16}, {Count: 4, DType: FP32}}, good, 2, Workload{}, ErrDType},
+		{"no parameters", nil, good, 2, Workload{}, ErrParam},
+		{"backwards", params, good, 2, Workload{Backwards: -1}, ErrConfig},
+		{"gather set", params, good, 2, Workload{Gathers: [][]int{{0, 99}}}, ErrParam},
 	} {
 		if _, err := Estimate(c.params, c.cfg, c.world, c.run); !errors.Is(err, c.want) {
 			t.Errorf("%s: %v, want %v", c.what, err, c.want)
@@ -187,11 +191,11 @@ func TestEstimateRefuses(t *testing.T) {
 	// parameters without memory are estimated as if they had it, even with
 	// an optimizer, which New would refuse for want of it
 	bare := []Param{{Count: 1000, DType: BF16}}
-	if _, err := Estimate(bare, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{NewAdamW(1)} }), 2, Run{}); err != nil {
+	if _, err := Estimate(bare, with(good, func(c *Config) { c.Optimizer.Groups = []Optimizer{NewAdamW(1)} }), 2, Workload{}); err != nil {
 		t.Errorf("parameters without memory: %v", err)
 	}
-	if _, err := (Transformer{Hidden: 10, Layers: 1, Vocab: 5, FFN: 4, Heads: 3}).Params(BF16); !errors.Is(err, ErrParam) {
-		t.Errorf("Transformer with 3 heads of hidden 10: %v, want ErrParam", err)
+	if _, err := (TransformerShape{Hidden: 10, Layers: 1, Vocab: 5, FFN: 4, Heads: 3}).Params(BF16); !errors.Is(err, ErrParam) {
+		t.Errorf("TransformerShape with 3 heads of hidden 10: %v, want ErrParam", err)
 	}
 	for _, c := range []struct{ total, largest int }{{0, 1}, {10, 0}, {10, 11}} {
 		if _, err := CountParams(c.total, c.largest, BF16); !errors.Is(err, ErrParam) {
@@ -233,7 +237,7 @@ func TestCountParams(t *testing.T) {
 	seed := testSeed(t)
 	for _, stage := range []int{1, 2, 3} {
 		cfg := Config{Stage: stage, BucketBytes: 1024, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}
-		checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Run{Backwards: 2}}, params, seed)
+		checkEstimate(t, estimateCase{cfg: cfg, world: 2, run: Workload{Backwards: 2}}, params, seed)
 	}
 }
 
@@ -241,11 +245,11 @@ func TestCountParams(t *testing.T) {
 // a 70B estimate that plans without allocating, in well under a second.
 func TestTransformerParams(t *testing.T) {
 	for _, c := range []struct {
-		shape Transformer
+		shape TransformerShape
 		want  int
 	}{
-		{Transformer{Hidden: 4096, Layers: 32, Vocab: 32000, FFN: 11008, Heads: 32}, 6_738_415_616},
-		{Transformer{Hidden: 8192, Layers: 80, Vocab: 32000, FFN: 28672, Heads: 64, KVHeads: 8}, 68_976_648_192},
+		{TransformerShape{Hidden: 4096, Layers: 32, Vocab: 32000, FFN: 11008, Heads: 32}, 6_738_415_616},
+		{TransformerShape{Hidden: 8192, Layers: 80, Vocab: 32000, FFN: 28672, Heads: 64, KVHeads: 8}, 68_976_648_192},
 	} {
 		params, err := c.shape.Params(BF16)
 		if err != nil {
@@ -260,7 +264,7 @@ func TestTransformerParams(t *testing.T) {
 		}
 		start := time.Now()
 		cfg := Config{Stage: 3, BucketBytes: 32 << 20, Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-4)}}}
-		est, err := Estimate(params, cfg, 1024, Run{})
+		est, err := Estimate(params, cfg, 1024, Workload{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -295,7 +299,7 @@ func TestEstimateFrameworkParams(t *testing.T) {
 			for _, offload := range []bool{false, true} {
 				cfg := Config{Stage: stage, BucketBytes: 512, Offload: OffloadPolicy{Optimizer: offload},
 					Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(1e-3)}}}
-				est, err := Estimate(params, cfg, 2, Run{})
+				est, err := Estimate(params, cfg, 2, Workload{})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -310,4 +314,284 @@ func TestEstimateFrameworkParams(t *testing.T) {
 			}
 		}
 	}
+}
+
+// ---- the estimator against the allocations ------------------------------------
+
+// estimateModel is a small model of dtype dt: tiny buckets split it into
+// many, some parameters larger than a bucket, one empty and one frozen;
+// gathered (at stage 3) in sets of two, as a framework gathers a layer.
+func estimateModel(dt DType) ([]Param, [][]int) {
+	sizes := []int{300, 7, 1000, 0, 129, 64, 513, 1, 50}
+	params := make([]Param, len(sizes))
+	for i, n := range sizes {
+		params[i] = Param{Name: fmt.Sprintf("p%d", i), Count: n, DType: dt, Data: newTBuf(dt, n).t()}
+	}
+	params[8].Frozen = true
+	return params, [][]int{{0, 1}, {2, 3}, {4, 5}, {6, 7}}
+}
+
+// paramBudgets are stage 3's gather budgets at the test's bucket sizes: the
+// default prefetch (a bucket's bytes ahead), none, and a prefetch of two
+// largest buckets capped by LiveParamBytes at three.
+var paramBudgets = []ParamPolicy{{}, {PrefetchBytes: -1}, {PrefetchBytes: 4096, LiveParamBytes: 3 * 2048}}
+
+// estimateCase is one configuration of the estimator's tests and how it is
+// driven.
+type estimateCase struct {
+	cfg   Config
+	world int
+	run   Workload
+}
+
+func (c estimateCase) String() string {
+	p, pp := c.cfg.Precision, c.cfg.Params
+	return fmt.Sprintf("stage %d W=%d offload %+v window %v budget %d window %v shard %v comm %v backwards %d prefetch %d live %d opt %T",
+		c.cfg.Stage, c.world, c.cfg.Offload, c.run.Window, c.cfg.Window.BudgetBytes, c.cfg.Window.DType, p.ShardDType, p.CommDType,
+		c.run.Backwards, pp.PrefetchBytes, pp.LiveParamBytes, c.cfg.Optimizer.Groups)
+}
+
+// measured is what one rank's engine really held and moved.
+type measured struct {
+	device, host int          // high-water marks of the counting device
+	live, allocs int          // device bytes and allocations live after the last Step
+	before, at   []GPUMemory  // the device's own figures (NVML) before New and after the last Step
+	wire         CommCounters // the last step's
+	stats        Stats
+	params       ParamMemory // stage 3's after the last Step
+}
+
+// measureEngine drives c on every rank of env's group, each rank's engine
+// on the counting device newDev gives it, with its own copy of the
+// parameters' values and its gradients placed by env: three steps of
+// c.run.Backwards backwards (in a Coalesce window where c.run.Window), each
+// backward handing over the gradients of c.run.Gathers' sets in reverse
+// (nil: every parameter alone), at stage 3 each set gathered for the
+// forward and again for the backward.
+func measureEngine(t *testing.T, env trainEnv, newDev func(rank int) *countingDevice, c estimateCase, params []Param, seed int64) []measured {
+	t.Helper()
+	comms, err := env.group(c.world)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := make([]measured, c.world)
+	errs := eachRank(c.world, func(rank int) (err error) {
+		defer comms[rank].Close()
+		dev := newDev(rank)
+		defer dev.release()
+		s, err := env.stream()
+		if err != nil {
+			return err
+		}
+		defer s.Close()
+		rng := rand.New(rand.NewSource(seed + int64(rank)))
+		var frees []func()
+		defer func() {
+			if serr := s.Sync(); err == nil {
+				err = serr
+			}
+			for _, f := range frees {
+				f()
+			}
+		}()
+		place := func(dt DType, n int, scale float64) (Tensor, error) {
+			b := newTBuf(dt, n)
+			for i := range b.len() {
+				b.set(i, float32(scale*rng.NormFloat64()))
+			}
+			x, free, err := env.place(s, b)
+			if err == nil {
+				frees = append(frees, free)
+			}
+			return x, err
+		}
+		mine := append([]Param(nil), params...)
+		grads := make([]Tensor, len(params))
+		for p, q := range params {
+			if q.Data.ptr != 0 {
+				if mine[p].Data, err = place(q.DType, q.Count, 1); err != nil {
+					return err
+				}
+			}
+			if grads[p], err = place(q.DType, q.Count, 1); err != nil {
+				return err
+			}
+		}
+		if err := s.Sync(); err != nil {
+			return err
+		}
+		out[rank].before = dev.memoryStats()
+		e, err := New(c.cfg, onDevice{comms[rank], dev}, mine)
+		if err != nil {
+			return err
+		}
+		defer e.Close()
+		stage3 := c.cfg.Stage == 3
+		sets := c.run.Gathers
+		if sets == nil { // one parameter at a time, as Run says
+			for p, q := range params {
+				if !q.Frozen {
+					sets = append(sets, []int{p})
+				}
+			}
+		}
+		backward := func() error {
+			for _, set := range sets {
+				if stage3 {
+					if _, err := e.Gather(s, set...); err != nil {
+						return err
+					}
+					if err := e.Release(s, set...); err != nil {
+						return err
+					}
+				}
+			}
+			for i := len(sets) - 1; i >= 0; i-- {
+				if stage3 {
+					if _, err := e.Gather(s, sets[i]...); err != nil {
+						return err
+					}
+				}
+				for j := len(sets[i]) - 1; j >= 0; j-- {
+					p := sets[i][j]
+					if _, err := e.GradReady(p, grads[p], s); err != nil {
+						return err
+					}
+				}
+				if stage3 {
+					if err := e.Release(s, sets[i]...); err != nil {
+						return err
+					}
+				}
+			}
+			return e.EndBackward()
+		}
+		for range 3 {
+			steps := func() error {
+				for range max(c.run.Backwards, 1) {
+					if err := backward(); err != nil {
+						return err
+					}
+				}
+				return nil
+			}
+			if c.run.Window {
+				err = e.Coalesce(steps)
+			} else {
+				err = steps()
+			}
+			if err == nil {
+				err = e.Step()
+			}
+			if err != nil {
+				return err
+			}
+		}
+		if err := s.Sync(); err != nil {
+			return err
+		}
+		m := &out[rank]
+		m.at = e.DeviceMemory()
+		m.live, m.allocs = dev.liveBytes(), dev.liveCount()
+		m.params = e.ParamMemory()
+		st := e.Stats()
+		if err := e.Close(); err != nil {
+			return err
+		}
+		m.device, m.host = dev.peaks()
+		m.wire, m.stats = st.Collectives, st
+		return nil
+	})
+	for rank, err := range errs {
+		if err != nil {
+			t.Fatalf("%v: rank %d: %v", c, rank, err)
+		}
+	}
+	return out
+}
+
+// checkEstimateOn compares c's estimate with what measureEngine saw on
+// every rank: device and host bytes to the byte, the engine's own Stats
+// field by field (estimatedStats), the parameter shard's bytes on each
+// side (ParamMemory), the collectives to the byte but for
+// stage 3's gathers, where a prefetch that keeps a bucket from one ask to
+// the next saves a gather the estimate counts. It returns the estimate and
+// the measurements.
+func checkEstimateOn(t *testing.T, env trainEnv, newDev func(rank int) *countingDevice, c estimateCase, params []Param, seed int64) (Estimation, []measured) {
+	t.Helper()
+	est, err := Estimate(params, c.cfg, c.world, c.run)
+	if err != nil {
+		t.Fatalf("%v: %v", c, err)
+	}
+	ms := measureEngine(t, env, newDev, c, params, seed)
+	for rank, m := range ms {
+		what := fmt.Sprintf("%v rank %d", c, rank)
+		if got, want := int64(m.device), est.Device.Engine(); got != want {
+			t.Errorf("%s: device high-water %d bytes, estimate %d (%+v)", what, got, want, est.Device)
+		}
+		if got, want := int64(m.host), est.Host.Total(); got != want {
+			t.Errorf("%s: host high-water %d bytes, estimate %d (%+v)", what, got, want, est.Host)
+		}
+		if d := statsDiff(est.Stats(), m.stats); d != "" {
+			t.Errorf("%s: the engine's Stats against the estimate's:%s\n(estimate %+v, %+v)", what, d, est.Device, est.Host)
+		}
+		// the parameter shard on the side the estimate puts it (with
+		// Offload.Params the host's, the device holding none of it)
+		if m.params.ShardBytes != est.Device.ParamShard || m.params.HostShardBytes != est.Host.ParamShard {
+			t.Errorf("%s: parameter shard %d device bytes and %d host bytes; the estimate %d and %d", what,
+				m.params.ShardBytes, m.params.HostShardBytes, est.Device.ParamShard, est.Host.ParamShard)
+		}
+		for k := range numKinds {
+			got, want := m.wire[k], est.Wire[k]
+			if k == KindAllGather && c.cfg.Stage == 3 && c.cfg.Params.PrefetchBytes >= 0 {
+				// The prefetch keeps buckets gathered from one ask to the
+				// next, saving gathers the estimate counts; it still
+				// gathers every bucket a window asks for at least once.
+				var floor CommCounters
+				if len(c.cfg.Optimizer.Groups) > 0 {
+					floor.add(KindAllGather, normWords*c.world*4, c.world) // the norm's
+				}
+				seen := map[int]bool{}
+				for _, b := range setBuckets(est.Plan, params, c.run.Gathers) {
+					if !seen[b] {
+						seen[b] = true
+						floor.add(KindAllGather, est.Plan.Buckets[b].Padded*est.Plan.modelDType().Size(), c.world)
+					}
+				}
+				if got.Calls >= floor[k].Calls && got.Calls <= want.Calls && got.PayloadBytes >= floor[k].PayloadBytes && got.PayloadBytes <= want.PayloadBytes {
+					continue
+				}
+			}
+			if got != want {
+				t.Errorf("%s: %v: %+v, estimate %+v", what, k, got, want)
+			}
+		}
+	}
+	return est, ms
+}
+
+// notEstimated are the memory fields of Stats that Estimation.Stats leaves
+// out, with the reason.
+var notEstimated = map[string]string{
+	"HostPinnedBytes":      "what mlock accepts on the CPU device",
+	"PeakGradBytesInUse":   "how many staging buffers are in use at once depends on the streams' timing",
+	"WindowGradBytesInUse": "as PeakGradBytesInUse",
+	"NormReadBytes":        "bytes read, not held",
+}
+
+// statsDiff lists every memory field of Stats (an int64 named ...Bytes)
+// where got differs from est, the estimate's; empty when none does.
+func statsDiff(est, got Stats) string {
+	var out strings.Builder
+	ev, gv := reflect.ValueOf(est), reflect.ValueOf(got)
+	for i := range ev.NumField() {
+		f := ev.Type().Field(i)
+		if f.Type.Kind() != reflect.Int64 || !strings.HasSuffix(f.Name, "Bytes") || notEstimated[f.Name] != "" {
+			continue
+		}
+		if e, g := ev.Field(i).Int(), gv.Field(i).Int(); e != g {
+			fmt.Fprintf(&out, "\n\t%s %d, estimate %d (%+d)", f.Name, g, e, g-e)
+		}
+	}
+	return out.String()
 }

@@ -234,7 +234,7 @@ func TestCUDAParamOffloadOrder(t *testing.T) {
 		cfg := Config{Stage: 3, BucketBytes: 2048, Overlap: true, Offload: OffloadPolicy{Params: true, Optimizer: offload},
 			Optimizer: OptimizerPolicy{Groups: []Optimizer{NewAdamW(0.01)}}}
 		const world, steps = 2, 3
-		est, err := Estimate(params, cfg, world, Run{})
+		est, err := Estimate(params, cfg, world, Workload{})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -221,21 +221,21 @@ func (d *failingDevice) copy(s Stream, dst, src Tensor) error {
 	return d.Device.copy(s, dst, src)
 }
 
-func (d *failingDevice) flatten(s Stream, dst Tensor, segs []Segment, scale float32) error {
+func (d *failingDevice) flatten(s Stream, dst Tensor, segs []flatPiece, scale float32) error {
 	if err := d.hit(dst); err != nil {
 		return err
 	}
 	return d.Device.flatten(s, dst, segs, scale)
 }
 
-func (d *failingDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool, scale float32, flag Tensor) error {
+func (d *failingDevice) accumulate(s Stream, acc Tensor, segs []flatPiece, first bool, scale float32, flag Tensor) error {
 	if err := d.hit(acc); err != nil {
 		return err
 	}
 	return d.Device.accumulate(s, acc, segs, first, scale, flag)
 }
 
-func (d *failingDevice) accumulateSquares(s Stream, acc Tensor, seg Segment, first bool, scale float32, flag, parts Tensor) error {
+func (d *failingDevice) accumulateSquares(s Stream, acc Tensor, seg flatPiece, first bool, scale float32, flag, parts Tensor) error {
 	if err := d.hit(acc, parts); err != nil {
 		return err
 	}
@@ -280,7 +280,7 @@ func (d *failingDevice) optimize(s Stream, kind optKind, b optTensors, ranges []
 	return d.Device.optimize(s, kind, b, ranges, gscale)
 }
 
-func (d *failingDevice) unflatten(s Stream, flat Tensor, segs []Segment) error {
+func (d *failingDevice) unflatten(s Stream, flat Tensor, segs []flatPiece) error {
 	if err := d.hit(flat); err != nil {
 		return err
 	}
@@ -459,15 +459,15 @@ func (d *queuedDevice) copyScaled(s Stream, dst, src Tensor, scale float32) erro
 	return d.track("copyScaled", s, func() error { return d.Device.copyScaled(s, dst, src, scale) }, dst, src)
 }
 
-func (d *queuedDevice) flatten(s Stream, dst Tensor, segs []Segment, scale float32) error {
+func (d *queuedDevice) flatten(s Stream, dst Tensor, segs []flatPiece, scale float32) error {
 	return d.track("flatten", s, func() error { return d.Device.flatten(s, dst, segs, scale) }, dst)
 }
 
-func (d *queuedDevice) accumulate(s Stream, acc Tensor, segs []Segment, first bool, scale float32, flag Tensor) error {
+func (d *queuedDevice) accumulate(s Stream, acc Tensor, segs []flatPiece, first bool, scale float32, flag Tensor) error {
 	return d.track("accumulate", s, func() error { return d.Device.accumulate(s, acc, segs, first, scale, flag) }, acc, flag)
 }
 
-func (d *queuedDevice) accumulateSquares(s Stream, acc Tensor, seg Segment, first bool, scale float32, flag, parts Tensor) error {
+func (d *queuedDevice) accumulateSquares(s Stream, acc Tensor, seg flatPiece, first bool, scale float32, flag, parts Tensor) error {
 	return d.track("accumulateSquares", s, func() error { return d.Device.accumulateSquares(s, acc, seg, first, scale, flag, parts) }, acc, flag, parts)
 }
 
@@ -483,7 +483,7 @@ func (d *queuedDevice) optimize(s Stream, kind optKind, b optTensors, ranges []o
 	return d.track("optimize", s, func() error { return d.Device.optimize(s, kind, b, ranges, gscale) }, b.p, b.g, b.m, b.v, b.vmax, b.out)
 }
 
-func (d *queuedDevice) unflatten(s Stream, flat Tensor, segs []Segment) error {
+func (d *queuedDevice) unflatten(s Stream, flat Tensor, segs []flatPiece) error {
 	return d.track("unflatten", s, func() error { return d.Device.unflatten(s, flat, segs) }, flat)
 }
 

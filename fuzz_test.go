@@ -1115,7 +1115,7 @@ var fzSentinels = []struct {
 	name string
 	err  error
 }{
-	{"ErrDuplicateGrad", ErrDuplicateGrad}, {"ErrProtocol", ErrProtocol}, {"ErrMismatch", ErrMismatch},
+	{"ErrDuplicateGrad", ErrDuplicateGrad}, {"ErrProtocol", ErrProtocol}, {"ErrCollectiveMismatch", ErrCollectiveMismatch},
 	{"ErrPeerFailed", ErrPeerFailed}, {"ErrTimeout", ErrTimeout}, {"ErrClosed", ErrClosed},
 	{"ErrCollective", ErrCollective}, {"ErrConfig", ErrConfig}, {"ErrParam", ErrParam}, {"ErrDType", ErrDType},
 	{"ErrGradSize", ErrGradSize}, {"ErrPlanMismatch", ErrPlanMismatch}, {"ErrStream", ErrStream},

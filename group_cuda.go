@@ -220,7 +220,7 @@ func (g *cudaGroup) run(last int, slots []cudaSlot) (enqueued bool, err error) {
 			for i := range slots {
 				calls[i] = slots[i].a
 			}
-			return false, errorf(ErrMismatch, "%s; every rank must issue the same collectives in the same order", callsText(calls))
+			return false, errorf(ErrCollectiveMismatch, "%s; every rank must issue the same collectives in the same order", callsText(calls))
 		}
 	}
 	d, L := g.dev, slots[last].stream

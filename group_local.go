@@ -247,7 +247,7 @@ func (c *localComm) run(seq uint64, a collArgs) error {
 	}
 	for _, o := range rv.args {
 		if o.kind != a.kind || o.op != a.op || o.root != a.root || o.dtype != a.dtype || o.count != a.count {
-			err := errorf(ErrMismatch, "collective %d: %s; every rank must issue the same collectives in the same order", seq, callsText(rv.args))
+			err := errorf(ErrCollectiveMismatch, "collective %d: %s; every rank must issue the same collectives in the same order", seq, callsText(rv.args))
 			g.abort(err)
 			return err // every rank sees the mismatch: none works
 		}

@@ -296,8 +296,8 @@ func TestLocalGroupMismatch(t *testing.T) {
 		return s.Sync()
 	})
 	for r, err := range errs {
-		if !errors.Is(err, ErrMismatch) {
-			t.Errorf("rank %d: %v, want ErrMismatch", r, err)
+		if !errors.Is(err, ErrCollectiveMismatch) {
+			t.Errorf("rank %d: %v, want ErrCollectiveMismatch", r, err)
 		}
 	}
 }

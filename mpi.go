@@ -964,7 +964,7 @@ func (ph *mpiPhase) xferError(x C.zm_xfer) error {
 	e := &MPIError{Code: int(x.err), Class: int(cls), Text: C.GoString(&buf[0]), Op: ph.what, Rank: c.rank}
 	if truncate != 0 {
 		return fmt.Errorf("%w: rank %d received more than the %d bytes it expected from rank %d in %s; every rank must issue the same collectives with the same sizes: %w",
-			ErrMismatch, c.rank, int64(x.bytes), int(x.peer), ph.what, e)
+			ErrCollectiveMismatch, c.rank, int64(x.bytes), int(x.peer), ph.what, e)
 	}
 	return e
 }
@@ -973,7 +973,7 @@ func (ph *mpiPhase) xferError(x C.zm_xfer) error {
 func (ph *mpiPhase) checkCounts() error {
 	for _, x := range ph.xfers {
 		if x.recv != 0 && x.got >= 0 && x.got != x.bytes {
-			return errorf(ErrMismatch, "rank %d received %d bytes from rank %d in %s, where it expected %d; every rank must issue the same collectives with the same sizes",
+			return errorf(ErrCollectiveMismatch, "rank %d received %d bytes from rank %d in %s, where it expected %d; every rank must issue the same collectives with the same sizes",
 				ph.c.rank, int64(x.got), int(x.peer), ph.what, int64(x.bytes))
 		}
 	}
@@ -995,7 +995,7 @@ func (ph *mpiPhase) probeMismatch() error {
 		}
 		t := int(tag)
 		if t != c.abortTag && t != ph.tag && t>>tagLowBits&mask == ph.tag>>tagLowBits&mask {
-			return errorf(ErrMismatch, "collective %d: rank %d called %s while rank %d called %s; every rank must issue the same collectives in the same order",
+			return errorf(ErrCollectiveMismatch, "collective %d: rank %d called %s while rank %d called %s; every rank must issue the same collectives in the same order",
 				ph.seq, c.rank, describeTag(ph.tag), p, describeTag(t))
 		}
 	}

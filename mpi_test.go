@@ -1218,7 +1218,7 @@ func mismatchScenario(comm Comm, dir string) error {
 }
 
 // TestMPIMismatchedCollectives: ranks that call collectives of different
-// sizes, dtypes or kinds at the same point fail with ErrMismatch (their
+// sizes, dtypes or kinds at the same point fail with ErrCollectiveMismatch (their
 // timeout is a minute), on both ranks; a message larger than its receive
 // is MPI's own error (MPI_ERR_TRUNCATE, returned, not fatal), in MPI's
 // words.
@@ -1229,8 +1229,8 @@ func TestMPIMismatchedCollectives(t *testing.T) {
 			res := m.launch(t, mpiRun{n: 2, scenario: "mismatch", survive: true, args: []string{"-disable-auto-cleanup"},
 				env: []string{"ZERO_MPI_DIFFER=" + differ, "ZERO_MPI_TIMEOUT=1m"}})
 			for r := range 2 {
-				if msg := res.rankErr(r); !strings.Contains(msg, ErrMismatch.Error()) {
-					t.Errorf("rank %d: %q, want ErrMismatch\n%s", r, msg, res.out)
+				if msg := res.rankErr(r); !strings.Contains(msg, ErrCollectiveMismatch.Error()) {
+					t.Errorf("rank %d: %q, want ErrCollectiveMismatch\n%s", r, msg, res.out)
 				}
 			}
 			// MPI's own words come back with its code

@@ -51,10 +51,10 @@ func TestNormChunkSums(t *testing.T) {
 						chunks := chunksOf(n)
 						parts, again := make([]float32, 2*chunks+2), make([]float32, 2*chunks+2)
 						flagPlain, flagFused := []float32{0}, []float32{0}
-						seg := Segment{Src: src.t(), Offset: off}
+						seg := flatPiece{Src: src.t(), Offset: off}
 						runtime.GOMAXPROCS(1 + rng.IntN(3))
 						err := errors.Join(
-							dev.accumulate(s, plain.t(), []Segment{seg}, first, scale, Float32s(flagPlain)),
+							dev.accumulate(s, plain.t(), []flatPiece{seg}, first, scale, Float32s(flagPlain)),
 							dev.accumulateSquares(s, fused.t(), seg, first, scale, Float32s(flagFused), Float32s(parts)),
 							s.Sync())
 						if err != nil {
@@ -110,11 +110,11 @@ func TestNormChunkSumsRefuseBadInput(t *testing.T) {
 	if err := dev.chunkSquares(s, x.t(), Float32s(short)); !errors.Is(err, ErrGradSize) {
 		t.Errorf("chunkSquares into 5 words for 3 chunks: %v, want ErrGradSize", err)
 	}
-	if err := dev.accumulateSquares(s, x.t(), Segment{Src: x.t().slice(0, 10), Offset: x.len() - 5}, true, 1, Tensor{}, Float32s(short)); !errors.Is(err, ErrGradSize) {
+	if err := dev.accumulateSquares(s, x.t(), flatPiece{Src: x.t().slice(0, 10), Offset: x.len() - 5}, true, 1, Tensor{}, Float32s(short)); !errors.Is(err, ErrGradSize) {
 		t.Errorf("accumulateSquares past the accumulator's end: %v, want ErrGradSize", err)
 	}
 	halfs := Halfs(make([]uint16, 6), BF16)
-	if err := dev.accumulateSquares(s, x.t(), Segment{Src: x.t().slice(0, 10)}, true, 1, Tensor{}, halfs); !errors.Is(err, ErrGradSize) {
+	if err := dev.accumulateSquares(s, x.t(), flatPiece{Src: x.t().slice(0, 10)}, true, 1, Tensor{}, halfs); !errors.Is(err, ErrGradSize) {
 		t.Errorf("accumulateSquares into bf16 sums: %v, want ErrGradSize", err)
 	}
 	if err := dev.sumChunks(s, Float32s(short), []chunkRange{{2, 1}}, Float32s(make([]float32, 2))); !errors.Is(err, ErrGradSize) {
@@ -291,4 +291,9 @@ func TestNormAddsBucketsInOrder(t *testing.T) {
 		})
 		everyRankIs(t, fmt.Sprintf("offload %v", offload), errs, nil)
 	}
+}
+
+func runNormWay(t *testing.T, d normData, stage int, offload bool, shardDType DType, way normWay, fused bool) normRun {
+	t.Helper()
+	return runNormWayIn(t, d, stage, offload, shardDType, FP32, way, fused)
 }

@@ -60,6 +60,24 @@ type offloadSpec struct {
 	ends                  *backwardEnd
 }
 
+// offloadSize is what newOffload allocates in page-locked memory: the
+// shard in shardDType, its fp32 scratch where that is 16-bit (the optimizer
+// reads it widened, bucket by bucket), keep landing buffers of the largest
+// bucket shard in commDType, the overflow flag and (withNorm) the norm's
+// chunk sums.
+func offloadSize(plan *Plan, commDType, shardDType DType, keep int, withNorm bool) HostBytes {
+	maxShard := int64(maxShardElems(plan))
+	h := HostBytes{GradShard: int64(plan.ShardElems * shardDType.Size()), Control: 4,
+		Landing: int64(keep) * maxShard * int64(commDType.Size())}
+	if shardDType != FP32 {
+		h.GradScratch = maxShard * 4
+	}
+	if withNorm {
+		h.Control += normSumsBytes(plan)
+	}
+	return h
+}
+
 func newOffload(sp offloadSpec) (*offload, error) {
 	plan, mem := sp.plan, sp.mem
 	maxShard := maxShardElems(plan)

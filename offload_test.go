@@ -79,7 +79,7 @@ func TestOffloadEqualsDevice(t *testing.T) {
 						// fp32 sums where a bucket needs no padding.
 						hosts := int64(0)
 						if d == FP32 && stage == 1 && r.predivide == 1 {
-							modes := slices.Repeat([]bucketMode{local}, len(plan.Buckets))
+							modes := slices.Repeat([]bucketMode{deferred}, len(plan.Buckets))
 							spec := pipelineSpec{modes: modes, windowDType: FP32, commDType: FP32, prescale: 1}
 							for b, h := range hostedSums(plan, spec, modes, true) {
 								if h {

@@ -372,26 +372,93 @@ func (o *optState) rates() []float64 {
 	return lrs
 }
 
+// stateNeeds is which fp32 state tensors of the shard's size groups need
+// beside the master: m (AdamW's first moment; SGD's momentum buffer, where
+// a group has momentum), v (AdamW's second moment) and vmax (amsgrad's
+// running maximum). The rule is this one, for the constructor, the first
+// step, a load and the estimate.
+type stateNeeds struct{ m, v, vmax bool }
+
+func stateNeedsOf(groups []Optimizer) stateNeeds {
+	var n stateNeeds
+	for _, g := range groups {
+		switch g := g.(type) {
+		case AdamW:
+			n.m, n.v = true, true
+			n.vmax = n.vmax || g.AMSGrad
+		case SGD:
+			n.m = n.m || g.Momentum != 0
+		}
+	}
+	return n
+}
+
+// tensors counts the state tensors needed.
+func (n stateNeeds) tensors() int {
+	c := 0
+	for _, need := range []bool{n.m, n.v, n.vmax} {
+		if need {
+			c++
+		}
+	}
+	return c
+}
+
+// optimizerSize is what the optimizer holds from its first step on: in its
+// home (the host with offload) the fp32 master and the state the groups
+// need, and on the device the norm's all-gather; a 16-bit shard's fp32
+// scratch where the device is the home (offload keeps its own); below
+// stage 3 (sharedModel: the parameter shard is the model-dtype shard) the
+// new parameters' shard and the bucket buffer they are gathered in, which
+// loading also uses at New; with offload the host's copy of the new
+// parameters, unless the step writes the host's parameter shard
+// (paramsOnHost).
+func optimizerSize(plan *Plan, groups []Optimizer, shardDType DType, world int, onHost, sharedModel, paramsOnHost bool) (DeviceBytes, HostBytes) {
+	shard, msize := int64(plan.ShardElems), int64(plan.modelDType().Size())
+	master, state := shard*4, int64(stateNeedsOf(groups).tensors())*shard*4
+	d := DeviceBytes{Control: normWords * int64(world) * 4}
+	var h HostBytes
+	if onHost {
+		h.Master, h.OptimizerState = master, state
+		if shard > 0 && !paramsOnHost {
+			h.NewParams = shard * msize
+		}
+	} else {
+		d.Master, d.OptimizerState = master, state
+		if shardDType != FP32 {
+			d.GradScratch = int64(maxShardElems(plan)) * 4
+		}
+	}
+	if !sharedModel {
+		d.NewParams = shard * msize
+		d.ParamGather = int64(plan.MaxBucket()) * msize
+	}
+	return d, h
+}
+
 // ensureState allocates the state that only some settings need (SGD's
 // momentum buffer, amsgrad's running max) the first time a step needs it.
 func (o *optState) ensureState(n int) error {
-	need := func(t *Tensor, want bool) error {
-		if !want || t.ptr != 0 || n == 0 {
-			return nil
+	return o.allocState(stateNeedsOf(o.groups), n)
+}
+
+// allocState allocates the state tensors in need that are not there yet.
+func (o *optState) allocState(need stateNeeds, n int) error {
+	if n == 0 {
+		return nil
+	}
+	for _, x := range []struct {
+		t    *Tensor
+		want bool
+	}{{&o.m, need.m}, {&o.v, need.v}, {&o.vmax, need.vmax}} {
+		if x.want && x.t.ptr == 0 {
+			var err error
+			if *x.t, err = o.home.Alloc(n, FP32); err != nil {
+				return err
+			}
 		}
-		var err error
-		*t, err = o.home.Alloc(n, FP32)
-		return err
 	}
-	momentum, amsgrad := false, false
-	for _, r := range o.ranges {
-		amsgrad = amsgrad || r.flags&optAMSGrad != 0
-		momentum = momentum || (o.kind == optSGD && r.beta1c != 0)
-	}
-	if err := need(&o.m, momentum); err != nil {
-		return err
-	}
-	return need(&o.vmax, amsgrad)
+	return nil
 }
 
 // normWords is what each rank contributes to the norm's all-gather: the
@@ -718,26 +785,8 @@ func (o *optState) restorable(where string, c optCheckpoint) ([]Optimizer, error
 // momentum, amsgrad's maximum) before anything is overwritten, and returns
 // every state tensor to fill.
 func (o *optState) prepareLoad(groups []Optimizer) ([]stateTensor, error) {
-	momentum, amsgrad := o.kind == optAdamW, false
-	for _, g := range groups {
-		switch g := g.(type) {
-		case SGD:
-			momentum = momentum || g.Momentum != 0
-		case AdamW:
-			amsgrad = amsgrad || g.AMSGrad
-		}
-	}
-	n := o.plan.ShardElems
-	for _, x := range []struct {
-		t    *Tensor
-		want bool
-	}{{&o.m, momentum}, {&o.vmax, amsgrad}} {
-		if x.want && x.t.ptr == 0 && n > 0 {
-			var err error
-			if *x.t, err = o.home.Alloc(n, FP32); err != nil {
-				return nil, err
-			}
-		}
+	if err := o.allocState(stateNeedsOf(groups), o.plan.ShardElems); err != nil {
+		return nil, err
 	}
 	return o.stateTensors(), nil
 }

@@ -673,3 +673,46 @@ func (ps *paramState) dropGathered() error {
 	}
 	return err
 }
+
+// paramsSize is what stage 3's parameters hold at their peak: the shard in
+// the model dtype (in page-locked host memory with Offload.Params, onHost)
+// and the gather buffers (gatherBuffers) of one largest bucket each, when
+// the framework gathers the sets at once.
+func paramsSize(plan *Plan, params []Param, pp ParamPolicy, sets [][]int, onHost bool) (DeviceBytes, HostBytes) {
+	msize := int64(plan.modelDType().Size())
+	shard, buf := int64(plan.ShardElems)*msize, int64(plan.MaxBucket())*msize
+	d := DeviceBytes{Gathered: gatherBuffers(plan, params, pp, sets, buf) * buf}
+	if onHost {
+		return d, HostBytes{ParamShard: shard}
+	}
+	d.ParamShard = shard
+	return d, HostBytes{}
+}
+
+// gatherBuffers is how many gather buffers a stage-3 engine holds at its
+// peak: the most buckets one set of run's gathers spans, plus the buckets
+// the prefetch gathers ahead (PrefetchBytes' worth, at least one), within
+// LiveParamBytes, which caps the prefetch only. size is a buffer's bytes.
+func gatherBuffers(plan *Plan, params []Param, pp ParamPolicy, sets [][]int, size int64) int64 {
+	held := int64(1) // loading the shard at New takes one
+	if sets == nil {
+		sets = [][]int{{}}
+	}
+	for _, set := range sets {
+		seen := map[int]bool{}
+		for _, p := range set {
+			if b := plan.ParamBucket[p]; b >= 0 {
+				seen[b] = true
+			}
+		}
+		held = max(held, int64(len(seen)))
+	}
+	if pp.PrefetchBytes <= 0 || size == 0 {
+		return held
+	}
+	ahead := max(1, int64(pp.PrefetchBytes)/size)
+	if pp.LiveParamBytes > 0 {
+		ahead = max(0, min(ahead, int64(pp.LiveParamBytes)/size-held))
+	}
+	return held + ahead
+}

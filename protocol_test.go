@@ -88,7 +88,7 @@ func TestWindowErrors(t *testing.T) {
 				}
 				return e.Step()
 			})
-			everyRankIs(t, name+": ranks took 2 and 1 backwards", errs, ErrMismatch)
+			everyRankIs(t, name+": ranks took 2 and 1 backwards", errs, ErrCollectiveMismatch)
 			for r, err := range errs {
 				if err != nil && !strings.Contains(err.Error(), "backwards") {
 					t.Errorf("%s: ranks took 2 and 1 backwards: rank %d's error does not name the cause: %v", name, r, err)

@@ -16,15 +16,18 @@ import (
 )
 
 // testRooms are the test files that others may borrow from: the harness
-// (running ranks, seeds, stream gates, small builders), the package's source
+// (running ranks, seeds, stream gates, small builders, ISA levels), the
+// training runs (train_test.go), the package's source
 // read for go/types (source_test.go), the fakes (failing
 // and counting devices, comms and streams), the float64 references, and the
 // partition plan's tests. harness_cuda_test.go is the part of the harness
 // that only compiles with -tags cuda (it names *cudaDevice); race_test.go
 // and norace_test.go say whether the race detector is on; benchenv_test.go
 // holds the bodies of the benchmarks that run on the CPU and on a GPU.
-// Every other test file keeps to itself: what it declares only it uses.
-var testRooms = []string{"harness_test.go", "source_test.go", "harness_cuda_test.go", "fakes_test.go", "reference_test.go", "bucket_test.go", "race_test.go", "norace_test.go", "benchenv_test.go"}
+// A CUDA test file (x_cuda_test.go) may borrow from its CPU twin
+// (x_test.go). Every other test file keeps to itself: what it declares
+// only it uses.
+var testRooms = []string{"harness_test.go", "train_test.go", "source_test.go", "harness_cuda_test.go", "fakes_test.go", "reference_test.go", "bucket_test.go", "race_test.go", "norace_test.go", "benchenv_test.go"}
 
 // A roomBorrow is a use, in one test file, of a package-level identifier
 // (or a method) declared in another test file that is not a room.
@@ -145,7 +148,7 @@ func roomBorrows(dir string, tags []string, imp types.Importer) ([]roomBorrow, i
 			continue
 		}
 		shared++
-		if slices.Contains(testRooms, filepath.Base(decl.Filename)) {
+		if slices.Contains(testRooms, filepath.Base(decl.Filename)) || cudaTwin(use.Filename, decl.Filename) {
 			continue
 		}
 		borrows = append(borrows, roomBorrow{use: use, decl: decl, what: what})
@@ -160,6 +163,12 @@ func roomBorrows(dir string, tags []string, imp types.Importer) ([]roomBorrow, i
 		return strings.Compare(a.what, b.what)
 	})
 	return borrows, shared, nil
+}
+
+// cudaTwin reports whether use is the CUDA test file of decl, its CPU
+// twin: x_cuda_test.go of x_test.go.
+func cudaTwin(use, decl string) bool {
+	return filepath.Base(use) == strings.TrimSuffix(filepath.Base(decl), "_test.go")+"_cuda_test.go"
 }
 
 // importerFunc is a types.Importer made of a function.

@@ -117,7 +117,7 @@ func (s WarmupLR) checkSchedule(at string) error {
 
 func checkWarmup(at string, minLR, maxLR float64, steps int, w WarmupType) error {
 	switch {
-	case !finite(minLR, 0) || !finite(maxLR, 0):
+	case !settled(minLR, 0) || !settled(maxLR, 0):
 		return errorf(ErrConfig, "%s rates %v to %v; use finite rates ≥ 0", at, minLR, maxLR)
 	case steps < 1:
 		return errorf(ErrConfig, "%s.WarmupSteps %d; use 1 or more (DeepSpeed refuses a count ≤ 0)", at, steps)
@@ -218,7 +218,7 @@ func (s WarmupCosineLR) checkSchedule(at string) error {
 		return errorf(ErrConfig, "%s is a WarmupCosineLR literal, whose unset fields cannot be told from zeros; build it with zero.NewWarmupCosineLR and change the fields you need", at)
 	case s.TotalSteps < 0:
 		return errorf(ErrConfig, "%s.TotalSteps %d; use the run's optimizer steps, ≥ 0", at, s.TotalSteps)
-	case !finite(s.WarmupMinRatio, 0) || !finite(s.CosMinRatio, 0):
+	case !settled(s.WarmupMinRatio, 0) || !settled(s.CosMinRatio, 0):
 		return errorf(ErrConfig, "%s ratios %v and %v; use finite ratios ≥ 0", at, s.WarmupMinRatio, s.CosMinRatio)
 	}
 	return checkWarmup(at, 0, 0, s.WarmupSteps, s.Warmup)
@@ -320,13 +320,13 @@ func (s OneCycle) checkSchedule(at string) error {
 	switch {
 	case !s.set:
 		return errorf(ErrConfig, "%s is a OneCycle literal, whose unset fields cannot be told from zeros; build it with zero.NewOneCycle and change the fields you need", at)
-	case !finite(s.MinLR, 0) || !finite(s.MaxLR, 0) || !finite(s.DecayLRRate, 0):
+	case !settled(s.MinLR, 0) || !settled(s.MaxLR, 0) || !settled(s.DecayLRRate, 0):
 		return errorf(ErrConfig, "%s rates %v to %v, decay %v; use finite values ≥ 0", at, s.MinLR, s.MaxLR, s.DecayLRRate)
 	case s.FirstStepSize < 1 || s.SecondStepSize < 0:
 		return errorf(ErrConfig, "%s step sizes %d and %d; use a first half ≥ 1 step and a second ≥ 0 (DeepSpeed refuses the same)", at, s.FirstStepSize, s.SecondStepSize)
 	case s.FirstStairCount < 0 || s.SecondStairCount < 0 || s.DecayStepSize < 0:
 		return errorf(ErrConfig, "%s stair counts %d and %d, decay step size %d; use counts ≥ 0", at, s.FirstStairCount, s.SecondStairCount, s.DecayStepSize)
-	case s.CycleMomentum && (!finite(s.MinMom, 0) || !finite(s.MaxMom, 0) || !finite(s.DecayMomRate, 0)):
+	case s.CycleMomentum && (!settled(s.MinMom, 0) || !settled(s.MaxMom, 0) || !settled(s.DecayMomRate, 0)):
 		return errorf(ErrConfig, "%s momenta %v to %v, decay %v; use finite values ≥ 0", at, s.MinMom, s.MaxMom, s.DecayMomRate)
 	}
 	return nil
@@ -473,3 +473,8 @@ func withLR(o Optimizer, lr float64) Optimizer {
 	}
 	return o
 }
+
+// settled reports whether a schedule's rate or ratio is at least lo and
+// finite (NaN is neither). The schedules use only the exported API and the
+// schedule-check hook, so they keep their own copy of config.go's finite.
+func settled(x, lo float64) bool { return x >= lo && !math.IsInf(x, 0) }

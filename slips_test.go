@@ -236,11 +236,11 @@ var slips = []slip{
 			}
 			return e.Step()
 		})
-		if !errors.Is(errs[1], ErrMismatch) {
-			t.Errorf("rank 1: %v, want ErrMismatch", errs[1])
+		if !errors.Is(errs[1], ErrCollectiveMismatch) {
+			t.Errorf("rank 1: %v, want ErrCollectiveMismatch", errs[1])
 		}
 		return errs[0]
-	}, []error{ErrCollective, ErrMismatch}, []string{"rank 0 called reduce_scatter(", "rank 1 called all_reduce(", "same number of backwards"}},
+	}, []error{ErrCollective, ErrCollectiveMismatch}, []string{"rank 0 called reduce_scatter(", "rank 1 called all_reduce(", "same number of backwards"}},
 
 	{"FullGrads on one rank only", func(t *testing.T) error {
 		errs := twoRanks(5*time.Second, Config{Stage: 2, BucketBytes: 1024}, func(e *Engine, s *HostStream) error {
@@ -263,7 +263,7 @@ var slips = []slip{
 			return e.Step()
 		})
 		return errs[0]
-	}, []error{ErrCollective, ErrMismatch}, []string{"rank 0 called reduce_scatter(", "rank 1 called all_gather("}},
+	}, []error{ErrCollective, ErrCollectiveMismatch}, []string{"rank 0 called reduce_scatter(", "rank 1 called all_gather("}},
 }
 
 // TestSlipsAreNamed runs every slip: the error it must give, and the words

@@ -163,3 +163,177 @@ type Stats struct {
 	GradCopyExposed time.Duration // see GradCopyTime
 	ParamCopyTime   time.Duration // see GradCopyTime
 }
+
+// backwardEnd marks, on the device's clock, when a window's last backward
+// had produced its last gradient: a stream of its own waits for the last
+// event of every stream that produced in the backward, then records a timed
+// event. The reductions and offload's copies measure from it the part of
+// their time that backward did not hide. The engine owns it; the
+// components read it through exposure.
+type backwardEnd struct {
+	marks     Stream
+	producers map[Stream]Event
+	clock     stopwatch
+	at        Event // the window's last backward's end; nil before one ended
+}
+
+func newBackwardEnd(dev Device) (*backwardEnd, error) {
+	s, err := dev.NewStream()
+	return &backwardEnd{marks: s, producers: map[Stream]Event{}}, err
+}
+
+// stream is the marks' own stream, which the engine syncs with its others.
+func (b *backwardEnd) stream() Stream { return b.marks }
+
+// produced notes ev as stream s's latest gradient of the backward.
+func (b *backwardEnd) produced(s Stream, ev Event) { b.producers[s] = ev }
+
+// mark ends a backward: the mark follows its producers' last events and
+// replaces the previous backward's.
+func (b *backwardEnd) mark() error {
+	for _, ev := range b.producers {
+		if err := b.marks.Wait(ev); err != nil {
+			return err
+		}
+	}
+	clear(b.producers)
+	b.clock.release(b.at)
+	var err error
+	b.at, err = b.clock.mark(b.marks)
+	return err
+}
+
+// restart forgets the window's marks (at Step after the reports, and for
+// a dropped backward): the next window marks its own.
+func (b *backwardEnd) restart() {
+	clear(b.producers)
+	b.clock.release(b.at)
+	b.at = nil
+}
+
+// exposure measures spans (a stopwatch's, not yet taken) against the
+// mark: the sum of their parts after it; how long after it the last span
+// ended (0 when every span ended before it, or no backward ended); and the
+// last span's own length, the least exposure overlap can reach (the last
+// bucket is produced when backward ends).
+func (b *backwardEnd) exposure(w *stopwatch) (after, tail, last time.Duration, err error) {
+	var lastEnd Event
+	for _, sp := range w.spans {
+		if lastEnd != nil {
+			d, err := Elapsed(lastEnd, sp[1])
+			if err != nil {
+				return 0, 0, 0, err
+			}
+			if d < 0 {
+				continue
+			}
+		}
+		lastEnd = sp[1]
+		if last, err = Elapsed(sp[0], sp[1]); err != nil {
+			return 0, 0, 0, err
+		}
+	}
+	if b.at == nil {
+		return 0, 0, last, nil
+	}
+	for _, sp := range w.spans {
+		from, err := Elapsed(b.at, sp[0])
+		if err != nil {
+			return 0, 0, 0, err
+		}
+		to, err := Elapsed(b.at, sp[1])
+		if err != nil {
+			return 0, 0, 0, err
+		}
+		after += max(0, to-max(0, from))
+		tail = max(tail, to)
+	}
+	return after, tail, last, nil
+}
+
+func (b *backwardEnd) close() error {
+	if b.marks == nil {
+		return nil
+	}
+	return b.marks.Close()
+}
+
+// DeviceBytes is one rank's device memory by kind. FrameworkParams is the
+// framework's own; every other field is memory the engine allocates, and
+// counts in one field of Stats: GradShard, Staging, LocalSums and
+// WindowSums in PeakGradBytes; GradScratch, Master, OptimizerState,
+// NewParams and ParamGather in OptimizerBytes; Control in ControlBytes;
+// ParamShard and Gathered in PeakParamBytes.
+type DeviceBytes struct {
+	// FrameworkParams are the framework's model-dtype parameters: all of
+	// them at stages 1 and 2 (the engine writes into them), the frozen ones
+	// at stage 3 (the others may be freed after New).
+	FrameworkParams int64
+	ParamShard      int64 // stage 3: this rank's shard of the parameters, model dtype (on the host with Offload.Params)
+	Gathered        int64 // stage 3: gather buffers (a set held, and the prefetch within its budgets)
+	GradShard       int64 // the reduced gradient shard, in Precision.ShardDType
+	GradScratch     int64 // fp32, the largest bucket shard: the optimizer reads a 16-bit shard widened through it
+	Staging         int64 // staging buffers, comm dtype, one largest bucket each
+	LocalSums       int64 // ZeRO-1's local sums: fp32, every bucket's elements, or padded in a 16-bit Window.DType
+	WindowSums      int64 // a window's sums in Window.DType, the buckets it defers
+	Master          int64 // fp32 master weights
+	OptimizerState  int64 // AdamW's m and v (and amsgrad's maximum), SGD's momentum
+	NewParams       int64 // stages 1-2: the model-dtype shard of the new parameters
+	ParamGather     int64 // stages 1-2: the bucket buffer the new parameters are all-gathered in
+	Control         int64 // the overflow flag, Step's check, the norm's chunk sums and its all-gather
+}
+
+// HostBytes is an offloading rank's page-locked host memory by kind: all of
+// it in Stats.HostBytes, GradShard and Landing in Stats.HostGradBytes,
+// ParamShard in Stats.HostParamBytes.
+type HostBytes struct {
+	ParamShard     int64 // Offload.Params: stage 3's shard of the parameters, model dtype
+	GradShard      int64 // the gradient shard, in Precision.ShardDType
+	GradScratch    int64 // fp32, the largest bucket shard: the optimizer reads a 16-bit shard widened through it
+	Landing        int64 // buffers the reduced parts land in, comm dtype
+	Master         int64 // fp32 master weights
+	OptimizerState int64 // as DeviceBytes.OptimizerState
+	NewParams      int64 // the host's model-dtype copy of the new parameters (none with Offload.Params: the step writes ParamShard)
+	Control        int64 // the overflow flag and the norm's chunk sums
+}
+
+// Engine is the device memory the engine allocates: all but the
+// framework's parameters.
+func (d DeviceBytes) Engine() int64 { return d.Total() - d.FrameworkParams }
+
+// Total is the engine's device memory and the framework's parameters.
+func (d DeviceBytes) Total() int64 { return d.ModelStates() + d.Buffers() }
+
+// ModelStates is what the ZeRO paper counts: parameters (the framework's
+// and the stage-3 shard), gradients (the shard and the local sums) and
+// optimizer state (master, moments, the new parameters' shard).
+func (d DeviceBytes) ModelStates() int64 {
+	return d.FrameworkParams + d.ParamShard + d.GradShard + d.LocalSums + d.WindowSums + d.Master + d.OptimizerState + d.NewParams
+}
+
+// Buffers is the rest: the working buffers of one or a few buckets.
+func (d DeviceBytes) Buffers() int64 {
+	return d.Gathered + d.GradScratch + d.Staging + d.ParamGather + d.Control
+}
+
+// Total is the engine's host memory.
+func (h HostBytes) Total() int64 {
+	return h.ParamShard + h.GradShard + h.GradScratch + h.Landing + h.Master + h.OptimizerState + h.NewParams + h.Control
+}
+
+// plus is d and o added field by field: the estimate adds up what each
+// component says it allocates.
+func (d DeviceBytes) plus(o DeviceBytes) DeviceBytes {
+	return DeviceBytes{FrameworkParams: d.FrameworkParams + o.FrameworkParams, ParamShard: d.ParamShard + o.ParamShard,
+		Gathered: d.Gathered + o.Gathered, GradShard: d.GradShard + o.GradShard, GradScratch: d.GradScratch + o.GradScratch,
+		Staging: d.Staging + o.Staging, LocalSums: d.LocalSums + o.LocalSums, WindowSums: d.WindowSums + o.WindowSums,
+		Master: d.Master + o.Master, OptimizerState: d.OptimizerState + o.OptimizerState, NewParams: d.NewParams + o.NewParams,
+		ParamGather: d.ParamGather + o.ParamGather, Control: d.Control + o.Control}
+}
+
+// plus is h and o added field by field.
+func (h HostBytes) plus(o HostBytes) HostBytes {
+	return HostBytes{ParamShard: h.ParamShard + o.ParamShard, GradShard: h.GradShard + o.GradShard,
+		GradScratch: h.GradScratch + o.GradScratch, Landing: h.Landing + o.Landing, Master: h.Master + o.Master,
+		OptimizerState: h.OptimizerState + o.OptimizerState, NewParams: h.NewParams + o.NewParams, Control: h.Control + o.Control}
+}

@@ -11,6 +11,12 @@ type View struct {
 	write func(src []float32) error // copies src in, so that read gives it back
 }
 
+// newView is parameter param's view of rg on rank, read and written
+// through the engine's copies.
+func newView(param int, rg ShardRange, rank int, read func(dst []float32) error, write func(src []float32) error) View {
+	return View{Param: param, ShardRange: rg, rank: rank, read: read, write: write}
+}
+
 // Read copies the view's Count elements into dst.
 func (v View) Read(dst []float32) error {
 	if err := v.prepare("View.Read", len(dst)); err != nil {

@@ -72,10 +72,6 @@ type Engine struct {
 	callerStreams map[Stream]struct{}
 }
 
-// stageModes is how each stage reduces its buckets: ZeRO-1 sums locally
-// and reduces once per window; ZeRO-2 and ZeRO-3 stream every backward.
-var stageModes = [...]bucketMode{1: local, 2: streamed, 3: streamed}
-
 // New builds the partition plan and the engine for comm's rank. Every rank
 // calls it with the same config and parameters. Every check runs before
 // any collective or allocation; then ranks compare their settings (all but
@@ -113,7 +109,7 @@ func (e *Engine) init() error {
 	if e.ends, err = newBackwardEnd(e.dev); err != nil {
 		return err
 	}
-	e.streams = append(e.streams, e.ends.marks)
+	e.streams = append(e.streams, e.ends.stream())
 	if err := checkSettings(e.dev, e.comm, e.reduceStream, settingsRecord(e.cfg, e.params, e.world)); err != nil {
 		return err
 	}
@@ -152,10 +148,7 @@ func (e *Engine) init() error {
 		}
 		sk = ds
 	}
-	modes := make([]bucketMode, len(e.plan.Buckets))
-	for b := range modes {
-		modes[b] = stageModes[e.cfg.Stage]
-	}
+	modes := stageBucketModes(e.cfg.Stage, len(e.plan.Buckets))
 	// The 1/W of the mean goes into the reduction (ncclAvg) where dividing by
 	// W is exact, a power of two: the same bits as a sum scaled afterwards,
 	// and no overflow of a half-precision sum on the wire. Elsewhere it goes
@@ -309,14 +302,14 @@ func (e *Engine) drain() {
 }
 
 // SetBoundary(true) before the last backward of a step lets its deferred
-// reductions (ZeRO-1's local buckets) overlap with that backward. It lasts
+// reductions (ZeRO-1's deferred buckets) overlap with that backward. It lasts
 // until EndBackward. Gradients still sum over every backward since the last
 // Step: a boundary never drops earlier backwards.
 //
 // Call it between backwards, at the same point on every rank: whether the
-// local buckets are reduced during a backward must be the same on every
+// deferred buckets are reduced during a backward must be the same on every
 // rank. Inside a backward (after this rank's first gradient of it) it has
-// no effect on that backward, whose local buckets the next flush (Step)
+// no effect on that backward, whose deferred buckets the next flush (Step)
 // reduces; inside a coalesced window or NoSync it has none either: the
 // window's end is its boundary.
 func (e *Engine) SetBoundary(b bool) {
@@ -442,7 +435,7 @@ func (e *Engine) lastBackward() bool {
 }
 
 // EndBackward closes a backward. Members that did not report count as
-// zero. Streamed buckets are all reduced now; local buckets only when the
+// zero. Streamed buckets are all reduced now; deferred buckets only when the
 // backward was flagged as the boundary, and otherwise at Step.
 func (e *Engine) EndBackward() error {
 	if err := e.usable("EndBackward"); err != nil {
@@ -779,10 +772,10 @@ func (e *Engine) GradView(param int) (View, error) {
 		d, s := e.pl.shardSide(e.copyStream)
 		return e.copyScaled(d, s, dst, src, scale)
 	}
-	return View{Param: param, ShardRange: rg, rank: e.rank,
-		read:  func(dst []float32) error { return copyScaled("View.Read", Float32s(dst), part, false) },
-		write: func(src []float32) error { return copyScaled("View.Write", part, Float32s(src), true) },
-	}, nil
+	return newView(param, rg, e.rank,
+		func(dst []float32) error { return copyScaled("View.Read", Float32s(dst), part, false) },
+		func(src []float32) error { return copyScaled("View.Write", part, Float32s(src), true) },
+	), nil
 }
 
 // TrimPools frees the pooled buffers that are idle: staging buffers beyond
@@ -902,7 +895,7 @@ func (e *Engine) checkGather(op string, s Stream, ps []int) error {
 
 // BeginCoalesce opens a coalesced window: the backwards until EndCoalesce
 // sum their gradients locally, and EndCoalesce reduces each bucket once.
-// It works at every stage; at stage 1, whose buckets are local anyway, it
+// It works at every stage; at stage 1, whose buckets are deferred anyway, it
 // only makes the reduction happen at EndCoalesce.
 func (e *Engine) BeginCoalesce() error { return e.beginWindow("BeginCoalesce", false) }
 
@@ -925,7 +918,7 @@ func (e *Engine) beginWindow(op string, noSync bool) error {
 	return nil
 }
 
-// EndCoalesce closes the window: each local bucket is reduced exactly once
+// EndCoalesce closes the window: each deferred bucket is reduced exactly once
 // into the shard, on the engine's stream, and the modes return to the
 // stage's. It acts as a boundary: Step may follow at once.
 func (e *Engine) EndCoalesce() error {
@@ -1111,8 +1104,8 @@ func (e *Engine) checkpointable(op string) (*ckptEngine, error) {
 		}
 		return nil
 	}
-	return &ckptEngine{fs: e.ckptFS(), comm: e.comm, rank: e.rank, world: e.world, stage: e.cfg.Stage, plan: e.plan,
-		params: e.params, settings: e.Settings(), opt: e.opt, ps: e.ps, step: e.stepIndex, stop: stop}, nil
+	return newCkptEngine(ckptSnapshot{fs: e.ckptFS(), comm: e.comm, rank: e.rank, world: e.world, stage: e.cfg.Stage, plan: e.plan,
+		params: e.params, settings: e.Settings(), opt: e.opt, ps: e.ps, step: e.stepIndex, stop: stop}), nil
 }
 
 // ckptFS is the file layer checkpoints use (a test's, where one is set).

@@ -29,7 +29,7 @@ import (
 )
 
 // presets are Llama-2's shapes (the 70B with grouped-query attention).
-var presets = map[string]zero.Transformer{
+var presets = map[string]zero.TransformerShape{
 	"7b":  {Hidden: 4096, Layers: 32, Vocab: 32000, FFN: 11008, Heads: 32},
 	"13b": {Hidden: 5120, Layers: 40, Vocab: 32000, FFN: 13824, Heads: 40},
 	"70b": {Hidden: 8192, Layers: 80, Vocab: 32000, FFN: 28672, Heads: 64, KVHeads: 8},
@@ -388,7 +388,7 @@ func table(o options, m model) ([]Row, error) {
 					for _, win := range o.windows {
 						cfg := base
 						cfg.Stage, cfg.Offload.Optimizer, cfg.Offload.Params = stage, off, params
-						est, err := zero.Estimate(m.params, cfg, world, zero.Run{Backwards: o.backwards, Window: win, Gathers: m.sets})
+						est, err := zero.Estimate(m.params, cfg, world, zero.Workload{Backwards: o.backwards, Window: win, Gathers: m.sets})
 						if err != nil {
 							return nil, fmt.Errorf("%s W=%d stage %d: %w", m.name, world, stage, err)
 						}
