@@ -2,19 +2,24 @@ package zero
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"math"
+	"math/rand/v2"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
 	"unsafe"
 )
 
-// Importing a model from a safetensors file (ImportSafetensors): each
-// parameter's tensor found, checked and read into the parameters' memory.
-// The exports, from an engine and from a checkpoint directory, are the
-// checkpoint's (checkpoint.go). The format itself is safetensors.go's.
+// The model in safetensors files, both ways: the import (ImportSafetensors:
+// each parameter's tensor found, checked and read into the parameters'
+// memory) and the exports, from an engine's state (ExportSafetensors) and
+// from a checkpoint directory (CheckpointToSafetensors), which read what
+// the checkpoint's code (checkpoint.go) snapshots and finds. The format
+// itself is safetensors.go's.
 
 // ImportOptions are the choices of ImportSafetensors.
 type ImportOptions struct {
@@ -344,6 +349,412 @@ func (r stReader) fill(f io.ReaderAt, dev Device, s Stream, data Tensor, buf, co
 		if err := s.Sync(); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// ---- safetensors export -------------------------------------------------------
+
+// ExportOptions are the choices of an export to safetensors.
+type ExportOptions struct {
+	// Optimizer adds each trained parameter's optimizer state, named as
+	// torch names it: "<name>.exp_avg", "<name>.exp_avg_sq",
+	// "<name>.max_exp_avg_sq" (amsgrad) and "<name>.step" (the steps
+	// taken, a float32 scalar as torch keeps it) for AdamW;
+	// "<name>.momentum_buffer" for SGD with momentum.
+	Optimizer bool
+	// Metadata goes into the header's __metadata__, beside zero's own
+	// ("format": "pt", "zero.step": the steps taken); a key given here wins.
+	Metadata map[string]string
+}
+
+// exportItem is one tensor of an export and where its values are: state
+// ("master", "m", "v", "vmax": the shards; "step": the step count) of
+// parameter p, or "data": a frozen parameter's memory.
+type exportItem struct {
+	p     int
+	state string
+}
+
+// exportList lists an export's tensors in file order, every one F32: each
+// parameter's values (the fp32 master; a frozen parameter's memory,
+// widened, where withFrozen: a checkpoint holds no frozen values), then
+// with opt.Optimizer its state by its group's kind.
+func exportList(params []Param, groups []Optimizer, opt ExportOptions, withFrozen bool) ([]stTensor, []exportItem) {
+	var ts []stTensor
+	var items []exportItem
+	add := func(name string, shape []int, p int, state string) {
+		ts = append(ts, stTensor{Name: name, DType: "F32", Shape: shape})
+		items = append(items, exportItem{p, state})
+	}
+	for p, q := range params {
+		shape := q.Shape
+		if len(shape) == 0 {
+			shape = []int{q.Count}
+		}
+		if q.Frozen {
+			if withFrozen {
+				add(q.Name, shape, p, "data")
+			}
+			continue
+		}
+		add(q.Name, shape, p, "master")
+		if !opt.Optimizer || q.Group < 0 || q.Group >= len(groups) {
+			continue
+		}
+		switch g := groups[q.Group].(type) {
+		case AdamW:
+			add(q.Name+".exp_avg", shape, p, "m")
+			add(q.Name+".exp_avg_sq", shape, p, "v")
+			if g.AMSGrad {
+				add(q.Name+".max_exp_avg_sq", shape, p, "vmax")
+			}
+			add(q.Name+".step", []int{}, p, "step")
+		case SGD:
+			if g.Momentum != 0 {
+				add(q.Name+".momentum_buffer", shape, p, "m")
+			}
+		}
+	}
+	return ts, items
+}
+
+func exportMetadata(opt ExportOptions, step int) map[string]string {
+	meta := map[string]string{"format": "pt", "zero.step": strconv.Itoa(step)}
+	for k, v := range opt.Metadata {
+		meta[k] = v
+	}
+	return meta
+}
+
+// exportPeerError is this rank's own error, or one that says another
+// rank failed.
+func exportPeerError(own error, what, file string) error {
+	if own != nil {
+		return own
+	}
+	return errorf(ErrCheckpoint, "%s (see that rank's error); %s is unchanged", what, file)
+}
+
+// exportPartial is the name an export is written under before its rename.
+func exportPartial(file string, nonce uint32) string {
+	return fmt.Sprintf("%s.partial-%08x", file, nonce)
+}
+
+// export writes the engine's parameters (and optionally the optimizer
+// state) into file, a safetensors file; every rank calls it. Nothing is
+// gathered: every rank computes the header alike and writes its own
+// shard's ranges at their offsets, rank 0 the frozen parameters (from
+// their memory, their only home) and the step counts. Rank 0 creates the
+// file under a name of its own, with a random part every rank learns, and
+// renames it into place once every rank has written and fsynced its part
+// (a collective of the outcomes): a rank that cannot open that file is on
+// a file system rank 0 does not share, and the export is refused.
+func (ce *ckptEngine) export(file string, opt ExportOptions) error {
+	tensors, items := exportList(ce.params, ce.opt.currentGroups(), opt, true)
+	h, head, err := layoutST(tensors, exportMetadata(opt, ce.step))
+	if err != nil {
+		return err // alike on every rank
+	}
+	var nonce float64
+	var err0 error
+	if ce.rank == 0 {
+		n := rand.Uint32()
+		nonce = float64(n)
+		err0 = ce.createExport(exportPartial(file, n), head, h.Size(), items)
+	}
+	failed, vals, err := ce.shareOutcome(err0 != nil, nonce)
+	if err != nil {
+		return err
+	}
+	if failed {
+		return exportPeerError(err0, "rank 0 could not create the export", file)
+	}
+	partial := exportPartial(file, uint32(vals[0]))
+	errw := ce.writeExport(partial, h, items)
+	failed, _, err = ce.shareOutcome(errw != nil)
+	if err != nil {
+		return err
+	}
+	if failed {
+		if ce.rank == 0 {
+			ce.fs.RemoveAll(partial) // best effort: it was never whole
+		}
+		return exportPeerError(errw, "a rank could not write its part of the export", file)
+	}
+	var errc error
+	if ce.rank == 0 {
+		if errc = ce.fs.Rename(partial, file); errc == nil {
+			errc = ce.fs.SyncDir(filepath.Dir(file))
+		}
+		if errc != nil {
+			errc = fmt.Errorf("%w: moving the export into place as %s: %w", ErrCheckpoint, file, errc)
+		}
+	}
+	failed, _, err = ce.shareOutcome(errc != nil)
+	if err != nil {
+		return err
+	}
+	if failed {
+		return exportPeerError(errc, "rank 0 could not move the export into place", file)
+	}
+	return nil
+}
+
+// createExport is rank 0's start of an export: the frozen parameters'
+// memory checked, the file created with its header and its whole size.
+func (ce *ckptEngine) createExport(partial string, head []byte, size int64, items []exportItem) error {
+	for _, it := range items {
+		if q := ce.params[it.p]; it.state == "data" && q.Count > 0 && q.Data.count != q.Count {
+			return errorf(ErrParam, "parameter %d (%q) is frozen and has no Data on rank 0: zero holds nothing else of it; give it its memory", it.p, q.Name)
+		}
+	}
+	f, err := ce.fs.Create(partial)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrCheckpoint, err)
+	}
+	if _, err = f.Write(head); err == nil {
+		if err = f.Truncate(size); err == nil {
+			err = f.Sync()
+		}
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("%w: creating %s: %w", ErrCheckpoint, partial, err)
+	}
+	return nil
+}
+
+// writeExport writes this rank's part of an export into partial: its
+// shard's ranges of each state tensor, and on rank 0 the step counts and
+// the frozen parameters; then fsyncs it.
+func (ce *ckptEngine) writeExport(partial string, h *stHeader, items []exportItem) error {
+	f, err := ce.fs.OpenWrite(partial)
+	if err != nil {
+		return errorf(ErrCheckpoint, "rank %d cannot open %s, which rank 0 created (%v): export to a file system every rank shares", ce.rank, partial, err)
+	}
+	states := map[string]stateTensor{}
+	for _, st := range ce.opt.stateTensors() {
+		states[st.name] = st
+	}
+	steps := ce.opt.checkpointState().Steps
+	var buf []byte
+	chunk := func() []byte {
+		if buf == nil {
+			buf = make([]byte, ckptChunk)
+		}
+		return buf
+	}
+	synced := map[string]bool{}
+	for i, it := range items {
+		at := h.DataStart + h.Tensors[i].Begin
+		q := ce.params[it.p]
+		switch it.state {
+		case "step":
+			if ce.rank == 0 {
+				var b [4]byte
+				binary.LittleEndian.PutUint32(b[:], math.Float32bits(float32(steps[it.p])))
+				_, err = f.WriteAt(b[:], at)
+			}
+		case "data":
+			if ce.rank == 0 && q.Count > 0 {
+				model := states["model"] // the engine's device and stream
+				err = writeWidened(f, at, model.dev, model.s, q.Data, chunk())
+			}
+		default:
+			r := ce.plan.shardRange(it.p, ce.rank)
+			st, ok := states[it.state]
+			if r.Count == 0 || !ok {
+				continue
+			}
+			if !synced[st.name] { // the state's last writes
+				synced[st.name] = true
+				if err = st.s.Sync(); err != nil {
+					break
+				}
+			}
+			err = writeStateAt(f, at+int64(r.ParamOffset)*4, st, st.t.slice(r.ShardOffset, r.Count), chunk)
+		}
+		if err != nil {
+			break
+		}
+	}
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil && !errors.Is(err, ErrCheckpoint) {
+		err = fmt.Errorf("%w: writing %s: %w", ErrCheckpoint, partial, err)
+	}
+	return err
+}
+
+// writeStateAt writes part, a range of an fp32 state tensor, at offset
+// at: from host memory in place, from a device through a chunk.
+func writeStateAt(f ckptFile, at int64, st stateTensor, part Tensor, chunk func() []byte) error {
+	if _, onHost := st.dev.(*hostDevice); onHost {
+		_, err := f.WriteAt(part.hostBytes(), at)
+		return err
+	}
+	buf := chunk()
+	per := len(buf) / 4
+	for lo := 0; lo < part.count; lo += per {
+		n := min(per, part.count-lo)
+		b := buf[:4*n]
+		if err := st.dev.copy(st.s, hostTensor(b, FP32), part.slice(lo, n)); err != nil {
+			return err
+		}
+		if err := st.s.Sync(); err != nil {
+			return err
+		}
+		if _, err := f.WriteAt(b, at+int64(lo)*4); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// writeWidened writes data (memory on dev) as fp32 at offset at, through
+// buf: copied to the host a piece at a time and widened there.
+func writeWidened(f ckptFile, at int64, dev Device, s Stream, data Tensor, buf []byte) error {
+	d := data.dtype
+	per := len(buf) / (4 + d.Size())
+	raw, wide := buf[:per*d.Size()], buf[per*d.Size():]
+	for lo := 0; lo < data.count; lo += per {
+		n := min(per, data.count-lo)
+		src := raw[:n*d.Size()]
+		if err := dev.copy(s, hostTensor(src, d), data.slice(lo, n)); err != nil {
+			return err
+		}
+		if err := s.Sync(); err != nil {
+			return err
+		}
+		out := src
+		if d != FP32 {
+			out = wide[:4*n]
+			castHost(hostTensor(out, FP32).ptr, FP32, hostTensor(src, d).ptr, d, n, 1)
+		}
+		if _, err := f.WriteAt(out, at+int64(lo)*4); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// CheckpointToSafetensors writes the fp32 parameters (the master) of the
+// checkpoint in dir (a checkpoint directory, or one whose latest names one)
+// into file, one safetensors file, as Engine.ExportSafetensors does, with
+// no engine and no GPU (DeepSpeed's zero_to_fp32.py): every rank file is
+// checked whole against the manifest first, then each tensor is read from
+// the rank files that hold its pieces and written in order, a chunk at a
+// time. Frozen parameters are left out: a checkpoint holds no values of
+// theirs. The file is written under a temporary name, fsynced and renamed.
+func CheckpointToSafetensors(dir, file string, opt ExportOptions) error {
+	return checkpointToSafetensors(osFS{}, dir, file, opt)
+}
+
+func checkpointToSafetensors(fsys ckptFS, dir, file string, opt ExportOptions) error {
+	at, m, err := findCheckpoint(fsys, dir)
+	if err != nil {
+		return err
+	}
+	where := filepath.Join(at, ckptManifest)
+	params := make([]Param, len(m.Params))
+	for i, p := range m.Params {
+		d, ok := dtypeNamed(p.DType)
+		if !ok || p.Count < 0 || !shapeHolds(p.Shape, p.Count) {
+			return errorf(ErrCheckpoint, "%s: parameter %d has the dtype %q, count %d and shape %v; the manifest is damaged", where, i, p.DType, p.Count, p.Shape)
+		}
+		params[i] = Param{Name: p.Name, Count: p.Count, Shape: p.Shape, DType: d, Group: p.Group, Frozen: p.Frozen}
+	}
+	if len(m.Optimizer.Steps) != len(params) {
+		return errorf(ErrCheckpoint, "%s: %d step counts for %d parameters; the manifest is damaged", where, len(m.Optimizer.Steps), len(params))
+	}
+	if err := checkScalars(at, m.Optimizer); err != nil {
+		return err
+	}
+	x, err := checkLayout(at, m, params)
+	if err != nil {
+		return err
+	}
+	ld := newLoader(newCkptEngine(ckptSnapshot{fs: fsys, params: params}), at, m, x)
+	defer ld.close()
+	ranks := make([]int, m.Layout.World)
+	for r := range ranks {
+		ranks[r] = r
+	}
+	if err := ld.verifyRanks(ranks); err != nil {
+		return err
+	}
+	groups := make([]Optimizer, len(m.Optimizer.Groups))
+	for i, g := range m.Optimizer.Groups {
+		switch {
+		case g.AdamW != nil:
+			groups[i] = *g.AdamW
+		case g.SGD != nil:
+			groups[i] = *g.SGD
+		}
+	}
+	tensors, items := exportList(params, groups, opt, false)
+	_, head, err := layoutST(tensors, exportMetadata(opt, m.Step))
+	if err != nil { // the manifest's names: it is damaged
+		return fmt.Errorf("%w: %s: %w; the manifest is damaged", ErrCheckpoint, where, err)
+	}
+	for _, it := range items {
+		if it.state != "step" && !ld.has(it.state) {
+			return errorf(ErrCheckpoint, "%s holds no %s state for %q; export without the optimizer", at, it.state, params[it.p].Name)
+		}
+	}
+	tmp := file + ".tmp"
+	f, err := fsys.Create(tmp)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrCheckpoint, err)
+	}
+	_, err = f.Write(head)
+	most := 0
+	for _, q := range params {
+		most = max(most, q.Count)
+	}
+	buf := ld.buffer(4 * int64(most))
+	per := len(buf) / 4
+	for i := 0; err == nil && i < len(items); i++ {
+		it := items[i]
+		if it.state == "step" {
+			var b [4]byte
+			binary.LittleEndian.PutUint32(b[:], math.Float32bits(float32(m.Optimizer.Steps[it.p])))
+			_, err = f.Write(b[:])
+			continue
+		}
+		st := stateTensor{name: it.state, t: Tensor{dtype: FP32}}
+		for lo := 0; err == nil && lo < params[it.p].Count; lo += per {
+			n := min(per, params[it.p].Count-lo)
+			if err = ld.readParam(st, it.p, lo, n, buf[:4*n]); err == nil {
+				_, err = f.Write(buf[:4*n])
+			}
+		}
+	}
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = fsys.Rename(tmp, file)
+	}
+	if err == nil {
+		err = fsys.SyncDir(filepath.Dir(file))
+	}
+	if err != nil {
+		fsys.RemoveAll(tmp)
+		if !errors.Is(err, ErrCheckpoint) {
+			err = fmt.Errorf("%w: writing %s: %w", ErrCheckpoint, file, err)
+		}
+		return err
 	}
 	return nil
 }
