@@ -3,8 +3,13 @@ package zero
 import (
 	"errors"
 	"fmt"
+	"math"
+	"strings"
 )
 
+// Every comparison across ranks: Step's check (below) and, at New, the
+// settings record's (checkSettings, after it).
+//
 // Step's first collective: one small max-all-reduce from which every rank
 // learns what every rank claims about the window, so every rank refuses the
 // same windows before anything changes. It carries (G, −G), the largest
@@ -165,3 +170,113 @@ func (c *stepCheck) report(st *Stats) error {
 }
 
 func (c *stepCheck) close() error { return c.dev.Free(c.buf) }
+
+// ---- the settings, compared across ranks ---------------------------------------------
+
+// allGatherWords gives every rank every rank's words (the same number on
+// each), through the device's memory, on s.
+func allGatherWords(dev Device, comm Comm, s Stream, mine []uint32) ([][]uint32, error) {
+	n, world := len(mine), comm.Size()
+	words := make([]float32, n*world)
+	for i, w := range mine {
+		words[comm.Rank()*n+i] = math.Float32frombits(w) // the bits travel as they are: an all-gather copies
+	}
+	buf, err := dev.Alloc(n*world, FP32)
+	if err != nil {
+		return nil, err
+	}
+	synced := false
+	defer func() { freeSynced(dev, buf, synced, s) }()
+	part := buf.slice(comm.Rank()*n, n)
+	if err := dev.copy(s, part, Float32s(words[comm.Rank()*n:(comm.Rank()+1)*n])); err != nil {
+		return nil, err
+	}
+	if err := comm.AllGather(s, part, buf); err != nil {
+		return nil, err
+	}
+	if err := dev.copy(s, Float32s(words), buf); err != nil {
+		return nil, err
+	}
+	if err := s.Sync(); err != nil {
+		return nil, err
+	}
+	synced = true
+	out := make([][]uint32, world)
+	for r := range out {
+		out[r] = make([]uint32, n)
+		for i := range n {
+			out[r][i] = math.Float32bits(words[r*n+i])
+		}
+	}
+	return out, nil
+}
+
+// allGatherBytes gives every rank every rank's bytes, of any length: the
+// lengths first, then the bytes padded to the longest.
+func allGatherBytes(dev Device, comm Comm, s Stream, mine []byte) ([][]byte, error) {
+	lens, err := allGatherWords(dev, comm, s, []uint32{uint32(len(mine))})
+	if err != nil {
+		return nil, err
+	}
+	longest := 0
+	for _, l := range lens {
+		longest = max(longest, int(l[0]))
+	}
+	words := make([]uint32, (longest+3)/4)
+	for i, b := range mine {
+		words[i/4] |= uint32(b) << (8 * (i % 4))
+	}
+	all, err := allGatherWords(dev, comm, s, words)
+	if err != nil {
+		return nil, err
+	}
+	out := make([][]byte, len(all))
+	for r, ws := range all {
+		out[r] = make([]byte, lens[r][0])
+		for i := range out[r] {
+			out[r][i] = byte(ws[i/4] >> (8 * (i % 4)))
+		}
+	}
+	return out, nil
+}
+
+// settingsError names, the same way on every rank, the first setting in
+// which a rank's record differs from rank 0's.
+func settingsError(records [][]byte, what string) error {
+	first := decodeRecord(records[0])
+	for r := 1; r < len(records); r++ {
+		path, v0, vr, found := firstDifference(first, decodeRecord(records[r]))
+		if !found {
+			continue
+		}
+		fix := "give every rank the same settings"
+		if strings.HasPrefix(path, "Model[") {
+			fix = "register the same parameters (name, count, shape, dtype, group, frozen) in the same order on every rank"
+		}
+		return errorf(ErrPlanMismatch, "%s: %s: rank 0 has %s, rank %d has %s; %s", what, path, v0, r, vr, fix)
+	}
+	return errorf(ErrPlanMismatch, "%s: the ranks' settings hash differently but read the same; give every rank the same settings", what)
+}
+
+// checkSettings compares every shared setting across ranks: one all-gather
+// of the record's digest, and only where digests differ an exchange of the
+// records, so that every rank names the same setting and both values.
+func checkSettings(dev Device, comm Comm, s Stream, rec []Setting) error {
+	d := recordDigest(rec, "")
+	digests, err := allGatherWords(dev, comm, s, []uint32{uint32(d), uint32(d >> 32)})
+	if err != nil {
+		return err
+	}
+	same := true
+	for _, w := range digests {
+		same = same && w[0] == digests[0][0] && w[1] == digests[0][1]
+	}
+	if same {
+		return nil
+	}
+	records, err := allGatherBytes(dev, comm, s, encodeRecord(rec, ""))
+	if err != nil {
+		return err
+	}
+	return settingsError(records, "New")
+}

@@ -612,11 +612,11 @@ func (ce *ckptEngine) checkSettings(where string, m ckptManifestData) error {
 		saved[s.Path] = s
 	}
 	for _, s := range ce.settings {
-		if s.Class != MustMatch || strings.HasPrefix(s.Path, "Optimizer.") || strings.HasPrefix(s.Path, "Model[") {
+		if s.Class != ClassMatch || strings.HasPrefix(s.Path, "Optimizer.") || strings.HasPrefix(s.Path, "Model[") {
 			continue
 		}
 		if o, ok := saved[s.Path]; ok && o.Value != s.Value {
-			return errorf(ErrCheckpoint, "%s: %s was %s when saved, the engine has %s; it must match: set it as saved", where, s.Path, o.Value, s.Value)
+			return errorf(ErrCheckpoint, "%s: %s was %s when saved, the engine has %s; a setting of class match is the same on reload: set it as saved", where, s.Path, o.Value, s.Value)
 		}
 	}
 	return nil

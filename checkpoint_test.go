@@ -2907,7 +2907,7 @@ func readCheckpointState(t *testing.T, dir string) (CheckpointState, []byte) {
 			st.Groups = append(st.Groups, made(*g.SGD))
 		}
 	}
-	classes := map[string]SettingClass{"match": MustMatch, "reshard": MatchRanks, "local": RankLocal}
+	classes := map[string]SettingClass{"match": ClassMatch, "reshard": ClassReshard, "local": ClassLocal}
 	for _, s := range m.Settings {
 		st.Settings = append(st.Settings, Setting{s.Path, s.Value, classes[s.Class]})
 	}

@@ -189,7 +189,7 @@ func (st *CheckpointState) manifest() (ckptManifestData, []stateSection, error) 
 	}
 	seen := map[string]bool{}
 	for i, s := range st.Settings {
-		if s.Path == "" || seen[s.Path] || s.Class < MustMatch || s.Class > RankLocal {
+		if s.Path == "" || seen[s.Path] || s.Class < ClassMatch || s.Class > ClassLocal {
 			return m, nil, errorf(ErrConfig, "CheckpointState.Settings[%d] is %q (%v), empty, repeated or of no class; give an engine's settings record (Engine.Settings), or none", i, s.Path, s.Class)
 		}
 		seen[s.Path] = true

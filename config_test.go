@@ -135,7 +135,7 @@ func TestSettingsMismatch(t *testing.T) {
 		}
 		baseRec := settingsRecord(resolved, params, 2)
 		for _, s := range baseRec {
-			if s.Class == RankLocal || s.Path == "World" {
+			if s.Class == ClassLocal || s.Path == "World" {
 				continue
 			}
 			field := regexp.MustCompile(`\[\d+\]`).ReplaceAllString(s.Path, "[]")
@@ -259,7 +259,7 @@ func TestSettingsMismatch(t *testing.T) {
 	rec = append(rec, groupsRecord([]Optimizer{NewSGD(1)})...)
 	for _, s := range rec {
 		field := regexp.MustCompile(`\[\d+\]`).ReplaceAllString(s.Path, "[]")
-		if s.Class != RankLocal && s.Path != "World" && field != "Model[].DType" && !covered[field] {
+		if s.Class != ClassLocal && s.Path != "World" && field != "Model[].DType" && !covered[field] {
 			t.Errorf("%s was never perturbed", field)
 		}
 	}

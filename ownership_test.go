@@ -39,7 +39,7 @@ var floors = map[string]int{
 	"group_local.go": 5, "group_cuda.go": 5, "nccl_cuda.go": 5, "mpi.go": 5,
 	// 6: the caller's words, the partition plan and what the engine reports
 	// back; the import of a model from a safetensors file
-	"config.go": 6, "plan.go": 6, "view.go": 6, "schedule.go": 6, "dsconfig.go": 6, "safetensors_io.go": 9,
+	"config.go": 6, "settings.go": 6, "plan.go": 6, "view.go": 6, "schedule.go": 6, "dsconfig.go": 6, "safetensors_io.go": 9,
 	// (the shard's sums of squares, which the sinks keep)
 	"norm.go": 6,
 	// 7: the pipeline

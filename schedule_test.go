@@ -545,7 +545,7 @@ func TestScheduleChecks(t *testing.T) {
 	for _, want := range []string{"Optimizer.Schedule", "Optimizer.Schedule.MaxLR", "Optimizer.Schedule.CycleMomentum", "Optimizer.Schedule.DecayStepSize"} {
 		found := false
 		for _, s := range rec {
-			found = found || s.Path == want && s.Class == MustMatch
+			found = found || s.Path == want && s.Class == ClassMatch
 		}
 		if !found {
 			t.Errorf("the record has no %s of class match", want)
