@@ -142,14 +142,14 @@ type ckptSnapshot struct {
 	stop func() error
 }
 
-// ckptEngine runs a save, load or export over a snapshot.
-type ckptEngine struct{ ckptSnapshot }
+// ckptJob runs a save, load or export over a snapshot.
+type ckptJob struct{ ckptSnapshot }
 
-func newCkptEngine(snap ckptSnapshot) *ckptEngine { return &ckptEngine{snap} }
+func newCkptJob(snap ckptSnapshot) *ckptJob { return &ckptJob{snap} }
 
 // shareOutcome runs one collective of the ranks' outcomes: every rank learns
 // whether any failed; vals (the same length on every rank) are summed.
-func (ce *ckptEngine) shareOutcome(failed bool, vals ...float64) (bool, []float64, error) {
+func (ce *ckptJob) shareOutcome(failed bool, vals ...float64) (bool, []float64, error) {
 	f := 0.0
 	if failed {
 		f = 1
@@ -162,7 +162,7 @@ func (ce *ckptEngine) shareOutcome(failed bool, vals ...float64) (bool, []float6
 }
 
 // manifestFor describes the engine's model, layout and settings.
-func (ce *ckptEngine) manifestFor() ckptManifestData {
+func (ce *ckptJob) manifestFor() ckptManifestData {
 	m := ckptManifestData{Format: ckptFormat, Version: ckptVersion, Step: ce.step, Stage: ce.stage,
 		Optimizer: ce.opt.checkpointState()}
 	for _, p := range ce.params {
@@ -185,7 +185,7 @@ func (ce *ckptEngine) manifestFor() ckptManifestData {
 // ---- save --------------------------------------------------------------------
 
 // save writes a checkpoint of the engine under dir; every rank calls it.
-func (ce *ckptEngine) save(dir string, opt SaveOptions) error {
+func (ce *ckptJob) save(dir string, opt SaveOptions) error {
 	keep := opt.Keep
 	if keep == 0 {
 		keep = 2
@@ -298,7 +298,7 @@ func ckptPeerError(own error, what string) error {
 
 // freshName picks the suffix of a name no checkpoint has, clears stale
 // partial directories, and makes this save's partial directory.
-func (ce *ckptEngine) freshName(dir string) (int, error) {
+func (ce *ckptJob) freshName(dir string) (int, error) {
 	if err := ce.fs.MkdirAll(dir); err != nil {
 		return 0, fmt.Errorf("%w: %w", ErrCheckpoint, err)
 	}
@@ -328,7 +328,7 @@ func (ce *ckptEngine) freshName(dir string) (int, error) {
 
 // writeRankFile streams this rank's state into partial/rank-R.bin, through
 // a temporary name, and returns the file's size and CRC32C.
-func (ce *ckptEngine) writeRankFile(partial string, client []byte, saveID string) (int64, uint32, error) {
+func (ce *ckptJob) writeRankFile(partial string, client []byte, saveID string) (int64, uint32, error) {
 	name := filepath.Join(partial, rankFileName(ce.rank))
 	tmp := name + ".tmp"
 	f, err := ce.fs.Create(tmp)
@@ -415,7 +415,7 @@ func writeState(w *rankWriter, st stateTensor, buf []byte) error {
 // the partial directory's renames made durable, the directory renamed,
 // the manifest written (from then on it is complete), the latest pointer
 // moved to it.
-func (ce *ckptEngine) commit(dir, name, partial string, m ckptManifestData) error {
+func (ce *ckptJob) commit(dir, name, partial string, m ckptManifestData) error {
 	wrap := func(err error) error {
 		if err == nil {
 			return nil
@@ -448,7 +448,7 @@ func (ce *ckptEngine) commit(dir, name, partial string, m ckptManifestData) erro
 // sharedByAll checks that rank 0 sees every rank's file as that rank
 // wrote it: a checkpoint is one directory every rank sees. On disks local
 // to each node, the files of another node's ranks are missing here.
-func (ce *ckptEngine) sharedByAll(partial string, files []ckptFileInfo) error {
+func (ce *ckptJob) sharedByAll(partial string, files []ckptFileInfo) error {
 	for _, fi := range files {
 		name := filepath.Join(partial, fi.Name)
 		f, err := ce.fs.Open(name)
@@ -468,7 +468,7 @@ func (ce *ckptEngine) sharedByAll(partial string, files []ckptFileInfo) error {
 // prune removes the complete checkpoints beyond the newest keep (name, just
 // written, among them), and any incomplete ones (no manifest), which no
 // load would take.
-func (ce *ckptEngine) prune(dir, name string, keep int) error {
+func (ce *ckptJob) prune(dir, name string, keep int) error {
 	ents, err := ce.fs.ReadDir(dir)
 	if err != nil {
 		return err
@@ -526,7 +526,7 @@ func compareCkptNames(a, b string) int {
 // the batch split (the saved loss scale is the step's mean loss's, at any
 // G). It returns, for each engine parameter, its index in the checkpoint,
 // and the engine's parameters in the checkpoint's order.
-func (ce *ckptEngine) checkModel(at string, m ckptManifestData) ([]int, []Param, error) {
+func (ce *ckptJob) checkModel(at string, m ckptManifestData) ([]int, []Param, error) {
 	where := filepath.Join(at, ckptManifest)
 	src, err := matchParams(where, m.Params, ce.params)
 	if err != nil {
@@ -606,7 +606,7 @@ func paramNames(ps []ckptParam) string {
 
 // checkSettings refuses a checkpoint saved with settings that must match
 // and differ from the engine's.
-func (ce *ckptEngine) checkSettings(where string, m ckptManifestData) error {
+func (ce *ckptJob) checkSettings(where string, m ckptManifestData) error {
 	saved := map[string]ckptSetting{}
 	for _, s := range m.Settings {
 		saved[s.Path] = s
@@ -647,7 +647,7 @@ func checkScalars(at string, c optCheckpoint) error {
 
 // loader reads a checkpoint's state into this rank's plan.
 type loader struct {
-	ce       *ckptEngine
+	ce       *ckptJob
 	at       string
 	m        ckptManifestData
 	x        *ckptIndex
@@ -658,7 +658,7 @@ type loader struct {
 	ahead    []byte   // a second one, for the checks' read-ahead
 }
 
-func newLoader(ce *ckptEngine, at string, m ckptManifestData, x *ckptIndex) *loader {
+func newLoader(ce *ckptJob, at string, m ckptManifestData, x *ckptIndex) *loader {
 	src := make([]int, len(ce.params))
 	for p := range src {
 		src[p] = p
@@ -997,7 +997,7 @@ func (ld *loader) has(name string) bool { return slices.Contains(ld.sections, na
 // it. Nothing changes until every rank has found and checked every file it
 // needs; a failure after that (an I/O error while filling) is fatal for
 // the engine, the caller's error says so.
-func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (rep LoadReport, step int, fatal bool, err error) {
+func (ce *ckptJob) load(dir string, opt LoadOptions, fresh lossScaler) (rep LoadReport, step int, fatal bool, err error) {
 	at, m, err := findCheckpoint(ce.fs, dir)
 	var x *ckptIndex
 	var ld *loader
@@ -1081,7 +1081,7 @@ func (ce *ckptEngine) load(dir string, opt LoadOptions, fresh lossScaler) (rep L
 // clientSource is the saved rank whose client bytes this rank gets: its
 // own, or on a rank the checkpoint (of world ranks) does not have,
 // opt.NewRankClient's (NoClient: none).
-func (ce *ckptEngine) clientSource(at string, world int, opt LoadOptions) (int, error) {
+func (ce *ckptJob) clientSource(at string, world int, opt LoadOptions) (int, error) {
 	if n := opt.NewRankClient; n < NoClient || n >= world {
 		return NoClient, errorf(ErrConfig, "LoadOptions.NewRankClient %d, and %s holds ranks 0 to %d: give one of them, or NoClient (-1) for none", n, at, world-1)
 	}
@@ -1094,7 +1094,7 @@ func (ce *ckptEngine) clientSource(at string, world int, opt LoadOptions) (int, 
 // reshard is what differs between the checkpoint's layout (m, checked
 // into x) and the engine's plan; src maps the engine's parameters to the
 // checkpoint's (checkModel).
-func (ce *ckptEngine) reshard(m ckptManifestData, x *ckptIndex, src []int) Reshard {
+func (ce *ckptJob) reshard(m ckptManifestData, x *ckptIndex, src []int) Reshard {
 	savedWorld, _ := x.shape()
 	r := Reshard{World: savedWorld != ce.world, Stage: m.Stage != ce.stage, Buckets: len(m.Layout.Buckets) != len(ce.plan.Buckets)}
 	savedBucket := make([]int, len(ce.params))
@@ -1134,7 +1134,7 @@ func (ce *ckptEngine) reshard(m ckptManifestData, x *ckptIndex, src []int) Resha
 // optimizer groups' where restored), and every setting whose saved value
 // differs from the engine's, in the engine's record's order, then those
 // only the checkpoint's record has. The model's entries are checkModel's.
-func (ce *ckptEngine) settingsOrigin(m ckptManifestData, groups []Optimizer, restored bool) ([]string, []SettingChange) {
+func (ce *ckptJob) settingsOrigin(m ckptManifestData, groups []Optimizer, restored bool) ([]string, []SettingChange) {
 	var from []string
 	if restored {
 		for _, s := range groupsRecord(groups) {

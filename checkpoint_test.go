@@ -1802,7 +1802,7 @@ func TestCheckpointLoadBoundsAllocation(t *testing.T) {
 		before = heapAllocs()
 		_, err = checkLayout(dir, m, ps)
 		if err == nil {
-			ld := newLoader(newCkptEngine(ckptSnapshot{fs: osFS{}, params: ps, plan: newPlan(ps, 1<<20, 1, 64)}), dir, m, nil)
+			ld := newLoader(newCkptJob(ckptSnapshot{fs: osFS{}, params: ps, plan: newPlan(ps, 1<<20, 1, 64)}), dir, m, nil)
 			ld.x, _ = checkLayout(dir, m, ps)
 			err = ld.verify()
 			ld.close()
@@ -2915,7 +2915,7 @@ func readCheckpointState(t *testing.T, dir string) (CheckpointState, []byte) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ld := newLoader(newCkptEngine(ckptSnapshot{fs: osFS{}, params: st.Params}), at, m, x)
+	ld := newLoader(newCkptJob(ckptSnapshot{fs: osFS{}, params: st.Params}), at, m, x)
 	defer ld.close()
 	ranks := make([]int, m.Layout.World)
 	for r := range ranks {

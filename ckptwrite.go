@@ -110,7 +110,7 @@ func writeCheckpoint(fsys ckptFS, dir string, st CheckpointState, opt SaveOption
 		return err
 	}
 	defer lock.release()
-	ce := newCkptEngine(ckptSnapshot{fs: fsys, world: 1, step: st.Step})
+	ce := newCkptJob(ckptSnapshot{fs: fsys, world: 1, step: st.Step})
 	k, err := ce.freshName(dir)
 	if err != nil {
 		return err

@@ -450,7 +450,7 @@ func exportPartial(file string, nonce uint32) string {
 // renames it into place once every rank has written and fsynced its part
 // (a collective of the outcomes): a rank that cannot open that file is on
 // a file system rank 0 does not share, and the export is refused.
-func (ce *ckptEngine) export(file string, opt ExportOptions) error {
+func (ce *ckptJob) export(file string, opt ExportOptions) error {
 	tensors, items := exportList(ce.params, ce.opt.currentGroups(), opt, true)
 	h, head, err := layoutST(tensors, exportMetadata(opt, ce.step))
 	if err != nil {
@@ -503,7 +503,7 @@ func (ce *ckptEngine) export(file string, opt ExportOptions) error {
 
 // createExport is rank 0's start of an export: the frozen parameters'
 // memory checked, the file created with its header and its whole size.
-func (ce *ckptEngine) createExport(partial string, head []byte, size int64, items []exportItem) error {
+func (ce *ckptJob) createExport(partial string, head []byte, size int64, items []exportItem) error {
 	for _, it := range items {
 		if q := ce.params[it.p]; it.state == "data" && q.Count > 0 && q.Data.count != q.Count {
 			return errorf(ErrParam, "parameter %d (%q) is frozen and has no Data on rank 0: zero holds nothing else of it; give it its memory", it.p, q.Name)
@@ -530,7 +530,7 @@ func (ce *ckptEngine) createExport(partial string, head []byte, size int64, item
 // writeExport writes this rank's part of an export into partial: its
 // shard's ranges of each state tensor, and on rank 0 the step counts and
 // the frozen parameters; then fsyncs it.
-func (ce *ckptEngine) writeExport(partial string, h *stHeader, items []exportItem) error {
+func (ce *ckptJob) writeExport(partial string, h *stHeader, items []exportItem) error {
 	f, err := ce.fs.OpenWrite(partial)
 	if err != nil {
 		return errorf(ErrCheckpoint, "rank %d cannot open %s, which rank 0 created (%v): export to a file system every rank shares", ce.rank, partial, err)
@@ -681,7 +681,7 @@ func checkpointToSafetensors(fsys ckptFS, dir, file string, opt ExportOptions) e
 	if err != nil {
 		return err
 	}
-	ld := newLoader(newCkptEngine(ckptSnapshot{fs: fsys, params: params}), at, m, x)
+	ld := newLoader(newCkptJob(ckptSnapshot{fs: fsys, params: params}), at, m, x)
 	defer ld.close()
 	ranks := make([]int, m.Layout.World)
 	for r := range ranks {

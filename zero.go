@@ -1084,7 +1084,7 @@ func (e *Engine) ExportSafetensors(file string, opt ExportOptions) error {
 }
 
 // checkpointable refuses a save or load where the state is not at rest.
-func (e *Engine) checkpointable(op string) (*ckptEngine, error) {
+func (e *Engine) checkpointable(op string) (*ckptJob, error) {
 	if err := e.usable(op); err != nil {
 		return nil, err
 	}
@@ -1104,7 +1104,7 @@ func (e *Engine) checkpointable(op string) (*ckptEngine, error) {
 		}
 		return nil
 	}
-	return newCkptEngine(ckptSnapshot{fs: e.ckptFS(), comm: e.comm, rank: e.rank, world: e.world, stage: e.cfg.Stage, plan: e.plan,
+	return newCkptJob(ckptSnapshot{fs: e.ckptFS(), comm: e.comm, rank: e.rank, world: e.world, stage: e.cfg.Stage, plan: e.plan,
 		params: e.params, settings: e.Settings(), opt: e.opt, ps: e.ps, step: e.stepIndex, stop: stop}), nil
 }
 
