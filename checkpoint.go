@@ -329,48 +329,22 @@ func (ce *ckptJob) freshName(dir string) (int, error) {
 // writeRankFile streams this rank's state into partial/rank-R.bin, through
 // a temporary name, and returns the file's size and CRC32C.
 func (ce *ckptJob) writeRankFile(partial string, client []byte, saveID string) (int64, uint32, error) {
-	name := filepath.Join(partial, rankFileName(ce.rank))
-	tmp := name + ".tmp"
-	f, err := ce.fs.Create(tmp)
-	if err != nil {
-		return 0, 0, fmt.Errorf("%w: %w", ErrCheckpoint, err)
-	}
 	footer := ckptFooter{Save: saveID, Rank: ce.rank, World: ce.world, ShardElems: int64(ce.plan.ShardElems)}
 	for p := range ce.params {
 		if r := ce.plan.shardRange(p, ce.rank); r.Count > 0 {
 			footer.Segments = append(footer.Segments, ckptSegment{int64(p), int64(r.ParamOffset), int64(r.Count), int64(r.ShardOffset)})
 		}
 	}
-	w := newRankWriter(f, name, footer)
-	w.stop = ce.stop
-	var buf []byte
-	for _, st := range ce.opt.stateTensors() {
-		if buf == nil {
-			buf = make([]byte, ckptChunk)
+	name := filepath.Join(partial, rankFileName(ce.rank))
+	return createRankFile(ce.fs, name, footer, ce.stop, client, func(w *rankWriter) error {
+		buf := make([]byte, ckptChunk)
+		for _, st := range ce.opt.stateTensors() {
+			if err := writeState(w, st, buf); err != nil {
+				return err
+			}
 		}
-		if err = writeState(w, st, buf); err != nil {
-			break
-		}
-	}
-	if err == nil {
-		w.begin("client", 0)
-		err = w.add(client)
-		w.end()
-	}
-	var size int64
-	var crc uint32
-	if err == nil {
-		size, crc, err = w.finish()
-	}
-	if cerr := f.Close(); err == nil && cerr != nil {
-		err = fmt.Errorf("%w: %w", ErrCheckpoint, cerr)
-	}
-	if err == nil {
-		if err = ce.fs.Rename(tmp, name); err != nil {
-			err = fmt.Errorf("%w: %w", ErrCheckpoint, err)
-		}
-	}
-	return size, crc, err
+		return nil
+	})
 }
 
 // writeState streams one state tensor, a chunk at a time: read in place

@@ -104,6 +104,40 @@ func newRankWriter(f ckptFile, name string, footer ckptFooter) *rankWriter {
 	return &rankWriter{f: f, name: name, footer: footer}
 }
 
+// createRankFile writes a rank file at name through a temporary name,
+// renamed once whole: the sections body writes, then the client bytes,
+// then the footer; stop (nil: never) ends it before its next chunk. It
+// returns the file's size and CRC32C.
+func createRankFile(fsys ckptFS, name string, footer ckptFooter, stop func() error, client []byte, body func(*rankWriter) error) (int64, uint32, error) {
+	tmp := name + ".tmp"
+	f, err := fsys.Create(tmp)
+	if err != nil {
+		return 0, 0, fmt.Errorf("%w: %w", ErrCheckpoint, err)
+	}
+	w := newRankWriter(f, name, footer)
+	w.stop = stop
+	err = body(w)
+	if err == nil {
+		w.begin("client", 0)
+		err = w.add(client)
+		w.end()
+	}
+	var size int64
+	var crc uint32
+	if err == nil {
+		size, crc, err = w.finish()
+	}
+	if cerr := f.Close(); err == nil && cerr != nil {
+		err = fmt.Errorf("%w: %w", ErrCheckpoint, cerr)
+	}
+	if err == nil {
+		if err = fsys.Rename(tmp, name); err != nil {
+			err = fmt.Errorf("%w: %w", ErrCheckpoint, err)
+		}
+	}
+	return size, crc, err
+}
+
 func (w *rankWriter) write(p []byte) error {
 	return w.writeWhile(p, nil)
 }

@@ -310,44 +310,22 @@ func (st *CheckpointState) checkValues(model DType) ([]stateSection, error) {
 // values parameter by parameter (the trained ones, in order: the shard of
 // a world of one), then the client bytes; it returns its size and CRC.
 func (st *CheckpointState) writeRankFile(fsys ckptFS, partial string, m ckptManifestData, sections []stateSection, client []byte) (int64, uint32, error) {
-	name := filepath.Join(partial, rankFileName(0))
-	tmp := name + ".tmp"
-	f, err := fsys.Create(tmp)
-	if err != nil {
-		return 0, 0, fmt.Errorf("%w: %w", ErrCheckpoint, err)
-	}
 	footer := ckptFooter{Save: m.Save, Rank: 0, World: 1, ShardElems: int64(m.Layout.ShardElems)}
 	for _, b := range m.Layout.Buckets {
 		for _, mb := range b.Members {
 			footer.Segments = append(footer.Segments, ckptSegment{int64(mb[0]), 0, int64(st.Params[mb[0]].Count), int64(mb[1])})
 		}
 	}
-	w := newRankWriter(f, name, footer)
-	buf := make([]byte, min(ckptChunk, max(4*m.Layout.ShardElems, 4)))
-	for _, sec := range sections {
-		if err = st.writeSection(w, sec, buf); err != nil {
-			break
+	name := filepath.Join(partial, rankFileName(0))
+	return createRankFile(fsys, name, footer, nil, client, func(w *rankWriter) error {
+		buf := make([]byte, min(ckptChunk, max(4*m.Layout.ShardElems, 4)))
+		for _, sec := range sections {
+			if err := st.writeSection(w, sec, buf); err != nil {
+				return err
+			}
 		}
-	}
-	if err == nil {
-		w.begin("client", 0)
-		err = w.add(client)
-		w.end()
-	}
-	var size int64
-	var crc uint32
-	if err == nil {
-		size, crc, err = w.finish()
-	}
-	if cerr := f.Close(); err == nil && cerr != nil {
-		err = fmt.Errorf("%w: %w", ErrCheckpoint, cerr)
-	}
-	if err == nil {
-		if err = fsys.Rename(tmp, name); err != nil {
-			err = fmt.Errorf("%w: %w", ErrCheckpoint, err)
-		}
-	}
-	return size, crc, err
+		return nil
+	})
 }
 
 // writeSection writes one section: the trained parameters' values in

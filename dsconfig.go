@@ -1146,34 +1146,49 @@ func (r *dsReader) zero(root map[string]any, cfg *Config, model DType) int {
 	return stage
 }
 
+// offloadSection reads the offload section name of z and the old boolean
+// oldName it replaces (refused beside it): old, set where oldName was read;
+// the section (nil where absent) and its device ("none" where not given);
+// ok false where the section is not an object (refused: read no further).
+func (r *dsReader) offloadSection(z map[string]any, name, oldName string, keys map[string]dsKey) (old, oldSet bool, o map[string]any, dev string, ok bool) {
+	const zo = "zero_optimization."
+	at := zo + name + "."
+	v, hasOld := z[oldName]
+	if hasOld {
+		if b, good := r.boolean(zo+oldName, v); good {
+			old, oldSet = b, true
+			r.notice(zo+oldName, "the old name of %s {\"device\": \"cpu\"}, read as DeepSpeed reads it", name)
+		}
+	}
+	sec, has := z[name]
+	if !has || sec == nil {
+		return old, oldSet, nil, "", true
+	}
+	if hasOld {
+		r.invalid(zo+oldName, "given with %s, which replaces it; DeepSpeed refuses both: give one", name)
+	}
+	if o, ok = r.object(zo+name, sec); !ok {
+		return old, oldSet, nil, "", false
+	}
+	r.keys(o, at, keys, unknownPyd)
+	dev = "none"
+	if d, has := o["device"]; has {
+		if s, good := r.text(at+"device", d); good {
+			dev = s
+		}
+	}
+	return old, oldSet, o, dev, true
+}
+
 // offload maps offload_optimizer (and the old cpu_offload).
 func (r *dsReader) offload(z map[string]any, cfg *Config) {
 	const at = "zero_optimization.offload_optimizer."
-	old, hasOld := z["cpu_offload"]
-	if hasOld {
-		b, ok := r.boolean("zero_optimization.cpu_offload", old)
-		if ok {
-			cfg.Offload.Optimizer = b
-			r.notice("zero_optimization.cpu_offload", "the old name of offload_optimizer {\"device\": \"cpu\"}, read as DeepSpeed reads it")
-		}
+	old, oldSet, o, dev, ok := r.offloadSection(z, "offload_optimizer", "cpu_offload", dsOffloadKeys)
+	if oldSet {
+		cfg.Offload.Optimizer = old
 	}
-	v, has := z["offload_optimizer"]
-	if !has || v == nil {
+	if !ok || o == nil {
 		return
-	}
-	if hasOld {
-		r.invalid("zero_optimization.cpu_offload", "given with offload_optimizer, which replaces it; DeepSpeed refuses both: give one")
-	}
-	o, ok := r.object("zero_optimization.offload_optimizer", v)
-	if !ok {
-		return
-	}
-	r.keys(o, at, dsOffloadKeys, unknownPyd)
-	dev := "none"
-	if d, has := o["device"]; has {
-		if s, ok := r.text(at+"device", d); ok {
-			dev = s
-		}
 	}
 	switch dev {
 	case "cpu":
@@ -1207,29 +1222,11 @@ var dsOffloadParamKeys = map[string]dsKey{
 // offloads no parameters either.
 func (r *dsReader) offloadParams(z map[string]any, cfg *Config, stage int) {
 	const at = "zero_optimization.offload_param."
-	on := false
-	old, hasOld := z["cpu_offload_param"]
-	if hasOld {
-		if b, ok := r.boolean("zero_optimization.cpu_offload_param", old); ok {
-			on = b
-			r.notice("zero_optimization.cpu_offload_param", "the old name of offload_param {\"device\": \"cpu\"}, read as DeepSpeed reads it")
-		}
+	on, _, o, dev, ok := r.offloadSection(z, "offload_param", "cpu_offload_param", dsOffloadParamKeys)
+	if !ok {
+		return
 	}
-	if v, has := z["offload_param"]; has && v != nil {
-		if hasOld {
-			r.invalid("zero_optimization.cpu_offload_param", "given with offload_param, which replaces it; DeepSpeed refuses both: give one")
-		}
-		o, ok := r.object("zero_optimization.offload_param", v)
-		if !ok {
-			return
-		}
-		r.keys(o, at, dsOffloadParamKeys, unknownPyd)
-		dev := "none"
-		if d, has := o["device"]; has {
-			if s, ok := r.text(at+"device", d); ok {
-				dev = s
-			}
-		}
+	if o != nil {
 		switch dev {
 		case "cpu":
 			on = true
