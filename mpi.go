@@ -64,10 +64,19 @@ type MPIConfig struct {
 	// another MPI than the library loaded, and every process would be a
 	// world of its own.
 	LauncherWorld int
+	// Funneled makes every MPI call from zero's MPI thread
+	// (MPI_THREAD_FUNNELED). By default MPI is initialised with
+	// MPI_THREAD_SERIALIZED and the goroutine that waits for a collective
+	// makes its calls itself, under one lock, which saves each collective
+	// two wake-ups of another thread; a library that provides only
+	// funneled gets the thread without being asked. The first NewMPI of a
+	// process decides.
+	Funneled bool
 }
 
 // MPIConfigFromEnv reads ZERO_MPI_LIBRARY, ZERO_MPI_TIMEOUT (a Go duration
-// such as "90s"), ZERO_MPI_COLOR (sets Split and Color) and the launcher's
+// such as "90s"), ZERO_MPI_COLOR (sets Split and Color), ZERO_MPI_THREAD
+// ("funneled" sets Funneled, "serialized" is the default) and the launcher's
 // world size (PMI_SIZE from MPICH's Hydra and Slurm's PMI, or
 // OMPI_COMM_WORLD_SIZE).
 func MPIConfigFromEnv() (MPIConfig, error) { return mpiConfigFrom(os.Getenv) }
@@ -87,6 +96,13 @@ func mpiConfigFrom(getenv func(string) string) (MPIConfig, error) {
 			return c, errorf(ErrConfig, "ZERO_MPI_COLOR=%q; give a group number ≥ 0", v)
 		}
 		c.Split, c.Color = true, n
+	}
+	switch v := strings.TrimSpace(getenv("ZERO_MPI_THREAD")); v {
+	case "", "serialized":
+	case "funneled":
+		c.Funneled = true
+	default:
+		return c, errorf(ErrConfig, "ZERO_MPI_THREAD=%q; give funneled or serialized", v)
 	}
 	for _, name := range []string{"PMI_SIZE", "OMPI_COMM_WORLD_SIZE"} {
 		if v := strings.TrimSpace(getenv(name)); v != "" {
@@ -160,7 +176,7 @@ func NewMPI(cfg MPIConfig) (Comm, error) {
 	if err := cfg.check(); err != nil {
 		return nil, err
 	}
-	th, err := startMPI(cfg.Library)
+	th, err := startMPI(cfg.Library, cfg.Funneled)
 	if err != nil {
 		return nil, err
 	}
@@ -322,8 +338,8 @@ func loadMPI(library string) (abi, path string, err error) {
 }
 
 // startMPI loads and initialises MPI once per process and returns its
-// thread; a later call with another library is refused.
-func startMPI(library string) (*mpiThread, error) {
+// thread; a later call with another library or thread level is refused.
+func startMPI(library string, funneled bool) (*mpiThread, error) {
 	mpiState.mu.Lock()
 	defer mpiState.mu.Unlock()
 	if th := mpiState.th; th != nil {
@@ -332,6 +348,9 @@ func startMPI(library string) (*mpiThread, error) {
 		}
 		if library != "" && library != th.library && filepath.Base(library) != filepath.Base(th.library) {
 			return nil, errorf(ErrConfig, "MPI is loaded from %s in this process; NewMPI asked for %s", th.library, library)
+		}
+		if funneled != th.funneled {
+			return nil, errorf(ErrConfig, "MPI was started in this process with MPIConfig.Funneled %v; NewMPI asked for %v (the first NewMPI decides)", th.funneled, funneled)
 		}
 		var finalized bool
 		th.do(func() error { finalized = th.finalized; return nil })
@@ -344,7 +363,7 @@ func startMPI(library string) (*mpiThread, error) {
 	if err != nil {
 		return nil, err // not sticky: the caller may fix the path
 	}
-	th := &mpiThread{in: make(chan func()), library: path, abi: abi, comms: map[*mpiComm]bool{}}
+	th := &mpiThread{in: make(chan func()), library: path, abi: abi, funneled: funneled, comms: map[*mpiComm]bool{}}
 	ready := make(chan error)
 	go th.loop(ready)
 	th.initErr = <-ready
@@ -352,23 +371,29 @@ func startMPI(library string) (*mpiThread, error) {
 	return th, th.initErr
 }
 
-// mpiThread is the goroutine, locked to its OS thread, that makes every
-// MPI call of the process: MPI_Init_thread was called on it with
-// MPI_THREAD_FUNNELED.
+// mpiThread is the goroutine, locked to its OS thread, on which MPI was
+// initialised and that makes the process's MPI calls outside a collective
+// (communicators, notices while no collective runs, MPI_Finalize). Within a
+// collective, MPI_THREAD_SERIALIZED lets the goroutine that waits for it
+// post and test its transfers itself; at MPI_THREAD_FUNNELED the thread
+// does that too, and the waiter blocks until it is told.
 type mpiThread struct {
-	in      chan func()
-	library string
-	abi     string
-	initErr error
+	in       chan func()
+	library  string
+	abi      string
+	funneled bool // asked for
+	initErr  error
 	// restored is the signals whose handlers MPI's init changed and that
 	// were put back to Go's.
 	restored uint64
 
-	// Owned by the thread.
-	comms     map[*mpiComm]bool
-	active    []*mpiPhase
-	finalized bool
-	abandoned error // the first collective left to MPI: no MPI_Finalize
+	// mu is held across every MPI call and guards what follows.
+	mu         sync.Mutex
+	serialized bool // the waiters poll (set once at init)
+	comms      map[*mpiComm]bool
+	active     []*mpiPhase
+	finalized  bool
+	abandoned  error // the first collective left to MPI: no MPI_Finalize
 }
 
 // do runs fn on the MPI thread and returns its error.
@@ -376,6 +401,13 @@ func (th *mpiThread) do(fn func() error) error {
 	done := make(chan error, 1)
 	th.in <- func() { done <- fn() }
 	return <-done
+}
+
+// locked runs fn under th.mu.
+func (th *mpiThread) locked(fn func()) {
+	th.mu.Lock()
+	defer th.mu.Unlock()
+	fn()
 }
 
 // Polling: the transfers are tested in a loop that yields the CPU between
@@ -393,7 +425,11 @@ func (th *mpiThread) loop(ready chan<- error) {
 	runtime.LockOSThread() // for ever: MPI knows this thread as its main one
 	var level, wasInit C.int
 	var restored C.uint64_t
-	code := C.zm_init(&level, &wasInit, &restored)
+	want := C.int(2) // serialized
+	if th.funneled {
+		want = 1
+	}
+	code := C.zm_init(want, &level, &wasInit, &restored)
 	th.restored = uint64(restored)
 	switch {
 	case code != 0:
@@ -406,21 +442,26 @@ func (th *mpiThread) loop(ready chan<- error) {
 		ready <- errorf(ErrMPI, "MPI was initialised before NewMPI with thread level %d; zero calls MPI from a thread of its own, which needs MPI_THREAD_MULTIPLE: let NewMPI initialise MPI", level)
 		return
 	}
+	th.serialized = level >= 2 && !th.funneled
 	ready <- nil
 	idle := time.NewTicker(mpiIdlePoll)
 	defer idle.Stop()
 	quiet := time.Now() // when a transfer last completed
 	for {
-		if len(th.active) == 0 {
+		th.mu.Lock()
+		polls := !th.serialized && len(th.active) > 0
+		listens := len(th.comms) > 0
+		th.mu.Unlock()
+		if !polls {
 			var tick <-chan time.Time
-			if len(th.comms) > 0 {
+			if listens {
 				tick = idle.C
 			}
 			select {
 			case fn := <-th.in:
-				fn()
+				th.locked(fn)
 			case <-tick:
-				th.pollNotices()
+				th.locked(func() { th.pollNotices() })
 			}
 			quiet = time.Now()
 			continue
@@ -429,20 +470,47 @@ func (th *mpiThread) loop(ready chan<- error) {
 		for {
 			select {
 			case fn := <-th.in:
-				fn()
+				th.locked(fn)
 			default:
 				break drain
 			}
 		}
-		if th.progress() {
+		th.mu.Lock()
+		moved := th.progress()
+		th.mu.Unlock()
+		if moved {
 			quiet = time.Now()
 			continue
 		}
-		if time.Since(quiet) < mpiYieldFor {
-			C.sched_yield()
-		} else {
-			time.Sleep(mpiNap)
+		pace(quiet)
+	}
+}
+
+// await polls the transfers until ph finished (serialized: on the
+// waiter's goroutine) and returns its result.
+func (th *mpiThread) await(ph *mpiPhase) error {
+	quiet := time.Now()
+	for {
+		th.mu.Lock()
+		if ph.result == nil && th.progress() {
+			quiet = time.Now()
 		}
+		finished := ph.result != nil
+		th.mu.Unlock()
+		if finished {
+			return <-ph.done
+		}
+		pace(quiet)
+	}
+}
+
+// pace waits between two rounds of tests: a yield of the CPU until
+// mpiYieldFor after the last completion, then a nap.
+func pace(quiet time.Time) {
+	if time.Since(quiet) < mpiYieldFor {
+		C.sched_yield()
+	} else {
+		time.Sleep(mpiNap)
 	}
 }
 
@@ -540,7 +608,7 @@ type mpiComm struct {
 	seq    uint64 // collectives issued
 	reason error  // set once: aborted, failed or closed
 	closed bool
-	freed  bool // thread-owned: the MPI communicator is freed
+	freed  bool // under th.mu: the MPI communicator is freed
 }
 
 func (c *mpiComm) Rank() int              { return c.rank }
@@ -730,7 +798,7 @@ func (c *mpiComm) abort(reason error) {
 // Abort is AbortComm(c, reason).
 func (c *mpiComm) Abort(reason error) { c.abort(reason) }
 
-// fail (on the thread) records err as the communicator's failure, fails
+// fail (under th.mu) records err as the communicator's failure, fails
 // every active phase and leaves their buffers to MPI; tell sends the peers
 // a notice (not when the failure is a peer's notice: that peer told all).
 func (c *mpiComm) fail(err error, tell bool) {
@@ -847,7 +915,7 @@ type mpiPhase struct {
 	posted time.Time
 	probed time.Time
 	done   chan error
-	result error // thread-owned: set once finished
+	result error // under th.mu: set once finished
 }
 
 func (c *mpiComm) phase(seq uint64, phase int, a collArgs) *mpiPhase {
@@ -877,6 +945,13 @@ func (ph *mpiPhase) run(local func(), bufs ...Tensor) error {
 	}
 	ph.bufs = bufs
 	th := ph.c.th
+	if th.serialized {
+		th.locked(func() { th.start(ph) })
+		if local != nil {
+			local()
+		}
+		return th.await(ph)
+	}
 	th.in <- func() { th.start(ph) }
 	if local != nil {
 		local()
@@ -884,7 +959,7 @@ func (ph *mpiPhase) run(local func(), bufs ...Tensor) error {
 	return <-ph.done
 }
 
-// start posts ph (on the thread).
+// start posts ph (under th.mu).
 func (th *mpiThread) start(ph *mpiPhase) {
 	c := ph.c
 	if err := c.err(); err != nil {

@@ -35,11 +35,12 @@ int zm_load(const char* path, int* abi, char* msg, int msglen);
 /* Opens path, resolves its symbols and reads MPI_Get_library_version,
  * without keeping it or initialising MPI. */
 int zm_probe(const char* path, int* abi, char* version, int vlen, char* msg, int msglen);
-/* MPI_Init_thread(FUNNELED) unless MPI is initialized already (*was_init);
- * *level is the thread level provided, 0 (single) to 3 (multiple); the bits
+/* MPI_Init_thread(want: 1 FUNNELED, 2 SERIALIZED) unless MPI is initialized
+ * already (*was_init); *level is the thread level provided, 0 (single) to 3
+ * (multiple); the bits
  * of *restored are the signals whose handlers init changed and that were put
  * back. */
-int zm_init(int* level, int* was_init, uint64_t* restored);
+int zm_init(int want, int* level, int* was_init, uint64_t* restored);
 int zm_finalize(void);
 /* A communicator of its own: MPI_COMM_WORLD duplicated, or split by color
  * when split is set, with errors returned to the caller. */

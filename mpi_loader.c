@@ -206,13 +206,13 @@ int zm_probe(const char* path, int* abi, char* version, int vlen, char* msg, int
 	default: return ZM_ERR_NOT_LOADED;                                                                       \
 	}
 
-int zm_init(int* level, int* was_init, uint64_t* restored) {
+int zm_init(int want, int* level, int* was_init, uint64_t* restored) {
 	*level = 0;
 	*was_init = 0;
 	*restored = 0;
 	int err = ZM_ERR_NOT_LOADED;
-	if (zm_which == ZM_ABI_MPICH) err = zm_mpich_init(level, was_init);
-	if (zm_which == ZM_ABI_STANDARD) err = zm_std_init(level, was_init);
+	if (zm_which == ZM_ABI_MPICH) err = zm_mpich_init(want, level, was_init);
+	if (zm_which == ZM_ABI_STANDARD) err = zm_std_init(want, level, was_init);
 	if (!*was_init) *restored = zm_load_restored | zm_signals_restore(&zm_go_sigs);
 	return err;
 }

@@ -72,14 +72,14 @@ static int ZM_NS(level)(int provided) {
 	return 0;
 }
 
-static int ZM_NS(init)(int* level, int* was_init) {
+static int ZM_NS(init)(int want, int* level, int* was_init) {
 	int flag = 0, provided = 0, err = ZM_NS(fn).initialized(&flag);
 	if (err) return err;
 	if (flag) {
 		*was_init = 1;
 		err = ZM_NS(fn).query_thread(&provided);
 	} else {
-		err = ZM_NS(fn).init_thread(NULL, NULL, ZM_K_THREAD_FUNNELED, &provided);
+		err = ZM_NS(fn).init_thread(NULL, NULL, want >= 2 ? ZM_K_THREAD_SERIALIZED : ZM_K_THREAD_FUNNELED, &provided);
 		/* errors on the world communicator (a failed dup) come back too */
 		if (!err) err = ZM_NS(fn).comm_set_errhandler(ZM_K_COMM_WORLD, ZM_K_ERRORS_RETURN);
 	}

@@ -347,6 +347,9 @@ func collectivesScenario(comm Comm, dir string) error {
 			return fmt.Errorf("MPI speaks the %s ABI, want %s", got, want)
 		}
 	}
+	if got, funneled := comm.(*mpiComm).th.serialized, os.Getenv("ZERO_MPI_THREAD") == "funneled"; got == funneled {
+		return fmt.Errorf("the waiters poll: %v, with ZERO_MPI_THREAD=%q", got, os.Getenv("ZERO_MPI_THREAD"))
+	}
 	seed := envSeed()
 	outs, err := runCollCases(comm, seed, collCases(seed, comm.Size()))
 	if err != nil {
@@ -361,12 +364,17 @@ func collectivesScenario(comm Comm, dir string) error {
 
 // TestMPICollectivesMatchLocalGroup: every collective of every dtype and
 // op, on 2, 3 and 4 processes, some aliased, on two streams at once, gives
-// the in-process group's bits on every rank.
+// the in-process group's bits on every rank, with the waiters polling MPI
+// (serialized) and with MPI's thread polling for them (funneled).
 func TestMPICollectivesMatchLocalGroup(t *testing.T) {
 	m := findMPI(t)
 	seed := testSeed(t)
-	for _, w := range []int{2, 3, 4} {
-		t.Run(fmt.Sprintf("W%d", w), func(t *testing.T) {
+	for _, tc := range []struct {
+		w      int
+		thread string
+	}{{2, "serialized"}, {3, "serialized"}, {4, "serialized"}, {2, "funneled"}, {4, "funneled"}} {
+		w := tc.w
+		t.Run(fmt.Sprintf("W%d/%s", w, tc.thread), func(t *testing.T) {
 			cases := collCases(seed, w)
 			want := make([][][]byte, w)
 			err := RunLocal(w, func(comm Comm) error {
@@ -377,7 +385,7 @@ func TestMPICollectivesMatchLocalGroup(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			res := m.launch(t, mpiRun{n: w, scenario: "collectives", env: []string{fmt.Sprintf("ZERO_TEST_SEED=%d", seed)}})
+			res := m.launch(t, mpiRun{n: w, scenario: "collectives", env: []string{fmt.Sprintf("ZERO_TEST_SEED=%d", seed), "ZERO_MPI_THREAD=" + tc.thread}})
 			res.mustSucceed(t, "collectives")
 			for r := range w {
 				got, err := os.ReadFile(filepath.Join(res.dir, fmt.Sprintf("coll-%d.bin", r)))
@@ -1028,14 +1036,14 @@ func TestMPIMissingLibrary(t *testing.T) {
 // TestMPIConfigFromEnv reads the environment, and refuses what is wrong.
 func TestMPIConfigFromEnv(t *testing.T) {
 	env := func(kv map[string]string) func(string) string { return func(k string) string { return kv[k] } }
-	c, err := mpiConfigFrom(env(map[string]string{"ZERO_MPI_LIBRARY": "/x/libmpi.so.12", "ZERO_MPI_TIMEOUT": "90s", "ZERO_MPI_COLOR": "3", "PMI_SIZE": "4"}))
-	if err != nil || c.Library != "/x/libmpi.so.12" || c.Timeout != 90*time.Second || !c.Split || c.Color != 3 || c.LauncherWorld != 4 {
+	c, err := mpiConfigFrom(env(map[string]string{"ZERO_MPI_LIBRARY": "/x/libmpi.so.12", "ZERO_MPI_TIMEOUT": "90s", "ZERO_MPI_COLOR": "3", "PMI_SIZE": "4", "ZERO_MPI_THREAD": "funneled"}))
+	if err != nil || c.Library != "/x/libmpi.so.12" || c.Timeout != 90*time.Second || !c.Split || c.Color != 3 || c.LauncherWorld != 4 || !c.Funneled {
 		t.Fatalf("%+v, %v", c, err)
 	}
-	if c, err := mpiConfigFrom(env(map[string]string{"OMPI_COMM_WORLD_SIZE": "2"})); err != nil || c.LauncherWorld != 2 || c.Split {
+	if c, err := mpiConfigFrom(env(map[string]string{"OMPI_COMM_WORLD_SIZE": "2", "ZERO_MPI_THREAD": "serialized"})); err != nil || c.LauncherWorld != 2 || c.Split || c.Funneled {
 		t.Fatalf("Open MPI's size: %+v, %v", c, err)
 	}
-	for _, bad := range []map[string]string{{"ZERO_MPI_TIMEOUT": "soon"}, {"ZERO_MPI_TIMEOUT": "-1s"}, {"ZERO_MPI_COLOR": "-1"}, {"PMI_SIZE": "x"}} {
+	for _, bad := range []map[string]string{{"ZERO_MPI_TIMEOUT": "soon"}, {"ZERO_MPI_TIMEOUT": "-1s"}, {"ZERO_MPI_COLOR": "-1"}, {"PMI_SIZE": "x"}, {"ZERO_MPI_THREAD": "multiple"}} {
 		if _, err := mpiConfigFrom(env(bad)); !errors.Is(err, ErrConfig) {
 			t.Errorf("%v: %v, want ErrConfig", bad, err)
 		}
@@ -1144,6 +1152,12 @@ func TestMPIOneProcessChild(t *testing.T) {
 	comm, err := NewMPI(MPIConfig{Library: library})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if !comm.(*mpiComm).th.serialized {
+		t.Error("MPI started without MPI_THREAD_SERIALIZED: the waiters do not poll")
+	}
+	if _, err := NewMPI(MPIConfig{Library: library, Funneled: true}); !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "Funneled") {
+		t.Errorf("NewMPI asking for funneled after a serialized start: %v, want ErrConfig naming Funneled", err)
 	}
 	if comm.Rank() != 0 || comm.Size() != 1 {
 		t.Fatalf("rank %d of %d, want 0 of 1", comm.Rank(), comm.Size())
