@@ -389,7 +389,8 @@ type mpiThread struct {
 
 	// mu is held across every MPI call and guards what follows.
 	mu         sync.Mutex
-	serialized bool // the waiters poll (set once at init)
+	serialized bool      // the waiters poll (set once at init)
+	heard      time.Time // when progress last tested the notices
 	comms      map[*mpiComm]bool
 	active     []*mpiPhase
 	finalized  bool
@@ -419,6 +420,7 @@ const (
 	mpiNap        = 50 * time.Microsecond
 	mpiIdlePoll   = 10 * time.Millisecond // notices while no collective runs
 	mpiProbeEvery = 100 * time.Millisecond
+	mpiHearEvery  = time.Millisecond // notices while collectives run
 )
 
 func (th *mpiThread) loop(ready chan<- error) {
@@ -488,7 +490,9 @@ func (th *mpiThread) loop(ready chan<- error) {
 
 // await polls the transfers until ph finished (serialized: on the
 // waiter's goroutine) and returns its result.
-func (th *mpiThread) await(ph *mpiPhase) error {
+// received, if not nil, runs as soon as every receive completed, while
+// sends may still be in flight; it reports whether it ran.
+func (th *mpiThread) await(ph *mpiPhase, received func()) (ran bool, err error) {
 	quiet := time.Now()
 	for {
 		th.mu.Lock()
@@ -496,11 +500,17 @@ func (th *mpiThread) await(ph *mpiPhase) error {
 			quiet = time.Now()
 		}
 		finished := ph.result != nil
+		early := !ran && received != nil && !finished && ph.receivesDone()
 		th.mu.Unlock()
-		if finished {
-			return <-ph.done
+		switch {
+		case finished:
+			return ran, <-ph.done
+		case early:
+			received()
+			ran, quiet = true, time.Now()
+		default:
+			pace(quiet)
 		}
-		pace(quiet)
 	}
 }
 
@@ -517,8 +527,12 @@ func pace(quiet time.Time) {
 // progress tests every active transfer and every communicator's notice,
 // completes or fails phases, and reports whether anything completed.
 func (th *mpiThread) progress() bool {
-	any := th.pollNotices()
 	now := time.Now()
+	any := false
+	if now.Sub(th.heard) >= mpiHearEvery {
+		th.heard = now
+		any = th.pollNotices()
+	}
 	kept := th.active[:0]
 	for _, ph := range th.active {
 		if ph.result != nil { // failed by an abort meanwhile
@@ -684,9 +698,6 @@ func (c *mpiComm) run(seq uint64, x collective) error {
 				ph.send(p, a.send+uintptr(p*nb), nb)
 			}
 		}
-		if err := ph.run(nil, x.send, x.recv, tmp); err != nil {
-			return err
-		}
 		srcs := make([]uintptr, W)
 		for p := range srcs {
 			if p == r {
@@ -695,7 +706,10 @@ func (c *mpiComm) run(seq uint64, x collective) error {
 				srcs[p] = tmp.ptr + uintptr(slot(p, r)*nb)
 			}
 		}
-		reduceHost(a.recv, srcs, a.dtype, a.op, 0, chunk)
+		sum := func() { reduceHost(a.recv, srcs, a.dtype, a.op, 0, chunk) }
+		if err := ph.runThen(nil, sum, x.send, x.recv, tmp); err != nil {
+			return err
+		}
 		c.pool.put(tmp)
 	case KindAllGather:
 		nb := a.count * size
@@ -727,19 +741,18 @@ func (c *mpiComm) run(seq uint64, x collective) error {
 				ph.send(p, a.send+uintptr(plo*size), (phi-plo)*size)
 			}
 		}
-		if err := ph.run(nil, x.send, tmp); err != nil {
-			return err
-		}
-		if hi > lo {
-			srcs := make([]uintptr, W)
-			for p := range srcs {
-				if p == r {
-					srcs[p] = a.send + uintptr(lo*size)
-				} else {
-					srcs[p] = tmp.ptr + uintptr(slot(p, r)*mine)
-				}
+		srcs := make([]uintptr, W)
+		for p := range srcs {
+			if p == r {
+				srcs[p] = a.send + uintptr(lo*size)
+			} else {
+				srcs[p] = tmp.ptr + uintptr(slot(p, r)*mine)
 			}
-			reduceHost(a.send+uintptr(lo*size), srcs, a.dtype, a.op, 0, hi-lo)
+		}
+		// this rank's part, which phase 0 does not send
+		sum := func() { reduceHost(a.send+uintptr(lo*size), srcs, a.dtype, a.op, 0, hi-lo) }
+		if err := ph.runThen(nil, sum, x.send, tmp); err != nil {
+			return err
 		}
 		c.pool.put(tmp)
 		ph = c.phase(seq, 1, a)
@@ -937,26 +950,55 @@ func (ph *mpiPhase) add(peer int, addr uintptr, n int, recv C.int32_t) {
 // run posts the phase's transfers on the MPI thread, runs local meanwhile,
 // and waits for them. bufs are the memory they touch.
 func (ph *mpiPhase) run(local func(), bufs ...Tensor) error {
+	return ph.runThen(local, nil, bufs...)
+}
+
+// runThen is run, and then received after a success: work that reads only
+// what the phase receives (a sum). Where the waiter polls, received runs as
+// soon as the receives completed, while this rank's sends finish (a slower
+// peer still reading them); run returns only when every transfer completed.
+func (ph *mpiPhase) runThen(local, received func(), bufs ...Tensor) error {
 	if len(ph.xfers) == 0 {
 		if local != nil {
 			local()
 		}
-		return ph.c.err()
+		err := ph.c.err()
+		if err == nil && received != nil {
+			received()
+		}
+		return err
 	}
 	ph.bufs = bufs
 	th := ph.c.th
+	var ran bool
+	var err error
 	if th.serialized {
 		th.locked(func() { th.start(ph) })
 		if local != nil {
 			local()
 		}
-		return th.await(ph)
+		ran, err = th.await(ph, received)
+	} else {
+		th.in <- func() { th.start(ph) }
+		if local != nil {
+			local()
+		}
+		err = <-ph.done
 	}
-	th.in <- func() { th.start(ph) }
-	if local != nil {
-		local()
+	if err == nil && !ran && received != nil {
+		received()
 	}
-	return <-ph.done
+	return err
+}
+
+// receivesDone reports whether every receive of ph completed (under th.mu).
+func (ph *mpiPhase) receivesDone() bool {
+	for _, x := range ph.xfers {
+		if x.recv != 0 && x.state != 2 {
+			return false
+		}
+	}
+	return true
 }
 
 // start posts ph (under th.mu).

@@ -36,8 +36,8 @@ FAKE_CUDA = {"tags": "cuda", "env": {"ZERO_FAKE_CUDA": "1"}}
 # CUDA driver (see run_tests); how (optional) FAKE_CUDA for every part.
 MUTANTS = [
     ("mpi-sum-reversed", "mpi.go",
-     "\t\treduceHost(a.recv, srcs, a.dtype, a.op, 0, chunk)\n",
-     "\t\tslices.Reverse(srcs)\n\t\treduceHost(a.recv, srcs, a.dtype, a.op, 0, chunk)\n",
+     "\t\tsum := func() { reduceHost(a.recv, srcs, a.dtype, a.op, 0, chunk) }\n",
+     "\t\tslices.Reverse(srcs)\n\t\tsum := func() { reduceHost(a.recv, srcs, a.dtype, a.op, 0, chunk) }\n",
      "TestMPICollectivesMatchLocalGroup"),
     ("mpi-allreduce-no-gather", "mpi.go",
      "\t\tph = c.phase(seq, 1, a)\n",
@@ -80,6 +80,10 @@ MUTANTS = [
     ("mpi-waiters-poll-unlocked", "mpi.go",
      "\t\tth.mu.Lock()\n\t\tif ph.result == nil && th.progress() {\n\t\t\tquiet = time.Now()\n\t\t}\n\t\tfinished := ph.result != nil\n\t\tth.mu.Unlock()\n",
      "\t\tif ph.result == nil && th.progress() {\n\t\t\tquiet = time.Now()\n\t\t}\n\t\tfinished := ph.result != nil\n",
+     "TestMPICollectivesMatchLocalGroup"),
+    ("mpi-sum-before-receives", "mpi.go",
+     "\t\tif x.recv != 0 && x.state != 2 {\n\t\t\treturn false\n",
+     "\t\tif false && x.recv != 0 && x.state != 2 {\n\t\t\treturn false\n",
      "TestMPICollectivesMatchLocalGroup"),
     ("mpi-finalize-keeps-library", "mpi_loader.c",
      "\t\tdlclose(zm_dl);\n",
