@@ -184,15 +184,16 @@ func NewMPI(cfg MPIConfig) (Comm, error) {
 	var worldErr error
 	err = th.do(func() error {
 		var h C.uintptr_t
-		var rank, size, ub C.int
+		var rank, size, ub, local C.int
 		split := C.int(0)
 		if cfg.Split {
 			split = 1
 		}
-		if code := C.zm_comm_create(split, C.int(cfg.Color), &h, &rank, &size, &ub); code != 0 {
+		if code := C.zm_comm_create(split, C.int(cfg.Color), &h, &rank, &size, &ub, &local); code != 0 {
 			return mpiErr("MPI_Comm_dup of MPI_COMM_WORLD", -1, code)
 		}
 		c.handle, c.rank, c.size = h, int(rank), int(size)
+		fitGOMAXPROCS(int(local))
 		if cfg.LauncherWorld > 0 && !cfg.Split && c.size != cfg.LauncherWorld {
 			worldErr = errorf(ErrConfig, "the launcher started %d processes but MPI_COMM_WORLD has %d: the mpiexec that started this process belongs to another MPI than %s; use that library's mpiexec (or set ZERO_MPI_LIBRARY to the library of this mpiexec)",
 				cfg.LauncherWorld, c.size, th.library)
@@ -221,6 +222,21 @@ func NewMPI(cfg MPIConfig) (Comm, error) {
 	}
 	c.collectives = collectives{world: c.size, issue: c.enqueue}
 	return c, nil
+}
+
+// fitGOMAXPROCS gives this process its share of the host's CPUs when local
+// processes of the job share the host and the environment does not set
+// GOMAXPROCS: each Go process would run as many threads as the host has
+// CPUs, and ranks that outnumber the CPUs then wait on each other's
+// spare threads at every transfer (torchrun sets OMP_NUM_THREADS=1 for the
+// same reason). It only ever lowers GOMAXPROCS.
+func fitGOMAXPROCS(local int) {
+	if local <= 1 || os.Getenv("GOMAXPROCS") != "" {
+		return
+	}
+	if share := max(1, runtime.NumCPU()/local); runtime.GOMAXPROCS(0) > share {
+		runtime.GOMAXPROCS(share)
+	}
 }
 
 // MPIVersion opens MPI (library as in MPIConfig.Library) and returns

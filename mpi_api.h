@@ -43,8 +43,9 @@ int zm_probe(const char* path, int* abi, char* version, int vlen, char* msg, int
 int zm_init(int want, int* level, int* was_init, uint64_t* restored);
 int zm_finalize(void);
 /* A communicator of its own: MPI_COMM_WORLD duplicated, or split by color
- * when split is set, with errors returned to the caller. */
-int zm_comm_create(int split, int color, uintptr_t* comm, int* rank, int* size, int* tag_ub);
+ * when split is set, with errors returned to the caller; *local is the
+ * number of the world's processes on this host (MPI_COMM_TYPE_SHARED). */
+int zm_comm_create(int split, int color, uintptr_t* comm, int* rank, int* size, int* tag_ub, int* local);
 int zm_comm_free(uintptr_t comm);
 int zm_post(uintptr_t comm, zm_xfer* x, int n);
 /* Tests every posted transfer; returns how many are still pending, or

@@ -45,6 +45,8 @@ static void* zm_dl;
 #define ZM_K_ERRORS_RETURN ((int)0x54000001)
 #define ZM_K_REQUEST_NULL ((int)0x2c000000)
 #define ZM_K_TAG_UB ((int)0x64400001)
+#define ZM_K_INFO_NULL ((int)0x1c000000)
+#define ZM_K_COMM_TYPE_SHARED 1
 #define ZM_K_ANY_SOURCE (-2)
 #define ZM_K_ANY_TAG (-1)
 #define ZM_K_UNDEFINED (-32766)
@@ -63,6 +65,8 @@ static void* zm_dl;
 #undef ZM_K_ERRORS_RETURN
 #undef ZM_K_REQUEST_NULL
 #undef ZM_K_TAG_UB
+#undef ZM_K_INFO_NULL
+#undef ZM_K_COMM_TYPE_SHARED
 #undef ZM_K_ANY_SOURCE
 #undef ZM_K_ANY_TAG
 #undef ZM_K_UNDEFINED
@@ -83,6 +87,8 @@ static void* zm_dl;
 #define ZM_K_ERRORS_RETURN ((void*)0x143)
 #define ZM_K_REQUEST_NULL ((void*)0x180)
 #define ZM_K_TAG_UB 501
+#define ZM_K_INFO_NULL ((void*)0x130)
+#define ZM_K_COMM_TYPE_SHARED 221
 #define ZM_K_ANY_SOURCE (-1)
 #define ZM_K_ANY_TAG (-2)
 #define ZM_K_UNDEFINED (-32766)
@@ -236,8 +242,8 @@ int zm_finalize(void) {
 	return err;
 }
 
-int zm_comm_create(int split, int color, uintptr_t* comm, int* rank, int* size, int* tag_ub) {
-	ZM_CALL(comm_create(split, color, comm, rank, size, tag_ub))
+int zm_comm_create(int split, int color, uintptr_t* comm, int* rank, int* size, int* tag_ub, int* local) {
+	ZM_CALL(comm_create(split, color, comm, rank, size, tag_ub, local))
 }
 
 int zm_comm_free(uintptr_t comm) { ZM_CALL(comm_free(comm)) }

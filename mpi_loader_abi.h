@@ -15,6 +15,7 @@ struct ZM_NS(lib) {
 	int (*finalize)(void);
 	int (*comm_dup)(ZM_H, ZM_H*);
 	int (*comm_split)(ZM_H, int, int, ZM_H*);
+	int (*comm_split_type)(ZM_H, int, int, ZM_H, ZM_H*);
 	int (*comm_free)(ZM_H*);
 	int (*comm_rank)(ZM_H, int*);
 	int (*comm_size)(ZM_H, int*);
@@ -46,6 +47,7 @@ static int ZM_NS(resolve)(struct ZM_NS(lib) * l, void* lib, const char* path, ch
 	ZM_SYM(finalize, "MPI_Finalize")
 	ZM_SYM(comm_dup, "MPI_Comm_dup")
 	ZM_SYM(comm_split, "MPI_Comm_split")
+	ZM_SYM(comm_split_type, "MPI_Comm_split_type")
 	ZM_SYM(comm_free, "MPI_Comm_free")
 	ZM_SYM(comm_rank, "MPI_Comm_rank")
 	ZM_SYM(comm_size, "MPI_Comm_size")
@@ -87,7 +89,7 @@ static int ZM_NS(init)(int want, int* level, int* was_init) {
 	return err;
 }
 
-static int ZM_NS(comm_create)(int split, int color, uintptr_t* comm, int* rank, int* size, int* tag_ub) {
+static int ZM_NS(comm_create)(int split, int color, uintptr_t* comm, int* rank, int* size, int* tag_ub, int* local) {
 	ZM_H c = ZM_K_COMM_NULL;
 	int wrank = 0, err = ZM_NS(fn).comm_rank(ZM_K_COMM_WORLD, &wrank);
 	if (!err) err = split ? ZM_NS(fn).comm_split(ZM_K_COMM_WORLD, color, wrank, &c) : ZM_NS(fn).comm_dup(ZM_K_COMM_WORLD, &c);
@@ -99,6 +101,14 @@ static int ZM_NS(comm_create)(int split, int color, uintptr_t* comm, int* rank, 
 	int found = 0;
 	if (!err) err = ZM_NS(fn).comm_get_attr(c, ZM_K_TAG_UB, &ub, &found);
 	*tag_ub = (!err && found && ub) ? *ub : 32767; /* the least MPI allows */
+	/* the processes of the world on this host (0: unknown) */
+	ZM_H host = ZM_K_COMM_NULL;
+	*local = 0;
+	if (!err) err = ZM_NS(fn).comm_split_type(ZM_K_COMM_WORLD, ZM_K_COMM_TYPE_SHARED, wrank, ZM_K_INFO_NULL, &host);
+	if (!err) {
+		err = ZM_NS(fn).comm_size(host, local);
+		ZM_NS(fn).comm_free(&host);
+	}
 	if (err) {
 		ZM_NS(fn).comm_free(&c);
 		return err;

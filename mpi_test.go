@@ -13,6 +13,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -350,6 +351,14 @@ func collectivesScenario(comm Comm, dir string) error {
 	if got, funneled := comm.(*mpiComm).th.serialized, os.Getenv("ZERO_MPI_THREAD") == "funneled"; got == funneled {
 		return fmt.Errorf("the waiters poll: %v, with ZERO_MPI_THREAD=%q", got, os.Getenv("ZERO_MPI_THREAD"))
 	}
+	// every process of the job is on this host
+	if set := os.Getenv("GOMAXPROCS"); set != "" {
+		if got := runtime.GOMAXPROCS(0); strconv.Itoa(got) != set {
+			return fmt.Errorf("GOMAXPROCS %d, where the environment set %s", got, set)
+		}
+	} else if got, share := runtime.GOMAXPROCS(0), max(1, runtime.NumCPU()/comm.Size()); got > share {
+		return fmt.Errorf("GOMAXPROCS %d with %d processes on %d CPUs; want at most %d", got, comm.Size(), runtime.NumCPU(), share)
+	}
 	seed := envSeed()
 	outs, err := runCollCases(comm, seed, collCases(seed, comm.Size()))
 	if err != nil {
@@ -372,7 +381,8 @@ func TestMPICollectivesMatchLocalGroup(t *testing.T) {
 	for _, tc := range []struct {
 		w      int
 		thread string
-	}{{2, "serialized"}, {3, "serialized"}, {4, "serialized"}, {2, "funneled"}, {4, "funneled"}} {
+		env    string
+	}{{2, "serialized", ""}, {3, "serialized", ""}, {4, "serialized", ""}, {2, "funneled", ""}, {4, "funneled", "GOMAXPROCS=2"}} {
 		w := tc.w
 		t.Run(fmt.Sprintf("W%d/%s", w, tc.thread), func(t *testing.T) {
 			cases := collCases(seed, w)
@@ -385,7 +395,11 @@ func TestMPICollectivesMatchLocalGroup(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			res := m.launch(t, mpiRun{n: w, scenario: "collectives", env: []string{fmt.Sprintf("ZERO_TEST_SEED=%d", seed), "ZERO_MPI_THREAD=" + tc.thread}})
+			env := []string{fmt.Sprintf("ZERO_TEST_SEED=%d", seed), "ZERO_MPI_THREAD=" + tc.thread}
+			if tc.env != "" {
+				env = append(env, tc.env)
+			}
+			res := m.launch(t, mpiRun{n: w, scenario: "collectives", env: env})
 			res.mustSucceed(t, "collectives")
 			for r := range w {
 				got, err := os.ReadFile(filepath.Join(res.dir, fmt.Sprintf("coll-%d.bin", r)))
