@@ -3,6 +3,7 @@ package zero
 /*
 #cgo LDFLAGS: -ldl
 #include <sched.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include "mpi_api.h"
 */
@@ -194,6 +195,9 @@ func NewMPI(cfg MPIConfig) (Comm, error) {
 		}
 		c.handle, c.rank, c.size = h, int(rank), int(size)
 		fitGOMAXPROCS(int(local))
+		if th.yieldFor == 0 {
+			th.yieldFor = yieldFor(int(local))
+		}
 		if cfg.LauncherWorld > 0 && !cfg.Split && c.size != cfg.LauncherWorld {
 			worldErr = errorf(ErrConfig, "the launcher started %d processes but MPI_COMM_WORLD has %d: the mpiexec that started this process belongs to another MPI than %s; use that library's mpiexec (or set ZERO_MPI_LIBRARY to the library of this mpiexec)",
 				cfg.LauncherWorld, c.size, th.library)
@@ -237,6 +241,15 @@ func fitGOMAXPROCS(local int) {
 	if share := max(1, runtime.NumCPU()/local); runtime.GOMAXPROCS(0) > share {
 		runtime.GOMAXPROCS(share)
 	}
+}
+
+// yieldFor is how long a waiter yields before it naps, with local of the
+// job's processes on this host.
+func yieldFor(local int) time.Duration {
+	if local > int(C.sysconf(C._SC_NPROCESSORS_ONLN)) {
+		return mpiYieldShared
+	}
+	return mpiYieldFor
 }
 
 // MPIVersion opens MPI (library as in MPIConfig.Library) and returns
@@ -405,8 +418,9 @@ type mpiThread struct {
 
 	// mu is held across every MPI call and guards what follows.
 	mu         sync.Mutex
-	serialized bool      // the waiters poll (set once at init)
-	heard      time.Time // when progress last tested the notices
+	serialized bool          // the waiters poll (set once at init)
+	yieldFor   time.Duration // see pace; set by the first communicator
+	heard      time.Time     // when progress last tested the notices
 	comms      map[*mpiComm]bool
 	active     []*mpiPhase
 	finalized  bool
@@ -428,15 +442,18 @@ func (th *mpiThread) locked(fn func()) {
 }
 
 // Polling: the transfers are tested in a loop that yields the CPU between
-// rounds; after mpiYieldFor with nothing completed it naps between them (a
-// peer still computing), and with nothing to test it blocks, waking every
-// mpiIdlePoll for the peers' abort notices.
+// rounds; after a while with nothing completed (mpiYieldFor, or
+// mpiYieldShared where the job's processes on this host outnumber its CPUs
+// and a peer needs this CPU to make progress) it naps between them, and
+// with nothing to test it blocks, waking every mpiIdlePoll for the peers'
+// abort notices.
 const (
-	mpiYieldFor   = 2 * time.Millisecond
-	mpiNap        = 50 * time.Microsecond
-	mpiIdlePoll   = 10 * time.Millisecond // notices while no collective runs
-	mpiProbeEvery = 100 * time.Millisecond
-	mpiHearEvery  = time.Millisecond // notices while collectives run
+	mpiYieldFor    = 2 * time.Millisecond
+	mpiYieldShared = 100 * time.Microsecond
+	mpiNapMicros   = 50                    // a nap in C: Go's timers sleep a millisecond or more for it
+	mpiIdlePoll    = 10 * time.Millisecond // notices while no collective runs
+	mpiProbeEvery  = 100 * time.Millisecond
+	mpiHearEvery   = time.Millisecond // notices while collectives run
 )
 
 func (th *mpiThread) loop(ready chan<- error) {
@@ -500,7 +517,7 @@ func (th *mpiThread) loop(ready chan<- error) {
 			quiet = time.Now()
 			continue
 		}
-		pace(quiet)
+		th.pace(quiet)
 	}
 }
 
@@ -525,18 +542,18 @@ func (th *mpiThread) await(ph *mpiPhase, received func()) (ran bool, err error) 
 			received()
 			ran, quiet = true, time.Now()
 		default:
-			pace(quiet)
+			th.pace(quiet)
 		}
 	}
 }
 
 // pace waits between two rounds of tests: a yield of the CPU until
-// mpiYieldFor after the last completion, then a nap.
-func pace(quiet time.Time) {
-	if time.Since(quiet) < mpiYieldFor {
+// th.yieldFor after the last completion, then a nap.
+func (th *mpiThread) pace(quiet time.Time) {
+	if time.Since(quiet) < th.yieldFor {
 		C.sched_yield()
 	} else {
-		time.Sleep(mpiNap)
+		C.usleep(mpiNapMicros)
 	}
 }
 

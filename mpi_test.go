@@ -351,13 +351,20 @@ func collectivesScenario(comm Comm, dir string) error {
 	if got, funneled := comm.(*mpiComm).th.serialized, os.Getenv("ZERO_MPI_THREAD") == "funneled"; got == funneled {
 		return fmt.Errorf("the waiters poll: %v, with ZERO_MPI_THREAD=%q", got, os.Getenv("ZERO_MPI_THREAD"))
 	}
-	// every process of the job is on this host
+	// every process of the job is on this host: the launcher's world
+	host, err := strconv.Atoi(os.Getenv("PMI_SIZE"))
+	if err != nil {
+		return fmt.Errorf("PMI_SIZE: %v", err)
+	}
+	if got, want := comm.(*mpiComm).th.yieldFor, yieldFor(host); got != want {
+		return fmt.Errorf("waiters yield for %v with %d processes on this host, want %v", got, host, want)
+	}
 	if set := os.Getenv("GOMAXPROCS"); set != "" {
 		if got := runtime.GOMAXPROCS(0); strconv.Itoa(got) != set {
 			return fmt.Errorf("GOMAXPROCS %d, where the environment set %s", got, set)
 		}
-	} else if got, share := runtime.GOMAXPROCS(0), max(1, runtime.NumCPU()/comm.Size()); got > share {
-		return fmt.Errorf("GOMAXPROCS %d with %d processes on %d CPUs; want at most %d", got, comm.Size(), runtime.NumCPU(), share)
+	} else if got, share := runtime.GOMAXPROCS(0), max(1, runtime.NumCPU()/host); got > share {
+		return fmt.Errorf("GOMAXPROCS %d with %d processes on %d CPUs; want at most %d", got, host, runtime.NumCPU(), share)
 	}
 	seed := envSeed()
 	outs, err := runCollCases(comm, seed, collCases(seed, comm.Size()))
@@ -1061,6 +1068,10 @@ func TestMPIConfigFromEnv(t *testing.T) {
 		if _, err := mpiConfigFrom(env(bad)); !errors.Is(err, ErrConfig) {
 			t.Errorf("%v: %v, want ErrConfig", bad, err)
 		}
+	}
+	// the waiters' yield: long where each process has a CPU of its own
+	if yieldFor(1) != mpiYieldFor || yieldFor(1<<20) != mpiYieldShared {
+		t.Errorf("yieldFor: %v for one process on this host, %v for 2^20", yieldFor(1), yieldFor(1<<20))
 	}
 	for _, bad := range []MPIConfig{{Timeout: -time.Second}, {Split: true, Color: -2}, {LauncherWorld: -1}} {
 		if _, err := NewMPI(bad); !errors.Is(err, ErrConfig) {
