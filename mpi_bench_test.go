@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math/rand"
 	"os"
+	"runtime"
 	"strconv"
 	"syscall"
 	"testing"
@@ -33,10 +34,12 @@ func BenchmarkMPICollectives(b *testing.B) {
 		}
 	}
 	W, r := comm.Size(), comm.Rank()
+	fitted := runtime.GOMAXPROCS(0)
 	for _, kind := range []CollectiveKind{KindReduceScatter, KindAllGather} {
 		for mib := 1; mib <= 256; mib *= 4 {
 			n := mib << 20 / 4
 			b.Run(fmt.Sprintf("%v/W%d/%dMiB", kind, W, mib), func(b *testing.B) {
+				defer asFitted(fitted)()
 				// every rank must make the same calls
 				if out, err := AllReduceScalars(comm, OpMax, float64(b.N), -float64(b.N)); err != nil || out[0] != -out[1] {
 					b.Fatalf("the ranks run %v iterations: give -test.benchtime Nx (%v)", out, err)
@@ -111,6 +114,7 @@ func BenchmarkMPIStep(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
+	fitted := runtime.GOMAXPROCS(0)
 	if comm.Rank() != 0 {
 		if null, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0); err == nil {
 			syscall.Dup2(int(null.Fd()), 1)
@@ -148,6 +152,7 @@ func BenchmarkMPIStep(b *testing.B) {
 		return e.Step()
 	}
 	b.Run(fmt.Sprintf("W%d/%dx%d²", comm.Size(), layers, hidden), func(b *testing.B) {
+		defer asFitted(fitted)()
 		if out, err := AllReduceScalars(comm, OpMax, float64(b.N), -float64(b.N)); err != nil || out[0] != -out[1] {
 			b.Fatalf("the ranks run %v iterations: give -test.benchtime Nx (%v)", out, err)
 		}
@@ -178,4 +183,12 @@ func BenchmarkMPIStep(b *testing.B) {
 	if err := MPIFinalize(); err != nil {
 		b.Fatal(err)
 	}
+}
+
+// asFitted sets GOMAXPROCS to what NewMPI fitted it to, as a program has
+// it, and returns what puts back the testing package's: the package sets
+// GOMAXPROCS (-test.cpu) before each benchmark.
+func asFitted(fitted int) (restore func()) {
+	was := runtime.GOMAXPROCS(fitted)
+	return func() { runtime.GOMAXPROCS(was) }
 }
