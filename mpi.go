@@ -449,7 +449,7 @@ func (th *mpiThread) locked(fn func()) {
 // abort notices.
 const (
 	mpiYieldFor    = 2 * time.Millisecond
-	mpiYieldShared = 100 * time.Microsecond
+	mpiYieldShared = 500 * time.Microsecond
 	mpiNapMicros   = 50                    // a nap in C: Go's timers sleep a millisecond or more for it
 	mpiIdlePoll    = 10 * time.Millisecond // notices while no collective runs
 	mpiProbeEvery  = 100 * time.Millisecond

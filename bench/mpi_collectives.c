@@ -10,7 +10,7 @@
  * over that time.
  *
  *   .mpi/bin/mpicc -O2 -o /tmp/mpi_collectives bench/mpi_collectives.c
- *   .mpi/bin/mpiexec -n 2 /tmp/mpi_collectives [iterations]
+ *   .mpi/bin/mpiexec -n 2 /tmp/mpi_collectives [iterations [smallest MiB [largest MiB]]]
  */
 #include <mpi.h>
 #include <stdio.h>
@@ -40,8 +40,10 @@ int main(int argc, char** argv) {
 	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
 	MPI_Comm_size(MPI_COMM_WORLD, &world);
 	int iters = argc > 1 ? atoi(argv[1]) : 10;
+	size_t lo = argc > 2 ? (size_t)atoi(argv[2]) : 1, hi = argc > 3 ? (size_t)atoi(argv[3]) : 256;
 	if (rank == 0) printf("%-22s %4s %10s %10s\n", "op", "W", "MiB", "GB/s");
-	for (size_t mib = 1; mib <= 256; mib *= 4) {
+	for (size_t mib = 1; mib <= hi; mib *= 4) {
+		if (mib < lo) continue;
 		size_t bytes = mib << 20, chunk = bytes / (size_t)world;
 		float* send = malloc(bytes);
 		float* recv = malloc(bytes);
