@@ -1,7 +1,8 @@
 // Command demo prints the table of DeepSpeed PR #7992 (seed 000) for zero:
 // per ZeRO stage, N backwards per step taken as plain backwards, as
 // no_sync, in a coalesced window and in a coalesced window with a budget of
-// half a gradient, across in-process ranks on the CPU. Each row gives the
+// half a gradient, across in-process ranks on the CPU (or, with -mpi under
+// mpiexec, one rank per process). Each row gives the
 // gradient memory, the step's wall time, its collectives and the largest
 // error against a float64 mean.
 package main
@@ -35,6 +36,8 @@ var allModes = []string{baseline, noSync, coalesce, coalesceBudget}
 
 type options struct {
 	world, layers, hidden int
+	mpi                   bool // one rank per process of an MPI job
+	rank                  int  // this process's rank, with mpi
 	ns, stages            []int
 	modes                 []string
 	steps                 int        // timed steps per row, after one warm-up step
@@ -96,78 +99,108 @@ type Row struct {
 	ShardDType  string `json:"shard_dtype"`
 }
 
-func main() {
+func main() { os.Exit(mainArgs(os.Args[1:], os.Stdout, os.Stderr)) }
+
+// mainArgs is the command with args; it returns the exit code.
+func mainArgs(args []string, stdout, stderr io.Writer) int {
+	fail := func(err error) int { fmt.Fprintln(stderr, "demo:", err); return 1 }
 	o := options{}
-	flag.IntVar(&o.world, "world", 2, "ranks in the in-process group")
-	flag.IntVar(&o.layers, "layers", 8, "layers of the MLP (each a hidden×hidden weight and a bias)")
-	flag.IntVar(&o.hidden, "hidden", 1024, "hidden size")
-	seed := flag.Bool("seed000", false, "seed 000's model, overriding -layers and -hidden: 8 layers × hidden 4096, bf16, 134M parameters (slow on a CPU)")
-	ns := flag.String("n", "2,4,8", "backwards per step")
-	stages := flag.String("stages", "1,2,3", "ZeRO stages")
-	modes := flag.String("modes", strings.Join(allModes, ","), "modes")
-	flag.IntVar(&o.steps, "steps", 3, "timed steps per row, after one warm-up step (the median is shown)")
-	bucketMiB := flag.Float64("bucket", 0, "bucket size in MiB (0: one layer per bucket)")
-	flag.IntVar(&o.rounds, "rounds", 1, "hash rounds per gradient element: the synthetic backward's compute (about 2 µs per KiB at 1)")
-	flag.BoolVar(&o.overlap, "overlap", true, "reduce on the engine's own stream (Config.Overlap)")
-	windowDType := flag.String("window-dtype", "fp32", "dtype of a window's local sums (Window.DType): fp32 or bf16")
-	shardDType := flag.String("shard-dtype", "fp32", "dtype of the reduced gradient shard (Precision.ShardDType): fp32 or bf16")
-	asJSON := flag.Bool("json", false, "print one JSON object per row instead of the table")
-	quiet := flag.Bool("q", false, "no progress on stderr")
-	flag.Parse()
+	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.IntVar(&o.world, "world", 2, "ranks in the in-process group")
+	fs.BoolVar(&o.mpi, "mpi", false, "one rank per process of an MPI job (mpiexec -n W demo -mpi): the world is the job's, rank 0 prints the table")
+	fs.IntVar(&o.layers, "layers", 8, "layers of the MLP (each a hidden×hidden weight and a bias)")
+	fs.IntVar(&o.hidden, "hidden", 1024, "hidden size")
+	seed := fs.Bool("seed000", false, "seed 000's model, overriding -layers and -hidden: 8 layers × hidden 4096, bf16, 134M parameters (slow on a CPU)")
+	ns := fs.String("n", "2,4,8", "backwards per step")
+	stages := fs.String("stages", "1,2,3", "ZeRO stages")
+	modes := fs.String("modes", strings.Join(allModes, ","), "modes")
+	fs.IntVar(&o.steps, "steps", 3, "timed steps per row, after one warm-up step (the median is shown)")
+	bucketMiB := fs.Float64("bucket", 0, "bucket size in MiB (0: one layer per bucket)")
+	fs.IntVar(&o.rounds, "rounds", 1, "hash rounds per gradient element: the synthetic backward's compute (about 2 µs per KiB at 1)")
+	fs.BoolVar(&o.overlap, "overlap", true, "reduce on the engine's own stream (Config.Overlap)")
+	windowDType := fs.String("window-dtype", "fp32", "dtype of a window's local sums (Window.DType): fp32 or bf16")
+	shardDType := fs.String("shard-dtype", "fp32", "dtype of the reduced gradient shard (Precision.ShardDType): fp32 or bf16")
+	asJSON := fs.Bool("json", false, "print one JSON object per row instead of the table")
+	quiet := fs.Bool("q", false, "no progress on stderr")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
 	if *seed {
 		o.layers, o.hidden = 8, 4096
 	}
 	o.bucketBytes = int(*bucketMiB * (1 << 20))
 	var err error
 	if o.windowDType, err = dtypeFlag("window-dtype", *windowDType); err != nil {
-		fail(err)
+		return fail(err)
 	}
 	if o.shardDType, err = dtypeFlag("shard-dtype", *shardDType); err != nil {
-		fail(err)
+		return fail(err)
 	}
 	if o.ns, err = ints(*ns); err != nil {
-		fail(err)
+		return fail(err)
 	}
 	if o.stages, err = ints(*stages); err != nil {
-		fail(err)
+		return fail(err)
 	}
 	for _, m := range strings.Split(*modes, ",") {
 		if m = strings.TrimSpace(m); !slices.Contains(allModes, m) {
-			fail(fmt.Errorf("unknown mode %q (want %s)", m, strings.Join(allModes, ", ")))
+			return fail(fmt.Errorf("unknown mode %q (want %s)", m, strings.Join(allModes, ", ")))
 		}
 		o.modes = append(o.modes, m)
 	}
 	for _, n := range o.ns {
 		if n < 1 || (n < 2 && slices.Contains(o.modes, noSync)) {
-			fail(fmt.Errorf("N = %d: no_sync needs N ≥ 2, every mode N ≥ 1", n))
+			return fail(fmt.Errorf("N = %d: no_sync needs N ≥ 2, every mode N ≥ 1", n))
 		}
 	}
 	if o.steps < 1 || o.world < 1 || o.layers < 1 || o.hidden < 1 {
-		fail(fmt.Errorf("steps, world, layers and hidden must be positive"))
+		return fail(fmt.Errorf("steps, world, layers and hidden must be positive"))
 	}
-	progress := io.Writer(os.Stderr)
+	progress := stderr
 	if *quiet {
 		progress = io.Discard
+	}
+	if o.mpi {
+		// the job's size is the world; every row runs on a communicator of
+		// its own, and MPI ends with the table (only rank 0 prints it)
+		comm, err := zero.NewMPIFromEnv()
+		if err != nil {
+			return fail(err)
+		}
+		o.world, o.rank = comm.Size(), comm.Rank()
+		if err := comm.Close(); err != nil {
+			return fail(err)
+		}
+		if o.rank != 0 {
+			stdout, progress = io.Discard, io.Discard
+		}
+		defer func() {
+			if err := zero.MPIFinalize(); err != nil {
+				fmt.Fprintln(stderr, "demo:", err)
+			}
+		}()
 	}
 	m := newModel(o.layers, o.hidden)
 	start := time.Now()
 	rows, err := runTable(o, m, progress)
 	if err != nil {
-		fail(err)
+		return fail(err)
 	}
 	fmt.Fprintf(progress, "demo: %d rows in %.1f s\n", len(rows), time.Since(start).Seconds())
-	w := bufio.NewWriter(os.Stdout)
+	w := bufio.NewWriter(stdout)
 	defer w.Flush()
 	if *asJSON {
 		enc := json.NewEncoder(w)
 		for _, r := range rows {
 			if err := enc.Encode(r); err != nil {
-				fail(err)
+				return fail(err)
 			}
 		}
-		return
+		return 0
 	}
 	printTable(w, o, m, rows)
+	return 0
 }
 
 // model is the synthetic MLP: parameter 2l is layer l's weight, 2l+1 its
@@ -242,9 +275,19 @@ func runRow(o options, m *model, stage int, mode string, n int) (Row, error) {
 		cfg.Window.BudgetBytes = (int(m.count) + m.layers*o.world*64) * sumsDType(cfg).Size() / 2
 	}
 	outs := make([]rankOut, o.world)
-	if err := zero.RunLocal(o.world, func(comm zero.Comm) error {
-		return runRank(o, m, cfg, comm, mode, n, &outs[comm.Rank()])
-	}); err != nil {
+	run := func(comm zero.Comm) error { return runRank(o, m, cfg, comm, mode, n, &outs[comm.Rank()]) }
+	if o.mpi {
+		comm, err := zero.NewMPIFromEnv()
+		if err != nil {
+			return Row{}, err
+		}
+		if err := run(comm); err != nil {
+			return Row{}, err
+		}
+		if o.rank != 0 {
+			return Row{}, nil // rank 0 makes the row
+		}
+	} else if err := zero.RunLocal(o.world, run); err != nil {
 		return Row{}, err
 	}
 	st, c := outs[0].stats, outs[0].stats.Collectives
@@ -533,8 +576,12 @@ func printTable(w io.Writer, o options, m *model, rows []Row) {
 	if o.bucketBytes > 0 {
 		bucket = fmt.Sprintf("%.1f MiB buckets", mib(int64(o.bucketBytes)))
 	}
-	fmt.Fprintf(w, "zero demo: %d ranks in one process, MLP %d×%d (%.1fM params, %.1f MiB of bf16 gradient per backward), %s (%d), overlap %v, window sums %v, shard %v; %s\n\n",
-		o.world, m.layers, m.hidden, float64(m.count)/1e6, mib(2*m.count), bucket, rows[0].Buckets, o.overlap, o.windowDType, o.shardDType, host())
+	ranks := fmt.Sprintf("%d ranks in one process", o.world)
+	if o.mpi {
+		ranks = fmt.Sprintf("%d MPI processes", o.world)
+	}
+	fmt.Fprintf(w, "zero demo: %s, MLP %d×%d (%.1fM params, %.1f MiB of bf16 gradient per backward), %s (%d), overlap %v, window sums %v, shard %v; %s\n\n",
+		ranks, m.layers, m.hidden, float64(m.count)/1e6, mib(2*m.count), bucket, rows[0].Buckets, o.overlap, o.windowDType, o.shardDType, host())
 	fmt.Fprintln(w, "| stage | mode | N | in use: peak / window / flush MiB | held: peak / window / flush MiB | pooled MiB | wall ms | exposed ms | bucket ms | collectives | payload MiB | wire MiB | gather MiB | max err |")
 	fmt.Fprintln(w, "|---|---|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|")
 	for _, r := range rows {
@@ -617,4 +664,3 @@ func median(x []float64) float64 {
 
 func mib(b int64) float64        { return float64(b) / (1 << 20) }
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
-func fail(err error)             { fmt.Fprintln(os.Stderr, "demo:", err); os.Exit(1) }

@@ -15,50 +15,12 @@ import (
 	"testing"
 	"time"
 
-	"zero"
+	"zero/internal/mpitest"
 )
 
 // The MPI runs of the command: this test binary, started by mpiexec with
 // ZERO_TRAIN_ARGS set, runs TestTrainMPIWorker, which is the command with
-// those arguments on one rank. MPI comes from ZERO_MPI_HOME (set by
-// .ci/run: a missing MPI fails), else .mpi/ at the repository root or an
-// mpiexec on PATH; without any the tests skip, naming what to install.
-
-// findMPI returns mpiexec and libmpi.so.12.
-func findMPI(t *testing.T) (mpiexec, library string) {
-	t.Helper()
-	home := os.Getenv("ZERO_MPI_HOME")
-	required := home != "" || os.Getenv("CI") == "true"
-	homes := []string{home}
-	if home == "" {
-		homes = []string{"../../.mpi"}
-		if p, err := exec.LookPath("mpiexec"); err == nil {
-			homes = append(homes, filepath.Dir(filepath.Dir(p)))
-		}
-	}
-	var tried []string
-	for _, h := range homes {
-		h, _ = filepath.Abs(h)
-		mpiexec = filepath.Join(h, "bin", "mpiexec")
-		for _, lib := range []string{filepath.Join(h, "lib", "libmpi.so.12"), filepath.Join(h, "lib", "x86_64-linux-gnu", "libmpich.so.12")} {
-			if _, err := os.Stat(mpiexec); err != nil {
-				tried = append(tried, err.Error())
-				break
-			}
-			if _, _, err := zero.MPIVersion(lib); err != nil {
-				tried = append(tried, err.Error())
-				continue
-			}
-			return mpiexec, lib
-		}
-	}
-	msg := fmt.Sprintf("no MPI found (%s): run scripts/install-mpi.sh and set ZERO_MPI_HOME to the folder it prints (.ci/run does), or apt-get install mpich", strings.Join(tried, "; "))
-	if required {
-		t.Fatal(msg)
-	}
-	t.Skip(msg)
-	return "", ""
-}
+// those arguments on one rank; mpitest.Find says where MPI comes from.
 
 // TestTrainMPIWorker is one rank of an MPI job of the command.
 func TestTrainMPIWorker(t *testing.T) {
@@ -73,7 +35,7 @@ func TestTrainMPIWorker(t *testing.T) {
 // returns its output and mpiexec's exit.
 func mpiTrain(t *testing.T, n int, args string) (string, error) {
 	t.Helper()
-	mpiexec, lib := findMPI(t)
+	mpiexec, lib := mpitest.Find(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, mpiexec, "-n", strconv.Itoa(n), os.Args[0], "-test.run=^TestTrainMPIWorker$")
