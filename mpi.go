@@ -152,11 +152,15 @@ func NewMPIFromEnv() (Comm, error) {
 //
 // MPI is loaded with dlopen the first time (MPIConfig.Library), so nothing
 // links against it. One goroutine, locked to its OS thread, initialises MPI
-// (MPI_Init_thread with MPI_THREAD_FUNNELED, the level provided checked) and
-// makes every MPI call of the process after that; the communicator is
-// MPI_COMM_WORLD duplicated (or split), with MPI_ERRORS_RETURN, so MPI's
-// errors come back as *MPIError instead of ending the job. Signal handlers
-// that MPI's initialisation installs are put back to Go's (see the README).
+// (MPI_Init_thread with MPI_THREAD_SERIALIZED, the level provided checked);
+// within a collective the goroutine that waits for it makes its MPI calls
+// itself, under one lock (MPIConfig.Funneled leaves them to the thread).
+// The communicator is MPI_COMM_WORLD duplicated (or split), with
+// MPI_ERRORS_RETURN, so MPI's errors come back as *MPIError instead of
+// ending the job. Signal handlers that MPI's initialisation installs are put
+// back to Go's (see the README). Where several of the job's processes share
+// the host, GOMAXPROCS is lowered to this process's share of its CPUs unless
+// the environment sets it.
 //
 // MPI moves bytes only (MPI_BYTE, non-blocking point to point); zero reduces
 // on the host with its own kernels, in rank order, so the results are those
