@@ -526,9 +526,9 @@ func (th *mpiThread) loop(ready chan<- error) {
 }
 
 // await polls the transfers until ph finished (serialized: on the
-// waiter's goroutine) and returns its result.
-// received, if not nil, runs as soon as every receive completed, while
-// sends may still be in flight; it reports whether it ran.
+// waiter's goroutine) and returns its result. received, if not nil, runs as
+// soon as every receive completed, while sends may still be in flight; ran
+// reports whether it did.
 func (th *mpiThread) await(ph *mpiPhase, received func()) (ran bool, err error) {
 	quiet := time.Now()
 	for {
@@ -735,14 +735,7 @@ func (c *mpiComm) run(seq uint64, x collective) error {
 				ph.send(p, a.send+uintptr(p*nb), nb)
 			}
 		}
-		srcs := make([]uintptr, W)
-		for p := range srcs {
-			if p == r {
-				srcs[p] = a.send + uintptr(r*nb)
-			} else {
-				srcs[p] = tmp.ptr + uintptr(slot(p, r)*nb)
-			}
-		}
+		srcs := sumSources(W, r, a.send+uintptr(r*nb), tmp.ptr, nb)
 		sum := func() { reduceHost(a.recv, srcs, a.dtype, a.op, 0, chunk) }
 		if err := ph.runThen(nil, sum, x.send, x.recv, tmp); err != nil {
 			return err
@@ -778,14 +771,7 @@ func (c *mpiComm) run(seq uint64, x collective) error {
 				ph.send(p, a.send+uintptr(plo*size), (phi-plo)*size)
 			}
 		}
-		srcs := make([]uintptr, W)
-		for p := range srcs {
-			if p == r {
-				srcs[p] = a.send + uintptr(lo*size)
-			} else {
-				srcs[p] = tmp.ptr + uintptr(slot(p, r)*mine)
-			}
-		}
+		srcs := sumSources(W, r, a.send+uintptr(lo*size), tmp.ptr, mine)
 		// this rank's part, which phase 0 does not send
 		sum := func() { reduceHost(a.send+uintptr(lo*size), srcs, a.dtype, a.op, 0, hi-lo) }
 		if err := ph.runThen(nil, sum, x.send, tmp); err != nil {
@@ -815,6 +801,21 @@ func (c *mpiComm) run(seq uint64, x collective) error {
 		return ph.run(nil, x.send)
 	}
 	return nil
+}
+
+// sumSources lists, in rank order, the W addends of this rank's part: its
+// own copy at own, each peer's where it landed in the staging buffer tmp
+// (parts of n bytes).
+func sumSources(W, r int, own, tmp uintptr, n int) []uintptr {
+	srcs := make([]uintptr, W)
+	for p := range srcs {
+		if p == r {
+			srcs[p] = own
+		} else {
+			srcs[p] = tmp + uintptr(slot(p, r)*n)
+		}
+	}
+	return srcs
 }
 
 // slot is where peer p's part lands in rank r's buffer of W−1 parts.
@@ -1010,7 +1011,9 @@ func (ph *mpiPhase) runThen(local, received func(), bufs ...Tensor) error {
 	var ran bool
 	var err error
 	if th.serialized {
-		th.locked(func() { th.start(ph) })
+		th.mu.Lock()
+		th.start(ph)
+		th.mu.Unlock()
 		if local != nil {
 			local()
 		}

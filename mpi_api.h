@@ -37,9 +37,8 @@ int zm_load(const char* path, int* abi, char* msg, int msglen);
 int zm_probe(const char* path, int* abi, char* version, int vlen, char* msg, int msglen);
 /* MPI_Init_thread(want: 1 FUNNELED, 2 SERIALIZED) unless MPI is initialized
  * already (*was_init); *level is the thread level provided, 0 (single) to 3
- * (multiple); the bits
- * of *restored are the signals whose handlers init changed and that were put
- * back. */
+ * (multiple); the bits of *restored are the signals whose handlers init
+ * changed and that were put back. */
 int zm_init(int want, int* level, int* was_init, uint64_t* restored);
 int zm_finalize(void);
 /* A communicator of its own: MPI_COMM_WORLD duplicated, or split by color

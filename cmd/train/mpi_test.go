@@ -2,57 +2,30 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
 	"math"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
-	"syscall"
 	"testing"
-	"time"
 
 	"zero/internal/mpitest"
 )
 
 // The MPI runs of the command: this test binary, started by mpiexec with
 // ZERO_TRAIN_ARGS set, runs TestTrainMPIWorker, which is the command with
-// those arguments on one rank; mpitest.Find says where MPI comes from.
+// those arguments on one rank (mpitest.Run starts them).
 
 // TestTrainMPIWorker is one rank of an MPI job of the command.
-func TestTrainMPIWorker(t *testing.T) {
-	args := os.Getenv("ZERO_TRAIN_ARGS")
-	if args == "" {
-		t.Skip("a rank of the MPI runs: runs under mpiexec only")
-	}
-	os.Exit(mainArgs(strings.Fields(args), os.Stdout, os.Stderr))
-}
+func TestTrainMPIWorker(t *testing.T) { mpitest.Worker(t, "ZERO_TRAIN_ARGS", mainArgs) }
 
 // mpiTrain runs the command under mpiexec -n n with args (and -mpi) and
 // returns its output and mpiexec's exit.
 func mpiTrain(t *testing.T, n int, args string) (string, error) {
 	t.Helper()
-	mpiexec, lib := mpitest.Find(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, mpiexec, "-n", strconv.Itoa(n), os.Args[0], "-test.run=^TestTrainMPIWorker$")
-	cmd.Env = append(os.Environ(), "ZERO_TRAIN_ARGS=-mpi "+args, "ZERO_MPI_LIBRARY="+lib)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }
-	cmd.WaitDelay = 10 * time.Second
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	err := cmd.Run()
-	if cmd.Process != nil {
-		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-	}
-	if ctx.Err() != nil {
-		t.Fatalf("mpiexec -n %d train -mpi %s hung\n%s", n, args, out.String())
-	}
-	return out.String(), err
+	out, errs, err := mpitest.Run(t, n, "TestTrainMPIWorker", "ZERO_TRAIN_ARGS=-mpi "+args)
+	return out + errs, err
 }
 
 // TestMPIMatchesInProcess: `mpiexec -n W train -mpi` gives, bit for bit,
