@@ -803,6 +803,34 @@ func (c *mpiComm) run(seq uint64, x collective) error {
 	return nil
 }
 
+// mpiOwn makes calls of MPI's own reduce-scatter (fp32, MPI_SUM) or
+// all-gather over c's communicator in a C loop, blocking: the yardstick
+// BenchmarkMPICollectives measures zero's collectives against, in the same
+// process and run. send and recv are fp32 host tensors, as the engine's
+// reduce-scatter or all-gather takes them; zero's collectives never call it.
+func (c *mpiComm) mpiOwn(kind CollectiveKind, send, recv Tensor, calls int) error {
+	part := min(send.count, recv.count) * 4
+	gather := C.int(0)
+	if kind == KindAllGather {
+		gather = 1
+	}
+	var code C.int
+	own := func() error {
+		code = C.zm_own(c.handle, gather, C.uintptr_t(send.ptr), C.uintptr_t(recv.ptr), C.int64_t(part), C.int(calls))
+		return nil
+	}
+	if c.th.serialized {
+		c.th.locked(func() { own() })
+	} else {
+		c.th.do(own)
+	}
+	keepAlive(send, recv)
+	if code != 0 {
+		return mpiErr("MPI's own "+kind.String(), c.rank, code)
+	}
+	return nil
+}
+
 // sumSources lists, in rank order, the W addends of this rank's part: its
 // own copy at own, each peer's where it landed in the staging buffer tmp
 // (parts of n bytes).

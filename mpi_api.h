@@ -52,6 +52,9 @@ int zm_post(uintptr_t comm, zm_xfer* x, int n);
 int zm_test(zm_xfer* x, int n);
 /* Cancels a posted receive and waits up to budget_ms for the cancel. */
 int zm_cancel(zm_xfer* x, int budget_ms);
+/* calls × MPI's own MPI_Reduce_scatter_block (fp32, MPI_SUM; gather 0) or
+ * MPI_Allgather (bytes; gather 1) in a C loop: a benchmark's yardstick. */
+int zm_own(uintptr_t comm, int gather, uintptr_t send, uintptr_t recv, int64_t part_bytes, int calls);
 int zm_iprobe(uintptr_t comm, int peer, int* flag, int* tag, int64_t* bytes);
 /* MPI's text for code (buf) and its class; *truncate says whether the class
  * is MPI_ERR_TRUNCATE. */

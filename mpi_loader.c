@@ -8,9 +8,11 @@
  * 5 ships it), whose handles are pointers. Which one a library speaks is read
  * from MPI_Abi_get_version, which only a standard-ABI library answers with a
  * version (MPICH's libmpi.so.12 answers −1, older libraries lack it). Every
- * call below is made from the one thread mpi.go dedicates to MPI.
+ * call below is made under mpi.go's one lock (MPI_THREAD_SERIALIZED) or on
+ * its MPI thread (funneled).
  *
  * MPI moves bytes only (MPI_BYTE, point to point); zero reduces on the host.
+ * MPI's own collectives are loaded only as a benchmark's yardstick (zm_own).
  */
 #include <dlfcn.h>
 #include <pthread.h>
@@ -42,6 +44,8 @@ static void* zm_dl;
 #define ZM_K_COMM_WORLD ((int)0x44000000)
 #define ZM_K_COMM_NULL ((int)0x04000000)
 #define ZM_K_BYTE ((int)0x4c00010d)
+#define ZM_K_FLOAT ((int)0x4c00040a)
+#define ZM_K_SUM ((int)0x58000003)
 #define ZM_K_ERRORS_RETURN ((int)0x54000001)
 #define ZM_K_REQUEST_NULL ((int)0x2c000000)
 #define ZM_K_TAG_UB ((int)0x64400001)
@@ -62,6 +66,8 @@ static void* zm_dl;
 #undef ZM_K_COMM_WORLD
 #undef ZM_K_COMM_NULL
 #undef ZM_K_BYTE
+#undef ZM_K_FLOAT
+#undef ZM_K_SUM
 #undef ZM_K_ERRORS_RETURN
 #undef ZM_K_REQUEST_NULL
 #undef ZM_K_TAG_UB
@@ -84,6 +90,8 @@ static void* zm_dl;
 #define ZM_K_COMM_WORLD ((void*)0x101)
 #define ZM_K_COMM_NULL ((void*)0x100)
 #define ZM_K_BYTE ((void*)0x247)
+#define ZM_K_FLOAT ((void*)0x210)
+#define ZM_K_SUM ((void*)0x21)
 #define ZM_K_ERRORS_RETURN ((void*)0x143)
 #define ZM_K_REQUEST_NULL ((void*)0x180)
 #define ZM_K_TAG_UB 501
@@ -253,6 +261,10 @@ int zm_post(uintptr_t comm, zm_xfer* x, int n) { ZM_CALL(post(comm, x, n)) }
 int zm_test(zm_xfer* x, int n) { ZM_CALL(test(x, n)) }
 
 int zm_cancel(zm_xfer* x, int budget_ms) { ZM_CALL(cancel(x, budget_ms)) }
+
+int zm_own(uintptr_t comm, int gather, uintptr_t send, uintptr_t recv, int64_t part_bytes, int calls) {
+	ZM_CALL(own(comm, gather, send, recv, part_bytes, calls))
+}
 
 int zm_iprobe(uintptr_t comm, int peer, int* flag, int* tag, int64_t* bytes) {
 	ZM_CALL(iprobe(comm, peer, flag, tag, bytes))

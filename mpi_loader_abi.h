@@ -30,6 +30,8 @@ struct ZM_NS(lib) {
 	int (*error_string)(int, char*, int*);
 	int (*error_class)(int, int*);
 	int (*get_library_version)(char*, int*);
+	int (*reduce_scatter_block)(const void*, void*, int, ZM_H, ZM_H, ZM_H);
+	int (*allgather)(const void*, int, ZM_H, void*, int, ZM_H, ZM_H);
 };
 
 static struct ZM_NS(lib) ZM_NS(fn);
@@ -62,6 +64,8 @@ static int ZM_NS(resolve)(struct ZM_NS(lib) * l, void* lib, const char* path, ch
 	ZM_SYM(error_string, "MPI_Error_string")
 	ZM_SYM(error_class, "MPI_Error_class")
 	ZM_SYM(get_library_version, "MPI_Get_library_version")
+	ZM_SYM(reduce_scatter_block, "MPI_Reduce_scatter_block")
+	ZM_SYM(allgather, "MPI_Allgather")
 #undef ZM_SYM
 	return 0;
 }
@@ -201,4 +205,18 @@ static int ZM_NS(error_string)(int code, char* buf, int len, int* truncate) {
 	if (ZM_NS(fn).error_class(code, &cls)) cls = -1;
 	*truncate = cls == ZM_K_ERR_TRUNCATE;
 	return cls;
+}
+
+/* calls × MPI's own reduce-scatter (fp32, MPI_SUM) or all-gather (bytes),
+ * blocking, in a C loop: the yardstick of BenchmarkMPICollectives. zero's
+ * collectives never call it. */
+static int ZM_NS(own)(uintptr_t comm, int gather, uintptr_t send, uintptr_t recv, int64_t part_bytes, int calls) {
+	int err = 0;
+	for (int i = 0; i < calls && !err; i++) {
+		err = gather ? ZM_NS(fn).allgather((const void*)send, (int)part_bytes, ZM_K_BYTE, (void*)recv, (int)part_bytes,
+		                                   ZM_K_BYTE, (ZM_H)comm)
+		             : ZM_NS(fn).reduce_scatter_block((const void*)send, (void*)recv, (int)(part_bytes / 4), ZM_K_FLOAT,
+		                                              ZM_K_SUM, (ZM_H)comm);
+	}
+	return err;
 }
