@@ -14,15 +14,16 @@ import (
 // BenchmarkMPICollectives: zero's MPI reduce-scatter (fp32, sum) and
 // all-gather, 1 MiB to 256 MiB of full buffer, against MPI's own
 // MPI_Reduce_scatter_block (MPI_FLOAT, MPI_SUM) and MPI_Allgather over the
-// same library and communicator, called in a C loop (mpiOwn). The two take
-// turns in blocks of mpiBenchBlock calls, so that both meet the same load on
-// the host, which separate runs do not (bench/mpi_collectives.c, MPI's own
+// same library, communicator and buffers, called in a C loop (mpiOwn) right
+// after zero's calls, in the same processes: separate runs meet different
+// loads and placements on a shared host (bench/mpi_collectives.c, MPI's own
 // in a program of its own, moved 2.8-4.3 GB/s at W = 4 from run to run).
-// The timer and MB/s are zero's calls (each followed by the stream's Sync),
-// mpi-MB/s MPI's own, x-mpi zero's throughput over MPI's, both on the
-// slowest rank. Both use separate send and receive buffers, as the C
-// program does. It runs under mpiexec, with a fixed count so that every rank
-// takes the same b.N:
+// Not call by call: alternating blocks of 10 calls slowed both by up to 2x.
+// The timer and MB/s are zero's b.N calls (each followed by the stream's
+// Sync), mpi-MB/s MPI's own b.N, x-mpi zero's throughput over MPI's, both on
+// the slowest rank; each after one call to warm up and a barrier. Both use
+// separate send and receive buffers, as the C program does. It runs under
+// mpiexec, with a fixed count so that every rank takes the same b.N:
 //
 //	go test -c -o /tmp/zero.test . &&
 //	  .mpi/bin/mpiexec -n 2 /tmp/zero.test -test.run '^$' -test.bench BenchmarkMPICollectives -test.benchtime 100x
@@ -85,31 +86,29 @@ func BenchmarkMPICollectives(b *testing.B) {
 				if err := zero(); err != nil {
 					b.Fatal(err)
 				}
-				if err := mc.mpiOwn(kind, send, recv, 1); err != nil {
-					b.Fatal(err)
-				}
 				if _, err := AllReduceScalars(comm, OpMax, 0); err != nil { // a barrier
 					b.Fatal(err)
 				}
 				b.SetBytes(int64(n) * 4)
-				var ownTime time.Duration
 				b.ResetTimer()
-				for done := 0; done < b.N; done += mpiBenchBlock {
-					k := min(mpiBenchBlock, b.N-done)
-					for range k {
-						if err := zero(); err != nil {
-							b.Fatal(err)
-						}
-					}
-					b.StopTimer()
-					t0 := time.Now()
-					if err := mc.mpiOwn(kind, send, recv, k); err != nil {
+				for range b.N {
+					if err := zero(); err != nil {
 						b.Fatal(err)
 					}
-					ownTime += time.Since(t0)
-					b.StartTimer()
 				}
 				b.StopTimer()
+				// then MPI's own, after one call to warm up and a barrier
+				if err := mc.mpiOwn(kind, send, recv, 1); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := AllReduceScalars(comm, OpMax, 0); err != nil {
+					b.Fatal(err)
+				}
+				t0 := time.Now()
+				if err := mc.mpiOwn(kind, send, recv, b.N); err != nil {
+					b.Fatal(err)
+				}
+				ownTime := time.Since(t0)
 				// the slowest rank's times, as the C program reports
 				slowest, err := AllReduceScalars(comm, OpMax, b.Elapsed().Seconds(), ownTime.Seconds())
 				if err != nil {
@@ -224,10 +223,6 @@ func BenchmarkMPIStep(b *testing.B) {
 		b.Fatal(err)
 	}
 }
-
-// mpiBenchBlock is how many calls of zero's, then of MPI's own, alternate
-// in BenchmarkMPICollectives.
-const mpiBenchBlock = 10
 
 // asFitted sets GOMAXPROCS to what NewMPI fitted it to, as a program has
 // it, and returns what puts back the testing package's: the package sets
