@@ -960,3 +960,18 @@ func f32bits(x []float32) []uint32 {
 	}
 	return out
 }
+
+// syncedCollective is zero's reduce-scatter (sum) or all-gather on s, and
+// the stream's Sync.
+func syncedCollective(c Comm, s Stream, kind CollectiveKind, send, recv Tensor) error {
+	var err error
+	if kind == KindReduceScatter {
+		err = c.ReduceScatter(s, send, recv, OpSum)
+	} else {
+		err = c.AllGather(s, send, recv)
+	}
+	if err == nil {
+		err = s.Sync()
+	}
+	return err
+}

@@ -815,14 +815,13 @@ func (c *mpiComm) mpiOwn(kind CollectiveKind, send, recv Tensor, calls int) erro
 		gather = 1
 	}
 	var code C.int
-	own := func() error {
+	call := func() {
 		code = C.zm_own(c.handle, gather, C.uintptr_t(send.ptr), C.uintptr_t(recv.ptr), C.int64_t(part), C.int(calls))
-		return nil
 	}
 	if c.th.serialized {
-		c.th.locked(func() { own() })
+		c.th.locked(call)
 	} else {
-		c.th.do(own)
+		c.th.do(func() error { call(); return nil })
 	}
 	keepAlive(send, recv)
 	if code != 0 {

@@ -70,18 +70,7 @@ func BenchmarkMPICollectives(b *testing.B) {
 				}
 				s := NewHostStream()
 				defer s.Close()
-				zero := func() error {
-					var err error
-					if kind == KindReduceScatter {
-						err = comm.ReduceScatter(s, send, recv, OpSum)
-					} else {
-						err = comm.AllGather(s, send, recv)
-					}
-					if err == nil {
-						err = s.Sync()
-					}
-					return err
-				}
+				zero := func() error { return syncedCollective(comm, s, kind, send, recv) }
 				// warm-up: the staging buffer, the pages
 				if err := zero(); err != nil {
 					b.Fatal(err)

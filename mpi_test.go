@@ -400,15 +400,7 @@ func ownAgrees(c *mpiComm) error {
 		if kind == KindAllGather {
 			send, zeroRecv, ownRecv = Float32s(full[r*part:(r+1)*part]), Float32s(zeroOut), Float32s(ownOut)
 		}
-		var err error
-		if kind == KindReduceScatter {
-			err = c.ReduceScatter(s, send, zeroRecv, OpSum)
-		} else {
-			err = c.AllGather(s, send, zeroRecv)
-		}
-		if err == nil {
-			err = s.Sync()
-		}
+		err := syncedCollective(c, s, kind, send, zeroRecv)
 		if err == nil {
 			err = c.mpiOwn(kind, send, ownRecv, 2)
 		}
