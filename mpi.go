@@ -19,6 +19,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 	"unsafe"
 )
@@ -521,7 +522,7 @@ func (th *mpiThread) loop(ready chan<- error) {
 			quiet = time.Now()
 			continue
 		}
-		th.pace(quiet)
+		th.pace(quiet, false)
 	}
 }
 
@@ -546,20 +547,35 @@ func (th *mpiThread) await(ph *mpiPhase, received func()) (ran bool, err error) 
 			received()
 			ran, quiet = true, time.Now()
 		default:
-			th.pace(quiet)
+			th.pace(quiet, true)
 		}
 	}
 }
 
 // pace waits between two rounds of tests: a yield of the CPU until
-// th.yieldFor after the last completion, then a nap.
-func (th *mpiThread) pace(quiet time.Time) {
-	if time.Since(quiet) < th.yieldFor {
-		C.sched_yield()
-	} else {
+// th.yieldFor after the last completion, then a nap. A waiter on an ordinary
+// goroutine (keepP) lets this P's other goroutines run and then yields the
+// CPU keeping its P (yieldKeepingP); the MPI thread cannot: locked to its OS
+// thread, it would park the thread at every Gosched, and a raw yield would
+// hold the P that the other goroutines need.
+func (th *mpiThread) pace(quiet time.Time, keepP bool) {
+	switch {
+	case time.Since(quiet) >= th.yieldFor:
 		C.usleep(mpiNapMicros)
+	case keepP:
+		runtime.Gosched()
+		yieldKeepingP()
+	default:
+		C.sched_yield()
 	}
 }
+
+// yieldKeepingP gives the CPU to another runnable thread of the host in a
+// raw system call, which keeps the goroutine's P: a cgo call or an ordinary
+// system call that outlasts a sysmon tick (20 µs) can lose the P to another
+// thread, and the caller then waits for one on its return. Where the job's
+// processes outnumber the CPUs, a yield often lasts that long (a peer runs).
+func yieldKeepingP() { syscall.RawSyscall(syscall.SYS_SCHED_YIELD, 0, 0, 0) }
 
 // progress tests every active transfer and every communicator's notice,
 // completes or fails phases, and reports whether anything completed.
