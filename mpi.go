@@ -434,19 +434,15 @@ func (th *mpiThread) locked(fn func()) {
 }
 
 // Polling: the transfers are tested in a loop that yields the CPU between
-// rounds; after a phase's patience with nothing completed it naps between
-// them, and with nothing to test it blocks, waking every mpiIdlePoll for the
+// rounds; after mpiYieldFor with nothing completed it naps between them,
+// and with nothing to test it blocks, waking every mpiIdlePoll for the
 // peers' abort notices.
 const (
-	mpiNapMicros  = 50                    // a nap in C: Go's timers sleep a millisecond or more for it
+	mpiYieldFor   = 2 * time.Millisecond
+	mpiNapMicros  = 50                    // a nap in a system call: Go's timers sleep a millisecond or more for it
 	mpiIdlePoll   = 10 * time.Millisecond // notices while no collective runs
 	mpiProbeEvery = 100 * time.Millisecond
 	mpiHearEvery  = time.Millisecond // notices while collectives run
-)
-
-const (
-	mpiYieldFor = 20 * time.Millisecond
-	mpiSlowRate = 1 << 30 // bytes per second: a slow link or copy
 )
 
 func (th *mpiThread) loop(ready chan<- error) {
@@ -505,13 +501,12 @@ func (th *mpiThread) loop(ready chan<- error) {
 		}
 		th.mu.Lock()
 		moved := th.progress()
-		wait := th.longestPatience()
 		th.mu.Unlock()
 		if moved {
 			quiet = time.Now()
 			continue
 		}
-		th.pace(quiet, wait, false)
+		th.pace(quiet, false)
 	}
 }
 
@@ -536,35 +531,37 @@ func (th *mpiThread) await(ph *mpiPhase, received func()) (ran bool, err error) 
 			received()
 			ran, quiet = true, time.Now()
 		default:
-			th.pace(quiet, ph.wait, true)
+			th.pace(quiet, true)
 		}
 	}
 }
 
-// pace waits between two rounds of tests: a yield of the CPU until wait
-// after the last completion, then a nap. A waiter on an ordinary
-// goroutine (keepP) lets this P's other goroutines run and then yields the
-// CPU keeping its P (yieldKeepingP); the MPI thread cannot: locked to its OS
-// thread, it would park the thread at every Gosched, and a raw yield would
-// hold the P that the other goroutines need.
-func (th *mpiThread) pace(quiet time.Time, wait time.Duration, keepP bool) {
+// pace waits between two rounds of tests: a yield of the CPU until
+// mpiYieldFor after the last completion, then a nap. A waiter on an ordinary
+// goroutine (keepP) lets this P's other goroutines run first and then yields
+// or naps in a raw system call, which keeps its P: a cgo call or an ordinary
+// system call that outlasts a sysmon tick (20 µs) can lose the P to another
+// thread, and the caller then waits for one on its return, a cost paid at
+// every round where the job's processes outnumber the CPUs (a yield lets a
+// peer run for that long). The MPI thread cannot keep its P: locked to its
+// OS thread, it would park the thread at every Gosched, and would hold the P
+// that the other goroutines need.
+func (th *mpiThread) pace(quiet time.Time, keepP bool) {
+	nap := time.Since(quiet) >= mpiYieldFor
 	switch {
-	case time.Since(quiet) >= wait:
+	case !keepP && nap:
 		C.usleep(mpiNapMicros)
-	case keepP:
-		runtime.Gosched()
-		yieldKeepingP()
-	default:
+	case !keepP:
 		C.sched_yield()
+	case nap:
+		runtime.Gosched()
+		ts := syscall.Timespec{Nsec: mpiNapMicros * 1000}
+		syscall.RawSyscall(syscall.SYS_NANOSLEEP, uintptr(unsafe.Pointer(&ts)), 0, 0)
+	default:
+		runtime.Gosched()
+		syscall.RawSyscall(syscall.SYS_SCHED_YIELD, 0, 0, 0)
 	}
 }
-
-// yieldKeepingP gives the CPU to another runnable thread of the host in a
-// raw system call, which keeps the goroutine's P: a cgo call or an ordinary
-// system call that outlasts a sysmon tick (20 µs) can lose the P to another
-// thread, and the caller then waits for one on its return. Where the job's
-// processes outnumber the CPUs, a yield often lasts that long (a peer runs).
-func yieldKeepingP() { syscall.RawSyscall(syscall.SYS_SCHED_YIELD, 0, 0, 0) }
 
 // progress tests every active transfer and every communicator's notice,
 // completes or fails phases, and reports whether anything completed.
@@ -615,15 +612,6 @@ func (th *mpiThread) progress() bool {
 	clear(th.active[len(kept):])
 	th.active = kept
 	return any
-}
-
-// longestPatience is the longest of the active phases' (under th.mu).
-func (th *mpiThread) longestPatience() time.Duration {
-	wait := mpiYieldFor
-	for _, ph := range th.active {
-		wait = max(wait, ph.wait)
-	}
-	return wait
 }
 
 // pollNotices tests every communicator's notice receive; a peer's notice
@@ -1006,7 +994,6 @@ type mpiPhase struct {
 	bufs   []Tensor // what MPI may touch: kept for ever if abandoned
 	posted time.Time
 	probed time.Time
-	wait   time.Duration // its patience, set when posted
 	done   chan error
 	result error // under th.mu: set once finished
 }
@@ -1073,20 +1060,6 @@ func (ph *mpiPhase) runThen(local, received func(), bufs ...Tensor) error {
 	return err
 }
 
-// patience is how long the waiters of ph yield between completions before
-// they nap: mpiYieldFor, and the time its bytes (sent and received) take at
-// mpiSlowRate. A transfer moves only while its ranks test it (MPI's progress
-// engine copies in the calls), so a nap in the middle of one stalls it:
-// with 500 µs of patience, a 16 MiB all-gather at W = 4 on two CPUs moved
-// 0.7x MPI's own, and 1.1x without naps.
-func (ph *mpiPhase) patience() time.Duration {
-	var bytes int64
-	for _, x := range ph.xfers {
-		bytes += int64(x.bytes)
-	}
-	return mpiYieldFor + time.Duration(bytes)*time.Second/mpiSlowRate
-}
-
 // receivesDone reports whether every receive of ph completed (under th.mu).
 func (ph *mpiPhase) receivesDone() bool {
 	for _, x := range ph.xfers {
@@ -1105,7 +1078,6 @@ func (th *mpiThread) start(ph *mpiPhase) {
 		return
 	}
 	ph.posted, ph.probed = time.Now(), time.Now()
-	ph.wait = ph.patience()
 	if code := C.zm_post(c.handle, &ph.xfers[0], C.int(len(ph.xfers))); code != 0 {
 		th.active = append(th.active, ph) // so that fail sees it, with what was posted
 		c.fail(mpiErr("posting "+ph.what, c.rank, code), true)

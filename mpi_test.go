@@ -1105,14 +1105,6 @@ func TestMPIConfigFromEnv(t *testing.T) {
 			t.Errorf("%v: %v, want ErrConfig", bad, err)
 		}
 	}
-	// the waiters' patience grows with the bytes of a phase, both ways
-	ph := &mpiPhase{}
-	ph.send(1, 0, mpiSlowRate/2)
-	ph.recv(1, 0, mpiSlowRate/4)
-	ph.recv(2, 0, mpiSlowRate/4)
-	if got, want := ph.patience(), mpiYieldFor+time.Second; got != want {
-		t.Errorf("patience of a phase moving %v of bytes: %v, want %v", mpiSlowRate, got, want)
-	}
 	for _, bad := range []MPIConfig{{Timeout: -time.Second}, {Split: true, Color: -2}, {LauncherWorld: -1}} {
 		if _, err := NewMPI(bad); !errors.Is(err, ErrConfig) {
 			t.Errorf("NewMPI(%+v): %v, want ErrConfig", bad, err)
