@@ -30,10 +30,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # How a mutant's tests run, where not plainly: the CUDA build against the
 # fake driver.
 FAKE_CUDA = {"tags": "cuda", "env": {"ZERO_FAKE_CUDA": "1"}}
+# RACE runs a mutant's tests under the race detector: two waiters that poll
+# MPI at once without the lock race on Go state, which a run without the
+# detector sees only when the timing crosses.
+RACE = {"race": True}
 
 # (name, file, old, new, tests[, how]): tests is a -run regular expression,
 # or several separated by ";", each prefixed "cuda:" to run on the fake
-# CUDA driver (see run_tests); how (optional) FAKE_CUDA for every part.
+# CUDA driver (see run_tests); how (optional) FAKE_CUDA or RACE for every part.
 MUTANTS = [
     ("mpi-sum-reversed", "mpi.go",
      "\t\tsum := func() { reduceHost(a.recv, srcs, a.dtype, a.op, 0, chunk) }\n",
@@ -80,7 +84,7 @@ MUTANTS = [
     ("mpi-waiters-poll-unlocked", "mpi.go",
      "\t\tth.mu.Lock()\n\t\tif ph.result == nil && th.progress() {\n\t\t\tquiet = time.Now()\n\t\t}\n\t\tfinished := ph.result != nil\n\t\tearly := !ran && received != nil && !finished && ph.receivesDone()\n\t\tth.mu.Unlock()\n",
      "\t\tif ph.result == nil && th.progress() {\n\t\t\tquiet = time.Now()\n\t\t}\n\t\tfinished := ph.result != nil\n\t\tearly := !ran && received != nil && !finished && ph.receivesDone()\n",
-     "TestMPICollectivesMatchLocalGroup"),
+     "TestMPICollectivesMatchLocalGroup", RACE),
     ("mpi-sum-before-receives", "mpi.go",
      "\t\tif x.recv != 0 && x.state != 2 {\n\t\t\treturn false\n",
      "\t\tif false && x.recv != 0 && x.state != 2 {\n\t\t\treturn false\n",
@@ -1131,8 +1135,9 @@ def run_tests(tree, pattern, pkg="", how=None):
     """Runs the tests of pattern in the package in folder pkg (the root by
     default): -run regular expressions separated by ";", each prefixed
     "cuda:" to run with -tags cuda against the fake CUDA driver
-    (ZERO_FAKE_CUDA=1), as every part does with how FAKE_CUDA. The mutant
-    is caught if any run fails."""
+    (ZERO_FAKE_CUDA=1), as every part does with how FAKE_CUDA; how RACE
+    runs them under the race detector. The mutant is caught if any run
+    fails."""
     rc, out = 0, ""
     for part in (pattern.split(";") if pattern else [None]):
         cmd = ["go", "test", "-count=1", "-timeout", "300s"]
@@ -1144,6 +1149,8 @@ def run_tests(tree, pattern, pkg="", how=None):
             cmd += ["-tags", "cuda"]
             env.update(FAKE_CUDA["env"])
             env["CGO_CFLAGS"] = env.get("CGO_CFLAGS", "-O2 -g") + " -Wno-deprecated-declarations"
+        if how and how.get("race"):
+            cmd.append("-race")
         if part:
             cmd += ["-run", part]
         cmd.append(".")
