@@ -533,24 +533,25 @@ func (th *mpiThread) await(ph *mpiPhase) error {
 // goroutine (keepP) lets this P's other goroutines run first and then yields
 // or naps in a raw system call, which keeps its P: a cgo call or an ordinary
 // system call that outlasts a sysmon tick (20 µs) can lose the P to another
-// thread, and the caller then waits for one on its return, a cost paid at
-// every round where the job's processes outnumber the CPUs (a yield lets a
-// peer run for that long). The MPI thread cannot keep its P: locked to its
-// OS thread, it would park the thread at every Gosched, and would hold the P
-// that the other goroutines need.
+// thread, and the caller then waits for one on its return, as it did at most
+// yields where the job's processes outnumber the CPUs (a peer runs meanwhile).
+// The MPI thread cannot keep its P: locked to its OS thread, it would park
+// the thread at every Gosched, and would hold the P the other goroutines need.
 func (th *mpiThread) pace(quiet time.Time, keepP bool) {
 	nap := time.Since(quiet) >= mpiYieldFor
-	switch {
-	case !keepP && nap:
-		C.usleep(mpiNapMicros)
-	case !keepP:
-		C.sched_yield()
-	case nap:
-		runtime.Gosched()
+	if !keepP {
+		if nap {
+			C.usleep(mpiNapMicros)
+		} else {
+			C.sched_yield()
+		}
+		return
+	}
+	runtime.Gosched()
+	if nap {
 		ts := syscall.Timespec{Nsec: mpiNapMicros * 1000}
 		syscall.RawSyscall(syscall.SYS_NANOSLEEP, uintptr(unsafe.Pointer(&ts)), 0, 0)
-	default:
-		runtime.Gosched()
+	} else {
 		syscall.RawSyscall(syscall.SYS_SCHED_YIELD, 0, 0, 0)
 	}
 }
