@@ -2043,6 +2043,95 @@ func TestCheckpointStaleLock(t *testing.T) {
 	os.Remove(filepath.Join(dir, ckptLockName))
 }
 
+// pausingFS is the operating system's file layer whose new files (a
+// save's lock) stop in Write or in Close, as pauseIn says, until resume
+// is closed; paused is closed when one stops.
+type pausingFS struct {
+	osFS
+	pauseIn        string // "write" or "close"
+	paused, resume chan struct{}
+}
+
+type pausingFile struct {
+	ckptFile
+	fs *pausingFS
+}
+
+func (p *pausingFS) CreateNew(name string) (ckptFile, error) {
+	f, err := p.osFS.CreateNew(name)
+	if err != nil {
+		return nil, err
+	}
+	return pausingFile{f, p}, nil
+}
+
+func (f pausingFile) pause(in string) {
+	if f.fs.pauseIn == in {
+		close(f.fs.paused)
+		<-f.fs.resume
+	}
+}
+
+func (f pausingFile) Write(b []byte) (int, error) { f.pause("write"); return f.ckptFile.Write(b) }
+func (f pausingFile) Close() error                { f.pause("close"); return f.ckptFile.Close() }
+
+// TestCheckpointLockBeingWritten: a lock another save of this process is
+// still writing (the file there, empty, or written and not yet closed)
+// is that save's, held, not a dead save's to break; an unreadable lock
+// that stays so for a lease is a dead writer's, and broken.
+func TestCheckpointLockBeingWritten(t *testing.T) {
+	for _, in := range []string{"write", "close"} {
+		dir := t.TempDir()
+		pfs := &pausingFS{pauseIn: in, paused: make(chan struct{}), resume: make(chan struct{})}
+		first, second := formatSaveID(1), formatSaveID(2)
+		var taken *saveLock
+		var takeErr error
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			taken, takeErr = acquireSaveLock(pfs, dir, first)
+		}()
+		<-pfs.paused
+		refused := make(chan error, 1)
+		go func() {
+			l, err := acquireSaveLock(osFS{}, dir, second)
+			if err == nil {
+				l.release()
+			}
+			refused <- err
+		}()
+		time.Sleep(20 * time.Millisecond) // the second save reads the lock meanwhile
+		close(pfs.resume)
+		<-done
+		if takeErr != nil {
+			t.Fatalf("paused in %s: the first save: %v", in, takeErr)
+		}
+		if err := <-refused; !errors.Is(err, errLockHeld) {
+			t.Errorf("paused in %s: the second save while the first wrote its lock: %v, want it refused as held", in, err)
+		}
+		if err := checkSaveLock(osFS{}, dir, first); err != nil {
+			t.Errorf("paused in %s: the first save's lock after the second tried: %v", in, err)
+		}
+		if err := taken.release(); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	defer func(beat, lease time.Duration) { ckptLockBeat, ckptLockLease = beat, lease }(ckptLockBeat, ckptLockLease)
+	ckptLockBeat, ckptLockLease = 20*time.Millisecond, 200*time.Millisecond
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, ckptLockName), []byte(`{"save":"00`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	l, err := acquireSaveLock(osFS{}, dir, formatSaveID(3))
+	if err != nil {
+		t.Fatalf("a lock its writer died writing: %v, want it broken after the lease", err)
+	}
+	if err := l.release(); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // refusedSave saves engines of c into dir once, on two ranks, and returns
 // each rank's error; a rank whose engine a refused save changed, or lost,
 // gets an error that says so instead.

@@ -28,7 +28,8 @@ import (
 // later has another start time); from another host, a heartbeat the
 // holder rewrites every ckptLockBeat, which a dead holder stops. A lock
 // whose holder is gone is stale, and the next save breaks it: a resume
-// after SIGKILL keeps working.
+// after SIGKILL keeps working. A lock still being written (no content
+// yet) is stale only once it has stayed so for a lease.
 
 const ckptLockName = ".zero-save.lock"
 
@@ -118,6 +119,17 @@ func acquireSaveLock(fsys ckptFS, dir, id string) (*saveLock, error) {
 	if err != nil {
 		return nil, err
 	}
+	// live before its file exists: a save of this process that finds the
+	// file must not take it for a dead one's while it is being written
+	heldHere.Lock()
+	heldHere.ids[id] = true
+	heldHere.Unlock()
+	refuse := func(err error) (*saveLock, error) {
+		heldHere.Lock()
+		delete(heldHere.ids, id)
+		heldHere.Unlock()
+		return nil, err
+	}
 	for try := 0; ; try++ {
 		f, err := fsys.CreateNew(l.name)
 		if err == nil {
@@ -127,44 +139,49 @@ func acquireSaveLock(fsys ckptFS, dir, id string) (*saveLock, error) {
 			}
 			if err != nil {
 				fsys.RemoveAll(l.name)
-				return nil, fmt.Errorf("%w: writing the lock %s: %w", ErrCheckpoint, l.name, err)
+				return refuse(fmt.Errorf("%w: writing the lock %s: %w", ErrCheckpoint, l.name, err))
 			}
 			break
 		}
 		if !errors.Is(err, fs.ErrExist) {
-			return nil, fmt.Errorf("%w: taking the lock %s: %w", ErrCheckpoint, l.name, err)
+			return refuse(fmt.Errorf("%w: taking the lock %s: %w", ErrCheckpoint, l.name, err))
 		}
 		if try == 3 {
-			return nil, errorf(ErrCheckpoint, "%s: could not take the lock %s after breaking it 3 times: another save keeps taking it; save into another directory", dir, l.name)
+			return refuse(errorf(ErrCheckpoint, "%s: could not take the lock %s after breaking it 3 times: another save keeps taking it; save into another directory", dir, l.name))
 		}
 		old, err := fsys.ReadFile(l.name)
 		if errors.Is(err, fs.ErrNotExist) {
 			continue // given back meanwhile
 		}
 		if err != nil {
-			return nil, fmt.Errorf("%w: reading the lock %s: %w", ErrCheckpoint, l.name, err)
+			return refuse(fmt.Errorf("%w: reading the lock %s: %w", ErrCheckpoint, l.name, err))
 		}
-		if err := staleLock(fsys, l.name, old); err != nil {
-			return nil, err
+		old, err = staleLock(fsys, l.name, old)
+		if err != nil {
+			return refuse(err)
 		}
 		if err := breakLock(fsys, l.name, old); err != nil {
-			return nil, err
+			return refuse(err)
 		}
 	}
-	heldHere.Lock()
-	heldHere.ids[id] = true
-	heldHere.Unlock()
 	l.beats.Add(1)
 	go l.heartbeat()
 	return l, nil
 }
 
-// staleLock returns nil where the lock whose content is old was left by a
-// save that is gone, and otherwise an error that names its holder.
-func staleLock(fsys ckptFS, name string, old []byte) error {
+// staleLock returns the content of the lock name, found with content old,
+// once it is judged left by a save that is gone (what breakLock may
+// remove), or an error that names its live holder.
+func staleLock(fsys ckptFS, name string, old []byte) ([]byte, error) {
 	var d saveLockData
 	if json.Unmarshal(old, &d) != nil || d.Save == "" {
-		return nil // not a lock any save wrote in full: its writer died writing it
+		// being written, or its writer died writing it: the writer writes
+		// it in one go, so one that stays so for a lease is a dead one's
+		now, err := awaitLockChange(fsys, name, old)
+		if err != nil || now == nil {
+			return old, err
+		}
+		return staleLock(fsys, name, now)
 	}
 	held := func(how string) error {
 		return fmt.Errorf("%w: %w: %s is held by save %s of process %d on %s (%s); another job is saving into this directory: give each job a directory of its own, or remove the lock if no such job runs",
@@ -177,32 +194,47 @@ func staleLock(fsys ckptFS, name string, old []byte) error {
 			live := heldHere.ids[d.Save]
 			heldHere.Unlock()
 			if live {
-				return held("a save of this process")
+				return nil, held("a save of this process")
 			}
-			return nil // a save of this process that died
+			return old, nil // a save of this process that died
 		}
 		if d.Start != 0 && processStart(d.PID) == d.Start || d.Start == 0 && processAlive(d.PID) {
-			return held("its process is running")
+			return nil, held("its process is running")
 		}
-		return nil
+		return old, nil
 	}
 	// another host (or this one before a reboot, whose processes are
 	// gone): the holder lives if its heartbeat moves within a lease
+	now, err := awaitLockChange(fsys, name, old)
+	if err != nil {
+		return nil, err
+	}
+	if now != nil {
+		return nil, held("its heartbeat moves")
+	}
+	return old, nil
+}
+
+// awaitLockChange reads the lock name until its content is no longer old
+// and returns the new content, or nil where it stayed old for a lease or
+// was given back. It reads soon at first (a lock being written), then
+// every half beat.
+func awaitLockChange(fsys ckptFS, name string, old []byte) ([]byte, error) {
 	deadline := time.Now().Add(ckptLockLease)
-	for time.Now().Before(deadline) {
-		time.Sleep(min(ckptLockBeat/2, time.Until(deadline)))
+	for wait := time.Millisecond; time.Now().Before(deadline); wait = min(2*wait, ckptLockBeat/2) {
+		time.Sleep(min(wait, time.Until(deadline)))
 		now, err := fsys.ReadFile(name)
 		if errors.Is(err, fs.ErrNotExist) {
-			return nil // given back: take it
+			return nil, nil // given back: take it
 		}
 		if err != nil {
-			return fmt.Errorf("%w: reading the lock %s: %w", ErrCheckpoint, name, err)
+			return nil, fmt.Errorf("%w: reading the lock %s: %w", ErrCheckpoint, name, err)
 		}
 		if !bytes.Equal(now, old) {
-			return held("its heartbeat moves")
+			return now, nil
 		}
 	}
-	return nil
+	return nil, nil
 }
 
 // breakLock removes the stale lock whose content is old: moved aside under
