@@ -863,7 +863,7 @@ func describeTag(tag int) string {
 // abort fails the communicator, here and, by a notice, on every peer.
 func (c *mpiComm) abort(reason error) {
 	c.th.do(func() error {
-		c.fail(fmt.Errorf("%w: %w", ErrPeerFailed, reason), true)
+		c.fail(fmt.Errorf("%w: %w", ErrAborted, reason), true) // this rank's own; its peers hear ErrPeerFailed
 		return nil
 	})
 }

@@ -1196,8 +1196,9 @@ func recoversNil(t *testing.T) {
 // is refused; its collectives give the in-process group's bits; Go's signal
 // handlers are Go's after MPI's load and init (a nil dereference is a panic
 // to recover from, a SIGUSR1 that MPI wanted leaves the process alive); a
-// stream of another device is refused; after Close a collective is
-// ErrClosed; after MPIFinalize, NewMPI is refused.
+// stream of another device is refused; after AbortComm a collective is
+// ErrAborted; after Close it is ErrClosed; after MPIFinalize, NewMPI is
+// refused.
 func TestMPIOneProcessChild(t *testing.T) {
 	library := os.Getenv("ZERO_MPI_ONE_PROCESS")
 	if library == "" {
@@ -1237,6 +1238,19 @@ func TestMPIOneProcessChild(t *testing.T) {
 	if n := comm.Counters().Total().Calls; n != int64(len(cases)) {
 		t.Errorf("%d collectives counted, want %d", n, len(cases))
 	}
+	// an abort: this rank's own calls fail with ErrAborted, as on the
+	// other communicators (its peers' with ErrPeerFailed)
+	aborted, err := NewMPI(MPIConfig{Library: library})
+	if err != nil {
+		t.Fatal(err)
+	}
+	AbortComm(aborted, errors.New("the caller's reason"))
+	hs := NewHostStream()
+	if err := aborted.AllReduce(hs, Float32s(make([]float32, 4)), OpSum); !errors.Is(err, ErrAborted) || errors.Is(err, ErrPeerFailed) || !strings.Contains(err.Error(), "the caller's reason") {
+		t.Errorf("a collective after AbortComm: %v, want ErrAborted with the reason, not ErrPeerFailed", err)
+	}
+	hs.Close()
+	aborted.Close()
 	recoversNil(t)
 	syscall.Kill(os.Getpid(), syscall.SIGUSR1) // the process lives on
 	time.Sleep(50 * time.Millisecond)

@@ -53,8 +53,8 @@ type aborter interface {
 
 // AbortComm aborts comm from any goroutine: every blocked and later
 // collective of every rank of its group fails promptly, with an error
-// wrapping ErrPeerFailed and reason, instead of waiting for the group's
-// timeout. The in-process groups and NCCL (whose peers hear it through the
+// wrapping reason, instead of waiting for the group's timeout: ErrAborted
+// on this rank, ErrPeerFailed on the others. The in-process groups and NCCL (whose peers hear it through the
 // bootstrap's connections) support it; a Comm of the caller's own is
 // aborted through its Abort(error) method if it has one, and otherwise
 // AbortComm does nothing. Engine.Abort calls it.
