@@ -2100,7 +2100,7 @@ func TestCheckpointLockBeingWritten(t *testing.T) {
 			}
 			refused <- err
 		}()
-		time.Sleep(20 * time.Millisecond) // the second save reads the lock meanwhile
+		time.Sleep(20 * time.Millisecond) // for the second save to read the lock mid-write (had it not, it finds it finished: held all the same)
 		close(pfs.resume)
 		<-done
 		if takeErr != nil {

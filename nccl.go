@@ -46,7 +46,7 @@ func (l *abortLatch) abortErr() error {
 
 // aborter is a communicator that can be aborted from any goroutine: its
 // blocked and later collectives, and its peers', fail promptly. The in-process
-// groups and NCCL are.
+// groups, NCCL and MPI are.
 type aborter interface {
 	abort(reason error)
 }
@@ -54,10 +54,11 @@ type aborter interface {
 // AbortComm aborts comm from any goroutine: every blocked and later
 // collective of every rank of its group fails promptly, with an error
 // wrapping reason, instead of waiting for the group's timeout: ErrAborted
-// on this rank, ErrPeerFailed on the others. The in-process groups and NCCL (whose peers hear it through the
-// bootstrap's connections) support it; a Comm of the caller's own is
-// aborted through its Abort(error) method if it has one, and otherwise
-// AbortComm does nothing. Engine.Abort calls it.
+// on this rank, ErrPeerFailed on the others. The in-process groups, NCCL
+// (whose peers hear it through the bootstrap's connections) and MPI
+// support it; a Comm of the caller's own is aborted through its
+// Abort(error) method if it has one, and otherwise AbortComm does nothing.
+// Engine.Abort calls it.
 func AbortComm(comm Comm, reason error) {
 	switch c := comm.(type) {
 	case aborter:
